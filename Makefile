@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (nothing installed, no venv needed):
+#   make demo   — build/reuse .venv, install, run the main job offline on embedded defaults
+#   make test   — build/reuse .venv, install, run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export TORCHAO_FORCE_SKIP_LOADING_SO_FILES ?= 1
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: demo test venv bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	# torch first, pinned to the version this machine has as a local CPU wheel; the project's range admits it.
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.5,<3"
+	$(PY) -m pip install -q -e ".[test]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m distperp_harness demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_scoring.py
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,10 @@
+"""distperp: an lm-evaluation-harness backend (``--model distperp``) for exact distributed log-likelihoods.
+
+Importing this package is cheap: it imports neither torch nor lm-eval. The model class lives in
+:mod:`distperp_harness.lm` and is registered lazily with lm-eval by :mod:`distperp_harness._hook`.
+"""
+
+__version__ = "0.1.0"
+
+MODEL_NAME = "distperp"
+MODEL_TARGET = "distperp_harness.lm:DistPerpLM"

@@ -1,0 +1,201 @@
+"""Every ``--model_args`` key of ``--model distperp``: its type, default and validation, in one frozen dataclass.
+
+``Options.from_kwargs`` is the only way user input becomes options. It casts what lm-eval's argument parser
+leaves as strings, rejects unknown keys and bad values with a ``ValueError`` that names the value given, what is
+allowed and how to fix it, and is recorded verbatim in the results (``Options.to_dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+QUANT_SCHEMES = ("none", "int4", "int8", "8da4w")
+GROUP_SIZES = (32, 64, 128, 256)
+# The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
+# falls back to the CPU (with a log line). Any other CUDA device asked for on such a machine is an error.
+CLI_DEFAULT_DEVICE = "cuda:0"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated configuration of one distperp model instance.
+
+    Attributes mirror the ``--model_args`` keys one to one; see the README's reference table.
+    """
+
+    pretrained: str
+    revision: str = "main"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    device_from_cli: bool = field(default=False, repr=False)
+    max_length: int | None = None
+    add_bos_token: bool | None = None
+    prefix_token_id: int | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    batch_size: int | str = 1
+    max_batch_size: int = 64
+    # distributed (issue 3)
+    timeout: float = 1800.0
+    # quantization (issue 4)
+    quantize: str = "none"
+    group_size: int = 128
+    quantize_lm_head: bool = False
+    # perplexity (issue 5)
+    stride: int | None = None
+    reference: str | None = None
+    # reliability (issue 7)
+    resume_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
+                 "a Hugging Face hub id or a local model folder", "pass pretrained=<hub id or path>")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}", "e.g. dtype=bfloat16")
+        if self.max_length is not None:
+            _require(self.max_length > 1, "max_length", self.max_length, "an integer > 1",
+                     "leave it unset to use the model's context length")
+        if self.prefix_token_id is not None:
+            _require(self.prefix_token_id >= 0, "prefix_token_id", self.prefix_token_id, "a token id >= 0", "")
+        bs = self.batch_size
+        if isinstance(bs, int):
+            _require(bs >= 1, "batch_size", bs, "an integer >= 1, 'auto' or 'auto:N'", "e.g. batch_size=8")
+        _require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "an integer >= 1", "")
+        _require(self.timeout > 0, "timeout", self.timeout, "a number of seconds > 0", "e.g. timeout=600")
+        _require(self.quantize in QUANT_SCHEMES, "quantize", self.quantize,
+                 f"one of {', '.join(QUANT_SCHEMES)}", "e.g. quantize=int4,group_size=128")
+        _require(self.group_size in GROUP_SIZES, "group_size", self.group_size,
+                 f"one of {', '.join(map(str, GROUP_SIZES))}", "e.g. group_size=128")
+        if self.stride is not None:
+            _require(self.stride > 0, "stride", self.stride, "an integer with 0 < stride <= max_length",
+                     "e.g. stride=512 for windows that overlap by max_length - 512 tokens")
+            if self.max_length is not None:
+                _require(self.stride <= self.max_length, "stride", self.stride,
+                         f"an integer with 0 < stride <= max_length ({self.max_length})",
+                         "lower stride or raise max_length")
+        if self.reference is not None:
+            _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
+                     "'base' (the same checkpoint, unquantized) or a model path / hub id", "")
+
+    @property
+    def auto_batch(self) -> bool:
+        return isinstance(self.batch_size, str)
+
+    @property
+    def auto_batch_schedule(self) -> int:
+        """N of ``batch_size=auto:N`` (1 for plain ``auto``)."""
+        if not isinstance(self.batch_size, str):
+            return 0
+        return int(self.batch_size.split(":")[1]) if ":" in self.batch_size else 1
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "Options":
+        """Build options from lm-eval's keyword arguments (model_args plus the CLI's batch_size/device)."""
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "device_from_cli"}
+        unknown = sorted(k for k in kwargs if k not in known and k != "device_from_cli")
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, known, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(
+                f"Unknown --model_args key(s) for --model distperp: {', '.join(hints)}. "
+                f"Allowed keys: {', '.join(sorted(known))}."
+            )
+        if "pretrained" not in kwargs or kwargs["pretrained"] in (None, ""):
+            raise ValueError("--model distperp needs pretrained=<hub id or local model folder>, "
+                             "e.g. --model_args pretrained=EleutherAI/pythia-160m")
+        values: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key == "device_from_cli":
+                values[key] = bool(value)
+                continue
+            values[key] = _cast(key, value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view, recorded in the results."""
+        out = dataclasses.asdict(self)
+        out.pop("device_from_cli")
+        return out
+
+
+_INT_KEYS = {"max_length", "prefix_token_id", "max_batch_size", "group_size", "stride"}
+_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head"}
+_FLOAT_KEYS = {"timeout"}
+_STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir"}
+
+
+def _cast(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if key in _INT_KEYS:
+        return _as_int(key, value)
+    if key in _BOOL_KEYS:
+        return _as_bool(key, value)
+    if key in _FLOAT_KEYS:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}={value!r} is not a number; give seconds, e.g. {key}=600") from None
+    if key == "dtype":
+        text = str(value).strip().lower().removeprefix("torch.")
+        return _DTYPE_ALIASES.get(text, text)
+    if key == "quantize":
+        text = str(value).strip().lower()
+        return {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}.get(text, text)
+    if key == "batch_size":
+        return _as_batch_size(value)
+    if key in _STR_KEYS:
+        return str(value)
+    return value
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is not an integer; e.g. {key}=128")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not an integer; e.g. {key}=128") from None
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key}={value!r} is not a boolean; use {key}=true or {key}=false")
+
+
+def _as_batch_size(value: Any) -> int | str:
+    """Accept 8, "8", "auto" and "auto:N" (the strings lm-eval's CLI passes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text.isdigit():
+        return int(text)
+    if text == "auto":
+        return "auto"
+    if text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 1:
+        return f"auto:{int(text[5:])}"
+    raise ValueError(f"batch_size={value!r} is not valid; allowed: an integer >= 1, 'auto' or 'auto:N' "
+                     "(N >= 1), e.g. --batch_size 8 or --batch_size auto")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str, fix: str) -> None:
+    if not ok:
+        message = f"{key}={value!r} is not valid for --model distperp; allowed: {allowed}."
+        if fix:
+            message += f" Fix: {fix}."
+        raise ValueError(message)
