@@ -1,0 +1,271 @@
+"""``DistPerpLM``: the lm-eval face of distperp. It wires stages and holds no math.
+
+options → load (device, tokenizer, model) → quantize → per call: requests → units → global plan → score →
+gather → results. Each stage lives in its own module; this class only connects them to lm-eval's contract
+(``loglikelihood``, ``loglikelihood_rolling``, ``generate_until`` and the attributes the evaluator reads).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from accelerate.logging import get_logger
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+
+from distperp_harness import __version__
+from distperp_harness.collective import Collective
+from distperp_harness.generate import generate
+from distperp_harness.loading import load_model, load_tokenizer, model_max_length, resolve_device, torch_dtype
+from distperp_harness.options import Options
+from distperp_harness.pipeline import Batching, RunStats, score_requests
+from distperp_harness.progress import token_progress
+from distperp_harness.requests import continuation_unit, window_units
+from distperp_harness.results import Score
+from distperp_harness.runtime import attention_coefficient, batching_for, peak_memory_bytes
+from distperp_harness.scoring import NonFiniteLogitsError, score_batch
+
+log = get_logger(__name__)
+
+
+class DistPerpLM(TemplateLM):
+    """lm-eval model ``distperp``: exact, world-size-independent log-likelihoods for Hugging Face causal LMs.
+
+    Results of ``loglikelihood`` / ``loglikelihood_rolling`` are float64 sums (returned as
+    :class:`~distperp_harness.results.Score`, a float carrying token counts) and are bit-identical for any
+    number of processes and nodes.
+    """
+
+    backend = "causal"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        t0 = time.perf_counter()
+        self.options = Options.from_kwargs(**kwargs)
+        self.collective = Collective(self.options.timeout)
+        self._rank, self._world_size = self.collective.rank, self.collective.world_size
+        self._device = resolve_device(self.options, self.collective.local_rank)
+        self.tokenizer = load_tokenizer(self.options)
+        self.quant_report = None
+        dtype = torch_dtype(self.options.dtype)
+        if self.options.quantize != "none":
+            from distperp_harness.quantize import resolve_model_dtype
+
+            dtype, note = resolve_model_dtype(self.options.quantize, self.options.dtype, self._device)
+            log.info(note, main_process_only=True)
+        self._model = load_model(self.options, self._device, dtype)
+        self.reference = self._load_reference(dtype)
+        if self.options.quantize != "none":
+            from distperp_harness.quantize import quantize_model
+
+            self.quant_report = quantize_model(self._model, self.options.quantize,
+                                               group_size=self.options.group_size,
+                                               include_lm_head=self.options.quantize_lm_head)
+            log.info(self.quant_report.summary(), main_process_only=True)
+        self._max_length = model_max_length(self.options, self._model, self.tokenizer)
+        if self.options.stride is not None and self.options.stride > self._max_length:
+            raise ValueError(f"stride={self.options.stride} is not valid: need 0 < stride <= max_length "
+                             f"({self._max_length}). Fix: lower stride or set max_length.")
+        # batch_size=auto measures free memory; every rank uses rank 0's rule so the plan is one plan.
+        self.batching: Batching = self.collective.all_gather_object(
+            batching_for(self.options, self._model, self._device, self._max_length), "agree on batching")[0]
+        self.stats = RunStats()
+        self.load_seconds = time.perf_counter() - t0
+
+    # ----------------------------------------------------------------------------------------- loading
+    def _load_reference(self, dtype):
+        ref = self.options.reference
+        if ref is None:
+            return None
+        if ref == "base":
+            if self.options.quantize == "none":
+                raise ValueError("reference=base compares against the unquantized checkpoint, but quantize=none. "
+                                 "Fix: add quantize=int4 (or int8, 8da4w), or give reference=<other model path>.")
+            return load_model(self.options, self._device, dtype)
+        return load_model(self.options, self._device, dtype, source=ref)
+
+    # ------------------------------------------------------------------------- lm-eval request methods
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[Score, bool]]:
+        """``requests``: ``((context, continuation), context_tokens, continuation_tokens)`` from TemplateLM.
+
+        Returns ``(log-likelihood, is_greedy)`` per request, in order.
+        """
+        # An empty continuation (possible after tokenization) has probability 1: log-likelihood 0, greedy. A
+        # context that tokenizes to nothing (e.g. only spaces, moved to the continuation) is the prefix token.
+        units = [[continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
+                 for _, ctx, cont in requests]
+        results = self._score(units, "loglikelihood", disable_tqdm)
+        out = []
+        for (request_str, _, _), r in zip(requests, results):
+            answer = (self._as_score(r), r.is_greedy)
+            if request_str is not None:
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+            out.append(answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[Score]:
+        """Log-likelihood of each whole text (``Instance.args == (text,)``), conditioned on the prefix token."""
+        units = [window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
+                 for (text,) in (req.args for req in requests)]
+        results = self._score(units, "loglikelihood_rolling", disable_tqdm)
+        out = []
+        for req, r in zip(requests, results):
+            score = self._as_score(r)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, score)
+            out.append(score)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
+        outputs = generate(self, [req.args for req in requests], disable_tqdm=disable_tqdm)
+        for req, text in zip(requests, outputs):
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return outputs
+
+    def _score(self, per_request_units, kind: str, disable_tqdm: bool):
+        def score_fn(units):
+            return score_batch(self._model, units, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
+                               reference=self.reference)
+        try:
+            results = score_requests(
+                per_request_units, collective=self.collective, score_fn=score_fn, batching=self.batching,
+                attention_coef=attention_coefficient(self._model), with_reference=self.reference is not None,
+                stats=self.stats, kind=kind,
+                progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
+        except NonFiniteLogitsError as exc:
+            raise ValueError(f"the model produced NaN/inf logits while scoring {kind} requests ({exc}); "
+                             "results would be meaningless. Try dtype=float32 or check the checkpoint.") from exc
+        self.stats.calls[-1]["peak_memory_bytes_per_rank"] = self.collective.all_gather_object(
+            peak_memory_bytes(self._device), "gather peak memory")
+        return results
+
+    @staticmethod
+    def _as_score(r) -> Score:
+        return Score(r.loglikelihood, r.n_tokens, r.ref_loglikelihood, r.kl, r.top1_agree)
+
+    # ----------------------------------------------------------------------------------- tokenization
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        """Token ids of ``string``, with lm-eval ``hf``'s rules for special tokens (parity)."""
+        special = _add_special_kwargs(add_special_tokens, self.options.add_bos_token)
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        encoding = self.tokenizer.encode(string, **special)
+        return encoding[-left_truncate_len:] if left_truncate_len else encoding
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.options.prefix_token_id is not None:
+            return self.options.prefix_token_id
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        if self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        raise ValueError("the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
+                         "first token on. Fix: pass prefix_token_id=<id> in --model_args.")
+
+    # ------------------------------------------------------------------ what the evaluator and loggers read
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return 256
+
+    @property
+    def batch_size(self) -> int | str:
+        return self.options.batch_size
+
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        return {0: self.batching.batch_size} if self.batching.batch_size else {}
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.collective.all_gather_tensor(tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim()
+                                                           else tensor.reshape(1), "lm-eval all_gather")
+                         ).to(tensor.device)
+
+    def gather_object(self, obj, dst: int = 0):
+        gathered = self.collective.all_gather_object(obj, "lm-eval gather_object")
+        return gathered if self.rank == dst else None
+
+    def barrier(self) -> None:
+        self.collective.barrier("lm-eval barrier")
+
+    def set_cache_hook(self, cache_hook) -> None:
+        if self.world_size > 1 and getattr(cache_hook, "dbdict", None) is not None:
+            raise ValueError(
+                f"--use_cache with {self.world_size} processes is not supported by --model distperp: each rank "
+                "would skip the requests it finds in its own cache, and the ranks would no longer score the same "
+                "global plan together. Fix: run without --use_cache (results are exact and reproducible), or "
+                "with one process.")
+        super().set_cache_hook(cache_hook)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
+
+    def get_model_info(self) -> dict:
+        """Model and run metadata merged into the results JSON's ``config``."""
+        info = {
+            "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
+            "model_dtype": str(next(self._model.parameters()).dtype),
+            "model_revision": self.options.revision,
+            "distperp": {
+                "version": __version__,
+                "options": self.options.to_dict(),
+                "device": str(self._device),
+                "world_size": self.world_size,
+                "num_nodes": self.collective.num_nodes,
+                "max_length": self.max_length,
+                "batching": {"batch_size": self.batching.batch_size, "token_budget": self.batching.token_budget,
+                             "max_batch_size": self.batching.max_batch_size},
+                "load_seconds": self.load_seconds,
+                "calls": self.stats.calls,
+                "fingerprint": self.stats.fingerprint,
+                "quantization": self.quant_report.to_dict() if self.quant_report else None,
+            },
+        }
+        return info
+
+    # lm-eval passes the CLI's batch_size/max_batch_size/device as extra keyword arguments; a value the user gave
+    # in --model_args wins, and the CLI's device default is marked so a missing GPU can fall back to the CPU.
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        if "device" in extra:
+            extra["device_from_cli"] = True
+        return cls(**arg_dict, **extra)
+
+
+logging.getLogger("distperp_harness").addHandler(logging.NullHandler())

@@ -1,0 +1,112 @@
+"""Builders: device, tokenizer and model from :class:`~distperp_harness.options.Options`.
+
+Plain functions (torchtune's builder style). The model is any Hugging Face causal LM, from a hub id or a local
+folder; hub loading is the real code path users run (it needs network access, which tests do not have).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from distperp_harness.options import CLI_DEFAULT_DEVICE, Options
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(options: Options, local_rank: int) -> torch.device:
+    """The device this process computes on.
+
+    Unset: ``cuda:<local rank>`` when CUDA is available, else the CPU. ``cuda``/``cuda:N`` under a multi-process
+    launch uses the local rank's GPU. On a machine without CUDA, lm-eval's CLI default ``cuda:0`` falls back to
+    the CPU (logged); any CUDA device the user asked for explicitly is an error.
+    """
+    requested = (options.device or "").strip().lower()
+    has_cuda = torch.cuda.is_available()
+    if requested in ("", "auto"):
+        return torch.device(f"cuda:{local_rank}") if has_cuda else torch.device("cpu")
+    if requested.startswith("cuda"):
+        if not has_cuda:
+            if options.device_from_cli and requested == CLI_DEFAULT_DEVICE:
+                log.info("device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU")
+                return torch.device("cpu")
+            raise ValueError(f"device={options.device!r} was asked for, but this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False). Fix: device=cpu, or run on a GPU machine.")
+        count = torch.cuda.device_count()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or requested == "cuda":
+            return torch.device(f"cuda:{local_rank % count}")
+        index = int(requested.split(":")[1]) if ":" in requested else 0
+        if index >= count:
+            raise ValueError(f"device={options.device!r}: this machine has {count} CUDA device(s)")
+        return torch.device(f"cuda:{index}")
+    if requested == "cpu":
+        return torch.device("cpu")
+    try:
+        return torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
+
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """``"auto"`` (the checkpoint's dtype) or a torch dtype."""
+    return "auto" if name == "auto" else _DTYPES[name]
+
+
+def _check_source(name: str, what: str) -> None:
+    """Fail early and clearly on a path that looks local but does not exist."""
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if os.path.isdir(os.path.expanduser(name)):
+        return
+    if looks_local or os.path.exists(name):
+        raise ValueError(f"{what}={name!r}: no such model folder (expected a directory with config.json); "
+                         "give an existing local folder or a Hugging Face hub id like 'org/name'")
+
+
+def load_tokenizer(options: Options):
+    """The tokenizer of ``options.tokenizer`` or ``options.pretrained``, with a pad token."""
+    import transformers
+
+    source = options.tokenizer or options.pretrained
+    _check_source(source, "tokenizer" if options.tokenizer else "pretrained")
+    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code}
+    if options.add_bos_token is not None:
+        kwargs["add_bos_token"] = options.add_bos_token
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.expanduser(source), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from {source!r}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def load_model(options: Options, device: torch.device, dtype: torch.dtype | str, source: str | None = None):
+    """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode."""
+    import transformers
+
+    source = source or options.pretrained
+    _check_source(source, "pretrained")
+    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code, "dtype": dtype}
+    if options.attn_implementation:
+        kwargs["attn_implementation"] = options.attn_implementation
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.expanduser(source), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a causal LM from {source!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def model_max_length(options: Options, model, tokenizer) -> int:
+    """``options.max_length`` or the model's context length, resolved as lm-eval's ``hf`` model does."""
+    if options.max_length:
+        return options.max_length
+    from lm_eval.models.utils import DEFAULT_MAX_LENGTH, resolve_max_length
+
+    return resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)

@@ -1,0 +1,171 @@
+"""One scoring call across all processes: exchange units → global plan → score own batches → gather → results.
+
+Every rank passes the units of the requests lm-eval gave it (its round-robin share plus padding copies).
+The units of all ranks are exchanged as int64 tensors, deduplicated into one canonical :class:`UnitTable`,
+packed into world-size-independent batches and assigned to ranks by cost. Each rank scores its batches;
+per-unit float64 statistics (and per-token KL values) are all-gathered, so every rank holds the whole
+table and rebuilds the results of its own requests in a fixed order: the same bits on 1 process or N.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from distperp_harness.collective import Collective
+from distperp_harness.plan import Batch, assign_batches, balance_report, make_batches
+from distperp_harness.requests import Unit, UnitTable, pack_units, unpack_units
+from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
+
+
+@dataclass(frozen=True)
+class Batching:
+    """World-size-independent batching rule: fixed rows per batch, or a token budget per batch."""
+
+    batch_size: int | None = 1
+    token_budget: int | None = None
+    max_batch_size: int = 64
+
+    def batches(self, lengths: Sequence[int]) -> list[Batch]:
+        if self.token_budget is not None:
+            return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size)
+        return make_batches(lengths, batch_size=self.batch_size)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """Aggregated result of one request: sums over its units in float64."""
+
+    loglikelihood: float
+    is_greedy: bool
+    n_tokens: int
+    ref_loglikelihood: float | None = None
+    top1_agree: int | None = None
+    kl: np.ndarray | None = None
+
+
+@dataclass
+class RunStats:
+    """What the results JSON reports about the scoring calls of one model instance."""
+
+    calls: list[dict] = field(default_factory=list)
+    _digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+
+    @property
+    def fingerprint(self) -> str:
+        return self._digest.hexdigest()[:16]
+
+
+ScoreFn = Callable[[Sequence[Unit]], BatchScores]
+Progress = Callable[[int], None]
+
+
+def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: Collective, score_fn: ScoreFn,
+                   batching: Batching, attention_coef: float = 0.0, with_reference: bool = False,
+                   stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
+                   kind: str = "score") -> list[RequestResult]:
+    """Score this rank's requests as part of the global plan; every rank must call this together.
+
+    Args:
+        per_request_units: for each local request, its units in order (an empty list scores nothing).
+        score_fn: scores one batch of units (see :func:`distperp_harness.scoring.score_batch`).
+        progress: given the number of padded tokens this rank will compute, returns an update callback.
+
+    Returns:
+        One :class:`RequestResult` per local request, identical bits for every world size.
+    """
+    t0 = time.perf_counter()
+    table = _global_table(per_request_units, collective)
+    batches = batching.batches(table.lengths)
+    plan = assign_batches(batches, collective.world_size, attention_coef)
+    mine = plan.batches_of(collective.rank)
+    update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
+
+    ids, rows, kl_rows = [], [], []
+    for i in mine:
+        batch = batches[i]
+        scores = score_fn(table.units[batch.start: batch.stop])
+        ids.extend(range(batch.start, batch.stop))
+        rows.append(scores.stats)
+        if with_reference:
+            kl_rows.extend(scores.kl)
+        if update:
+            update(batch.padded_tokens)
+    t_score = time.perf_counter() - t0
+
+    full, kl_full = _gather_results(collective, table, ids, rows, kl_rows if with_reference else None)
+    results = [_assemble(table.ids(units), full, kl_full) for units in per_request_units]
+    if stats is not None:
+        stats._digest.update(full.tobytes())
+        report = balance_report(plan, attention_coef)
+        stats.calls.append({
+            "kind": kind, "units": len(table), "batches": len(batches),
+            "scored_tokens": int(full[:, N_TOKENS].sum()),
+            "padded_tokens_per_rank": report["padded_tokens_per_rank"],
+            "max_over_mean": report["max_over_mean"], "best_max_over_mean": report["best_max_over_mean"],
+            "scoring_seconds": t_score, "total_seconds": time.perf_counter() - t0,
+        })
+    return results
+
+
+def _global_table(per_request_units: Sequence[Sequence[Unit]], collective: Collective) -> UnitTable:
+    local = list({u.key(): u for units in per_request_units for u in units}.values())
+    lengths, n_score, flat = pack_units(local)
+    meta = collective.all_gather_tensor(torch.from_numpy(np.stack([lengths, n_score], axis=1)), "gather unit shapes")
+    tokens = collective.all_gather_tensor(torch.from_numpy(flat), "gather unit tokens")
+    everyone: list[Unit] = []
+    for m, t in zip(meta, tokens):
+        m = m.numpy()
+        everyone.extend(unpack_units(m[:, 0], m[:, 1], t.numpy()))
+    return UnitTable(everyone)
+
+
+def _gather_results(collective: Collective, table: UnitTable, ids: list[int], rows: list[np.ndarray],
+                    kl_rows: list[np.ndarray] | None) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    local = np.zeros((len(ids), N_COLUMNS + 1), dtype=np.float64)
+    if ids:
+        local[:, 0] = ids
+        local[:, 1:] = np.concatenate(rows, axis=0)
+    parts = collective.all_gather_tensor(torch.from_numpy(local), "gather scores")
+    full = np.full((len(table), N_COLUMNS), np.nan, dtype=np.float64)
+    kl_full: list[np.ndarray] | None = None
+    if kl_rows is not None:
+        flat = np.concatenate(kl_rows) if kl_rows else np.zeros(0, dtype=np.float64)
+        kl_parts = collective.all_gather_tensor(torch.from_numpy(flat), "gather KL values")
+        kl_full = [np.zeros(0)] * len(table)
+    for r, part in enumerate(parts):
+        part = part.numpy()
+        unit_ids = part[:, 0].astype(np.int64)
+        full[unit_ids] = part[:, 1:]
+        if kl_full is not None:
+            values = kl_parts[r].numpy()
+            offsets = np.concatenate([[0], np.cumsum(part[:, 1 + N_TOKENS].astype(np.int64))])
+            for j, uid in enumerate(unit_ids):
+                kl_full[uid] = values[offsets[j]: offsets[j + 1]]
+    if np.isnan(full[:, LL]).any():
+        raise RuntimeError("internal error: some units of the plan were not scored by any rank")
+    return full, kl_full
+
+
+def _assemble(unit_ids: list[int], full: np.ndarray, kl_full: list[np.ndarray] | None) -> RequestResult:
+    if not unit_ids:
+        return RequestResult(0.0, True, 0, 0.0 if kl_full is not None else None,
+                             0 if kl_full is not None else None,
+                             np.zeros(0) if kl_full is not None else None)
+    rows = full[unit_ids]
+    result = RequestResult(
+        loglikelihood=math.fsum(rows[:, LL]),
+        is_greedy=bool(rows[:, GREEDY].all()),
+        n_tokens=int(rows[:, N_TOKENS].sum()),
+    )
+    if kl_full is None:
+        return result
+    return RequestResult(result.loglikelihood, result.is_greedy, result.n_tokens,
+                         ref_loglikelihood=math.fsum(rows[:, REF_LL]), top1_agree=int(rows[:, TOP1].sum()),
+                         kl=np.concatenate([kl_full[u] for u in unit_ids]))

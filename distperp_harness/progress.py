@@ -1,0 +1,29 @@
+"""One progress bar, on global rank 0 only, counting padded tokens (shows tokens/s and ETA)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def token_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int], None]]:
+    """Factory for :func:`distperp_harness.pipeline.score_requests`' ``progress`` argument.
+
+    Rank 0's share of a balanced plan tracks the whole plan, so its bar's rate and ETA are the run's.
+    """
+
+    def start(total_tokens: int) -> Callable[[int], None]:
+        if not is_main:
+            return lambda n: None
+        from accelerate.utils import tqdm
+
+        bar = tqdm(total=total_tokens, desc=desc, unit="tok", unit_scale=True, main_process_only=True,
+                   dynamic_ncols=True, leave=False)
+
+        def update(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total_tokens:
+                bar.close()
+
+        return update
+
+    return start
