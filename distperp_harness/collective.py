@@ -27,10 +27,12 @@ class CollectiveError(RuntimeError):
 class Collective:
     """Gathers among all processes of the run; a no-op wrapper when there is one process."""
 
-    def __init__(self, timeout_s: float = 1800.0) -> None:
+    def __init__(self, timeout_s: float = 1800.0, cpu: bool | None = None) -> None:
+        """``cpu``: use a gloo group on the CPU (default: when CUDA is unavailable)."""
         from accelerate import PartialState
 
-        self._state = PartialState(timeout=timedelta(seconds=timeout_s))
+        cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+        self._state = PartialState(cpu=cpu, timeout=timedelta(seconds=timeout_s))
         self.timeout_s = timeout_s
         self.rank: int = self._state.process_index
         self.world_size: int = self._state.num_processes

@@ -45,7 +45,8 @@ class DistPerpLM(TemplateLM):
         super().__init__()
         t0 = time.perf_counter()
         self.options = Options.from_kwargs(**kwargs)
-        self.collective = Collective(self.options.timeout)
+        wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
+        self.collective = Collective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank)
         self.tokenizer = load_tokenizer(self.options)

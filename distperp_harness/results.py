@@ -51,8 +51,9 @@ class Score(float):
     def __reduce__(self) -> tuple[Any, ...]:
         return (Score, (float(self), self.n_tokens, self.ref_loglikelihood, self.kl, self.top1_agree))
 
-    def __repr__(self) -> str:
-        return f"Score({float(self)!r}, n_tokens={self.n_tokens})"
+    # repr/str stay float's, so logged samples show the plain number at full precision.
+    __repr__ = float.__repr__
+    __str__ = float.__repr__
 
 
 def n_tokens_of(value: Any) -> int | None:

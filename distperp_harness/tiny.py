@@ -244,6 +244,7 @@ def cached_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         build_tiny_model(spec, tmp, text)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0o700
         try:
             os.rename(tmp, final)
         except OSError:
