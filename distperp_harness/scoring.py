@@ -121,7 +121,9 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
             ref_logits = ref_to_logits(ref_feats[a:b])
             lp = torch.log_softmax(logits.double(), dim=-1)
             ref_lp = torch.log_softmax(ref_logits.double(), dim=-1)
-            ref_logprob[a:b] = ref_lp.gather(-1, tgt).squeeze(-1)
+            # Same recipe as the model's log-prob (float32 log-sum-exp, float64 difference): comparable sums.
+            ref_logprob[a:b] = ref_logits.gather(-1, tgt).squeeze(-1).double() - torch.logsumexp(
+                ref_logits, dim=-1).double()
             kl[a:b] = (ref_lp.exp() * (ref_lp - lp)).sum(dim=-1)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
 

@@ -1,0 +1,46 @@
+"""Options: every --model_args key parsed, cast and validated in one place, with errors that name the fix."""
+
+import pytest
+
+from distperp_harness.options import Options
+
+
+def test_defaults_and_casts_from_cli_strings():
+    opts = Options.from_kwargs(pretrained="m", batch_size="8", max_length="512", trust_remote_code="true",
+                               timeout="60", dtype="bf16", group_size="64", quantize="INT4")
+    assert opts.batch_size == 8 and opts.max_length == 512 and opts.trust_remote_code is True
+    assert opts.timeout == 60.0 and opts.dtype == "bfloat16" and opts.group_size == 64 and opts.quantize == "int4"
+    assert Options.from_kwargs(pretrained="m").batch_size == 1
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("auto:4", "auto:4"), (3, 3), ("16", 16)])
+def test_batch_size_forms(value, expected):
+    assert Options.from_kwargs(pretrained="m", batch_size=value).batch_size == expected
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"pretrained": "m", "batch_sise": 4}, "did you mean 'batch_size'"),
+    ({"pretrained": "m", "dtype": "float8"}, "allowed: one of auto, float32, bfloat16, float16"),
+    ({"pretrained": "m", "batch_size": "auto:x"}, "'auto' or 'auto:N'"),
+    ({"pretrained": "m", "batch_size": 0}, "batch_size=0"),
+    ({"pretrained": "m", "quantize": "int3"}, "one of none, int4, int8, 8da4w"),
+    ({"pretrained": "m", "group_size": 100}, "one of 32, 64, 128, 256"),
+    ({"pretrained": "m", "stride": 0}, "0 < stride <= max_length"),
+    ({"pretrained": "m", "stride": 300, "max_length": 256}, "stride <= max_length (256)"),
+    ({"pretrained": "m", "max_length": 1}, "max_length=1"),
+    ({"pretrained": "m", "timeout": -1}, "timeout=-1"),
+    ({"pretrained": "m", "trust_remote_code": "maybe"}, "trust_remote_code=true or trust_remote_code=false"),
+    ({}, "needs pretrained="),
+])
+def test_bad_values_are_named(kwargs, fragment):
+    with pytest.raises(ValueError, match=None) as info:
+        Options.from_kwargs(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_frozen_and_recorded():
+    opts = Options.from_kwargs(pretrained="m", device="cuda:0", device_from_cli=True)
+    with pytest.raises(Exception):
+        opts.dtype = "float16"  # type: ignore[misc]
+    record = opts.to_dict()
+    assert record["pretrained"] == "m" and "device_from_cli" not in record
