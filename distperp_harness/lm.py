@@ -8,6 +8,7 @@ gather → results. Each stage lives in its own module; this class only connects
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -29,6 +30,10 @@ from distperp_harness.runtime import attention_coefficient, batching_for, peak_m
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
 
 log = get_logger(__name__)
+
+# torchao's wheel prints load failures for its CUDA-only kernels on CPU machines; they are not needed there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 
 class DistPerpLM(TemplateLM):

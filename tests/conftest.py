@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny random Llama model built once per session, the packaged sample text, the local
+``dptest_*`` lm-eval tasks, and an offline lm-eval CLI runner. Helpers live in ``tests/helpers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` under any import mode
+
+from helpers import OFFLINE_ENV, TASKS_DIR, run_lm_eval  # noqa: E402
+
+for _key, _value in OFFLINE_ENV.items():  # in-process loads are offline too (set before any HF import)
+    os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of ``TEST_SPEC`` (random init, no training) built once per session: model + tokenizer."""
+    from distperp_harness.tiny import TEST_SPEC, build_tiny_model
+
+    return build_tiny_model(TEST_SPEC, tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    """The tokenizer of :func:`tiny_model_dir` (byte-level BPE, no BOS added, ``model_max_length=128``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def sample_text_path() -> Path:
+    """The packaged WikiText-formatted sample, ``distperp_harness/data/sample_wikitext.txt``."""
+    from distperp_harness.tiny import sample_text_path as path
+
+    return path()
+
+
+@pytest.fixture(scope="session")
+def tasks_dir() -> Path:
+    """``tests/tasks``: ``dptest_mc``, ``dptest_rolling``, ``dptest_gen`` (pass as ``--include_path``)."""
+    return TASKS_DIR
+
+
+LmEvalCli = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture
+def lm_eval_cli(tmp_path: Path) -> LmEvalCli:
+    """``lm_eval_cli(args, *, cwd=tmp_path, env=None, num_processes=None, timeout=600, check=True)``.
+
+    Runs ``python -m lm_eval *args`` offline (under ``accelerate launch`` when ``num_processes`` is an int) in
+    ``cwd`` (default: the test's ``tmp_path``) and returns the ``CompletedProcess``; see ``helpers.run_lm_eval``.
+    """
+
+    def run(
+        args: Sequence[str],
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        num_processes: int | None = None,
+        timeout: float = 600,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        return run_lm_eval(
+            args, cwd=tmp_path if cwd is None else cwd, env=env, num_processes=num_processes, timeout=timeout,
+            check=check,
+        )  # fmt: skip
+
+    return run

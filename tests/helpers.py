@@ -1,0 +1,158 @@
+"""Reusable test helpers (import as ``from helpers import ...``; ``tests/`` is put on ``sys.path`` by conftest).
+
+Subprocess helpers run offline: :func:`offline_env` sets ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``,
+``TORCHAO_FORCE_SKIP_LOADING_SO_FILES`` and ``TOKENIZERS_PARALLELISM``. On failure they fail the test with the
+command, the exit code and the tail of stderr and stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+TASKS_DIR = TESTS_DIR / "tasks"
+"""Local lm-eval tasks ``dptest_mc``, ``dptest_rolling``, ``dptest_gen`` (pass as ``--include_path``)."""
+
+OFFLINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def offline_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``os.environ`` with :data:`OFFLINE_ENV` applied, then ``extra`` (which wins)."""
+    env = dict(os.environ)
+    env.update(OFFLINE_ENV)
+    env.update(extra or {})
+    return env
+
+
+def _tail(text: str | bytes | None, lines: int) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _outputs(stderr: str | bytes | None, stdout: str | bytes | None, lines: int) -> str:
+    return f"--- stderr (tail) ---\n{_tail(stderr, lines)}\n--- stdout (tail) ---\n{_tail(stdout, lines)}"
+
+
+def run_command(
+    cmd: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 600,
+    check: bool = True,
+    tail_lines: int = 40,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with :func:`offline_env` (plus ``env``) and captured text output.
+
+    Returns the ``CompletedProcess``. With ``check=True`` a non-zero exit fails the test; a timeout always does.
+    The failure message holds the command, cwd, exit code, and the last ``tail_lines`` lines of stderr and stdout.
+    """
+    cmd = [str(c) for c in cmd]
+    try:
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=offline_env(env), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(
+            f"timed out after {timeout:g} s: {' '.join(cmd)}\n(cwd={cwd})\n"
+            + _outputs(exc.stderr, exc.stdout, tail_lines),
+            pytrace=False,
+        )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"exit code {proc.returncode}: {' '.join(cmd)}\n(cwd={cwd})\n"
+            + _outputs(proc.stderr, proc.stdout, tail_lines),
+            pytrace=False,
+        )
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for ``--main_process_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def accelerate_launch_prefix(num_processes: int, port: int | None = None) -> list[str]:
+    """``python -m accelerate.commands.launch ...`` for ``num_processes`` local processes.
+
+    Uses ``--multi_gpu`` even on CPU: Accelerate's ``--cpu`` flag starts a single process whatever
+    ``--num_processes`` says. On a CPU-only machine the processes form a gloo group only if the program creates
+    ``PartialState(cpu=True)`` (or ``Accelerator(cpu=True)``); a bare ``PartialState()`` reports world size 1.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        *(["--multi_gpu"] if num_processes > 1 else []),
+        "--num_processes", str(num_processes), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(port if port is not None else free_port()),
+    ]  # fmt: skip
+
+
+def lm_eval_command(args: Sequence[str], *, num_processes: int | None = None) -> list[str]:
+    """The command line for lm-eval's CLI with ``args``.
+
+    ``num_processes=None``: plain ``python -m lm_eval``; an int: under :func:`accelerate_launch_prefix`.
+    """
+    if num_processes is None:
+        return [sys.executable, "-m", "lm_eval", *map(str, args)]
+    return [*accelerate_launch_prefix(num_processes), "-m", "lm_eval", *map(str, args)]
+
+
+def run_lm_eval(
+    args: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    num_processes: int | None = None,
+    timeout: float = 600,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run lm-eval's CLI offline (see :func:`lm_eval_command` and :func:`run_command`)."""
+    cmd = lm_eval_command(args, num_processes=num_processes)
+    return run_command(cmd, cwd=cwd, env=env, timeout=timeout, check=check)
+
+
+def _newest(paths: list[Path], what: str, root: Path) -> Path:
+    if not paths:
+        raise FileNotFoundError(f"no {what} under {root}")
+    return max(paths, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
+def load_results(output_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The newest ``results_*.json`` that lm-eval wrote anywhere under ``output_path`` (``--output_path``)."""
+    root = Path(output_path)
+    return json.loads(_newest(list(root.rglob("results_*.json")), "results_*.json", root).read_text())
+
+
+def load_samples(output_path: str | os.PathLike[str], task: str) -> list[dict[str, Any]]:
+    """Rows of the newest ``samples_<task>_*.jsonl`` under ``output_path`` (``--log_samples``), by ``doc_id``."""
+    root = Path(output_path)
+    name = re.compile(rf"samples_{re.escape(task)}_\d{{4}}-.*\.jsonl")
+    found = [p for p in root.rglob("samples_*.jsonl") if name.fullmatch(p.name)]
+    path = _newest(found, f"samples_{task}_*.jsonl", root)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: r["doc_id"])

@@ -1,0 +1,158 @@
+"""Real multi-process runs: ``accelerate launch`` with 1, 2 and 3 processes, 2 "nodes" on loopback and
+``torchrun`` give byte-equal per-document results and equal metrics; faults end in bounded, named errors.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import (accelerate_launch_prefix, free_port, load_results, load_samples, offline_env,
+                     run_command)
+
+pytestmark = pytest.mark.distributed
+
+TASKS = "dptest_rolling,dptest_mc,dptest_gen"
+EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_gen": ["exact_match,none"]}
+
+
+def _lm_eval_args(model_dir, tasks_dir, out, extra=()):
+    return ["-m", "lm_eval", "--model", "distperp", "--model_args", f"pretrained={model_dir},max_length=128",
+            "--tasks", TASKS, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
+            "--output_path", str(out), *extra]
+
+
+def _two_nodes(model_dir, tasks_dir, out, cwd):
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+         "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+         *_lm_eval_args(model_dir, tasks_dir, out)],
+        cwd=cwd, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)]
+    for p in procs:
+        output, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    out = {}
+    for n in (1, 2, 3):
+        out[f"{n}p"] = root / f"{n}p"
+        run_command([*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[f"{n}p"])[0:]],
+                    cwd=root)
+    out["2nodes"] = root / "2nodes"
+    _two_nodes(tiny_model_dir, tasks_dir, out["2nodes"], root)
+    out["torchrun"] = root / "torchrun"
+    run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                 str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
+    return out
+
+
+@pytest.mark.parametrize("setup, world, nodes", [("2p", 2, 1), ("3p", 3, 1), ("2nodes", 2, 2), ("torchrun", 2, 1)])
+def test_identical_to_one_process(runs, setup, world, nodes):
+    base, other = load_results(runs["1p"]), load_results(runs[setup])
+    info = other["config"]["distperp"]
+    assert info["world_size"] == world and info["num_nodes"] == nodes
+    assert info["fingerprint"] == base["config"]["distperp"]["fingerprint"]
+    for task in TASKS.split(","):
+        a, b = load_samples(runs["1p"], task), load_samples(runs[setup], task)
+        assert _per_doc(a) == _per_doc(b), task
+    for task, metrics in EXACT_METRICS.items():
+        for metric in metrics:
+            assert other["results"][task][metric] == base["results"][task][metric]
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        # lm-eval's built-in weighted_perplexity sums per-rank lists in rank order: equal up to summation order.
+        assert other["results"]["dptest_rolling"][metric] == pytest.approx(
+            base["results"]["dptest_rolling"][metric], rel=1e-12)
+
+
+def _per_doc(samples):
+    """(doc id, first response of each request, filtered responses) — lm-eval appends the responses of its
+    padding copies (ranks with fewer documents) to the same request, hence the first response only."""
+    return [(r["doc_id"], [resp[0] for resp in r["resps"]], r["filtered_resps"]) for r in samples]
+
+
+def test_work_is_shared_across_ranks(runs):
+    info = load_results(runs["2p"])["config"]["distperp"]
+    rolling = [c for c in info["calls"] if c["kind"] == "loglikelihood_rolling"][0]
+    assert len(rolling["padded_tokens_per_rank"]) == 2 and min(rolling["padded_tokens_per_rank"]) > 0
+    assert rolling["max_over_mean"] >= 1.0
+
+
+def test_collective_timeout_names_the_missing_rank(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time, torch
+        from distperp_harness.collective import Collective, CollectiveError
+        c = Collective(timeout_s=4, cpu=True)
+        c.all_gather_tensor(torch.zeros(2))            # everyone arrives once
+        if c.rank == 1:
+            time.sleep(120)                            # then rank 1 hangs
+        try:
+            c.all_gather_tensor(torch.ones(2), name="gather scores")
+        except CollectiveError as exc:
+            print("ERROR:", exc, flush=True)
+            sys.exit(3)
+    """))
+    t0 = time.monotonic()
+    proc = run_command([*accelerate_launch_prefix(2), str(script)], cwd=tmp_path, check=False, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "rank(s) [1] never arrived" in proc.stdout + proc.stderr
+    assert "gather scores" in proc.stdout + proc.stderr
+    assert elapsed < 90
+
+
+def test_killed_rank_fails_the_run_without_results(tiny_model_dir, tasks_dir, tmp_path):
+    out = tmp_path / "out"
+    cmd = [*accelerate_launch_prefix(2), *_lm_eval_args(tiny_model_dir, tasks_dir, out)]
+    cmd[cmd.index("--model_args") + 1] += ",timeout=30"
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=offline_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        victim = _wait_for_rank(launcher.pid, rank=1, timeout=120)
+        time.sleep(2.0)  # let it get into model loading / scoring
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=90)
+        assert time.monotonic() - t0 < 90
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0, output[-2000:]
+    assert not list(out.rglob("results_*.json"))
+
+
+def _wait_for_rank(launcher_pid, rank, timeout):
+    """PID of the launched process whose environment says RANK=<rank>."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline and int(pid) != launcher_pid \
+                    and f"MAIN_PROCESS_PORT".encode() not in cmdline:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def test_use_cache_with_several_processes_is_refused(tiny_model_dir, tasks_dir, tmp_path):
+    cmd = [*accelerate_launch_prefix(2), *_lm_eval_args(tiny_model_dir, tasks_dir, tmp_path / "out",
+                                                        ["--use_cache", str(tmp_path / "cache")])]
+    proc = run_command(cmd, cwd=tmp_path, check=False, timeout=300)
+    assert proc.returncode != 0
+    assert "--use_cache with 2 processes is not supported" in proc.stdout + proc.stderr

@@ -1,0 +1,47 @@
+"""Zero-config registration: ``--model distperp`` resolves wherever lm-eval looks, with nothing heavy at start-up."""
+
+import sys
+from pathlib import Path
+
+from helpers import load_results, run_command
+
+
+def test_registry_resolves_distperp_and_builtins_without_heavy_startup_imports():
+    code = (
+        "import sys\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'lm_eval', 'accelerate') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "from lm_eval.api.registry import get_model\n"
+        "from distperp_harness.lm import DistPerpLM\n"
+        "assert get_model('distperp') is DistPerpLM\n"
+        "assert get_model('hf').__name__ == 'HFLM' and get_model('dummy').__name__ == 'DummyLM'\n"
+        "print('ok')\n"
+    )
+    proc = run_command([sys.executable, "-c", code], cwd="/")
+    assert proc.stdout.strip().endswith("ok")
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def test_cli_entry_points_run_distperp(tiny_model_dir, tasks_dir, tmp_path):
+    common = ["--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},max_length=128",
+              "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--limit", "2"]
+    for name, cmd in [("module", [sys.executable, "-m", "lm_eval"]), ("lm_eval", [_bin("lm_eval")]),
+                      ("lm-eval-run", [_bin("lm-eval"), "run"])]:
+        out = tmp_path / name
+        run_command([*cmd, *common, "--output_path", str(out)], cwd=tmp_path)
+        results = load_results(out)
+        assert results["config"]["model"] == "distperp"
+        assert "word_perplexity,none" in results["results"]["dptest_rolling"]
+
+
+def test_simple_evaluate_by_name(tiny_model_dir, tasks_dir):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(model="distperp", model_args={"pretrained": str(tiny_model_dir), "max_length": 128},
+                                  tasks=["dptest_rolling"], task_manager=TaskManager(include_path=str(tasks_dir)),
+                                  limit=2)
+    assert out["config"]["distperp"]["world_size"] == 1
