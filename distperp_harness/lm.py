@@ -25,6 +25,7 @@ from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, score_requests
 from distperp_harness.progress import token_progress
 from distperp_harness.requests import continuation_unit, window_units
+from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
 from distperp_harness.runtime import attention_coefficient, batching_for, peak_memory_bytes
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
@@ -62,8 +63,9 @@ class DistPerpLM(TemplateLM):
 
             dtype, note = resolve_model_dtype(self.options.quantize, self.options.dtype, self._device)
             log.info(note, main_process_only=True)
-        self._model = load_model(self.options, self._device, dtype)
-        self.reference = self._load_reference(dtype)
+        self._model = load_model(self.options, self._device, torch_dtype(self.options.dtype) if dtype is None else dtype)
+        self._check_ranks_agree()
+        self.reference = self._load_reference(torch_dtype(self.options.dtype))
         if self.options.quantize != "none":
             from distperp_harness.quantize import quantize_model
 
@@ -78,11 +80,35 @@ class DistPerpLM(TemplateLM):
         # batch_size=auto measures free memory; every rank uses rank 0's rule so the plan is one plan.
         self.batching: Batching = self.collective.all_gather_object(
             batching_for(self.options, self._model, self._device, self._max_length), "agree on batching")[0]
+        _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
+        self.store = BatchStore(self.options.resume_dir, self._scoring_config()) if self.options.resume_dir else None
         self.stats = RunStats()
         self.load_seconds = time.perf_counter() - t0
 
+    def _scoring_config(self) -> dict:
+        """Everything besides the units that determines scores (the resume key)."""
+        import lm_eval
+        import transformers
+
+        return {"options": {k: v for k, v in self.options.to_dict().items()
+                            if k not in ("batch_size", "max_batch_size", "timeout", "resume_dir", "device")},
+                "dtype": str(next(self._model.parameters()).dtype), "device_type": self._device.type,
+                "versions": [__version__, torch.__version__, transformers.__version__, lm_eval.__version__]}
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must run the same configuration and library versions (else results would mix)."""
+        mine = {"config": self._scoring_config(), "world_size": self.world_size}
+        everyone = self.collective.all_gather_object(mine, "compare configurations")
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise ValueError(f"rank {rank} runs a different configuration or library versions than rank "
+                                 f"{self.rank}: {theirs} vs {mine}. Install the same versions and pass the same "
+                                 "--model_args on every node.")
+
     # ----------------------------------------------------------------------------------------- loading
     def _load_reference(self, dtype):
+        """The reference model, in the dtype the user asked for (``auto``: the checkpoint's), never quantized:
+        KL divergence then measures everything ``quantize=`` changed, including a bf16 cast it implied."""
         ref = self.options.reference
         if ref is None:
             return None
@@ -131,19 +157,32 @@ class DistPerpLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return outputs
 
-    def _score(self, per_request_units, kind: str, disable_tqdm: bool):
-        def score_fn(units):
-            return score_batch(self._model, units, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
-                               reference=self.reference)
+    def _score_batch(self, units):
+        """Scores of one batch of the plan: from ``resume_dir`` when saved there, else computed (and saved)."""
+        saved = self.store.load(units) if self.store else None
+        if saved is not None:
+            return saved
         try:
-            results = score_requests(
-                per_request_units, collective=self.collective, score_fn=score_fn, batching=self.batching,
-                attention_coef=attention_coefficient(self._model), with_reference=self.reference is not None,
-                stats=self.stats, kind=kind,
-                progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
+            scores = score_batch(self._model, units, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
+                                 reference=self.reference)
         except NonFiniteLogitsError as exc:
-            raise ValueError(f"the model produced NaN/inf logits while scoring {kind} requests ({exc}); "
-                             "results would be meaningless. Try dtype=float32 or check the checkpoint.") from exc
+            where = "; ".join(f"the window {self.tok_decode(list(units[r].tokens[:24]))!r}... "
+                              f"({units[r].input_length} tokens)" for r in exc.rows[:3])
+            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
+                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
+        if self.store:
+            self.store.save(units, scores)
+        _crash_for_tests(self.rank)
+        return scores
+
+    def _score(self, per_request_units, kind: str, disable_tqdm: bool):
+        results = score_requests(
+            per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
+            attention_coef=attention_coefficient(self._model), with_reference=self.reference is not None,
+            stats=self.stats, kind=kind,
+            progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
+        if self.store:
+            self.stats.calls[-1]["resumed_batches"] = self.store.hits
         self.stats.calls[-1]["peak_memory_bytes_per_rank"] = self.collective.all_gather_object(
             peak_memory_bytes(self._device), "gather peak memory")
         return results
@@ -254,6 +293,8 @@ class DistPerpLM(TemplateLM):
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
+                "reference": None if self.reference is None else {
+                    "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype)},
             },
         }
         return info
@@ -272,6 +313,18 @@ class DistPerpLM(TemplateLM):
         if "device" in extra:
             extra["device_from_cli"] = True
         return cls(**arg_dict, **extra)
+
+
+def _crash_for_tests(rank: int) -> None:
+    """Fault injection for the resume tests: ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has
+    scored that many batches (as a SIGKILL would). Unset in normal runs."""
+    spec = os.environ.get("DISTPERP_TEST_CRASH")
+    if not spec:
+        return
+    crash_rank, after = (int(x) for x in spec.split(":"))
+    _crash_for_tests.count = getattr(_crash_for_tests, "count", 0) + 1
+    if rank == crash_rank and _crash_for_tests.count >= after:
+        os._exit(17)
 
 
 logging.getLogger("distperp_harness").addHandler(logging.NullHandler())

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from .options import DTYPES, GROUP_SIZES
 # module before transformers' model classes for the setting to take effect. Set the variable to 0 to override.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-__all__ = ["SCHEMES", "Plan", "QuantReport", "Scheme", "peak_memory_bytes", "quantize_model", "register_scheme",
+__all__ = ["SCHEMES", "Plan", "QuantReport", "Scheme", "quantize_model", "register_scheme",
            "resolve_model_dtype", "weight_bytes"]
 
 SkipCheck = Callable[[nn.Linear], "str | None"]
@@ -141,9 +140,10 @@ def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
             return _int4_in_int8(group_size, f"the tinygemm int4 kernel needs compute capability >= 8.0, this GPU "
                                  f"has {capability}")
         from torchao.quantization import Int4WeightOnlyConfig
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
-        config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d",
-                                      set_inductor_config=False)
+        config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
+                                      int4_tile_packed_ntile=16 if torch.version.hip else 8, set_inductor_config=False)
         return Plan(config, "int4-packed", "int4 packed two per byte, tinygemm kernel aten._weight_int4pack_mm",
                     _k_divisible(group_size))
     if group_size > 128:
@@ -241,14 +241,6 @@ def weight_bytes(model: nn.Module) -> int:
     """
     seen: set[tuple[int, int]] = set()
     return sum(_storage_bytes(p, seen) for p in model.parameters())
-
-
-def peak_memory_bytes(device: torch.device | str) -> int:
-    """Peak memory of this process so far: ``torch.cuda.max_memory_allocated`` on CUDA, peak RSS otherwise."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 @dataclass(frozen=True)
