@@ -181,8 +181,13 @@ class DistPerpLM(TemplateLM):
             attention_coef=attention_coefficient(self._model), with_reference=self.reference is not None,
             stats=self.stats, kind=kind,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
+        call = self.stats.calls[-1]
         if self.store:
-            self.stats.calls[-1]["resumed_batches"] = self.store.hits
+            call["resumed_batches"] = self.store.hits
+        log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['batches']} batches on "
+                 f"{self.world_size} process(es) in {call['total_seconds']:.1f} s "
+                 f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
+                 f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
         self.stats.calls[-1]["peak_memory_bytes_per_rank"] = self.collective.all_gather_object(
             peak_memory_bytes(self._device), "gather peak memory")
         return results
@@ -327,4 +332,16 @@ def _crash_for_tests(rank: int) -> None:
         os._exit(17)
 
 
-logging.getLogger("distperp_harness").addHandler(logging.NullHandler())
+def _setup_logging() -> None:
+    """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0."""
+    logger = logging.getLogger("distperp_harness")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [distperp] %(message)s",
+                                               datefmt="%Y-%m-%d:%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+_setup_logging()

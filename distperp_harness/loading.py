@@ -6,14 +6,14 @@ folder; hub loading is the real code path users run (it needs network access, wh
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
+from accelerate.logging import get_logger
 
 from distperp_harness.options import CLI_DEFAULT_DEVICE, Options
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,7 +32,8 @@ def resolve_device(options: Options, local_rank: int) -> torch.device:
     if requested.startswith("cuda"):
         if not has_cuda:
             if options.device_from_cli and requested == CLI_DEFAULT_DEVICE:
-                log.info("device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU")
+                log.info("device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU",
+                         main_process_only=True)
                 return torch.device("cpu")
             raise ValueError(f"device={options.device!r} was asked for, but this machine has no CUDA device "
                              "(torch.cuda.is_available() is False). Fix: device=cpu, or run on a GPU machine.")
