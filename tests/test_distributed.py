@@ -156,3 +156,29 @@ def test_use_cache_with_several_processes_is_refused(tiny_model_dir, tasks_dir, 
     proc = run_command(cmd, cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode != 0
     assert "--use_cache with 2 processes is not supported" in proc.stdout + proc.stderr
+
+
+def test_ctrl_c_on_the_launcher_stops_every_rank(tiny_model_dir, tasks_dir, tmp_path):
+    cmd = [*accelerate_launch_prefix(2), *_lm_eval_args(tiny_model_dir, tasks_dir, tmp_path / "out")]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=offline_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        ranks = [_wait_for_rank(launcher.pid, rank=r, timeout=120) for r in (0, 1)]
+        os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in ranks):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,114 @@
+"""Every bad input answered with one clear message (and a non-zero exit from the CLI), in seconds.
+
+Rows of the README's bad-input table; the model-side rows are exercised through the same constructor the lm-eval
+CLI calls (``create_from_arg_string``), and two rows through the real CLI for the exit code.
+"""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+
+from helpers import accelerate_launch_prefix, run_command
+
+
+def _make(model_dir, args="", extra=None):
+    return get_model("distperp").create_from_arg_string(f"pretrained={model_dir}{args}", extra or {})
+
+
+def _rolling(lm, texts):
+    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
+                                    disable_tqdm=True)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (",bogus=1", "Unknown --model_args key(s) for --model distperp: 'bogus'"),
+    (",dtype=float64", "dtype='float64' is not valid"),
+    (",quantize=int3", "one of none, int4, int8, 8da4w"),
+    (",group_size=100", "one of 32, 64, 128, 256"),
+    (",stride=0", "0 < stride <= max_length"),
+    (",max_length=64,stride=65", "stride <= max_length (64)"),
+    (",stride=200", "stride=200 is not valid: need 0 < stride <= max_length (128)"),
+    (",max_length=1", "max_length=1 is not valid"),
+    (",batch_size=-2", "batch_size=-2"),
+    (",reference=base", "reference=base compares against the unquantized checkpoint"),
+])
+def test_bad_model_args(tiny_model_dir, args, fragment):
+    with pytest.raises(ValueError) as info:
+        _make(tiny_model_dir, args)
+    assert fragment in str(info.value)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="no such model folder"):
+        _make(tmp_path / "nope")
+    with pytest.raises(ValueError, match="could not load"):
+        _make(tmp_path)  # exists, but holds no model
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_explicit_cuda_without_cuda_is_an_error_but_the_cli_default_falls_back(tiny_model_dir):
+    with pytest.raises(ValueError, match="this machine has no CUDA device"):
+        _make(tiny_model_dir, ",device=cuda")
+    lm = _make(tiny_model_dir, "", {"device": "cuda:0"})  # lm-eval's CLI default
+    assert lm.device.type == "cpu"
+
+
+def test_empty_whitespace_and_long_documents(tiny_model_dir):
+    lm = _make(tiny_model_dir, ",max_length=16")
+    empty, spaces, long = _rolling(lm, ["", "   \n ", "word " * 200])
+    assert float(empty) == 0.0 and empty.n_tokens == 0  # documented: nothing to score
+    assert spaces.n_tokens == len(lm.tok_encode("   \n "))
+    assert long.n_tokens == len(lm.tok_encode("word " * 200)) > 16  # windows, not truncation
+
+
+def test_nan_logits_name_the_window(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[:, :] = float("nan")
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    lm = _make(tmp_path)
+    with pytest.raises(ValueError, match=r"NaN/inf logits while scoring the window 'The lighthouse"):
+        _rolling(lm, ["The lighthouse keeper wrote every night."])
+
+
+def test_tokenizer_without_bos_eos_needs_prefix_token_id(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.bos_token = None
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="prefix_token_id=<id>"):
+        _make(tmp_path)
+    lm = _make(tmp_path, ",prefix_token_id=0")
+    assert _rolling(lm, ["hello there"])[0].n_tokens > 0
+
+
+def test_cli_exits_non_zero_with_the_message(tiny_model_dir, tasks_dir, tmp_path):
+    proc = run_command([sys.executable, "-m", "lm_eval", "--model", "distperp", "--model_args",
+                        f"pretrained={tiny_model_dir},quantize=int5", "--tasks", "dptest_rolling",
+                        "--include_path", str(tasks_dir)], cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "quantize='int5' is not valid for --model distperp; allowed: one of none, int4, int8, 8da4w" in proc.stderr
+
+
+def test_ranks_with_different_configurations_are_refused(tiny_model_dir, tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        from lm_eval.api.registry import get_model
+        rank = int(os.environ["RANK"])
+        get_model("distperp").create_from_arg_string(
+            "pretrained={tiny_model_dir},max_length=" + str(32 + rank), {{}})
+    """))
+    proc = run_command([*accelerate_launch_prefix(2), str(script)], cwd=tmp_path, check=False, timeout=180)
+    assert proc.returncode != 0
+    assert "runs a different configuration or library versions" in proc.stdout + proc.stderr
