@@ -61,7 +61,8 @@ def _newest(folder: Path, pattern: str) -> Path:
 
 def _per_doc(folder: Path) -> list:
     rows = [json.loads(line) for line in _newest(folder, f"samples_{TASK}_*.jsonl").read_text().splitlines()]
-    return sorted((r["doc_id"], r["resps"][0]) for r in rows)
+    # lm-eval appends the responses of its padding copies to the same request: compare the first of each.
+    return sorted((r["doc_id"], [resp[0] for resp in r["resps"]]) for r in rows)
 
 
 def run_demo(out: str | None = None, processes: int = 2) -> int:

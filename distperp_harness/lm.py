@@ -73,6 +73,9 @@ class DistPerpLM(TemplateLM):
                                                group_size=self.options.group_size,
                                                include_lm_head=self.options.quantize_lm_head)
             log.info(self.quant_report.summary(), main_process_only=True)
+        from distperp_harness.quantize import weight_bytes
+
+        self.weight_bytes = weight_bytes(self._model)
         self._max_length = model_max_length(self.options, self._model, self.tokenizer)
         if self.options.stride is not None and self.options.stride > self._max_length:
             raise ValueError(f"stride={self.options.stride} is not valid: need 0 < stride <= max_length "
@@ -292,6 +295,7 @@ class DistPerpLM(TemplateLM):
                 "world_size": self.world_size,
                 "num_nodes": self.collective.num_nodes,
                 "max_length": self.max_length,
+                "weight_bytes": self.weight_bytes,
                 "batching": {"batch_size": self.batching.batch_size, "token_budget": self.batching.token_budget,
                              "max_batch_size": self.batching.max_batch_size},
                 "load_seconds": self.load_seconds,

@@ -1,0 +1,358 @@
+"""Data loading and per-document results for the ``distperp_*`` perplexity tasks.
+
+Loaded by lm-eval through ``!function utils.*`` in the task YAMLs. Importing it installs the small hook that lets
+lm-eval print the standard errors of our aggregations (:func:`distperp_harness.metrics.install_lm_eval_stderr_hook`).
+
+Data sources (lm-eval passes ``--metadata`` and ``--model_args`` as keyword arguments to ``custom_dataset``):
+
+- WikiText tasks: ``EleutherAI/wikitext_document_level`` from the hub (as lm-eval's ``wikitext``), unless
+  ``--metadata '{"wikitext_path": PATH}'`` or ``$DISTPERP_WIKITEXT_PATH`` names a local WikiText file or folder.
+- ``distperp_local_docs``: ``--metadata '{"docs_path": PATH}'`` or ``$DISTPERP_DOCS_PATH``.
+
+Relative paths resolve from the current directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from distperp_harness import metrics as _metrics
+from distperp_harness.results import n_tokens_of
+
+# A child of lm-eval's logger: formatted like its own lines and following --verbosity.
+logger = logging.getLogger("lm_eval.distperp")
+
+_metrics.install_lm_eval_stderr_hook()
+
+# Aggregations, re-exported for the YAMLs (``aggregation: !function utils.weighted_perplexity``).
+weighted_perplexity = _metrics.weighted_perplexity
+bits_per_byte = _metrics.bits_per_byte
+ratio_mean = _metrics.ratio_mean
+ln_ppl_ratio = _metrics.ln_ppl_ratio
+percentile_99 = _metrics.percentile_99
+maximum = _metrics.maximum
+total = _metrics.total
+
+WIKITEXT_PATH_ENV = "DISTPERP_WIKITEXT_PATH"
+DOCS_PATH_ENV = "DISTPERP_DOCS_PATH"
+
+# lm-eval's split names -> the names WikiText files use.
+_FILE_SPLIT = {"test": "test", "validation": "valid", "valid": "valid", "train": "train"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# WikiText articles
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_article_heading(line: str) -> bool:
+    """True for a top-level WikiText heading line (`` = Title = ``), false for `` = = Section = = `` and text.
+
+    The rule of ``EleutherAI/wikitext_document_level`` (and lm-eval 0.3's wikitext): collapse ``"= = ="`` to
+    ``"==="`` and ``"= ="`` to ``"=="``, strip, then the line must start with ``"= "`` and end with ``" ="``.
+    """
+    collapsed = line.replace("= = =", "===").replace("= =", "==").strip()
+    return collapsed.startswith("= ") and collapsed.endswith(" =")
+
+
+def split_wikitext_articles(text: str) -> list[str]:
+    """Split WikiText file contents into articles exactly as ``EleutherAI/wikitext_document_level`` does.
+
+    Lines are ``text.split("\\n")``. Each top-level heading starts a new article that includes the heading line
+    and every following line up to the next heading, joined with ``"\\n"`` (blank lines and the trailing empty
+    string included). Text before the first heading is an article only if it is not blank. The last article is
+    always kept.
+    """
+    articles: list[str] = []
+    lines: list[str] = []
+    for line in text.split("\n"):
+        if is_article_heading(line):
+            article = "\n".join(lines)
+            if article.strip():
+                articles.append(article)
+            lines = []
+        lines.append(line)
+    articles.append("\n".join(lines))
+    return articles
+
+
+def wikitext_detokenizer(doc: dict[str, Any]) -> str:
+    """The text the model scores: lm-eval's own ``wikitext_detokenizer``, so results compare with ``wikitext``."""
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer as _detokenize
+
+    return _detokenize(doc)
+
+
+def doc_text(doc: dict[str, Any]) -> str:
+    """The text the model scores for a local document: its ``text``, unchanged."""
+    return doc["text"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paths and files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _configured_path(metadata_key: str, value: Any, env_var: str) -> tuple[Path, str] | None:
+    """The path from ``--metadata`` (first) or the environment, made absolute against the current directory."""
+    if value not in (None, ""):
+        source = f"--metadata {metadata_key}"
+    elif os.environ.get(env_var):
+        value, source = os.environ[env_var], f"${env_var}"
+    else:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{source} must be a path string, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    return path, source
+
+
+def read_utf8(path: Path, source: str, *, newline: str | None = None) -> str:
+    """Read a whole text file, turning every failure into one error that names the path.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: it is a folder, unreadable, or not UTF-8.
+    """
+    try:
+        with open(path, encoding="utf-8", newline=newline) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} (from {source}) does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} (from {source}) is a folder where a file was expected") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} (from {source}) is not UTF-8 text: invalid byte at offset {e.start}; convert it with "
+            f"e.g. `iconv -t UTF-8`"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"{path} (from {source}) cannot be read: {e.strerror or e}") from None
+
+
+def wikitext_candidates(folder: Path, dataset: str, split: str) -> list[Path]:
+    """Files that may hold ``split`` of ``dataset`` (``wikitext-2`` / ``wikitext-103``) in ``folder``, in order.
+
+    First the folder itself (``wiki.{s}.raw``, ``wiki.{s}.tokens``, ``{s}.txt``), then the sub-folders of the
+    official releases (``{dataset}-raw/wiki.{s}.raw``, ``{dataset}/wiki.{s}.tokens``, ``{dataset}/{s}.txt``), where
+    ``s`` is ``test``, ``valid`` or ``train``.
+    """
+    s = _FILE_SPLIT.get(split, split)
+    return [
+        folder / f"wiki.{s}.raw",
+        folder / f"wiki.{s}.tokens",
+        folder / f"{s}.txt",
+        folder / f"{dataset}-raw" / f"wiki.{s}.raw",
+        folder / dataset / f"wiki.{s}.tokens",
+        folder / dataset / f"{s}.txt",
+    ]
+
+
+def _wikitext_file(path: Path, source: str, dataset: str, split: str) -> Path:
+    """The file to read for ``dataset``/``split``: ``path`` itself, or the first candidate in the folder."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} (from {source}) does not exist")
+    if path.is_dir():
+        candidates = wikitext_candidates(path, dataset, split)
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            tried = ", ".join(str(c.relative_to(path)) for c in candidates)
+            raise ValueError(f"{path} (from {source}) holds no {dataset} {split} file; looked for: {tried}")
+        path = found
+    _warn_on_suspicious_name(path, dataset, split)
+    return path
+
+
+def _warn_on_suspicious_name(file: Path, dataset: str, split: str) -> None:
+    """Warn when the file's path names the other split or the other WikiText (one path serves every task)."""
+    wanted = _FILE_SPLIT.get(split, split)
+    other = {"test": "valid", "valid": "test"}.get(wanted)
+    if other and other in file.name and wanted not in file.name:
+        logger.warning(f"distperp: the {split} split of {dataset} is read from {file}, whose name says {other}")
+    other_dataset = "wikitext-103" if dataset == "wikitext-2" else "wikitext-2"
+    if _path_names(file, other_dataset) and not _path_names(file, dataset):
+        logger.warning(f"distperp: {dataset} is read from {file}, whose path says {other_dataset}")
+
+
+def _path_names(file: Path, dataset: str) -> bool:
+    return re.search(rf"{re.escape(dataset)}(?!\d)", str(file)) is not None
+
+
+def _to_dataset_dict(split: str, column: str, texts: list[str], extra: dict[str, list] | None = None):
+    import datasets
+
+    data = {column: texts, **(extra or {})}
+    return datasets.DatasetDict({split: datasets.Dataset.from_dict(data)})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom_dataset loaders (lm-eval calls them with **metadata, **dataset_kwargs)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_wikitext(
+    *,
+    hub_path: str,
+    hub_name: str,
+    split: str,
+    wikitext_path: str | None = None,
+    **_ignored: Any,
+):
+    """Documents of one WikiText split: ``{split: Dataset}`` with a ``page`` column, one article per row.
+
+    Args:
+        hub_path, hub_name: the hub dataset and config (``EleutherAI/wikitext_document_level``,
+            ``wikitext-2-raw-v1``), used when no local path is configured.
+        split: ``"test"`` or ``"validation"``.
+        wikitext_path: a WikiText file (``wiki.test.raw``, ``test.txt``, ``wiki.test.tokens``: used as given, for
+            whatever split the task evaluates) or a folder searched by :func:`wikitext_candidates`; falls back to
+            ``$DISTPERP_WIKITEXT_PATH``.
+        _ignored: the rest of lm-eval's metadata (model args, task version), not used.
+    """
+    configured = _configured_path("wikitext_path", wikitext_path, WIKITEXT_PATH_ENV)
+    if configured is None:
+        import datasets
+
+        return datasets.load_dataset(path=hub_path, name=hub_name)
+    dataset = "wikitext-103" if "103" in hub_name else "wikitext-2"
+    file = _wikitext_file(*configured, dataset=dataset, split=split)
+    articles = split_wikitext_articles(read_utf8(file, configured[1]))
+    if not any(a.strip() for a in articles):
+        raise ValueError(f"{file} (from {configured[1]}) holds no text")
+    logger.info(f"distperp: {dataset} {split}: {len(articles)} articles from {file}")
+    return _to_dataset_dict(split, "page", articles)
+
+
+def _docs_from_jsonl(path: Path, source: str) -> list[tuple[str, str]]:
+    docs = []
+    for number, line in enumerate(read_utf8(path, source).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} (from {source}) is not valid JSON: {e.msg}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'{path}:{number} (from {source}) needs a string field "text"')
+        docs.append((record["text"], f"{path}:{number}"))
+    return docs
+
+
+def read_local_docs(path: Path, source: str) -> list[tuple[str, str]]:
+    """``(text, origin)`` of every document under ``path``, sorted by file path.
+
+    A ``.txt`` file is one document, read exactly (no newline translation); a ``.jsonl`` file holds one document
+    per line in its ``text`` field. ``path`` may be one such file or a folder searched recursively (hidden
+    entries skipped). Blank documents are skipped with a warning.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path} (from {source}) does not exist")
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix in (".txt", ".jsonl")
+            and p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise ValueError(f"{path} (from {source}) holds no .txt or .jsonl files")
+    elif path.suffix in (".txt", ".jsonl"):
+        files = [path]
+    else:
+        raise ValueError(f"{path} (from {source}) is neither a folder nor a .txt or .jsonl file")
+    docs: list[tuple[str, str]] = []
+    for file in files:
+        if file.suffix == ".jsonl":
+            docs.extend(_docs_from_jsonl(file, source))
+        else:
+            docs.append((read_utf8(file, source, newline=""), str(file)))
+    kept = [(text, origin) for text, origin in docs if text.strip()]
+    if len(kept) < len(docs):
+        logger.warning(f"distperp: skipped {len(docs) - len(kept)} blank document(s) under {path}")
+    if not kept:
+        raise ValueError(f"{path} (from {source}) holds no non-blank documents")
+    return kept
+
+
+def load_local_docs(*, split: str = "test", docs_path: str | None = None, **_ignored: Any):
+    """``{split: Dataset}`` with ``text`` and ``source`` columns from ``docs_path`` or ``$DISTPERP_DOCS_PATH``."""
+    configured = _configured_path("docs_path", docs_path, DOCS_PATH_ENV)
+    if configured is None:
+        raise ValueError(
+            "distperp_local_docs needs documents: pass --metadata '{\"docs_path\": \"FOLDER\"}' or set "
+            f"${DOCS_PATH_ENV} (a folder of .txt files, one document each, and/or .jsonl files with a \"text\" field)"
+        )
+    docs = read_local_docs(*configured)
+    logger.info(f"distperp: {len(docs)} local documents from {configured[0]}")
+    return _to_dataset_dict(split, "text", [t for t, _ in docs], {"source": [o for _, o in docs]})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# process_results
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def original_text(doc: dict[str, Any]) -> str:
+    """The document as stored (WikiText ``page`` or local ``text``), before any detokenization."""
+    return doc["page"] if "page" in doc else doc["text"]
+
+
+def count_words(text: str) -> int:
+    """Words as lm-eval's ``wikitext`` counts them: ``len(re.split(r"\\s+", text))`` on the original text."""
+    return len(re.split(r"\s+", text))
+
+
+def count_bytes(text: str) -> int:
+    """UTF-8 bytes of the original text, as lm-eval's ``wikitext``."""
+    return len(text.encode("utf-8"))
+
+
+def process_results(doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:
+    """Per-document items for the aggregations in :mod:`distperp_harness.metrics`.
+
+    ``results`` holds one rolling log-likelihood: a :class:`~distperp_harness.results.Score` from
+    ``--model distperp`` or a plain float from other backends. Always returned: ``token_perplexity`` and
+    ``n_tokens`` (token count ``None`` for a plain float), ``word_perplexity``, ``byte_perplexity``,
+    ``bits_per_byte``. With a reference model also ``kl_divergence``, ``kl_p99``, ``kl_max``, ``top1_agreement``,
+    ``ref_token_perplexity`` and ``ln_ppl_ratio``; without one these keys are absent, so lm-eval prints no row.
+    """
+    (result,) = results
+    loglikelihood = float(result)
+    text = original_text(doc)
+    words, n_bytes = count_words(text), count_bytes(text)
+    n_tokens = n_tokens_of(result)
+    items: dict[str, Any] = {
+        "token_perplexity": (loglikelihood, n_tokens),
+        "word_perplexity": (loglikelihood, words),
+        "byte_perplexity": (loglikelihood, n_bytes),
+        "bits_per_byte": (loglikelihood, n_bytes),
+        "n_tokens": n_tokens,
+    }
+    kl = getattr(result, "kl", None)
+    if kl is None:
+        return items
+    if len(kl) != n_tokens:
+        raise ValueError(f"a Score carries {len(kl)} KL values for {n_tokens} scored tokens")
+    if result.ref_loglikelihood is None or result.top1_agree is None:
+        raise ValueError("a Score with KL values must also carry ref_loglikelihood and top1_agree")
+    ref_loglikelihood = float(result.ref_loglikelihood)
+    items.update(
+        {
+            "kl_divergence": (math.fsum(kl), n_tokens),
+            "kl_p99": kl,
+            "kl_max": float(kl.max()) if len(kl) else None,
+            "top1_agreement": (result.top1_agree, n_tokens),
+            "ref_token_perplexity": (ref_loglikelihood, n_tokens),
+            "ln_ppl_ratio": (loglikelihood, ref_loglikelihood, n_tokens),
+        }
+    )
+    return items
