@@ -2,7 +2,9 @@
 ``torchrun`` give byte-equal per-document results and equal metrics; faults end in bounded, named errors.
 """
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,18 +13,30 @@ import time
 
 import pytest
 
-from helpers import (accelerate_launch_prefix, free_port, load_results, load_samples, offline_env,
+from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_results, load_samples, offline_env,
                      run_command)
 
 pytestmark = pytest.mark.distributed
 
-TASKS = "dptest_rolling,dptest_mc,dptest_gen"
+TASKS = "dptest_rolling,dptest_mc,dptest_gen,distperp_wikitext2"
 EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_gen": ["exact_match,none"]}
 
 
+@pytest.fixture(scope="module")
+def tasks_dir(tasks_dir, tmp_path_factory):
+    """One --include_path holding the test tasks and the shipped distperp tasks."""
+    both = tmp_path_factory.mktemp("tasks")
+    shutil.copytree(tasks_dir, both / "dptest")  # lm-eval's task index does not follow symbolic links
+    shutil.copytree(REPO_ROOT / "tasks" / "distperp", both / "distperp")
+    return both
+
+
 def _lm_eval_args(model_dir, tasks_dir, out, extra=()):
+    from distperp_harness.tiny import sample_text_path
+
     return ["-m", "lm_eval", "--model", "distperp", "--model_args", f"pretrained={model_dir},max_length=128",
             "--tasks", TASKS, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
+            "--metadata", json.dumps({"wikitext_path": str(sample_text_path())}),
             "--output_path", str(out), *extra]
 
 
@@ -68,6 +82,9 @@ def test_identical_to_one_process(runs, setup, world, nodes):
     for task, metrics in EXACT_METRICS.items():
         for metric in metrics:
             assert other["results"][task][metric] == base["results"][task][metric]
+    wikitext = {k: v for k, v in base["results"]["distperp_wikitext2"].items() if k not in ("alias", "name")}
+    assert "token_perplexity_stderr,none" in wikitext
+    assert {k: other["results"]["distperp_wikitext2"][k] for k in wikitext} == wikitext  # every metric, exactly
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         # lm-eval's built-in weighted_perplexity sums per-rank lists in rank order: equal up to summation order.
         assert other["results"]["dptest_rolling"][metric] == pytest.approx(
