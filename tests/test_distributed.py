@@ -31,11 +31,11 @@ def tasks_dir(tasks_dir, tmp_path_factory):
     return both
 
 
-def _lm_eval_args(model_dir, tasks_dir, out, extra=()):
+def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASKS):
     from distperp_harness.tiny import sample_text_path
 
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args", f"pretrained={model_dir},max_length=128",
-            "--tasks", TASKS, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
+    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
+            f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
             "--metadata", json.dumps({"wikitext_path": str(sample_text_path())}),
             "--output_path", str(out), *extra]
 
@@ -64,6 +64,11 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
                     cwd=root)
     out["2nodes"] = root / "2nodes"
     _two_nodes(tiny_model_dir, tasks_dir, out["2nodes"], root)
+    for n in (1, 2):  # quantized, with the unquantized reference: same exactness
+        out[f"{n}p-int4"] = root / f"{n}p-int4"
+        run_command([*accelerate_launch_prefix(n), *_lm_eval_args(
+            tiny_model_dir, tasks_dir, out[f"{n}p-int4"], model_args=",quantize=int4,group_size=32,reference=base",
+            tasks="distperp_wikitext2,dptest_mc")], cwd=root)
     out["torchrun"] = root / "torchrun"
     run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                  str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
@@ -89,6 +94,16 @@ def test_identical_to_one_process(runs, setup, world, nodes):
         # lm-eval's built-in weighted_perplexity sums per-rank lists in rank order: equal up to summation order.
         assert other["results"]["dptest_rolling"][metric] == pytest.approx(
             base["results"]["dptest_rolling"][metric], rel=1e-12)
+
+
+def test_quantized_identical_across_world_sizes(runs):
+    one, two = load_results(runs["1p-int4"]), load_results(runs["2p-int4"])
+    assert two["config"]["distperp"]["quantization"]["config_name"] == "PrototypeInt4WeightOnlyConfig"
+    assert two["config"]["distperp"]["fingerprint"] == one["config"]["distperp"]["fingerprint"]
+    assert two["results"]["distperp_wikitext2"] == one["results"]["distperp_wikitext2"]
+    assert two["results"]["distperp_wikitext2"]["kl_divergence,none"] > 0
+    for task in ("distperp_wikitext2", "dptest_mc"):
+        assert _per_doc(load_samples(runs["1p-int4"], task)) == _per_doc(load_samples(runs["2p-int4"], task))
 
 
 def _per_doc(samples):

@@ -78,3 +78,47 @@ def test_rolling_sums_are_float64(runs):
     for s in dp.values():
         value = s["resps"][0][0]
         assert isinstance(value, float) and math.isfinite(value)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a simple chat template on its tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("chat_model")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant> {% endif %}")
+    tok.save_pretrained(out)
+    return out
+
+
+def _evaluate(model, model_dir, tasks_dir, **kwargs):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=f"pretrained={model_dir},max_length=128",
+                                   tasks=["dptest_gen"], task_manager=TaskManager(include_path=str(tasks_dir)),
+                                   batch_size=4, device="cpu", log_samples=True, limit=4, **kwargs)
+
+
+def test_chat_template_generation_parity(chat_model_dir, tasks_dir):
+    hf = _evaluate("hf", chat_model_dir, tasks_dir, apply_chat_template=True)
+    dp = _evaluate("distperp", chat_model_dir, tasks_dir, apply_chat_template=True)
+    prompts = [s["arguments"][0][0] for s in dp["samples"]["dptest_gen"]]
+    assert all("<assistant> " in p for p in prompts)
+    assert [s["resps"] for s in hf["samples"]["dptest_gen"]] == [s["resps"] for s in dp["samples"]["dptest_gen"]]
+
+
+def test_sampled_generation_is_seeded_by_content(tiny_model_dir, tasks_dir):
+    kwargs = {"gen_kwargs": "do_sample=True,temperature=1.0,top_k=50"}
+    a = _evaluate("distperp", tiny_model_dir, tasks_dir, **kwargs)
+    b = _evaluate("distperp", tiny_model_dir, tasks_dir, **kwargs)
+    greedy = _evaluate("distperp", tiny_model_dir, tasks_dir)
+    resps = [s["resps"] for s in a["samples"]["dptest_gen"]]
+    assert resps == [s["resps"] for s in b["samples"]["dptest_gen"]]
+    assert resps != [s["resps"] for s in greedy["samples"]["dptest_gen"]]
