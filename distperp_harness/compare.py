@@ -135,14 +135,16 @@ def plot_runs(runs: list[Run], out: str | Path) -> Path:
                              squeeze=False)
     width = 0.8 / len(runs)
     for i, task in enumerate(tasks):
-        for j, run in enumerate(runs):
-            if task not in run.samples:
-                continue
-            docs = per_document(run, task)
-            xs = [k + (j - (len(runs) - 1) / 2) * width for k in range(len(docs["nll_per_token"]))]
-            axes[i][0].bar(xs, docs["nll_per_token"], width=width, label=run.label)
-            if has_kl and docs["kl_per_token"]:
-                axes[i][1].bar(xs, docs["kl_per_token"], width=width, label=run.label)
+        docs = {j: per_document(run, task) for j, run in enumerate(runs) if task in run.samples}
+        with_kl = [j for j in docs if docs[j]["kl_per_token"]]
+        for j, d in docs.items():
+            xs = [k + (j - (len(runs) - 1) / 2) * width for k in range(len(d["nll_per_token"]))]
+            axes[i][0].bar(xs, d["nll_per_token"], width=width, label=runs[j].label)
+            if j in with_kl:
+                kl_width = 0.8 / len(with_kl)
+                slot = with_kl.index(j) - (len(with_kl) - 1) / 2
+                axes[i][1].bar([k + slot * kl_width for k in range(len(d["kl_per_token"]))], d["kl_per_token"],
+                               width=kl_width, label=runs[j].label)
         axes[i][0].set(title=f"{task}: NLL per token by document", xlabel="document", ylabel="nats / token")
         axes[i][0].legend(fontsize=8)
         if has_kl:
