@@ -20,7 +20,7 @@ from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 from distperp_harness import __version__
 from distperp_harness.collective import Collective
 from distperp_harness.generate import generate
-from distperp_harness.loading import load_model, load_tokenizer, model_max_length, resolve_device, torch_dtype
+from distperp_harness.loading import load_all
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, score_requests
 from distperp_harness.progress import token_progress
@@ -54,32 +54,11 @@ class DistPerpLM(TemplateLM):
         wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
         self.collective = Collective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
-        self._device = resolve_device(self.options, self.collective.local_rank)
-        self.tokenizer = load_tokenizer(self.options)
-        self.quant_report = None
-        dtype = torch_dtype(self.options.dtype)
-        if self.options.quantize != "none":
-            from distperp_harness.quantize import resolve_model_dtype
-
-            dtype, note = resolve_model_dtype(self.options.quantize, self.options.dtype, self._device)
-            log.info(note, main_process_only=True)
-        self._model = load_model(self.options, self._device, torch_dtype(self.options.dtype) if dtype is None else dtype)
+        loaded = load_all(self.options, self.collective.local_rank)
+        self._device, self.tokenizer, self._model = loaded.device, loaded.tokenizer, loaded.model
+        self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
+        self._max_length = loaded.max_length
         self._check_ranks_agree()
-        self.reference = self._load_reference(torch_dtype(self.options.dtype))
-        if self.options.quantize != "none":
-            from distperp_harness.quantize import quantize_model
-
-            self.quant_report = quantize_model(self._model, self.options.quantize,
-                                               group_size=self.options.group_size,
-                                               include_lm_head=self.options.quantize_lm_head)
-            log.info(self.quant_report.summary(), main_process_only=True)
-        from distperp_harness.quantize import weight_bytes
-
-        self.weight_bytes = weight_bytes(self._model)
-        self._max_length = model_max_length(self.options, self._model, self.tokenizer)
-        if self.options.stride is not None and self.options.stride > self._max_length:
-            raise ValueError(f"stride={self.options.stride} is not valid: need 0 < stride <= max_length "
-                             f"({self._max_length}). Fix: lower stride or set max_length.")
         # batch_size=auto measures free memory; every rank uses rank 0's rule so the plan is one plan.
         self.batching: Batching = self.collective.all_gather_object(
             batching_for(self.options, self._model, self._device, self._max_length), "agree on batching")[0]
@@ -107,20 +86,6 @@ class DistPerpLM(TemplateLM):
                 raise ValueError(f"rank {rank} runs a different configuration or library versions than rank "
                                  f"{self.rank}: {theirs} vs {mine}. Install the same versions and pass the same "
                                  "--model_args on every node.")
-
-    # ----------------------------------------------------------------------------------------- loading
-    def _load_reference(self, dtype):
-        """The reference model, in the dtype the user asked for (``auto``: the checkpoint's), never quantized:
-        KL divergence then measures everything ``quantize=`` changed, including a bf16 cast it implied."""
-        ref = self.options.reference
-        if ref is None:
-            return None
-        if ref == "base":
-            if self.options.quantize == "none":
-                raise ValueError("reference=base compares against the unquantized checkpoint, but quantize=none. "
-                                 "Fix: add quantize=int4 (or int8, 8da4w), or give reference=<other model path>.")
-            return load_model(self.options, self._device, dtype)
-        return load_model(self.options, self._device, dtype, source=ref)
 
     # ------------------------------------------------------------------------- lm-eval request methods
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[Score, bool]]:

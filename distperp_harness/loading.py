@@ -7,6 +7,8 @@ folder; hub loading is the real code path users run (it needs network access, wh
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.logging import get_logger
@@ -111,3 +113,52 @@ def model_max_length(options: Options, model, tokenizer) -> int:
     from lm_eval.models.utils import DEFAULT_MAX_LENGTH, resolve_max_length
 
     return resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)
+
+
+@dataclass
+class Loaded:
+    """Everything the load stage builds: tokenizer, (quantized) model, optional reference, and facts about them."""
+
+    device: torch.device
+    tokenizer: Any
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    quant_report: Any | None
+    weight_bytes: int
+    max_length: int
+
+
+def load_all(options: Options, local_rank: int) -> Loaded:
+    """Device → tokenizer → model (in the dtype quantization needs) → reference → quantization.
+
+    The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
+    the checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
+    """
+    from distperp_harness.quantize import quantize_model, resolve_model_dtype, weight_bytes
+
+    device = resolve_device(options, local_rank)
+    tokenizer = load_tokenizer(options)
+    asked = torch_dtype(options.dtype)
+    dtype = asked
+    if options.quantize != "none":
+        dtype, note = resolve_model_dtype(options.quantize, options.dtype, device)
+        log.info(note, main_process_only=True)
+    model = load_model(options, device, asked if dtype is None else dtype)
+    reference = None
+    if options.reference == "base":
+        if options.quantize == "none":
+            raise ValueError("reference=base compares against the unquantized checkpoint, but quantize=none. "
+                             "Fix: add quantize=int4 (or int8, 8da4w), or give reference=<other model path>.")
+        reference = load_model(options, device, asked)
+    elif options.reference is not None:
+        reference = load_model(options, device, asked, source=options.reference)
+    report = None
+    if options.quantize != "none":
+        report = quantize_model(model, options.quantize, group_size=options.group_size,
+                                include_lm_head=options.quantize_lm_head)
+        log.info(report.summary(), main_process_only=True)
+    max_length = model_max_length(options, model, tokenizer)
+    if options.stride is not None and options.stride > max_length:
+        raise ValueError(f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
+                         "Fix: lower stride or set max_length.")
+    return Loaded(device, tokenizer, model, reference, report, weight_bytes(model), max_length)
