@@ -49,20 +49,85 @@ class BatchScores:
     kl: list[np.ndarray] | None
 
 
-def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
-              ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Per-position features at ``(rows, cols)`` and the map from a chunk of features to float32+ logits."""
+def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+              chunk_rows: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
+    float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if head is not None and model_type in _PLAIN_HEAD_TYPES:
         hidden = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-        return hidden[rows, cols], lambda chunk: _at_least_float32(head(chunk))
+        feats = hidden[rows, cols]
+        if _ReusedHead.applies(head, feats):
+            return feats, _ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
+        return feats, lambda chunk: _at_least_float32(head(chunk))
     logits = model(input_ids=input_ids, use_cache=False).logits
     return logits[rows, cols], _at_least_float32
 
 
+class _ReusedHead:
+    """``head(chunk)`` for a plain ``nn.Linear`` head, written into one logits buffer that every chunk of a batch
+    reuses (as float32 when the model computes in a narrower dtype).
+
+    Same kernels and bits as ``nn.Linear`` (``mm`` / ``addmm`` with the transposed weight), without allocating
+    fresh ``[chunk, vocab]`` memory per chunk: on CPU a new chunk-sized allocation is fresh pages from the kernel,
+    and faulting them in costs about a third of the head's matmul (measured; see ``benchmarks/README.md``).
+    """
+
+    def __init__(self, head: torch.nn.Linear, rows: int) -> None:
+        weight = head.weight
+        self.weight_t = weight.t()
+        self.bias = head.bias
+        self.out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        self.wide = (None if weight.dtype in (torch.float32, torch.float64)
+                     else torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device))
+
+    @staticmethod
+    def applies(head: torch.nn.Module, feats: torch.Tensor) -> bool:
+        """True for an exact ``nn.Linear`` with plain dense floating-point parameters of the features' dtype."""
+        params = [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
+        return (type(head) is torch.nn.Linear and feats.dim() == 2
+                and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided
+                        and p.dtype == feats.dtype and p.device == feats.device and p.is_floating_point()
+                        for p in params))
+
+    def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
+        out = self.out[: chunk.shape[0]]
+        if self.bias is None:
+            torch.mm(chunk, self.weight_t, out=out)
+        else:
+            torch.addmm(self.bias, chunk, self.weight_t, out=out)
+        return out if self.wide is None else self.wide[: chunk.shape[0]].copy_(out)
+
+
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _logsumexp_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(logits, -1)`` (bit for bit, for rows with a finite max ``top``), computed in place.
+
+    The same operations as ATen's composite ``logsumexp`` (``log(sum(exp(x - max))) + max``) with the
+    subtraction and exponential done in ``logits``' own storage: no ``[positions, vocab]`` temporary, and ``top``
+    (``logits.amax(-1)``) is shared with the greedy check. ``logits`` is overwritten.
+    """
+    return logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(top)
+
+
+def _is_first_argmax(logits: torch.Tensor, target_logit: torch.Tensor, top: torch.Tensor, targets: torch.Tensor,
+                     argmax: torch.Tensor | None) -> torch.Tensor:
+    """``logits.argmax(-1) == targets`` (first index of the maximum, as lm-eval's greedy check), per row.
+
+    Without a precomputed ``argmax``, only rows whose target logit equals the row maximum ``top`` can be greedy;
+    the argmax runs on those rows alone (a max-with-index pass costs about four plain max passes on CPU).
+    """
+    if argmax is not None:
+        return argmax == targets
+    greedy = torch.zeros_like(targets, dtype=torch.bool)
+    hit = (target_logit == top).nonzero().flatten()
+    if hit.numel():
+        greedy[hit] = logits.index_select(0, hit).argmax(dim=-1) == targets[hit]
+    return greedy
 
 
 def _chunks(n: int, vocab: int) -> list[tuple[int, int]]:
@@ -97,26 +162,29 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
     cols = torch.tensor(col_list, device=device)
     targets = torch.tensor(target_list, device=device)
 
-    feats, to_logits = _features(model, ids, rows, cols)
-    ref_feats, ref_to_logits = _features(reference, ids, rows, cols) if reference is not None else (None, None)
-
     n = len(target_list)
+    chunks = _chunks(n, _vocab_size(model))
+    chunk_rows = max(b - a for a, b in chunks) if chunks else 1
+    feats, to_logits = _features(model, ids, rows, cols, chunk_rows)
+    ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows) if reference is not None
+                                else (None, None))
+
     logprob = torch.empty(n, dtype=torch.float64, device=device)
     greedy = torch.empty(n, dtype=torch.bool, device=device)
     if reference is not None:
         ref_logprob = torch.empty(n, dtype=torch.float64, device=device)
         kl = torch.empty(n, dtype=torch.float64, device=device)
         top1 = torch.empty(n, dtype=torch.bool, device=device)
-    for a, b in _chunks(n, _vocab_size(model)):
-        logits = to_logits(feats[a:b])
+    for a, b in chunks:
+        logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: _logsumexp_ overwrites it
         tgt = targets[a:b].unsqueeze(-1)
-        lse = torch.logsumexp(logits, dim=-1)
-        if not torch.isfinite(lse).all():
-            bad = (~torch.isfinite(lse)).nonzero().flatten() + a
+        top = logits.amax(dim=-1)
+        if not torch.isfinite(top).all():  # NaN propagates to the max; +-inf maxima make the lse non-finite
+            bad = (~torch.isfinite(top)).nonzero().flatten() + a
             raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
-        logprob[a:b] = logits.gather(-1, tgt).squeeze(-1).double() - lse.double()
-        argmax = logits.argmax(dim=-1)
-        greedy[a:b] = argmax == targets[a:b]
+        target_logit = logits.gather(-1, tgt).squeeze(-1)
+        argmax = logits.argmax(dim=-1) if reference is not None else None
+        greedy[a:b] = _is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
         if reference is not None:
             ref_logits = ref_to_logits(ref_feats[a:b])
             lp = torch.log_softmax(logits.double(), dim=-1)
@@ -126,6 +194,7 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
                 ref_logits, dim=-1).double()
             kl[a:b] = (ref_lp.exp() * (ref_lp - lp)).sum(dim=-1)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
+        logprob[a:b] = target_logit.double() - _logsumexp_(logits, top).double()
 
     counts = [u.n_score for u in units]
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)

@@ -1,0 +1,40 @@
+"""Smoke tests: each benchmark script runs end to end on the tiny test model and the packaged sample (no timing
+assertions — the numbers of a shared test machine mean nothing)."""
+
+import sys
+
+from helpers import REPO_ROOT, run_command
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+def test_bench_scoring_runs_end_to_end(tiny_model_dir, sample_text_path, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_command([sys.executable, BENCHMARKS / "bench_scoring.py", "--models", tiny_model_dir,
+                        "--text", sample_text_path, "--scorers", "hf,distperp,bare,int4", "--tokens", "300",
+                        "--repeats", "1", "--max-length", "64", "--batch-size", "2", "--memory-tokens", "128",
+                        "--memory-scorers", "hf,distperp",
+                        "--json", out], cwd=REPO_ROOT, timeout=600)
+    table = proc.stdout
+    assert "| model | scorer | tokens/s | vs hf | vs bare forward | peak scoring memory | vs hf |" in table
+    for label in ("lm-eval hf", "distperp", "bare forward", "distperp int4 (float32 compute)"):
+        assert f"| {label} |" in table, table
+    assert "MiB" in table and "max |hf - distperp| per document" in table
+    assert out.is_file()
+
+
+def test_bench_scoring_profile_mode(tiny_model_dir, sample_text_path):
+    proc = run_command([sys.executable, BENCHMARKS / "bench_scoring.py", "--profile", "--models", tiny_model_dir,
+                        "--text", sample_text_path, "--tokens", "200", "--max-length", "64", "--batch-size", "2"],
+                       cwd=REPO_ROOT, timeout=600)
+    assert "post-processing" in proc.stdout and "bare forward" in proc.stdout
+
+
+def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
+    proc = run_command([sys.executable, BENCHMARKS / "balance.py", "--model", tiny_model_dir, "--text",
+                        sample_text_path, "--max-length", "64", "--ranks", "2,4", "--batch-sizes", "1,2",
+                        "--sim-ranks", "8", "--sim-tokens", "100000"], cwd=REPO_ROOT, timeout=300)
+    out = proc.stdout
+    assert "batch size 1:" in out and "batch size 2:" in out
+    assert "| ranks | lm-eval tokens | ours tokens |" in out
+    assert "Simulation: 8 ranks" in out and "planning wall time" in out
