@@ -135,6 +135,14 @@ def free_memory_bytes(device: torch.device) -> int:
     return available if cgroup is None else min(available, cgroup)
 
 
+def _log_main(message: str, *args: object) -> None:
+    """INFO on the main process only (every process when no Accelerate state exists yet, as in unit tests)."""
+    from accelerate.state import PartialState
+
+    if not PartialState._shared_state or PartialState().is_main_process:
+        log.info(message, *args)
+
+
 def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -236,8 +244,8 @@ def batching_for(options: Options, model: torch.nn.Module, device: torch.device,
     if not options.auto_batch:
         return Batching(batch_size=int(options.batch_size), max_batch_size=options.max_batch_size)
     if options.auto_batch_schedule > 1:
-        log.info("batch_size=%s: distperp detects one token budget at start (a batch of shorter units gets more "
-                 "rows), so it re-detects nothing; treated as batch_size=auto", options.batch_size)
+        _log_main("batch_size=%s: distperp detects one token budget at start (a batch of shorter units gets more "
+                  "rows), so it re-detects nothing; treated as batch_size=auto", options.batch_size)
     free = free_memory(device)
     if device.type == "cuda":
         run = probe or scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
@@ -248,8 +256,8 @@ def batching_for(options: Options, model: torch.nn.Module, device: torch.device,
     else:
         budget = memory_budget(model, max_length, options.max_batch_size, free)
         how = f"memory budget: {_MEMORY_FRACTION:.0%} of {free / 2**30:.1f} GiB available"
-    log.info("batch_size=auto: token budget %d (%d rows of max_length=%d; %s)", budget, budget // max_length,
-             max_length, how)
+    _log_main("batch_size=auto: token budget %d (%d rows of max_length=%d; %s)", budget, budget // max_length,
+              max_length, how)
     return Batching(batch_size=None, token_budget=budget, max_batch_size=options.max_batch_size)
 
 
