@@ -9,6 +9,7 @@ error names the ranks that never arrived, instead of a bare gloo/nccl message.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from datetime import timedelta
@@ -42,6 +43,8 @@ class Collective:
         backend = getattr(self._state, "backend", None) or ""
         self._comm_device = self._state.device if "nccl" in backend else torch.device("cpu")
         self._step = 0
+        if self.distributed:
+            atexit.register(_destroy_group)
 
     @property
     def is_main(self) -> bool:
@@ -111,6 +114,15 @@ class Collective:
             who = "every rank arrived, so a peer failed during the exchange"
         return (f"{head}: {who}. The evaluation is incomplete and no results were written. "
                 f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def _destroy_group() -> None:
+    """Tear the group down before interpreter shutdown, so no gloo thread outlives the Python objects."""
+    try:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
 
 
 def _default_store() -> Any:

@@ -22,6 +22,7 @@ from distperp_harness.plan import Batch, assign_batches
 
 if TYPE_CHECKING:
     from distperp_harness.lm import DistPerpLM
+    from distperp_harness.pipeline import Batching
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def generate(lm: "DistPerpLM", args: Sequence[tuple[str, dict]], disable_tqdm: b
             if key not in jobs:
                 jobs[key] = Job(key, tuple(_encode(lm, ctx)), kwargs_key, kw)
     ordered = sorted(jobs.values(), key=lambda j: (j.kwargs_key, -len(j.tokens), j.tokens, j.key))
-    batches = _batches(ordered, lm.batching.batch_size or lm.batching.max_batch_size)
+    batches = _batches(ordered, lm.batching, lm.max_gen_toks)
     plan = assign_batches(batches, collective.world_size)
     mine = {}
     for b in plan.batches_of(collective.rank):
@@ -75,10 +76,12 @@ def generate(lm: "DistPerpLM", args: Sequence[tuple[str, dict]], disable_tqdm: b
     return [texts[key] for key, _ in local_keys]
 
 
-def _batches(ordered: Sequence[Job], rows: int) -> list[Batch]:
-    """Consecutive jobs with equal generation arguments, at most ``rows`` per batch."""
+def _batches(ordered: Sequence[Job], batching: "Batching", max_gen_toks: int) -> list[Batch]:
+    """Consecutive jobs with equal generation arguments; rows as the batching rule allows for the longest prompt
+    plus ``max_gen_toks`` (a token budget gives short prompts more rows)."""
     batches, start = [], 0
     while start < len(ordered):
+        rows = batching.rows_for(len(ordered[start].tokens) + max_gen_toks)
         stop = start + 1
         while stop < len(ordered) and stop - start < rows and ordered[stop].kwargs_key == ordered[start].kwargs_key:
             stop += 1

@@ -27,7 +27,7 @@ from distperp_harness.progress import token_progress
 from distperp_harness.requests import continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
-from distperp_harness.runtime import attention_coefficient, batching_for, peak_memory_bytes
+from distperp_harness.runtime import attention_coefficient, batching_for, head_coefficient, peak_memory_bytes
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
 
 log = get_logger(__name__)
@@ -61,7 +61,8 @@ class DistPerpLM(TemplateLM):
         self._check_ranks_agree()
         # batch_size=auto measures free memory; every rank uses rank 0's rule so the plan is one plan.
         self.batching: Batching = self.collective.all_gather_object(
-            batching_for(self.options, self._model, self._device, self._max_length), "agree on batching")[0]
+            batching_for(self.options, self._model, self._device, self._max_length, reference=self.reference,
+                         pad_token_id=self.tokenizer.pad_token_id), "agree on batching")[0]
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
         self.store = BatchStore(self.options.resume_dir, self._scoring_config()) if self.options.resume_dir else None
         self.stats = RunStats()
@@ -146,7 +147,8 @@ class DistPerpLM(TemplateLM):
     def _score(self, per_request_units, kind: str, disable_tqdm: bool):
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
-            attention_coef=attention_coefficient(self._model), with_reference=self.reference is not None,
+            attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
+            with_reference=self.reference is not None,
             stats=self.stats, kind=kind,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]

@@ -32,10 +32,18 @@ class Batching:
     token_budget: int | None = None
     max_batch_size: int = 64
 
-    def batches(self, lengths: Sequence[int]) -> list[Batch]:
+    def batches(self, lengths: Sequence[int], n_score: Sequence[int] | None = None) -> list[Batch]:
+        """Batches over units in canonical order; ``n_score`` only annotates them (it never moves a boundary)."""
         if self.token_budget is not None:
-            return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size)
-        return make_batches(lengths, batch_size=self.batch_size)
+            return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+                                n_score=n_score)
+        return make_batches(lengths, batch_size=self.batch_size, n_score=n_score)
+
+    def rows_for(self, padded_length: int) -> int:
+        """Rows a batch of ``padded_length`` tokens may hold under this rule."""
+        if self.token_budget is not None:
+            return max(1, min(self.max_batch_size, self.token_budget // max(1, padded_length)))
+        return int(self.batch_size or 1)
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ Progress = Callable[[int], None]
 
 
 def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: Collective, score_fn: ScoreFn,
-                   batching: Batching, attention_coef: float = 0.0, with_reference: bool = False,
+                   batching: Batching, attention_coef: float = 0.0, head_coef: float = 0.0,
+                   with_reference: bool = False,
                    stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
                    kind: str = "score") -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
@@ -82,8 +91,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     """
     t0 = time.perf_counter()
     table = _global_table(per_request_units, collective)
-    batches = batching.batches(table.lengths)
-    plan = assign_batches(batches, collective.world_size, attention_coef)
+    batches = batching.batches(table.lengths, [u.n_score for u in table.units])
+    plan = assign_batches(batches, collective.world_size, attention_coef, head_coef)
     mine = plan.batches_of(collective.rank)
     update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
 
@@ -103,12 +112,13 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     results = [_assemble(table.ids(units), full, kl_full) for units in per_request_units]
     if stats is not None:
         stats._digest.update(full.tobytes())
-        report = balance_report(plan, attention_coef)
+        report = balance_report(plan, attention_coef, head_coef)
         stats.calls.append({
             "kind": kind, "units": len(table), "batches": len(batches),
             "scored_tokens": int(full[:, N_TOKENS].sum()),
             "padded_tokens_per_rank": report["padded_tokens_per_rank"],
             "max_over_mean": report["max_over_mean"], "best_max_over_mean": report["best_max_over_mean"],
+            "scored_max_over_mean": report["scored_max_over_mean"],
             "scoring_seconds": t_score, "total_seconds": time.perf_counter() - t0,
         })
     return results
