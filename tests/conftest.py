@@ -1,20 +1,18 @@
-"""Shared fixtures: a tiny random Llama model built once per session, the packaged sample text, the local
-``dptest_*`` lm-eval tasks, and an offline lm-eval CLI runner. Helpers live in ``tests/helpers.py``.
+"""Shared fixtures: a tiny random Llama model built once per session, the packaged sample text and the local
+``dptest_*`` lm-eval tasks. Subprocess helpers (offline lm-eval / accelerate runs) live in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` under any import mode
 
-from helpers import OFFLINE_ENV, TASKS_DIR, run_lm_eval  # noqa: E402
+from helpers import OFFLINE_ENV, TASKS_DIR  # noqa: E402
 
 for _key, _value in OFFLINE_ENV.items():  # in-process loads are offline too (set before any HF import)
     os.environ.setdefault(_key, _value)
@@ -48,31 +46,3 @@ def sample_text_path() -> Path:
 def tasks_dir() -> Path:
     """``tests/tasks``: ``dptest_mc``, ``dptest_rolling``, ``dptest_gen`` (pass as ``--include_path``)."""
     return TASKS_DIR
-
-
-LmEvalCli = Callable[..., "subprocess.CompletedProcess[str]"]
-
-
-@pytest.fixture
-def lm_eval_cli(tmp_path: Path) -> LmEvalCli:
-    """``lm_eval_cli(args, *, cwd=tmp_path, env=None, num_processes=None, timeout=600, check=True)``.
-
-    Runs ``python -m lm_eval *args`` offline (under ``accelerate launch`` when ``num_processes`` is an int) in
-    ``cwd`` (default: the test's ``tmp_path``) and returns the ``CompletedProcess``; see ``helpers.run_lm_eval``.
-    """
-
-    def run(
-        args: Sequence[str],
-        *,
-        cwd: str | os.PathLike[str] | None = None,
-        env: Mapping[str, str] | None = None,
-        num_processes: int | None = None,
-        timeout: float = 600,
-        check: bool = True,
-    ) -> subprocess.CompletedProcess[str]:
-        return run_lm_eval(
-            args, cwd=tmp_path if cwd is None else cwd, env=env, num_processes=num_processes, timeout=timeout,
-            check=check,
-        )  # fmt: skip
-
-    return run
