@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import sys
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
@@ -44,7 +45,8 @@ class Collective:
         self._comm_device = self._state.device if "nccl" in backend else torch.device("cpu")
         self._step = 0
         if self.distributed:
-            atexit.register(_destroy_group)
+            _watch_for_failure()
+            atexit.register(_leave_group, timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -116,11 +118,40 @@ class Collective:
                 f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
 
-def _destroy_group() -> None:
-    """Tear the group down before interpreter shutdown, so no gloo thread outlives the Python objects."""
+_FAILED = False
+
+
+def _watch_for_failure() -> None:
+    """Note an uncaught exception (it runs before ``atexit``), so a failing rank does not wait at exit."""
+    if getattr(sys.excepthook, "_distperp", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        global _FAILED
+        _FAILED = True
+        previous(kind, value, traceback)
+
+    hook._distperp = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _leave_group(timeout_s: float) -> None:
+    """At exit: wait until every rank is done with the group, then tear it down.
+
+    lm-eval's rank 0 still aggregates and writes results after the last collective; a rank that exited meanwhile
+    could abort in gloo's teardown ("terminate called without an active exception"). A dead peer makes the
+    barrier fail at once; a hung one is bounded by the timeout.
+    """
+    dist = torch.distributed
     try:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if _FAILED or not dist.is_initialized():
+            return  # failing: leave at once, so the peers' collectives fail fast instead of waiting here
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
 
