@@ -55,12 +55,8 @@ def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int)
     return wall
 
 
-def _newest(folder: Path, pattern: str) -> Path:
-    return max(folder.rglob(pattern), key=lambda p: p.stat().st_mtime_ns)
-
-
-def _per_doc(folder: Path) -> list:
-    rows = [json.loads(line) for line in _newest(folder, f"samples_{TASK}_*.jsonl").read_text().splitlines()]
+def _per_doc(samples: Path) -> list:
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
     # lm-eval appends the responses of its padding copies to the same request: compare the first of each.
     return sorted((r["doc_id"], [resp[0] for resp in r["resps"]]) for r in rows)
 
@@ -77,23 +73,23 @@ def run_demo(out: str | None = None, processes: int = 2) -> int:
     print(f"model: {model}\ndata:  {sample} (WikiText-format sample shipped with the package)", flush=True)
     base = f"pretrained={model},max_length=256"
     port = 29500 + os.getpid() % 1000
-    runs = {
+    configs = {
         f"fp32, {processes} processes": (processes, base),
         f"int4 vs fp32, {processes} processes": (processes, f"{base},quantize=int4,reference=base"),
         "fp32, 1 process": (1, base),
     }
     folders = {}
-    for i, (name, (n, args)) in enumerate(runs.items()):
+    for i, (name, (n, args)) in enumerate(configs.items()):
         folders[name] = root / f"run{i}"
         _launch(n, args, folders[name], sample, port + i)
 
-    many, one = folders[f"fp32, {processes} processes"], folders["fp32, 1 process"]
-    fingerprints = [json.loads(_newest(f, "results_*.json").read_text())["config"]["distperp"]["fingerprint"]
-                    for f in (many, one)]
-    identical = _per_doc(many) == _per_doc(one) and fingerprints[0] == fingerprints[1]
     from distperp_harness.compare import load_run, markdown_table
 
-    print("\n" + markdown_table([load_run(_newest(f, "results_*.json")) for f in folders.values()]))
+    runs = {name: load_run(folder) for name, folder in folders.items()}
+    many, one = runs[f"fp32, {processes} processes"], runs["fp32, 1 process"]
+    fingerprints = [many.fingerprint, one.fingerprint]
+    identical = _per_doc(many.samples[TASK]) == _per_doc(one.samples[TASK]) and fingerprints[0] == fingerprints[1]
+    print("\n" + markdown_table(list(runs.values())))
     print(f"\n1 process vs {processes} processes: per-document log-likelihoods and fingerprint "
           f"{'IDENTICAL' if identical else 'DIFFERENT'} ({fingerprints[0]} / {fingerprints[1]})")
     print(f"results in {root}; demo took {time.perf_counter() - t0:.0f} s")

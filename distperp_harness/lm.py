@@ -224,9 +224,9 @@ class DistPerpLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.collective.all_gather_tensor(tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim()
-                                                           else tensor.reshape(1), "lm-eval all_gather")
-                         ).to(tensor.device)
+        """Every rank's ``tensor`` concatenated along dim 0 (a 0-d tensor counts as one element)."""
+        parts = self.collective.all_gather_tensor(tensor.reshape(1) if tensor.dim() == 0 else tensor, "lm-eval all_gather")
+        return torch.cat(parts).to(tensor.device)
 
     def gather_object(self, obj, dst: int = 0):
         gathered = self.collective.all_gather_object(obj, "lm-eval gather_object")
