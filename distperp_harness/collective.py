@@ -148,7 +148,8 @@ def _leave_group(timeout_s: float) -> None:
         if _FAILED or not dist.is_initialized():
             return  # failing: leave at once, so the peers' collectives fail fast instead of waiting here
         if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+            # Bounded well below the run's timeout: at worst a rank waits a minute, then leaves anyway.
+            dist.monitored_barrier(timeout=timedelta(seconds=min(timeout_s, 60.0)), wait_all_ranks=True)
         else:
             dist.barrier()
         dist.destroy_process_group()
