@@ -125,6 +125,7 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
         import sys, time, torch
         from distperp_harness.collective import Collective, CollectiveError
         c = Collective(timeout_s=4, cpu=True)
+        print("CONTROL", c.rank, c.control_backend, flush=True)
         c.all_gather_tensor(torch.zeros(2))            # everyone arrives once
         if c.rank == 1:
             time.sleep(120)                            # then rank 1 hangs
@@ -140,6 +141,8 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
     assert proc.returncode != 0
     assert "rank(s) [1] never arrived" in proc.stdout + proc.stderr
     assert "gather scores" in proc.stdout + proc.stderr
+    # the exchanges ran on the dedicated gloo control group (the path NCCL runs take too), with its timeout
+    assert "CONTROL 0 gloo" in proc.stdout and "CONTROL 1 gloo" in proc.stdout
     assert elapsed < 90
 
 
