@@ -7,6 +7,7 @@ gather → results. Each stage lives in its own module; this class only connects
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -19,7 +20,9 @@ from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from distperp_harness import __version__
 from distperp_harness.collective import Collective
-from distperp_harness.generate import generate
+from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, physical_device, \
+    resolve_device
+from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, score_requests
@@ -27,7 +30,8 @@ from distperp_harness.progress import token_progress
 from distperp_harness.requests import continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
-from distperp_harness.runtime import attention_coefficient, batching_for, head_coefficient, peak_memory_bytes
+from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
+from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
 
 log = get_logger(__name__)
@@ -54,39 +58,42 @@ class DistPerpLM(TemplateLM):
         wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
         self.collective = Collective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
-        loaded = load_all(self.options, self.collective.local_rank)
-        self._device, self.tokenizer, self._model = loaded.device, loaded.tokenizer, loaded.model
+        self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
+        self.device_identity = device_identity(self._device)
+        self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
+        loaded = load_all(self.options, self._device)
+        self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
         self._max_length = loaded.max_length
-        self._check_ranks_agree()
-        # batch_size=auto measures free memory; every rank uses rank 0's rule so the plan is one plan.
-        self.batching: Batching = self.collective.all_gather_object(
-            batching_for(self.options, self._model, self._device, self._max_length, reference=self.reference,
-                         pad_token_id=self.tokenizer.pad_token_id), "agree on batching")[0]
+        self.batching: Batching = agree_on_batching(
+            self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
+            pad_token_id=self.tokenizer.pad_token_id)
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
         self.store = BatchStore(self.options.resume_dir, self._scoring_config()) if self.options.resume_dir else None
         self.stats = RunStats()
         self.load_seconds = time.perf_counter() - t0
 
-    def _scoring_config(self) -> dict:
-        """Everything besides the units that determines scores (the resume key)."""
+    def _run_identity(self) -> dict:
+        """What every rank must share for results to be one computation: options, versions, device identity."""
         import lm_eval
         import transformers
 
         return {"options": {k: v for k, v in self.options.to_dict().items()
                             if k not in ("batch_size", "max_batch_size", "timeout", "resume_dir", "device")},
-                "dtype": str(next(self._model.parameters()).dtype), "device_type": self._device.type,
-                "versions": [__version__, torch.__version__, transformers.__version__, lm_eval.__version__]}
+                "versions": [__version__, torch.__version__, transformers.__version__, lm_eval.__version__],
+                "device": self.device_identity}
+
+    def _scoring_config(self) -> dict:
+        """Everything besides the units that determines scores (the resume key)."""
+        return {**self._run_identity(), "dtype": str(next(self._model.parameters()).dtype)}
 
     def _check_ranks_agree(self) -> None:
-        """Every rank must run the same configuration and library versions (else results would mix)."""
-        mine = {"config": self._scoring_config(), "world_size": self.world_size}
-        everyone = self.collective.all_gather_object(mine, "compare configurations")
-        for rank, theirs in enumerate(everyone):
-            if theirs != mine:
-                raise ValueError(f"rank {rank} runs a different configuration or library versions than rank "
-                                 f"{self.rank}: {theirs} vs {mine}. Install the same versions and pass the same "
-                                 "--model_args on every node.")
+        """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""
+        everyone = self.collective.all_gather_object((self._run_identity(), physical_device(self._device)),
+                                                     "compare configurations")
+        problem = find_disagreement([mine for mine, _ in everyone]) or find_shared_gpus([w for _, w in everyone])
+        if problem:
+            raise ValueError(problem)
 
     # ------------------------------------------------------------------------- lm-eval request methods
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[Score, bool]]:
@@ -121,7 +128,13 @@ class DistPerpLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
-        outputs = generate(self, [req.args for req in requests], disable_tqdm=disable_tqdm)
+        setup = GenerationSetup(
+            model=self._model, tokenizer=self.tokenizer, collective=self.collective, device=self._device,
+            max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
+            rows_for=functools.partial(generation_rows, self.batching,
+                                       activation_bytes=activation_bytes_per_token(self._model, self.max_length),
+                                       kv_bytes=kv_cache_bytes_per_token(self._model)))
+        outputs = generate(setup, [req.args for req in requests])
         for req, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return outputs
@@ -259,6 +272,8 @@ class DistPerpLM(TemplateLM):
                 "version": __version__,
                 "options": self.options.to_dict(),
                 "device": str(self._device),
+                "device_identity": self.device_identity,
+                "control_plane": self.collective.control_backend,
                 "world_size": self.world_size,
                 "num_nodes": self.collective.num_nodes,
                 "max_length": self.max_length,

@@ -13,45 +13,11 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 
-from distperp_harness.options import CLI_DEFAULT_DEVICE, Options
+from distperp_harness.options import Options
 
 log = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(options: Options, local_rank: int) -> torch.device:
-    """The device this process computes on.
-
-    Unset: ``cuda:<local rank>`` when CUDA is available, else the CPU. ``cuda``/``cuda:N`` under a multi-process
-    launch uses the local rank's GPU. On a machine without CUDA, lm-eval's CLI default ``cuda:0`` falls back to
-    the CPU (logged); any CUDA device the user asked for explicitly is an error.
-    """
-    requested = (options.device or "").strip().lower()
-    has_cuda = torch.cuda.is_available()
-    if requested in ("", "auto"):
-        return torch.device(f"cuda:{local_rank}") if has_cuda else torch.device("cpu")
-    if requested.startswith("cuda"):
-        if not has_cuda:
-            if options.device_from_cli and requested == CLI_DEFAULT_DEVICE:
-                log.info("device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU",
-                         main_process_only=True)
-                return torch.device("cpu")
-            raise ValueError(f"device={options.device!r} was asked for, but this machine has no CUDA device "
-                             "(torch.cuda.is_available() is False). Fix: device=cpu, or run on a GPU machine.")
-        count = torch.cuda.device_count()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or requested == "cuda":
-            return torch.device(f"cuda:{local_rank % count}")
-        index = int(requested.split(":")[1]) if ":" in requested else 0
-        if index >= count:
-            raise ValueError(f"device={options.device!r}: this machine has {count} CUDA device(s)")
-        return torch.device(f"cuda:{index}")
-    if requested == "cpu":
-        return torch.device("cpu")
-    try:
-        return torch.device(requested)
-    except RuntimeError:
-        raise ValueError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
 
 
 def torch_dtype(name: str) -> torch.dtype | str:
@@ -128,15 +94,14 @@ class Loaded:
     max_length: int
 
 
-def load_all(options: Options, local_rank: int) -> Loaded:
-    """Device → tokenizer → model (in the dtype quantization needs) → reference → quantization.
+def load_all(options: Options, device: torch.device) -> Loaded:
+    """Tokenizer → model on ``device`` (in the dtype quantization needs) → reference → quantization.
 
     The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
     the checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
     """
     from distperp_harness.quantize import quantize_model, resolve_model_dtype, weight_bytes
 
-    device = resolve_device(options, local_rank)
     tokenizer = load_tokenizer(options)
     asked = torch_dtype(options.dtype)
     dtype = asked

@@ -1,22 +1,23 @@
 """Run-time facts about the model and machine: the batching rule (``batch_size=auto``), plan cost coefficients,
-peak memory.
+generation rows, peak memory.
 
 ``batch_size=auto`` (and ``auto:N``) becomes a *token budget*: each batch holds at most ``budget // padded_length``
 rows (and at most ``max_batch_size``), so short units share a batch and long ones do not overflow it. The budget
 is a power of two between ``max_length`` (one full-length row always fits) and ``max_batch_size * max_length``,
-and depends only on the machine and the model — never on the requests or the world size:
+and is a function of the model, the device type and the device's *total* memory only — never of momentary free
+memory, the requests or the world size — so the plan, and hence the bits, are the same on 1 GPU or 64:
 
-* **CPU**: a memory budget. A quarter of the available memory (the smaller of the system's and the cgroup's) over a
-  conservative estimate of the bytes one input token holds during a forward pass and scoring
-  (:func:`activation_bytes_per_token`), after setting aside the fixed logits chunk of the scorer.
-* **CUDA**: probing. Starting from the largest allowed budget, a real forward pass and scoring of
-  ``budget // max_length`` full-length rows (every position scored, the reference model too when there is one)
-  runs; on out-of-memory, or when the probe's peak exceeds ``_PROBE_FRACTION`` of the memory that was free, the
-  budget halves. The first budget that passes is used: it has been run, at the worst padded length, with room to
-  spare (a batch of shorter rows holds no more tokens, and attention memory grows with length).
+    budget = pow2_floor((fraction * (total - resident weights) - logits chunks) / activation bytes per token)
 
-Powers of two make the budget stable: machines of one kind, with slightly different free memory, pick the same
-budget, hence the same batches and the same bits. lm.py takes rank 0's choice for every rank.
+with ``resident weights`` the model's and the reference's stored bytes, the activation bytes a conservative
+estimate (:func:`activation_bytes_per_token`: float32 transients of one layer, eager attention scores), and
+``fraction`` 1/2 on CUDA (the allocator's fragmentation and the CUDA context take part of the rest) and 1/4 on CPU
+(the other processes of the node share the memory). On CPU the budget is also capped at ``_CPU_MAX_TOKENS``:
+beyond that a larger batch no longer computes faster (see :data:`_CPU_MAX_TOKENS`).
+
+Rank 0 chooses; every rank then *checks* that it can hold that budget (:func:`check_budget`): on CUDA by running
+a full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU by the
+estimate against available memory. A rank that cannot hold it stops the run at start, naming itself.
 
 lm-eval's ``auto:N`` re-detects a row count N times while the sorted requests get shorter. A token budget already
 gives shorter units more rows, so distperp detects once and treats ``auto:N`` as ``auto`` (logged).
@@ -25,23 +26,28 @@ gives shorter units more rows, so distperp detects once and treats ``auto:N`` as
 from __future__ import annotations
 
 import logging
-import resource
-import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from distperp_harness.memory import activation_bytes_per_token, free_memory_bytes, is_out_of_memory, room_bytes, \
+    total_memory_bytes
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching
 
+if TYPE_CHECKING:
+    from distperp_harness.collective import Collective
+
 log = logging.getLogger(__name__)
 
-# Upper bound on the fraction of available memory that activations of one batch may take on CPU.
-_MEMORY_FRACTION = 0.25
-# On CUDA a probe passes only if its peak allocation stays below this fraction of the memory free before it.
-_PROBE_FRACTION = 0.8
+# Fraction of (total memory - resident weights) that one batch's activations may take.
+_MEMORY_FRACTION = {"cuda": 0.5, "cpu": 0.25}
+# On CPU, more tokens per batch than this stop paying off (GEMMs are already at full speed; activations fall out of
+# cache). Measured on wt2-llama-5m and a 52M model: see benchmarks/README.md.
+_CPU_MAX_TOKENS = 8192
 
 FreeMemory = Callable[[torch.device], int]
+TotalMemory = Callable[[torch.device], int]
 Probe = Callable[[int], int]
 """Runs a forward pass and scoring of ``token_budget`` tokens at full length; returns the peak bytes it allocated."""
 
@@ -83,58 +89,6 @@ def head_coefficient(model: torch.nn.Module) -> float:
     return float(head) / float(body)
 
 
-def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
-    """Conservative bytes of live activations per input token during one forward pass and scoring (no KV cache).
-
-    One layer's transients at a time (residual stream, q/k/v and attention output, the MLP's three intermediates,
-    and eager attention scores over ``max_length`` keys), in float32 whatever the model dtype, doubled for the
-    residual stream, norms and allocator slack; plus scoring's per-position vectors (features, indices, float64
-    log-probs).
-    """
-    config = model.config
-    hidden = int(getattr(config, "hidden_size", 1024) or 1024)
-    inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
-    heads = int(getattr(config, "num_attention_heads", 16) or 16)
-    width = 4
-    per_layer = width * (6 * hidden + 3 * inter) + width * heads * max_length
-    scoring = width * 2 * hidden + 8 * 4
-    return int(per_layer * 2 + scoring)
-
-
-def _cgroup_free_bytes() -> int | None:
-    """Memory left under this process's cgroup (v2 ``memory.max - memory.current``, or v1), None when unlimited."""
-    candidates = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
-    for limit_path, usage_path in candidates:
-        try:
-            with open(limit_path, encoding="ascii") as f:
-                limit = f.read().strip()
-            with open(usage_path, encoding="ascii") as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:
-            return None
-        return max(0, int(limit) - usage)
-    return None
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory this process could still allocate on ``device``: CUDA's free memory, or on CPU the smaller of the
-    system's available memory and what the cgroup limit leaves."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
-    except ImportError:  # pragma: no cover - psutil ships with accelerate
-        available = 8 << 30
-    cgroup = _cgroup_free_bytes()
-    return available if cgroup is None else min(available, cgroup)
-
-
 def _log_main(message: str, *args: object) -> None:
     """INFO on the main process only (every process when no Accelerate state exists yet, as in unit tests)."""
     from accelerate.state import PartialState
@@ -163,38 +117,46 @@ def clamp_budget(tokens: int, max_length: int, max_batch_size: int) -> int:
     return max(low, _floor_pow2(tokens))
 
 
-def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, free_bytes: int) -> int:
-    """The CPU token budget: ``_MEMORY_FRACTION`` of ``free_bytes``, less the scorer's fixed logits chunk, over
-    :func:`activation_bytes_per_token`, then :func:`clamp_budget`."""
-    from distperp_harness.scoring import _CHUNK_ELEMENTS
+def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, total_bytes: int, *,
+                  device_type: str = "cpu", resident_bytes: int = 0, reference: torch.nn.Module | None = None) -> int:
+    """The token budget of ``batch_size=auto`` (module doc): a pure function of the model(s), ``device_type`` and
+    ``total_bytes``; ``resident_bytes`` are the stored weights of the model and the reference."""
+    from distperp_harness.scoring import chunk_elements
 
-    usable = int(_MEMORY_FRACTION * free_bytes) - 2 * 4 * _CHUNK_ELEMENTS
-    tokens = usable // max(1, activation_bytes_per_token(model, max_length))
+    fraction = _MEMORY_FRACTION.get(device_type, _MEMORY_FRACTION["cpu"])
+    per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
+    usable = int(fraction * max(0, total_bytes - resident_bytes)) - 2 * 4 * chunk_elements(device_type)
+    tokens = usable // max(1, per_token)
+    if device_type == "cpu":
+        tokens = min(tokens, _CPU_MAX_TOKENS)
     return clamp_budget(tokens, max_length, max_batch_size)
 
 
-def probe_budget(probe: Probe, start: int, max_length: int, free_bytes: int) -> int:
-    """The largest budget from ``start`` down (halving, powers of two, at least ``max_length``) whose probe runs
-    without running out of memory and peaks below ``_PROBE_FRACTION * free_bytes``.
+def check_budget(budget: int, max_length: int, device: torch.device, *, free_bytes: int,
+                 probe: Probe | None = None, bytes_per_token: int = 0) -> str | None:
+    """``None`` when this rank can hold ``budget`` tokens per batch, else the reason it cannot.
 
-    Raises:
-        RuntimeError: when even one full-length row does not fit, naming what to lower.
+    CUDA: ``probe(budget)`` (a full-length worst-case batch) must run without running out of memory and peak
+    below ``free_bytes`` (free before it). CPU: ``budget * bytes_per_token`` must fit ``free_bytes``.
     """
-    budget = start
-    while True:
-        try:
-            peak = probe(budget)
-            if peak <= _PROBE_FRACTION * free_bytes:
-                return budget
-            reason = f"peak {peak / 2**30:.2f} GiB > {_PROBE_FRACTION:.0%} of {free_bytes / 2**30:.2f} GiB free"
-        except torch.OutOfMemoryError:
-            reason = "out of memory"
+    if device.type != "cuda" or probe is None:
+        need = budget * bytes_per_token
+        if need > free_bytes:
+            return f"a batch needs about {need / 2**30:.2f} GiB, {free_bytes / 2**30:.2f} GiB is available"
+        return None
+    try:
+        peak = probe(budget)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return f"a full-length batch ran out of memory ({str(exc).splitlines()[0][:160]})"
+    finally:
         _release_cuda_cache()
-        log.debug("batch_size=auto: %d tokens: %s", budget, reason)
-        if budget <= max_length:
-            raise RuntimeError(f"batch_size=auto: even one row of max_length={max_length} tokens does not fit "
-                               f"({reason}). Fix: lower max_length, use a smaller dtype or quantize=int4.")
-        budget = max(max_length, budget // 2)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # reported peaks are the run's, not the probe's
+    if peak > free_bytes:
+        return f"a full-length batch peaked at {peak / 2**30:.2f} GiB, {free_bytes / 2**30:.2f} GiB is free"
+    return None
 
 
 def _release_cuda_cache() -> None:
@@ -229,13 +191,13 @@ def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int,
 
 
 def batching_for(options: Options, model: torch.nn.Module, device: torch.device, max_length: int, *,
-                 reference: torch.nn.Module | None = None, pad_token_id: int = 0,
-                 free_memory: FreeMemory = free_memory_bytes, probe: Probe | None = None) -> Batching:
-    """Fixed rows per batch, or for ``batch_size=auto`` / ``auto:N`` a token budget that fits (see module doc).
+                 reference: torch.nn.Module | None = None, resident_bytes: int = 0,
+                 total_memory: TotalMemory = total_memory_bytes) -> Batching:
+    """Fixed rows per batch, or for ``batch_size=auto`` / ``auto:N`` the token budget of :func:`memory_budget`.
 
     Args:
-        free_memory: bytes free on a device (tests pass a fake).
-        probe: overrides the CUDA probe (tests); on CPU it is not used.
+        resident_bytes: stored weight bytes of the model and the reference.
+        total_memory: the device's memory size (tests pass a fake).
 
     Returns:
         ``Batching(batch_size=N)`` for an integer batch size, else ``Batching(batch_size=None, token_budget=T)``
@@ -246,25 +208,59 @@ def batching_for(options: Options, model: torch.nn.Module, device: torch.device,
     if options.auto_batch_schedule > 1:
         _log_main("batch_size=%s: distperp detects one token budget at start (a batch of shorter units gets more "
                   "rows), so it re-detects nothing; treated as batch_size=auto", options.batch_size)
-    free = free_memory(device)
-    if device.type == "cuda":
-        run = probe or scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
-        largest = clamp_budget(budget_bounds(max_length, options.max_batch_size)[1], max_length,
-                               options.max_batch_size)
-        budget = probe_budget(run, largest, max_length, free)
-        how = f"probed: a full-length batch peaked below {_PROBE_FRACTION:.0%} of {free / 2**30:.1f} GiB free"
-    else:
-        budget = memory_budget(model, max_length, options.max_batch_size, free)
-        how = f"memory budget: {_MEMORY_FRACTION:.0%} of {free / 2**30:.1f} GiB available"
-    _log_main("batch_size=auto: token budget %d (%d rows of max_length=%d; %s)", budget, budget // max_length,
-              max_length, how)
+    total = total_memory(device)
+    budget = memory_budget(model, max_length, options.max_batch_size, total, device_type=device.type,
+                           resident_bytes=resident_bytes, reference=reference)
+    fraction = _MEMORY_FRACTION.get(device.type, _MEMORY_FRACTION["cpu"])
+    _log_main("batch_size=auto: token budget %d (%d rows of max_length=%d; %.0f%% of %s's %.1f GiB less %.2f GiB "
+              "of weights%s)", budget, budget // max_length, max_length, 100 * fraction, device.type,
+              total / 2**30, resident_bytes / 2**30,
+              f", at most {_CPU_MAX_TOKENS} tokens on CPU" if device.type == "cpu" else "")
     return Batching(batch_size=None, token_budget=budget, max_batch_size=options.max_batch_size)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, max resident set size on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+def generation_rows(batching: Batching, length: int, *, activation_bytes: int, kv_bytes: int) -> int:
+    """Rows of a generation batch whose rows grow to ``length`` tokens (prompt + ``max_gen_toks``).
 
+    ``batch_size=N``: N rows, as asked. ``auto``: the rows the token budget allows, further capped so that the
+    prefill's activations *and* the KV cache of every row (``kv_bytes`` per token, :func:`kv_cache_bytes_per_token`)
+    fit in the room the budget was sized for (``token_budget * activation_bytes``). Depends only on the model
+    and the budget, so generation batches are the same for every world size.
+    """
+    rows = batching.rows_for(length)
+    if batching.token_budget is None:
+        return rows
+    room = batching.token_budget * activation_bytes
+    return max(1, min(rows, room // max(1, length * (activation_bytes + kv_bytes))))
+
+
+def agree_on_batching(collective: "Collective", options: Options, model: torch.nn.Module, device: torch.device,
+                      max_length: int, *, reference: torch.nn.Module | None = None,
+                      pad_token_id: int = 0) -> Batching:
+    """Rank 0's :func:`batching_for`, after every rank checked it can hold it (:func:`check_budget`).
+
+    Raises:
+        ValueError: on every rank, naming the ranks that cannot hold the budget and what to do.
+    """
+    from distperp_harness.quantize import weight_bytes
+
+    resident = weight_bytes(model) + (weight_bytes(reference) if reference is not None else 0)
+    batching: Batching = collective.all_gather_object(
+        batching_for(options, model, device, max_length, reference=reference, resident_bytes=resident),
+        "agree on batching")[0]
+    if batching.token_budget is None:
+        return batching
+    per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
+    probe = (scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
+             if device.type == "cuda" else None)
+    problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
+                           bytes_per_token=per_token)
+    problems = collective.all_gather_object((problem, str(device)), "check the batch budget")
+    bad = [f"rank {rank} ({where}): {why}" for rank, (why, where) in enumerate(problems) if why]
+    if bad:
+        raise ValueError(
+            f"batch_size=auto chose {batching.token_budget} tokens per batch (on rank 0, from the model and the "
+            f"device's total memory, so that every rank computes the same batches), but not every rank can hold "
+            f"it: {'; '.join(bad)}. Another process may be using that device's memory. Fix: free it, or pass "
+            f"batch_size=N (rows per batch) or a smaller max_batch_size.")
+    return batching

@@ -30,7 +30,18 @@ _PLAIN_HEAD_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo",
     "olmo2", "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3", "ministral",
 })
-_CHUNK_ELEMENTS = 1 << 24  # logits per chunk: 64 MiB in float32
+# Logits per chunk of scored positions. CPU: 64 MiB of float32, cache-friendly (measured, benchmarks/README.md).
+# CUDA: 256 MiB, so a 128k vocabulary still gets ~500 positions per chunk (fewer, larger kernels).
+_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
+
+
+# Devices where reading a value back costs nothing (no queue to wait for): the greedy check may take shortcuts.
+_HOST_DEVICE_TYPES = ("cpu",)
+
+
+def chunk_elements(device_type: str) -> int:
+    """Logits computed at once per chunk on a device of ``device_type``."""
+    return _CHUNK_ELEMENTS.get(device_type, _CHUNK_ELEMENTS["cpu"])
 
 
 class NonFiniteLogitsError(ValueError):
@@ -130,8 +141,8 @@ def _is_first_argmax(logits: torch.Tensor, target_logit: torch.Tensor, top: torc
     return greedy
 
 
-def _chunks(n: int, vocab: int) -> list[tuple[int, int]]:
-    step = max(1, _CHUNK_ELEMENTS // max(1, vocab))
+def _chunks(n: int, vocab: int, device_type: str = "cpu") -> list[tuple[int, int]]:
+    step = max(1, chunk_elements(device_type) // max(1, vocab))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
@@ -163,7 +174,7 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
     targets = torch.tensor(target_list, device=device)
 
     n = len(target_list)
-    chunks = _chunks(n, _vocab_size(model))
+    chunks = _chunks(n, _vocab_size(model), device.type)
     chunk_rows = max(b - a for a, b in chunks) if chunks else 1
     feats, to_logits = _features(model, ids, rows, cols, chunk_rows)
     ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows) if reference is not None
@@ -171,6 +182,10 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
 
     logprob = torch.empty(n, dtype=torch.float64, device=device)
     greedy = torch.empty(n, dtype=torch.bool, device=device)
+    finite = torch.empty(n, dtype=torch.bool, device=device)
+    # On CUDA nothing in the loop waits for the GPU: the non-finite check is read once after it, and the greedy
+    # check takes a plain argmax (the CPU's shortcut needs a data-dependent index, i.e. a sync per chunk).
+    full_argmax = reference is not None or device.type not in _HOST_DEVICE_TYPES
     if reference is not None:
         ref_logprob = torch.empty(n, dtype=torch.float64, device=device)
         kl = torch.empty(n, dtype=torch.float64, device=device)
@@ -179,11 +194,9 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
         logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: _logsumexp_ overwrites it
         tgt = targets[a:b].unsqueeze(-1)
         top = logits.amax(dim=-1)
-        if not torch.isfinite(top).all():  # NaN propagates to the max; +-inf maxima make the lse non-finite
-            bad = (~torch.isfinite(top)).nonzero().flatten() + a
-            raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
+        finite[a:b] = torch.isfinite(top)  # NaN propagates to the max; +-inf maxima make the lse non-finite
         target_logit = logits.gather(-1, tgt).squeeze(-1)
-        argmax = logits.argmax(dim=-1) if reference is not None else None
+        argmax = logits.argmax(dim=-1) if full_argmax else None
         greedy[a:b] = _is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
         if reference is not None:
             ref_logits = ref_to_logits(ref_feats[a:b])
@@ -195,6 +208,9 @@ def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.
             kl[a:b] = (ref_lp.exp() * (ref_lp - lp)).sum(dim=-1)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
         logprob[a:b] = target_logit.double() - _logsumexp_(logits, top).double()
+    if n and not bool(finite.all()):
+        bad = (~finite).nonzero().flatten()
+        raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
 
     counts = [u.n_score for u in units]
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)

@@ -61,11 +61,35 @@ def test_log_likelihoods_match_float64_reference(model):
 def test_chunking_changes_nothing_but_rounding(model, monkeypatch):
     units = _units(1)
     whole = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3).stats
-    monkeypatch.setattr(scoring, "_CHUNK_ELEMENTS", 7 * model.config.vocab_size)  # 7 positions per chunk
+    monkeypatch.setitem(scoring._CHUNK_ELEMENTS, "cpu", 7 * model.config.vocab_size)  # 7 positions per chunk
     chunked = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3).stats
     np.testing.assert_allclose(chunked, whole, rtol=1e-6)
     again = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3).stats
     assert np.array_equal(chunked, again)  # same batch, same chunks: same bits
+
+
+def test_no_device_to_host_sync_per_chunk_on_accelerators(model, monkeypatch):
+    """On a GPU every read of a value (``bool``, ``item``, ``nonzero``, ``tolist``) waits for the queue; the chunk
+    loop must not do one per chunk. The accelerator path runs here on the CPU with the reads counted."""
+    monkeypatch.setattr(scoring, "_HOST_DEVICE_TYPES", ())
+    reads = []
+    for name in ("__bool__", "item", "nonzero", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    units = _units(1)
+    whole = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3)
+    one_chunk = len(reads)
+    monkeypatch.setitem(scoring._CHUNK_ELEMENTS, "cpu", 3 * model.config.vocab_size)
+    reads.clear()
+    chunked = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3)
+    assert sum(u.n_score for u in units) > 9  # several chunks
+    assert len(reads) == one_chunk, reads
+    np.testing.assert_allclose(chunked.stats, whole.stats, rtol=1e-6)
 
 
 def test_greedy_flag_on_the_models_own_argmax(model):

@@ -1,0 +1,122 @@
+"""Memory facts of a device and a model: total, free and peak bytes, activation and KV-cache bytes per token.
+
+Pure reads (no allocation); :mod:`distperp_harness.runtime` turns them into batching rules.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
+    """Conservative bytes of live activations per input token during one forward pass and scoring (no KV cache).
+
+    One layer's transients at a time (residual stream, q/k/v and attention output, the MLP's three intermediates,
+    and eager attention scores over ``max_length`` keys), in float32 whatever the model dtype, doubled for the
+    residual stream, norms and allocator slack; plus scoring's per-position vectors (features, indices, float64
+    log-probs).
+    """
+    config = model.config
+    hidden = int(getattr(config, "hidden_size", 1024) or 1024)
+    inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 16) or 16)
+    width = 4
+    per_layer = width * (6 * hidden + 3 * inter) + width * heads * max_length
+    scoring = width * 2 * hidden + 8 * 4
+    return int(per_layer * 2 + scoring)
+
+
+def _cgroup_memory() -> tuple[int, int] | None:
+    """``(limit, usage)`` of this process's cgroup (v2 ``memory.max``/``memory.current``, or v1), None when
+    unlimited or unknown."""
+    candidates = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+    for limit_path, usage_path in candidates:
+        try:
+            with open(limit_path, encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(usage_path, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return int(limit), usage
+    return None
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory this process could still allocate on ``device``: CUDA's free memory, or on CPU the smaller of the
+    system's available memory and what the cgroup limit leaves."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil ships with accelerate
+        available = 8 << 30
+    cgroup = _cgroup_memory()
+    return available if cgroup is None else min(available, max(0, cgroup[0] - cgroup[1]))
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's memory size: a GPU's total memory, or on CPU the smaller of physical memory and the cgroup
+    limit. Unlike free memory it does not move with what other processes or the caching allocator hold."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except ImportError:  # pragma: no cover - psutil ships with accelerate
+        total = 16 << 30
+    cgroup = _cgroup_memory()
+    return total if cgroup is None else min(total, cgroup[0])
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for the ways an allocation failure reaches Python: ``torch.OutOfMemoryError``, and ``RuntimeError``s
+    from cuBLAS/cuDNN/CUDA (``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED``, ``out of memory``)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("ALLOC_FAILED", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY",
+                                      "cudaErrorMemoryAllocation"))
+
+
+def room_bytes(device: torch.device) -> int:
+    """Memory a batch could use now: free device memory plus what the CUDA caching allocator holds unused."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free_memory_bytes(device) + int(cached)
+    return free_memory_bytes(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, max resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+
+def kv_cache_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one token adds to a generation's KV cache: ``2 (K and V) * layers * KV heads * head dim * element
+    size`` in the model's compute dtype (e.g. 512 KiB for Llama-2-7B in bfloat16)."""
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(getattr(config, "hidden_size", heads)) // heads)
+    dtype = getattr(model, "dtype", torch.float32)
+    element = torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
+    return 2 * layers * kv_heads * head_dim * element
