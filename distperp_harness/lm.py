@@ -24,13 +24,13 @@ from distperp_harness.devices import device_identity, find_disagreement, find_sh
     resolve_device
 from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
+from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, score_requests
 from distperp_harness.progress import token_progress
 from distperp_harness.requests import continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
-from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
 

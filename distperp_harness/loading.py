@@ -1,4 +1,4 @@
-"""Builders: device, tokenizer and model from :class:`~distperp_harness.options.Options`.
+"""Builders: tokenizer and model from :class:`~distperp_harness.options.Options`.
 
 Plain functions (torchtune's builder style). The model is any Hugging Face causal LM, from a hub id or a local
 folder; hub loading is the real code path users run (it needs network access, which tests do not have).

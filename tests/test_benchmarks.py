@@ -38,3 +38,17 @@ def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
     assert "batch size 1:" in out and "batch size 2:" in out
     assert "| ranks | lm-eval tokens | ours tokens |" in out
     assert "Simulation: 8 ranks" in out and "planning wall time" in out
+
+
+def test_gpu_check_dry_mode_on_cpu(tmp_path):
+    """The prepared GPU check, on the CPU and the tiny model, so it cannot rot before a GPU is at hand."""
+    out = tmp_path / "gpu_check.json"
+    proc = run_command([sys.executable, BENCHMARKS / "gpu_check.py", "--device", "cpu", "--processes", "2",
+                        "--tokens", "1500", "--work", tmp_path, "--json", out], cwd=REPO_ROOT, timeout=600)
+    assert "| run | load s | load peak GiB | weights GiB | auto budget (twice) |" in proc.stdout
+    assert "| float32 |" in proc.stdout and "| int4 |" in proc.stdout
+    assert "1 vs 2 processes: identical fingerprints" in proc.stdout
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows)

@@ -1,0 +1,194 @@
+"""The GPU check of distperp: one command, one table, at most ~8 minutes on one GPU.
+
+    python benchmarks/gpu_check.py                    # one GPU (two or more: also 1 vs 2 processes)
+    python benchmarks/gpu_check.py --device cpu       # dry mode on the tiny test model (runs in `make test`)
+
+For each run (``bfloat16`` and ``quantize=int4`` by default) through the real ``DistPerpLM`` with
+``batch_size=auto``: load time and peak CUDA memory of the load stage, weight bytes, ``auto``'s token budget
+(chosen twice: the answer must not move), rolling log-likelihood tokens/s over ``--tokens`` tokens of text and its
+MFU (2 x parameters x tokens/s over the GPU's dense bf16 peak), peak CUDA memory of scoring, and the first batch
+of the plan computed twice (bits must be equal). With two or more GPUs (or ``--processes 2`` on CPU) the rolling
+fingerprint of 1 and of 2 processes (``accelerate launch``) must be equal.
+
+Default model: a random Llama-3.2-1B-shaped model (1.24B parameters, 128,256-entry head) built by
+``distperp_harness.tiny`` into ``--work``; ``--model PATH`` uses a local checkpoint instead. Exits 1 when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from distperp_harness.tiny import TEST_SPEC, TinySpec, build_tiny_model, sample_text  # noqa: E402
+
+LLAMA_1B = TinySpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                    intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True, seed=0,
+                    name="gpu-check-llama-1b")
+# Dense bf16 tensor-core peak (FLOP/s) by GPU name, for MFU.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def build_model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    spec = LLAMA_1B if args.device == "cuda" else TEST_SPEC
+    out = Path(args.work) / spec.name
+    if not (out / "config.json").exists():
+        build_tiny_model(spec, out)
+    return out
+
+
+def documents(tokens: int) -> list[str]:
+    """Copies of the packaged sample, each a separate document, about ``tokens`` tokens in all (~4 chars/token)."""
+    text = sample_text()
+    return [f"{text}\n(copy {i})" for i in range(max(1, tokens * 4 // len(text)))]
+
+
+def model_args(args: argparse.Namespace, model: Path, scheme: str) -> dict:
+    kwargs = dict(pretrained=str(model), device=args.device, batch_size="auto", max_length=args.max_length)
+    if args.device == "cuda":
+        kwargs["dtype"] = "bfloat16"
+    if scheme != "none":
+        kwargs["quantize"] = scheme
+    return kwargs
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16.items() if key in name), None)
+
+
+def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str]) -> dict:
+    from distperp_harness.lm import DistPerpLM
+    from distperp_harness.requests import window_units
+    from distperp_harness.runtime import batching_for
+    from distperp_harness.scoring import score_batch
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    lm = DistPerpLM(**model_args(args, model, scheme))
+    load_s = time.perf_counter() - t0
+    load_peak = torch.cuda.max_memory_allocated() if cuda else None
+    again = batching_for(lm.options, lm.model, lm.device, lm.max_length, resident_bytes=lm.weight_bytes)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    lm.loglikelihood_rolling([SimpleNamespace(args=(d,)) for d in docs], disable_tqdm=True)
+    call = lm.stats.calls[-1]
+    score_peak = torch.cuda.max_memory_allocated() if cuda else None
+    tokens_per_s = call["scored_tokens"] / call["scoring_seconds"]
+    params = sum(p.numel() for p in lm.model.parameters())
+    peak = peak_flops(lm.device)
+    # The plan's first batch, twice: same bits (kernels must not depend on anything but the batch).
+    units = window_units(lm.tok_encode(docs[0]), lm.prefix_token_id, lm.max_length)
+    rows = max(1, min(len(units), lm.batching.rows_for(max(u.input_length for u in units))))
+    first = [score_batch(lm.model, units[:rows], device=lm.device, pad_token_id=lm.tokenizer.pad_token_id).stats
+             for _ in range(2)]
+    row = dict(run="bfloat16" if scheme == "none" and cuda else ("float32" if scheme == "none" else scheme),
+               load_s=load_s, load_peak=load_peak, weight_bytes=lm.weight_bytes, budget=lm.batching.token_budget,
+               budget_again=again.token_budget, tokens=call["scored_tokens"], tokens_per_s=tokens_per_s,
+               mfu=(2 * params * tokens_per_s / peak) if peak else None, score_peak=score_peak,
+               same_bits=first[0].tobytes() == first[1].tobytes(), fingerprint=lm.stats.fingerprint)
+    del lm
+    return row
+
+
+def launch(args: argparse.Namespace, model: Path, processes: int, out: Path) -> str:
+    """Rolling fingerprint of a ``processes``-process ``accelerate launch`` of this script's worker mode."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if processes > 1 else []),
+           "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(29500 + processes), __file__, "--worker",
+           "--model", str(model), "--device", args.device, "--tokens", str(args.tokens),
+           "--max-length", str(args.max_length), "--work", str(out)]
+    subprocess.run(cmd, check=True, timeout=args.launch_timeout, cwd=REPO)
+    return json.loads((out / "fingerprint.json").read_text())["fingerprint"]
+
+
+def worker(args: argparse.Namespace) -> None:
+    from distperp_harness.lm import DistPerpLM
+
+    lm = DistPerpLM(**model_args(args, Path(args.model), "none"))
+    lm.loglikelihood_rolling([SimpleNamespace(args=(d,)) for d in documents(args.tokens)], disable_tqdm=True)
+    if lm.rank == 0:
+        Path(args.work, "fingerprint.json").write_text(json.dumps({"fingerprint": lm.stats.fingerprint}))
+
+
+def gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f}"
+
+
+def table(rows: list[dict], multi: str) -> str:
+    lines = ["| run | load s | load peak GiB | weights GiB | auto budget (twice) | tokens | tokens/s | MFU | "
+             "scoring peak GiB | same batch twice |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
+        lines.append(f"| {r['run']} | {r['load_s']:.1f} | {gib(r['load_peak'])} | {gib(r['weight_bytes'])} | "
+                     f"{r['budget']}, {r['budget_again']} | {r['tokens']} | {r['tokens_per_s']:.0f} | {mfu} | "
+                     f"{gib(r['score_peak'])} | {'equal bits' if r['same_bits'] else 'DIFFERENT'} |")
+    return "\n".join(lines + ["", f"1 vs 2 processes: {multi}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: random Llama-3.2-1B shape)")
+    parser.add_argument("--runs", default="none,int4", help="comma-separated quantize= schemes")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
+    parser.add_argument("--max-length", type=int, default=None, help="cuda 2048, cpu 64")
+    parser.add_argument("--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 "
+                        "when two GPUs are visible)")
+    parser.add_argument("--work", default=None, help="folder for the built model (default: a temporary one)")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--launch-timeout", type=float, default=240)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.tokens = args.tokens or (65536 if cuda else 3000)
+    args.max_length = args.max_length or (2048 if cuda else 64)
+    if args.worker:
+        worker(args)
+        return 0
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False; use --device cpu for the dry mode")
+    args.work = args.work or tempfile.mkdtemp(prefix="distperp-gpu-check-")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if cuda:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    model = build_model(args)
+    docs = documents(args.tokens)
+    rows = [run_one(args, model, scheme, docs) for scheme in args.runs.split(",")]
+    processes = args.processes or (2 if cuda and torch.cuda.device_count() >= 2 else 0)
+    multi = "skipped (one GPU)"
+    if processes >= 2:
+        one, two = (launch(args, model, n, work / f"p{n}") for n in (1, processes))
+        multi = f"{'identical' if one == two else 'DIFFERENT'} fingerprints ({one} / {two})"
+    print(table(rows, multi), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "processes": multi}, indent=1, default=str))
+    ok = all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows) and "DIFFERENT" not in multi
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
