@@ -64,7 +64,9 @@ class DistPerpLM(TemplateLM):
             batching_for(self.options, self._model, self._device, self._max_length, reference=self.reference,
                          pad_token_id=self.tokenizer.pad_token_id), "agree on batching")[0]
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
-        self.store = BatchStore(self.options.resume_dir, self._scoring_config()) if self.options.resume_dir else None
+        self.store = None if not self.options.resume_dir else BatchStore(
+            self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
+            is_main=self.collective.is_main)
         self.stats = RunStats()
         self.load_seconds = time.perf_counter() - t0
 
@@ -152,14 +154,16 @@ class DistPerpLM(TemplateLM):
             stats=self.stats, kind=kind,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
-        if self.store:
-            call["resumed_batches"] = self.store.hits
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['batches']} batches on "
                  f"{self.world_size} process(es) in {call['total_seconds']:.1f} s "
                  f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
                  f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
-        self.stats.calls[-1]["peak_memory_bytes_per_rank"] = self.collective.all_gather_object(
-            peak_memory_bytes(self._device), "gather peak memory")
+        gathered = self.collective.all_gather_object(
+            (peak_memory_bytes(self._device), self.store.local_counts() if self.store else None),
+            "gather peak memory and resume counts")
+        call["peak_memory_bytes_per_rank"] = [memory for memory, _ in gathered]
+        if self.store:
+            self.store.add_up([counts for _, counts in gathered])
         return results
 
     @staticmethod
@@ -269,6 +273,7 @@ class DistPerpLM(TemplateLM):
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
+                "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
                     "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype)},
             },
