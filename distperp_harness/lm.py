@@ -66,7 +66,7 @@ class DistPerpLM(TemplateLM):
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
-            is_main=self.collective.is_main)
+            is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
         self.load_seconds = time.perf_counter() - t0
 
@@ -143,7 +143,7 @@ class DistPerpLM(TemplateLM):
                              "meaningless. Try dtype=float32, or check the checkpoint.") from exc
         if self.store:
             self.store.save(units, scores)
-        _crash_for_tests(self.rank)
+        _fault_for_tests(self.rank)
         return scores
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool):
@@ -296,16 +296,19 @@ class DistPerpLM(TemplateLM):
         return cls(**arg_dict, **extra)
 
 
-def _crash_for_tests(rank: int) -> None:
-    """Fault injection for the resume tests: ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has
-    scored that many batches (as a SIGKILL would). Unset in normal runs."""
-    spec = os.environ.get("DISTPERP_TEST_CRASH")
-    if not spec:
-        return
-    crash_rank, after = (int(x) for x in spec.split(":"))
-    _crash_for_tests.count = getattr(_crash_for_tests, "count", 0) + 1
-    if rank == crash_rank and _crash_for_tests.count >= after:
-        os._exit(17)
+def _fault_for_tests(rank: int) -> None:
+    """Fault injection for the resume tests, after each scored batch; unset in normal runs.
+
+    ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has scored that many batches (as a SIGKILL
+    would); ``DISTPERP_TEST_HOLD=<rank>:<batches>`` makes it stall there (a long batch, to be preempted).
+    """
+    _fault_for_tests.count = getattr(_fault_for_tests, "count", 0) + 1
+    for name, act in (("DISTPERP_TEST_CRASH", lambda: os._exit(17)), ("DISTPERP_TEST_HOLD", lambda: time.sleep(600))):
+        spec = os.environ.get(name)
+        if spec:
+            fault_rank, after = (int(x) for x in spec.split(":"))
+            if rank == fault_rank and _fault_for_tests.count == after:
+                act()
 
 
 def _setup_logging() -> None:

@@ -18,6 +18,9 @@ What long runs meet, and the contract for each:
   ``OSError`` (disk full, permission lost, filesystem gone) removes the temporary file and stops saving on that
   process; rank 0 warns once per failing rank with the reason and the path. The evaluation finishes with the
   same results.
+* **Preemption.** With ``exit_on_sigterm``, SIGTERM (what SLURM sends, and ``accelerate launch`` forwards)
+  ends the process at once with exit code 143 — no exit barrier, no half-written file left behind — and rank 0
+  first logs that the same command resumes the run and how many batches are saved.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -56,10 +62,12 @@ class BatchStore:
         config: everything besides the units that determines the scores.
         with_kl: scores carry per-token KL arrays (a reference model is used).
         is_main: this process is rank 0 (the only one that logs).
+        exit_on_sigterm: install the preemption exit described in the module docstring (for a real run; the
+            most recent store of the process is the one reported).
     """
 
-    def __init__(self, folder: str | os.PathLike, config: dict, *, with_kl: bool = False,
-                 is_main: bool = True) -> None:
+    def __init__(self, folder: str | os.PathLike, config: dict, *, with_kl: bool = False, is_main: bool = True,
+                 exit_on_sigterm: bool = False) -> None:
         self.folder = Path(folder).expanduser()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -80,6 +88,8 @@ class BatchStore:
         self._warned_ranks: set[int] = set()
         self._logged_corrupt = 0
         self._in_flight: str | None = None
+        if exit_on_sigterm:
+            _exit_on_sigterm(self)
 
     # ------------------------------------------------------------------------------------------ reading
     def load(self, units: Sequence[Unit]) -> BatchScores | None:
@@ -191,6 +201,13 @@ class BatchStore:
         """``config.distperp.resume`` of the results: the folder and the counts summed over ranks."""
         return {"folder": str(self.folder), **self.totals}
 
+    def saved_batches(self) -> int | None:
+        """Files of this configuration in the folder (any run, any rank), or ``None`` if it cannot be listed."""
+        try:
+            return sum(1 for _ in self.folder.glob(f"{self._prefix}*.npz"))
+        except OSError:
+            return None
+
     # ------------------------------------------------------------------------------------------ keys
     def _key(self, units: Sequence[Unit]) -> bytes:
         digest = hashlib.sha256(self._config_key)
@@ -239,3 +256,40 @@ def _check_values(arrays: dict[str, np.ndarray], units: Sequence[Unit]) -> None:
     bad = [what for what, found in problems.items() if found]
     if bad:
         raise DamagedFile("impossible values: " + ", ".join(bad))
+
+
+# ---------------------------------------------------------------------------------------------- preemption
+_ACTIVE: list[BatchStore] = []
+
+
+def _exit_on_sigterm(store: BatchStore) -> None:
+    """Make SIGTERM end this process at once (exit code 143), rank 0 saying how to resume.
+
+    ``os._exit`` skips ``atexit`` on purpose: the process-group exit barrier
+    (:func:`distperp_harness.collective._leave_group`) would wait for peers that are being stopped too. The
+    handler runs in the main thread between Python operations: during a forward pass or a sleep at once; in a
+    collective when it returns, which it does as soon as a peer has exited (the peers receive SIGTERM too).
+    """
+    _ACTIVE[:] = [store]
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; the default SIGTERM still stops us
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
+    store = _ACTIVE[0] if _ACTIVE else None
+    if store is not None:
+        store._discard_in_flight()
+        if store.is_main:
+            saved = store.saved_batches()
+            log.warning(f"stopped by SIGTERM: {'an unknown number of' if saved is None else saved} finished "
+                        f"batch(es) of this model configuration are saved in resume_dir={store.folder}. Run the "
+                        "same command again to resume: saved batches are reused (with any number of processes), "
+                        "the rest are computed, and the results are identical.")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(128 + signum)

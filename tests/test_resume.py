@@ -1,4 +1,4 @@
-"""resume_dir: saved batches reused bit for bit; damaged files recomputed; a full disk survived.
+"""resume_dir: saved batches reused bit for bit; damaged files recomputed; a full disk and preemption survived.
 
 Store-level tests check each kind of damage and the save-failure rule on :class:`BatchStore` directly (fast). The
 run-level tests score the same texts with and without ``resume_dir`` (in-process, and through ``accelerate
@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import time
 import zipfile
 
 import numpy as np
@@ -19,7 +21,7 @@ import pytest
 from distperp_harness.requests import Unit
 from distperp_harness.resume import BatchStore
 from distperp_harness.scoring import GREEDY, LL, N_TOKENS, TOP1, BatchScores
-from helpers import (TASKS_DIR, accelerate_launch_prefix, load_results, load_samples, make_lm,
+from helpers import (TASKS_DIR, accelerate_launch_prefix, load_results, load_samples, make_lm, offline_env,
                      run_command, score_rolling)
 
 UNITS = [Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)]
@@ -305,3 +307,50 @@ def test_crash_then_resume_with_another_world_size(tiny_model_dir, clean_cli, tm
     assert done_before >= 3
     run_command(_command(tiny_model_dir, tmp_path / "resumed", 1, resume), cwd=tmp_path)
     _assert_resumed(tmp_path / "resumed", clean_cli, done_before)
+
+
+def _wait_until_saving_pauses(folder, launcher, log_path, timeout=240.0, quiet=2.0):
+    """Wait until batch files exist and their number has not changed for ``quiet`` seconds."""
+    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            pytest.fail(f"the run ended early ({launcher.returncode}):\n{log_path.read_text()[-3000:]}")
+        count = len(list(folder.glob("batch-*.npz")))
+        if count != last:
+            last, since = count, time.monotonic()
+        elif count >= 2 and time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no pause in saving within {timeout:g} s:\n{log_path.read_text()[-3000:]}")
+
+
+def test_sigterm_stops_both_ranks_and_the_same_command_resumes(tiny_model_dir, clean_cli, tmp_path):
+    resume, out, log_path = tmp_path / "resume", tmp_path / "preempted", tmp_path / "preempted.log"
+    command = _command(tiny_model_dir, out, 2, resume)
+    # Rank 1 stalls after its first batch, so rank 0 finishes its share and waits in a collective for it:
+    # SIGTERM then meets one rank in Python and one blocked in gloo.
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=offline_env({"DISTPERP_TEST_HOLD": "1:1"}),
+                                    stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_until_saving_pauses(resume, launcher, log_path)
+        t0 = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)  # as SLURM or a user's kill does; the launcher forwards it
+        launcher.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(launcher.pid, 0)  # no rank is left behind
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    output = log_path.read_text()
+    assert launcher.returncode != 0 and elapsed < 15, output[-3000:]
+    saved = len(list(resume.glob("batch-*.npz")))
+    notices = [line for line in output.splitlines() if "stopped by SIGTERM" in line]
+    assert len(notices) == 1, output[-3000:]  # rank 0 only
+    assert f"{saved} finished batch(es)" in notices[0] and "Run the same command again to resume" in notices[0]
+    assert not list(out.rglob("results_*.json")) and not list(resume.glob(".tmp-*"))
+
+    run_command(command, cwd=tmp_path)
+    _assert_resumed(out, clean_cli, saved)
