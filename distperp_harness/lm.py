@@ -69,7 +69,9 @@ class DistPerpLM(TemplateLM):
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
             pad_token_id=self.tokenizer.pad_token_id)
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
-        self.store = BatchStore(self.options.resume_dir, self._scoring_config()) if self.options.resume_dir else None
+        self.store = None if not self.options.resume_dir else BatchStore(
+            self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
+            is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
         self.load_seconds = time.perf_counter() - t0
 
@@ -154,7 +156,7 @@ class DistPerpLM(TemplateLM):
                              "meaningless. Try dtype=float32, or check the checkpoint.") from exc
         if self.store:
             self.store.save(units, scores)
-        _crash_for_tests(self.rank)
+        _fault_for_tests(self.rank)
         return scores
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool):
@@ -165,14 +167,16 @@ class DistPerpLM(TemplateLM):
             stats=self.stats, kind=kind,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
-        if self.store:
-            call["resumed_batches"] = self.store.hits
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['batches']} batches on "
                  f"{self.world_size} process(es) in {call['total_seconds']:.1f} s "
                  f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
                  f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
-        self.stats.calls[-1]["peak_memory_bytes_per_rank"] = self.collective.all_gather_object(
-            peak_memory_bytes(self._device), "gather peak memory")
+        gathered = self.collective.all_gather_object(
+            (peak_memory_bytes(self._device), self.store.local_counts() if self.store else None),
+            "gather peak memory and resume counts")
+        call["peak_memory_bytes_per_rank"] = [memory for memory, _ in gathered]
+        if self.store:
+            self.store.add_up([counts for _, counts in gathered])
         return results
 
     @staticmethod
@@ -284,6 +288,7 @@ class DistPerpLM(TemplateLM):
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
+                "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
                     "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype)},
             },
@@ -306,16 +311,19 @@ class DistPerpLM(TemplateLM):
         return cls(**arg_dict, **extra)
 
 
-def _crash_for_tests(rank: int) -> None:
-    """Fault injection for the resume tests: ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has
-    scored that many batches (as a SIGKILL would). Unset in normal runs."""
-    spec = os.environ.get("DISTPERP_TEST_CRASH")
-    if not spec:
-        return
-    crash_rank, after = (int(x) for x in spec.split(":"))
-    _crash_for_tests.count = getattr(_crash_for_tests, "count", 0) + 1
-    if rank == crash_rank and _crash_for_tests.count >= after:
-        os._exit(17)
+def _fault_for_tests(rank: int) -> None:
+    """Fault injection for the resume tests, after each scored batch; unset in normal runs.
+
+    ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has scored that many batches (as a SIGKILL
+    would); ``DISTPERP_TEST_HOLD=<rank>:<batches>`` makes it stall there (a long batch, to be preempted).
+    """
+    _fault_for_tests.count = getattr(_fault_for_tests, "count", 0) + 1
+    for name, act in (("DISTPERP_TEST_CRASH", lambda: os._exit(17)), ("DISTPERP_TEST_HOLD", lambda: time.sleep(600))):
+        spec = os.environ.get(name)
+        if spec:
+            fault_rank, after = (int(x) for x in spec.split(":"))
+            if rank == fault_rank and _fault_for_tests.count == after:
+                act()
 
 
 def _setup_logging() -> None:

@@ -53,19 +53,23 @@ def load_tokenizer(options: Options):
     return tokenizer
 
 
-def load_model(options: Options, device: torch.device, dtype: torch.dtype | str, source: str | None = None):
-    """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode."""
+def load_model(options: Options, device: torch.device, dtype: torch.dtype | str, source: str | None = None,
+               key: str = "pretrained"):
+    """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode.
+
+    ``key``: the ``--model_args`` key that named ``source``, for error messages.
+    """
     import transformers
 
     source = source or options.pretrained
-    _check_source(source, "pretrained")
+    _check_source(source, key)
     kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code, "dtype": dtype}
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a causal LM from {source!r}: {exc}") from exc
+        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -116,7 +120,7 @@ def load_all(options: Options, device: torch.device) -> Loaded:
                              "Fix: add quantize=int4 (or int8, 8da4w), or give reference=<other model path>.")
         reference = load_model(options, device, asked)
     elif options.reference is not None:
-        reference = load_model(options, device, asked, source=options.reference)
+        reference = load_model(options, device, asked, source=options.reference, key="reference")
     report = None
     if options.quantize != "none":
         report = quantize_model(model, options.quantize, group_size=options.group_size,

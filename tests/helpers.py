@@ -136,6 +136,21 @@ def run_lm_eval(
     return run_command(cmd, cwd=cwd, env=env, timeout=timeout, check=check)
 
 
+def make_lm(model_dir: str | os.PathLike[str], args: str = "", extra: Mapping[str, Any] | None = None):
+    """``--model distperp`` in-process, built as lm-eval's CLI builds it: ``pretrained=<model_dir><args>``."""
+    from lm_eval.api.registry import get_model
+
+    return get_model("distperp").create_from_arg_string(f"pretrained={model_dir}{args}", dict(extra or {}))
+
+
+def score_rolling(lm: Any, texts: Sequence[str]) -> list[Any]:
+    """``lm.loglikelihood_rolling`` of each text (one ``Instance`` per text), without a progress bar."""
+    from lm_eval.api.instance import Instance
+
+    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
+                                    disable_tqdm=True)
+
+
 def _newest(paths: list[Path], what: str, root: Path) -> Path:
     if not paths:
         raise FileNotFoundError(f"no {what} under {root}")

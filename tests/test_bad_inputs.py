@@ -9,19 +9,8 @@ import textwrap
 
 import pytest
 import torch
-from lm_eval.api.instance import Instance
-from lm_eval.api.registry import get_model
 
-from helpers import accelerate_launch_prefix, run_command
-
-
-def _make(model_dir, args="", extra=None):
-    return get_model("distperp").create_from_arg_string(f"pretrained={model_dir}{args}", extra or {})
-
-
-def _rolling(lm, texts):
-    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
-                                    disable_tqdm=True)
+from helpers import accelerate_launch_prefix, make_lm, run_command, score_rolling
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -38,28 +27,33 @@ def _rolling(lm, texts):
 ])
 def test_bad_model_args(tiny_model_dir, args, fragment):
     with pytest.raises(ValueError) as info:
-        _make(tiny_model_dir, args)
+        make_lm(tiny_model_dir, args)
     assert fragment in str(info.value)
 
 
-def test_missing_model_path(tmp_path):
-    with pytest.raises(ValueError, match="no such model folder"):
-        _make(tmp_path / "nope")
+def test_missing_model_path(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="pretrained='.*/nope': no such model folder"):
+        make_lm(tmp_path / "nope")
     with pytest.raises(ValueError, match="could not load"):
-        _make(tmp_path)  # exists, but holds no model
+        make_lm(tmp_path)  # exists, but holds no model
+    # A reference is named by its own key, not as pretrained=.
+    with pytest.raises(ValueError, match="reference='/missing/path': no such model folder"):
+        make_lm(tiny_model_dir, ",reference=/missing/path")
+    with pytest.raises(ValueError, match=f"could not load a causal LM from reference='{tmp_path}'"):
+        make_lm(tiny_model_dir, f",reference={tmp_path}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_explicit_cuda_without_cuda_is_an_error_but_the_cli_default_falls_back(tiny_model_dir):
     with pytest.raises(ValueError, match="this machine has no CUDA device"):
-        _make(tiny_model_dir, ",device=cuda")
-    lm = _make(tiny_model_dir, "", {"device": "cuda:0"})  # lm-eval's CLI default
+        make_lm(tiny_model_dir, ",device=cuda")
+    lm = make_lm(tiny_model_dir, "", {"device": "cuda:0"})  # lm-eval's CLI default
     assert lm.device.type == "cpu"
 
 
 def test_empty_whitespace_and_long_documents(tiny_model_dir):
-    lm = _make(tiny_model_dir, ",max_length=16")
-    empty, spaces, long = _rolling(lm, ["", "   \n ", "word " * 200])
+    lm = make_lm(tiny_model_dir, ",max_length=16")
+    empty, spaces, long = score_rolling(lm, ["", "   \n ", "word " * 200])
     assert float(empty) == 0.0 and empty.n_tokens == 0  # documented: nothing to score
     assert spaces.n_tokens == len(lm.tok_encode("   \n "))
     assert long.n_tokens == len(lm.tok_encode("word " * 200)) > 16  # windows, not truncation
@@ -73,9 +67,9 @@ def test_nan_logits_name_the_window(tiny_model_dir, tmp_path):
         model.lm_head.weight[:, :] = float("nan")
     model.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
-    lm = _make(tmp_path)
+    lm = make_lm(tmp_path)
     with pytest.raises(ValueError, match=r"NaN/inf logits while scoring the window 'The lighthouse"):
-        _rolling(lm, ["The lighthouse keeper wrote every night."])
+        score_rolling(lm, ["The lighthouse keeper wrote every night."])
 
 
 def test_tokenizer_without_bos_eos_needs_prefix_token_id(tiny_model_dir, tmp_path):
@@ -87,9 +81,9 @@ def test_tokenizer_without_bos_eos_needs_prefix_token_id(tiny_model_dir, tmp_pat
     tok.save_pretrained(tmp_path)
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="prefix_token_id=<id>"):
-        _make(tmp_path)
-    lm = _make(tmp_path, ",prefix_token_id=0")
-    assert _rolling(lm, ["hello there"])[0].n_tokens > 0
+        make_lm(tmp_path)
+    lm = make_lm(tmp_path, ",prefix_token_id=0")
+    assert score_rolling(lm, ["hello there"])[0].n_tokens > 0
 
 
 def test_cli_exits_non_zero_with_the_message(tiny_model_dir, tasks_dir, tmp_path):
