@@ -1,7 +1,8 @@
 """``resume_dir=PATH``: finished batches of the plan, saved as they complete, reused by a rerun.
 
 A batch's file name is a hash of everything that determines its numbers — the scoring configuration (model,
-revision, dtype, quantization, reference, library versions, device type) and the exact units of the batch —
+revision, dtype, quantization, reference, library versions, device identity and precision flags) and the exact
+units of the batch —
 so a rerun with any number of processes or nodes (batches never depend on the world size) finds the batches
 that were done and skips them, and the final results are identical bits. The folder must be visible to the
 ranks that should reuse it (a shared filesystem for several nodes).

@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 
 # Fraction of (total memory - resident weights) that one batch's activations may take.
 _MEMORY_FRACTION = {"cuda": 0.5, "cpu": 0.25}
-# On CPU, more tokens per batch than this stop paying off (GEMMs are already at full speed; activations fall out of
-# cache). Measured on wt2-llama-5m and a 52M model: see benchmarks/README.md.
-_CPU_MAX_TOKENS = 8192
+# On CPU, more tokens per batch than this stop paying off: the GEMMs are at full speed already, while larger
+# activations cost fresh pages and memory traffic (benchmarks/batch_sweep.py on wt2-llama-5m, max_length 1024:
+# 4,096 tokens per batch fastest; 8,192 at 0.92x, 16,384 at 0.88x; see benchmarks/README.md).
+_CPU_MAX_TOKENS = 4096
 
 FreeMemory = Callable[[torch.device], int]
 TotalMemory = Callable[[torch.device], int]
