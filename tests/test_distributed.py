@@ -167,22 +167,35 @@ def test_killed_rank_fails_the_run_without_results(tiny_model_dir, tasks_dir, tm
 
 
 def _wait_for_rank(launcher_pid, rank, timeout):
-    """PID of the launched process whose environment says RANK=<rank>."""
+    """PID of the launched process, a descendant of ``launcher_pid``, whose environment says RANK=<rank> (other
+    launches on the machine, e.g. a second test run, are never matched)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for pid in os.listdir("/proc"):
-            if not pid.isdigit():
+            if not pid.isdigit() or int(pid) == launcher_pid or not _descends_from(int(pid), launcher_pid):
                 continue
             try:
                 env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline and int(pid) != launcher_pid \
+            if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline \
                     and f"MAIN_PROCESS_PORT".encode() not in cmdline:
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} never started")
+
+
+def _descends_from(pid, ancestor):
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def test_use_cache_with_several_processes_is_refused(tiny_model_dir, tasks_dir, tmp_path):
