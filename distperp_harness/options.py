@@ -52,6 +52,8 @@ class Options:
     reference: str | None = None
     # reliability (issue 7)
     resume_dir: str | None = None
+    # multiple choice (issue 11): units of one context share rows; false computes every unit on its own row
+    share_prefix: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -126,7 +128,7 @@ class Options:
 
 
 _INT_KEYS = {"max_length", "prefix_token_id", "max_batch_size", "group_size", "stride"}
-_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head"}
+_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix"}
 _FLOAT_KEYS = {"timeout"}
 _STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir"}
 

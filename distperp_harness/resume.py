@@ -1,7 +1,7 @@
 """``resume_dir=PATH``: finished batches of the plan, saved as they complete, reused by a rerun.
 
 A batch's file name is a hash of everything that determines its numbers — the scoring configuration (model,
-revision, dtype, quantization, reference, library versions, device type) and the exact units of the batch —
+revision, dtype, quantization, reference, library versions, device type) and the exact rows of the batch —
 so a rerun with any number of processes or nodes (batches never depend on the world size) finds the batches
 that were done and skips them, and the final results are identical bits. Files hold float64 arrays and are
 written atomically (temporary file, then ``os.replace``). The folder must be visible to the ranks that
@@ -19,12 +19,13 @@ from typing import Sequence
 
 import numpy as np
 
-from distperp_harness.requests import Unit
+from distperp_harness.rows import Row
 from distperp_harness.scoring import BatchScores
 
 
 class BatchStore:
-    """Saved batch scores under ``folder``, keyed by ``config`` (a JSON-able dict) and the batch's units."""
+    """Saved batch scores under ``folder``, keyed by ``config`` (a JSON-able dict) and the batch's rows (their
+    layout and units: the same units in other rows round differently)."""
 
     def __init__(self, folder: str | os.PathLike, config: dict) -> None:
         self.folder = Path(folder).expanduser()
@@ -36,34 +37,35 @@ class BatchStore:
         self.hits = 0
         self.saved = 0
 
-    def _path(self, units: Sequence[Unit]) -> Path:
+    def _path(self, rows: Sequence[Row]) -> Path:
         digest = hashlib.sha256(self._config_key)
-        for unit in units:
-            digest.update(unit.key())
+        for row in rows:
+            digest.update(row.key())
         return self.folder / f"batch-{digest.hexdigest()[:40]}.npz"
 
-    def load(self, units: Sequence[Unit]) -> BatchScores | None:
-        """The saved scores of exactly these units, or ``None``."""
-        path = self._path(units)
+    def load(self, rows: Sequence[Row]) -> BatchScores | None:
+        """The saved scores of exactly these rows, or ``None``."""
+        path = self._path(rows)
         if not path.exists():
             return None
+        n_units = sum(len(r.units) for r in rows)
         try:
             with np.load(path) as data:
                 stats = data["stats"]
-                kl = [data[f"kl{i}"] for i in range(len(units))] if "kl0" in data else None
+                kl = [data[f"kl{i}"] for i in range(n_units)] if "kl0" in data else None
         except (OSError, ValueError, KeyError):
             return None  # unreadable or partial: recompute
-        if stats.shape[0] != len(units):
+        if stats.shape[0] != n_units:
             return None
         self.hits += 1
         return BatchScores(stats, kl)
 
-    def save(self, units: Sequence[Unit], scores: BatchScores) -> None:
+    def save(self, rows: Sequence[Row], scores: BatchScores) -> None:
         """Write atomically: a reader sees the old state or the whole new file."""
         arrays = {"stats": scores.stats}
         if scores.kl is not None:
             arrays.update({f"kl{i}": k for i, k in enumerate(scores.kl)})
-        path = self._path(units)
+        path = self._path(rows)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".npz")
         try:
             with os.fdopen(fd, "wb") as handle:

@@ -4,10 +4,11 @@ import numpy as np
 
 from distperp_harness.requests import Unit
 from distperp_harness.resume import BatchStore
+from distperp_harness.rows import build_rows, unit_rows
 from distperp_harness.scoring import BatchScores
 from helpers import accelerate_launch_prefix, load_results, load_samples, run_command
 
-UNITS = [Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)]
+UNITS = unit_rows([Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)])
 
 
 def test_roundtrip_and_keying(tmp_path):
@@ -20,6 +21,10 @@ def test_roundtrip_and_keying(tmp_path):
     assert back.stats.dtype == np.float64 and store.hits == 1
     assert BatchStore(tmp_path, {"model": "b"}).load(UNITS) is None  # another configuration: no reuse
     assert BatchStore(tmp_path, {"model": "a"}).load(UNITS[:1]) is None  # another batch: no reuse
+    shared = build_rows([Unit((1, 2, 3, 4), 1), Unit((1, 2, 3, 5), 1)], "prefix")  # one row, two units
+    store.save(shared, scores)
+    assert store.load(shared) is not None
+    assert store.load(unit_rows(shared[0].units)) is None  # the same units on their own rows: no reuse
     assert not list(tmp_path.glob(".tmp-*"))  # atomic writes leave no partial files
 
 
