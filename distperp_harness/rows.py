@@ -100,8 +100,8 @@ def build_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int 
 
     Args:
         mode: ``"prefix"``, ``"inputs"`` or ``"off"`` (see the module docstring).
-        max_row_length: a packed row holds at most this many tokens (default: the longest unit input); a unit
-            input longer than it still gets its row.
+        max_row_length: a packed row holds at most this many tokens (None: no limit); a unit input longer than it
+            still gets its row.
 
     Every unit is in exactly one row; the result depends only on ``units``, ``mode`` and ``max_row_length``.
     """
@@ -109,7 +109,7 @@ def build_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int 
         raise ValueError(f"share mode {mode!r} is not one of {', '.join(SHARE_MODES)}")
     if mode == "off":
         return unit_rows(units)
-    limit = max_row_length if max_row_length is not None else max((u.input_length for u in units), default=0)
+    limit = max_row_length if max_row_length is not None else sum(u.input_length for u in units)
     classes: dict[tuple[int, ...], list[int]] = {}
     for i, unit in enumerate(units):
         classes.setdefault(unit.tokens[:-1], []).append(i)

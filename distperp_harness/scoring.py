@@ -291,6 +291,6 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
     if getattr(config, "attn_logit_softcapping", None):
         return "attention logits are soft-capped"
     window = getattr(config, "sliding_window", None)
-    if window is not None and window < max_length:
+    if window and window < max_length:  # None or 0: no window (configs that do not use theirs clear it)
         return f"sliding-window attention (window {window} < max_length {max_length})"
     return None
