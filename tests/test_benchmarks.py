@@ -38,3 +38,15 @@ def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
     assert "batch size 1:" in out and "batch size 2:" in out
     assert "| ranks | lm-eval tokens | ours tokens |" in out
     assert "Simulation: 8 ranks" in out and "planning wall time" in out
+
+
+def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
+    proc = run_command([sys.executable, BENCHMARKS / "bench_mc.py", "--model", tiny_model_dir, "--text",
+                        sample_text_path, "--questions", "3", "--repeats", "1", "--max-length", "128",
+                        "--batch-size", "2"], cwd=REPO_ROOT, timeout=300)
+    out = proc.stdout
+    assert "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |" in out
+    for shape in ("mmlu0", "mmlu5", "hellaswag"):
+        assert f"| {shape} (3 q, " in out, out
+        assert f"- {shape}: " in out
+    assert "| distperp share_prefix=false |" in out and "DIFFER" not in out
