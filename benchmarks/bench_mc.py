@@ -126,8 +126,8 @@ def table(reports: list[dict[str, Any]], args) -> str:
 
     lines = [f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
              f"({torch.get_num_threads()} threads) · transformers {transformers.__version__} · lm-eval "
-             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size {args.batch_size} · "
-             f"best of {args.repeats} alternating repeats", "",
+             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
+             f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
              "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in reports:

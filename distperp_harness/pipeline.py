@@ -1,4 +1,4 @@
-"""One scoring call across all processes: exchange units → rows → global plan → score own batches → gather → results.
+"""One scoring call across all processes: exchange units → rows → global plan → score own batches → gather.
 
 Every rank passes the units of the requests lm-eval gave it (its round-robin share plus padding copies).
 The units of all ranks are exchanged as int64 tensors, deduplicated into one canonical :class:`UnitTable`,

@@ -143,3 +143,26 @@ def test_sampled_generation_is_seeded_by_content(tiny_model_dir, tasks_dir):
     resps = [s["resps"] for s in a["samples"]["dptest_gen"]]
     assert resps == [s["resps"] for s in b["samples"]["dptest_gen"]]
     assert resps != [s["resps"] for s in greedy["samples"]["dptest_gen"]]
+
+
+def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir, monkeypatch, caplog):
+    import logging
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from distperp_harness import scoring
+
+    monkeypatch.setattr(scoring, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
+    with caplog.at_level(logging.INFO, logger="distperp_harness"):
+        logging.getLogger("distperp_harness").addHandler(caplog.handler)
+        run = lm_eval.simple_evaluate(model="distperp", model_args=f"pretrained={tiny_model_dir},max_length=128",
+                                      tasks=["dptest_mc"], task_manager=TaskManager(include_path=str(tasks_dir)),
+                                      batch_size=4, device="cpu", log_samples=True)
+        logging.getLogger("distperp_harness").removeHandler(caplog.handler)
+    sharing = run["config"]["distperp"]["sharing"]
+    assert sharing["mode"] == "inputs" and "model type 'llama'" in sharing["fallback_reason"]
+    said = [r for r in caplog.records if "shared-prefix rows are off" in r.getMessage()]
+    assert len({id(r) for r in said}) == 1 and "model type 'llama'" in said[0].getMessage()  # once
+    call = next(c for c in run["config"]["distperp"]["calls"] if c["kind"] == "loglikelihood")
+    assert call["share_mode"] == "inputs" and call["rows"] < call["units"]
