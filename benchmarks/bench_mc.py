@@ -1,6 +1,6 @@
 """Multiple-choice scoring speed: lm-eval's ``hf`` vs ``distperp`` (shared rows) vs ``distperp share_prefix=false``.
 
-    python benchmarks/bench_mc.py                      # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min on 2 cores
+    python benchmarks/bench_mc.py --threads 1          # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min
     python benchmarks/bench_mc.py --shapes hellaswag --repeats 2 --scorers hf,distperp
 
 Shapes (questions cut from WikiText-2 valid, ``../shared/data/wikitext-2/valid.txt``, read at run time; or the
@@ -125,7 +125,7 @@ def table(reports: list[dict[str, Any]], args) -> str:
     import transformers
 
     lines = [f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
-             f"({torch.get_num_threads()} threads) · transformers {transformers.__version__} · lm-eval "
+             f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
              f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
              f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
              "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |",
