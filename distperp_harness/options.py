@@ -80,6 +80,8 @@ class Options:
                 _require(self.stride <= self.max_length, "stride", self.stride,
                          f"an integer with 0 < stride <= max_length ({self.max_length})",
                          "lower stride or raise max_length")
+        _require(isinstance(self.share_prefix, bool), "share_prefix", self.share_prefix, "true or false",
+                 "share_prefix=false computes every answer of a multiple-choice question on its own row")
         if self.reference is not None:
             _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
                      "'base' (the same checkpoint, unquantized) or a model path / hub id", "")
