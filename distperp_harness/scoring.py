@@ -1,8 +1,9 @@
-"""Forward passes and exact log-probabilities for one batch of units.
+"""Forward passes and exact log-probabilities for one batch of rows (each holding one or more units).
 
-For each unit the model reads ``tokens[:-1]`` (right-padded within the batch; causal attention keeps padding
-from touching real positions) and only the last ``n_score`` positions are turned into logits — in chunks of
-positions, through the output head, so no ``[batch, length, vocab]`` float32 log-softmax is ever held. Per
+The model reads each row (:mod:`distperp_harness.rows`; right-padded within the batch, causal attention keeps
+padding from touching real positions; packed rows add a prefix-sharing mask and position ids, so each unit sees
+exactly its own ``tokens[:-1]``), and only the last ``n_score`` positions of each unit are turned into logits — in
+chunks of positions, through the output head, so no ``[batch, length, vocab]`` float32 log-softmax is held. Per
 position: ``log p(target) = logit[target] - logsumexp(logits)`` with the log-sum-exp in float32 (or better)
 and the subtraction and all sums in float64; the greedy flag is ``argmax == target``. With a reference model
 the same positions also give KL(reference || model) (float64), the reference's log-prob and top-1 agreement.
