@@ -239,8 +239,10 @@ class _Packing:
 
     ``allowed[b, 0, q, k]``: query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k`` is in the prefix or
     in ``q``'s own segment; padding counts as prefix (it comes last, so no real position sees it). Position ids
-    restart each segment where the prefix ends. Handed to the model as transformers builds its own masks: boolean
-    for ``sdpa``, additive (0 or the dtype's minimum) for ``eager``; a 4D mask passes its mask builders unchanged.
+    restart each segment where the prefix ends. Handed to the model as transformers (5.x ``masking_utils``) builds
+    its own: ``create_causal_mask`` returns a 4D mask unchanged (``_preprocess_mask_arguments``), ``sdpa`` takes it
+    as a boolean ``attn_mask`` (True: attend) and ``eager`` adds it to the scores, so it gets 0 or the dtype's
+    minimum there; the rotary (or learned) positions come from ``position_ids``.
     """
 
     allowed: torch.Tensor
