@@ -141,15 +141,16 @@ def _model_args(path: Path, max_length: int, extra: str = "") -> str:
     return f"pretrained={path},dtype=float32,max_length={max_length},device=cpu" + extra
 
 
-def make_lm(scorer: str, path: Path, max_length: int, batch_size: int) -> Any:
-    """The lm-eval LM object behind ``scorer`` (``bare`` uses a plain ``distperp`` LM for its model and plan)."""
+def make_lm(scorer: str, path: Path, max_length: int, batch_size: int, extra_args: str = "") -> Any:
+    """The lm-eval LM object behind ``scorer`` (``bare`` uses a plain ``distperp`` LM for its model and plan);
+    ``extra_args`` (``",key=value..."``) go to its ``--model_args``."""
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401  (registers --model distperp)
 
     name = "hf" if scorer == "hf" else "distperp"
     extra = {"int4": ",quantize=int4", "int4-bf16": ",quantize=int4"}.get(scorer, "")
-    args = _model_args(path, max_length, extra)
+    args = _model_args(path, max_length, extra + extra_args)
     if scorer == "int4-bf16":
         args = args.replace("dtype=float32", "dtype=bfloat16")
     return get_model(name).create_from_arg_string(args, {"batch_size": batch_size})

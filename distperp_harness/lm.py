@@ -26,13 +26,13 @@ from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
 from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
-from distperp_harness.pipeline import Batching, RunStats, score_requests
+from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
 from distperp_harness.progress import token_progress
 from distperp_harness.requests import continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
-from distperp_harness.scoring import NonFiniteLogitsError, score_batch
+from distperp_harness.scoring import NonFiniteLogitsError, packed_rows_unsupported, score_batch
 
 log = get_logger(__name__)
 
@@ -73,7 +73,19 @@ class DistPerpLM(TemplateLM):
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
+        self.sharing, self.sharing_fallback = self._sharing()
         self.load_seconds = time.perf_counter() - t0
+
+    def _sharing(self) -> tuple[Sharing, str | None]:
+        """How ``loglikelihood`` units share rows, and why packed rows are off when the model cannot take them."""
+        if not self.options.share_prefix:
+            return Sharing("off"), None
+        models = [m for m in (self._model, self.reference) if m is not None]
+        why = next((r for r in (packed_rows_unsupported(m, self._max_length) for m in models) if r), None)
+        if why is not None:
+            log.info(f"shared-prefix rows are off: {why}; units with the same input still share a row, every other "
+                     "answer gets a row of its own", main_process_only=True)
+        return Sharing("inputs" if why else "prefix", self._max_length), why
 
     def _run_identity(self) -> dict:
         """What every rank must share for results to be one computation: options, versions, device identity."""
@@ -107,7 +119,7 @@ class DistPerpLM(TemplateLM):
         # context that tokenizes to nothing (e.g. only spaces, moved to the continuation) is the prefix token.
         units = [[continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
                  for _, ctx, cont in requests]
-        results = self._score(units, "loglikelihood", disable_tqdm)
+        results = self._score(units, "loglikelihood", disable_tqdm, self.sharing)
         out = []
         for (request_str, _, _), r in zip(requests, results):
             answer = (self._as_score(r), r.is_greedy)
@@ -141,33 +153,34 @@ class DistPerpLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return outputs
 
-    def _score_batch(self, units):
-        """Scores of one batch of the plan: from ``resume_dir`` when saved there, else computed (and saved)."""
-        saved = self.store.load(units) if self.store else None
+    def _score_batch(self, rows):
+        """Scores of one batch of rows of the plan: from ``resume_dir`` when saved there, else computed (and saved)."""
+        saved = self.store.load(rows) if self.store else None
         if saved is not None:
             return saved
         try:
-            scores = score_batch(self._model, units, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
+            scores = score_batch(self._model, rows, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
                                  reference=self.reference)
         except NonFiniteLogitsError as exc:
-            where = "; ".join(f"the window {self.tok_decode(list(units[r].tokens[:24]))!r}... "
-                              f"({units[r].input_length} tokens)" for r in exc.rows[:3])
+            where = "; ".join(f"the window {self.tok_decode(list(rows[r].prefix[:24]))!r}... "
+                              f"({rows[r].length} tokens)" for r in exc.rows[:3])
             raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
                              "meaningless. Try dtype=float32, or check the checkpoint.") from exc
         if self.store:
-            self.store.save(units, scores)
+            self.store.save(rows, scores)
         _fault_for_tests(self.rank)
         return scores
 
-    def _score(self, per_request_units, kind: str, disable_tqdm: bool):
+    def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
             attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
-            with_reference=self.reference is not None,
+            with_reference=self.reference is not None, sharing=sharing,
             stats=self.stats, kind=kind,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
-        log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['batches']} batches on "
+        log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['rows']} rows "
+                 f"({call['tokens_saved']} input tokens saved), {call['batches']} batches on "
                  f"{self.world_size} process(es) in {call['total_seconds']:.1f} s "
                  f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
                  f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
@@ -284,6 +297,8 @@ class DistPerpLM(TemplateLM):
                 "weight_bytes": self.weight_bytes,
                 "batching": {"batch_size": self.batching.batch_size, "token_budget": self.batching.token_budget,
                              "max_batch_size": self.batching.max_batch_size},
+                "sharing": {"mode": self.sharing.mode, "max_row_length": self.sharing.max_row_length,
+                            "fallback_reason": self.sharing_fallback},
                 "load_seconds": self.load_seconds,
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,

@@ -52,6 +52,8 @@ class Options:
     reference: str | None = None
     # reliability (issue 7)
     resume_dir: str | None = None
+    # multiple choice (issue 11): units of one context share rows; false computes every unit on its own row
+    share_prefix: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -78,6 +80,8 @@ class Options:
                 _require(self.stride <= self.max_length, "stride", self.stride,
                          f"an integer with 0 < stride <= max_length ({self.max_length})",
                          "lower stride or raise max_length")
+        _require(isinstance(self.share_prefix, bool), "share_prefix", self.share_prefix, "true or false",
+                 "share_prefix=false computes every answer of a multiple-choice question on its own row")
         if self.reference is not None:
             _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
                      "'base' (the same checkpoint, unquantized) or a model path / hub id", "")
@@ -126,7 +130,7 @@ class Options:
 
 
 _INT_KEYS = {"max_length", "prefix_token_id", "max_batch_size", "group_size", "stride"}
-_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head"}
+_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix"}
 _FLOAT_KEYS = {"timeout"}
 _STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir"}
 

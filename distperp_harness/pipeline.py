@@ -1,8 +1,9 @@
-"""One scoring call across all processes: exchange units → global plan → score own batches → gather → results.
+"""One scoring call across all processes: exchange units → rows → global plan → score own batches → gather.
 
 Every rank passes the units of the requests lm-eval gave it (its round-robin share plus padding copies).
 The units of all ranks are exchanged as int64 tensors, deduplicated into one canonical :class:`UnitTable`,
-packed into world-size-independent batches and assigned to ranks by cost. Each rank scores its batches;
+grouped into rows (:mod:`distperp_harness.rows`: shared inputs and shared prefixes, from the table alone), packed
+into world-size-independent batches of rows and assigned to ranks by cost. Each rank scores its batches;
 per-unit float64 statistics (and per-token KL values) are all-gathered, so every rank holds the whole
 table and rebuilds the results of its own requests in a fixed order: the same bits on 1 process or N.
 """
@@ -21,6 +22,7 @@ import torch
 from distperp_harness.collective import Collective
 from distperp_harness.plan import Batch, assign_batches, balance_report, make_batches
 from distperp_harness.requests import Unit, UnitTable, pack_units, unpack_units
+from distperp_harness.rows import Row, build_rows
 from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
 
 
@@ -70,20 +72,30 @@ class RunStats:
         return self._digest.hexdigest()[:16]
 
 
-ScoreFn = Callable[[Sequence[Unit]], BatchScores]
+@dataclass(frozen=True)
+class Sharing:
+    """How units share rows: ``mode`` (see :func:`distperp_harness.rows.build_rows`) and the longest packed row."""
+
+    mode: str = "off"
+    max_row_length: int | None = None
+
+
+ScoreFn = Callable[[Sequence[Row]], BatchScores]
 Progress = Callable[[int], None]
 
 
 def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: Collective, score_fn: ScoreFn,
                    batching: Batching, attention_coef: float = 0.0, head_coef: float = 0.0,
-                   with_reference: bool = False,
+                   with_reference: bool = False, sharing: Sharing = Sharing(),
                    stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
                    kind: str = "score") -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
     Args:
         per_request_units: for each local request, its units in order (an empty list scores nothing).
-        score_fn: scores one batch of units (see :func:`distperp_harness.scoring.score_batch`).
+        score_fn: scores one batch of rows (see :func:`distperp_harness.scoring.score_batch`); its statistics
+            are per unit, in row order.
+        sharing: how units share rows; the batches hold ``batching`` rows each (``batch_size=N``: N rows).
         progress: given the number of padded tokens this rank will compute, returns an update callback.
 
     Returns:
@@ -91,30 +103,34 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     """
     t0 = time.perf_counter()
     table = _global_table(per_request_units, collective)
-    batches = batching.batches(table.lengths, [u.n_score for u in table.units])
+    computed = build_rows(table.units, sharing.mode, sharing.max_row_length)
+    batches = batching.batches([r.length for r in computed], [r.scored for r in computed])
     plan = assign_batches(batches, collective.world_size, attention_coef, head_coef)
     mine = plan.batches_of(collective.rank)
     update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
 
-    ids, rows, kl_rows = [], [], []
+    ids, unit_stats, kl_rows = [], [], []
     for i in mine:
         batch = batches[i]
-        scores = score_fn(table.units[batch.start: batch.stop])
-        ids.extend(range(batch.start, batch.stop))
-        rows.append(scores.stats)
+        scores = score_fn(computed[batch.start: batch.stop])
+        ids.extend(uid for row in computed[batch.start: batch.stop] for uid in row.unit_ids)
+        unit_stats.append(scores.stats)
         if with_reference:
             kl_rows.extend(scores.kl)
         if update:
             update(batch.padded_tokens)
     t_score = time.perf_counter() - t0
 
-    full, kl_full = _gather_results(collective, table, ids, rows, kl_rows if with_reference else None)
+    full, kl_full = _gather_results(collective, table, ids, unit_stats, kl_rows if with_reference else None)
     results = [_assemble(table.ids(units), full, kl_full) for units in per_request_units]
     if stats is not None:
         stats._digest.update(full.tobytes())
         report = balance_report(plan, attention_coef, head_coef)
+        tokens = sum(r.length for r in computed)
         stats.calls.append({
-            "kind": kind, "units": len(table), "batches": len(batches),
+            "kind": kind, "units": len(table), "rows": len(computed), "share_mode": sharing.mode,
+            "computed_tokens": tokens, "tokens_saved": sum(u.input_length for u in table.units) - tokens,
+            "batches": len(batches),
             "scored_tokens": int(full[:, N_TOKENS].sum()),
             "padded_tokens_per_rank": report["padded_tokens_per_rank"],
             "max_over_mean": report["max_over_mean"], "best_max_over_mean": report["best_max_over_mean"],

@@ -2,7 +2,7 @@
 
 A batch's file name is a hash of everything that determines its numbers — the scoring configuration (model,
 revision, dtype, quantization, reference, library versions, device identity and precision flags) and the exact
-units of the batch —
+rows of the batch (their layout and units: the same units in other rows round differently) —
 so a rerun with any number of processes or nodes (batches never depend on the world size) finds the batches
 that were done and skips them, and the final results are identical bits. The folder must be visible to the
 ranks that should reuse it (a shared filesystem for several nodes).
@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from distperp_harness.requests import Unit
+from distperp_harness.rows import Row
 from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
 
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
@@ -56,7 +57,7 @@ class DamagedFile(ValueError):
 
 
 class BatchStore:
-    """Saved batch scores under ``folder``, keyed by ``config`` (a JSON-able dict) and the batch's units.
+    """Saved batch scores under ``folder``, keyed by ``config`` (a JSON-able dict) and the batch's rows.
 
     Args:
         folder: created if missing (a ``ValueError`` names it when that fails).
@@ -93,10 +94,11 @@ class BatchStore:
             _exit_on_sigterm(self)
 
     # ------------------------------------------------------------------------------------------ reading
-    def load(self, units: Sequence[Unit]) -> BatchScores | None:
-        """The saved scores of exactly these units, or ``None`` (not saved, or damaged: recompute)."""
-        key = self._key(units)
+    def load(self, rows: Sequence[Row]) -> BatchScores | None:
+        """The saved scores of exactly these rows' units, or ``None`` (not saved, or damaged: recompute)."""
+        key = self._key(rows)
         path = self._path(key)
+        units = _units_of(rows)
         try:
             scores = self._read(path, key, units)
         except FileNotFoundError:
@@ -129,14 +131,14 @@ class BatchStore:
         return BatchScores(arrays["stats"], kl)
 
     # ------------------------------------------------------------------------------------------ writing
-    def save(self, units: Sequence[Unit], scores: BatchScores) -> None:
+    def save(self, rows: Sequence[Row], scores: BatchScores) -> None:
         """Write atomically (a reader sees the old state or the whole new file); never raises ``OSError``.
 
         The first failure stops saving on this process (see the module docstring).
         """
         if self.save_error is not None:
             return
-        key = self._key(units)
+        key = self._key(rows)
         path = self._path(key)
         arrays = {"key": np.frombuffer(key, dtype=np.uint8), "stats": np.asarray(scores.stats, dtype=np.float64)}
         if self.with_kl:
@@ -210,14 +212,19 @@ class BatchStore:
             return None
 
     # ------------------------------------------------------------------------------------------ keys
-    def _key(self, units: Sequence[Unit]) -> bytes:
+    def _key(self, rows: Sequence[Row]) -> bytes:
         digest = hashlib.sha256(self._config_key)
-        for unit in units:
-            digest.update(unit.key())
+        for row in rows:
+            digest.update(row.key())
         return digest.digest()
 
     def _path(self, key: bytes) -> Path:
         return self.folder / f"{self._prefix}{key.hex()[:40]}.npz"
+
+
+def _units_of(rows: Sequence[Row]) -> list[Unit]:
+    """The units of ``rows`` in score order (the order of ``BatchScores.stats``)."""
+    return [unit for row in rows for unit in row.units]
 
 
 def _checksum(arrays: dict[str, np.ndarray]) -> bytes:

@@ -1,8 +1,9 @@
-"""Forward passes and exact log-probabilities for one batch of units.
+"""Forward passes and exact log-probabilities for one batch of rows (each holding one or more units).
 
-For each unit the model reads ``tokens[:-1]`` (right-padded within the batch; causal attention keeps padding
-from touching real positions) and only the last ``n_score`` positions are turned into logits — in chunks of
-positions, through the output head, so no ``[batch, length, vocab]`` float32 log-softmax is ever held. Per
+The model reads each row (:mod:`distperp_harness.rows`; right-padded within the batch, causal attention keeps
+padding from touching real positions; packed rows add a prefix-sharing mask and position ids, so each unit sees
+exactly its own ``tokens[:-1]``), and only the last ``n_score`` positions of each unit are turned into logits — in
+chunks of positions, through the output head, so no ``[batch, length, vocab]`` float32 log-softmax is held. Per
 position: ``log p(target) = logit[target] - logsumexp(logits)`` with the log-sum-exp in float32 (or better)
 and the subtraction and all sums in float64; the greedy flag is ``argmax == target``. With a reference model
 the same positions also give KL(reference || model) (float64), the reference's log-prob and top-1 agreement.
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from distperp_harness.requests import Unit
+from distperp_harness.rows import Row, unit_rows
 
 # Columns of the per-unit statistics table (float64), gathered across ranks as one tensor.
 LL, GREEDY, N_TOKENS, REF_LL, TOP1 = range(5)
@@ -61,18 +63,21 @@ class BatchScores:
 
 
 def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-              chunk_rows: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+              chunk_rows: int, packing: "_Packing | None" = None
+              ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
-    float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`)."""
+    float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
+    ``packing``: the attention mask and position ids of a batch with packed rows (None: plain causal rows)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    extra = packing.kwargs(model) if packing is not None else {}
     if head is not None and model_type in _PLAIN_HEAD_TYPES:
-        hidden = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = model.base_model(input_ids=input_ids, use_cache=False, **extra).last_hidden_state
         feats = hidden[rows, cols]
         if _ReusedHead.applies(head, feats):
             return feats, _ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
         return feats, lambda chunk: _at_least_float32(head(chunk))
-    logits = model(input_ids=input_ids, use_cache=False).logits
+    logits = model(input_ids=input_ids, use_cache=False, **extra).logits
     return logits[rows, cols], _at_least_float32
 
 
@@ -147,38 +152,31 @@ def _chunks(n: int, vocab: int, device_type: str = "cpu") -> list[tuple[int, int
 
 
 @torch.no_grad()
-def score_batch(model: torch.nn.Module, units: Sequence[Unit], *, device: torch.device, pad_token_id: int,
-                reference: torch.nn.Module | None = None) -> BatchScores:
-    """Score ``units`` as one right-padded batch.
+def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *, device: torch.device,
+                pad_token_id: int, reference: torch.nn.Module | None = None) -> BatchScores:
+    """Score ``batch`` — rows (:mod:`distperp_harness.rows`), or units (one row each) — as one right-padded batch.
+
+    Rows with several segments run with a prefix-sharing attention mask and explicit position ids (see
+    :class:`_Packing`; the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of
+    plain rows runs exactly as before, with no mask.
 
     Returns:
-        ``BatchScores`` with ``stats[i] = (log-likelihood, greedy 0/1, n scored tokens, reference
-        log-likelihood or 0, top-1 agreements or 0)`` and, with ``reference``, per-token KL arrays.
+        ``BatchScores`` over the batch's units in row order, with ``stats[i] = (log-likelihood, greedy 0/1, n scored
+        tokens, reference log-likelihood or 0, top-1 agreements or 0)`` and, with ``reference``, per-token KL arrays.
 
     Raises:
-        NonFiniteLogitsError: if any scored position has NaN/inf logits.
+        NonFiniteLogitsError: if any scored position has NaN/inf logits (``rows`` index the batch's rows).
     """
-    lengths = [u.input_length for u in units]
-    padded = max(lengths)
-    ids = torch.full((len(units), padded), pad_token_id, dtype=torch.long)
-    row_list, col_list, target_list = [], [], []
-    for i, unit in enumerate(units):
-        ids[i, : lengths[i]] = torch.tensor(unit.tokens[:-1], dtype=torch.long)
-        first = lengths[i] - unit.n_score
-        row_list.extend([i] * unit.n_score)
-        col_list.extend(range(first, lengths[i]))
-        target_list.extend(unit.tokens[first + 1:])
-    ids = ids.to(device)
-    rows = torch.tensor(row_list, device=device)
-    cols = torch.tensor(col_list, device=device)
-    targets = torch.tensor(target_list, device=device)
+    batch_rows = list(batch) if batch and isinstance(batch[0], Row) else unit_rows(batch)
+    units = [u for r in batch_rows for u in r.units]
+    ids, rows, cols, targets, packing = _layout(batch_rows, pad_token_id, device)
 
-    n = len(target_list)
+    n = len(targets)
     chunks = _chunks(n, _vocab_size(model), device.type)
     chunk_rows = max(b - a for a, b in chunks) if chunks else 1
-    feats, to_logits = _features(model, ids, rows, cols, chunk_rows)
-    ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows) if reference is not None
-                                else (None, None))
+    feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing)
+    ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing)
+                                if reference is not None else (None, None))
 
     logprob = torch.empty(n, dtype=torch.float64, device=device)
     greedy = torch.empty(n, dtype=torch.bool, device=device)
@@ -233,3 +231,85 @@ def _vocab_size(model: torch.nn.Module) -> int:
     if head is not None and getattr(head, "out_features", None):
         return int(head.out_features)
     return int(getattr(getattr(model, "config", None), "vocab_size", 32000))
+
+
+def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device):
+    """``(input ids [rows, padded], row and column of every scored position, its target, packing or None)``."""
+    padded = max(r.length for r in batch_rows)
+    ids = torch.full((len(batch_rows), padded), pad_token_id, dtype=torch.long)
+    row_list, col_list, target_list = [], [], []
+    for i, row in enumerate(batch_rows):
+        ids[i, : row.length] = torch.tensor(row.tokens(), dtype=torch.long)
+        for k, unit in enumerate(row.units):
+            row_list.extend([i] * unit.n_score)
+            col_list.extend(row.columns(k))
+            target_list.extend(unit.tokens[-unit.n_score:])
+    packing = _Packing.of(batch_rows, padded, device) if any(r.packed for r in batch_rows) else None
+    return (ids.to(device), torch.tensor(row_list, device=device), torch.tensor(col_list, device=device),
+            torch.tensor(target_list, device=device), packing)
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Attention mask and position ids of a batch holding packed rows.
+
+    ``allowed[b, 0, q, k]``: query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k`` is in the prefix or
+    in ``q``'s own segment; padding counts as prefix (it comes last, so no real position sees it). Position ids
+    restart each segment where the prefix ends. Handed to the model as transformers (5.x ``masking_utils``) builds
+    its own: ``create_causal_mask`` returns a 4D mask unchanged (``_preprocess_mask_arguments``), ``sdpa`` takes it
+    as a boolean ``attn_mask`` (True: attend) and ``eager`` adds it to the scores, so it gets 0 or the dtype's
+    minimum there; the rotary (or learned) positions come from ``position_ids``.
+    """
+
+    allowed: torch.Tensor
+    position_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, batch_rows: Sequence[Row], padded: int, device: torch.device) -> "_Packing":
+        seg = torch.zeros(len(batch_rows), padded, dtype=torch.long)
+        pos = torch.arange(padded).repeat(len(batch_rows), 1)
+        for i, row in enumerate(batch_rows):
+            seg[i, : row.length] = torch.tensor(row.segment_ids())
+            pos[i, : row.length] = torch.tensor(row.position_ids())
+        causal = torch.ones(padded, padded, dtype=torch.bool).tril()
+        allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
+        return cls(allowed[:, None].to(device), pos.to(device))
+
+    def kwargs(self, model: torch.nn.Module) -> dict:
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            mask = self.allowed
+        else:
+            dtype = model.get_input_embeddings().weight.dtype
+            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)
+        return {"attention_mask": mask, "position_ids": self.position_ids}
+
+
+# Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
+# (each checked against unshared rows, with sdpa and eager, in tests/test_scoring.py).
+_MASKABLE_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo", "olmo2",
+    "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3",
+})
+
+
+def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
+    """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
+
+    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (flash-attention and flex ignore or
+    rebuild a custom mask), no attention-logit soft capping, and no sliding window shorter than ``max_length`` (a
+    custom mask replaces the window; rows are at most ``max_length`` tokens, so a longer window never applies).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MASKABLE_TYPES:
+        return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} does not take a custom 4D attention mask (sdpa and eager do)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logits are soft-capped"
+    window = getattr(config, "sliding_window", None)
+    if window and window < max_length:  # None or 0: no window (configs that do not use theirs clear it)
+        return f"sliding-window attention (window {window} < max_length {max_length})"
+    return None

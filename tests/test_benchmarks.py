@@ -52,3 +52,15 @@ def test_gpu_check_dry_mode_on_cpu(tmp_path):
 
     rows = json.loads(out.read_text())["rows"]
     assert all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows)
+
+
+def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
+    proc = run_command([sys.executable, BENCHMARKS / "bench_mc.py", "--model", tiny_model_dir, "--text",
+                        sample_text_path, "--questions", "3", "--repeats", "1", "--max-length", "128",
+                        "--batch-size", "2"], cwd=REPO_ROOT, timeout=300)
+    out = proc.stdout
+    assert "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |" in out
+    for shape in ("mmlu0", "mmlu5", "hellaswag"):
+        assert f"| {shape} (3 q, " in out, out
+        assert f"- {shape}: " in out
+    assert "| distperp share_prefix=false |" in out and "DIFFER" not in out

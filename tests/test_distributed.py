@@ -18,8 +18,9 @@ from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_result
 
 pytestmark = pytest.mark.distributed
 
-TASKS = "dptest_rolling,dptest_mc,dptest_gen,distperp_wikitext2"
-EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_gen": ["exact_match,none"]}
+TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_gen,distperp_wikitext2"
+EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_mmlu": ["acc,none"],
+                 "dptest_gen": ["exact_match,none"]}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         out[f"{n}p-int4"] = root / f"{n}p-int4"
         run_command([*accelerate_launch_prefix(n), *_lm_eval_args(
             tiny_model_dir, tasks_dir, out[f"{n}p-int4"], model_args=",quantize=int4,group_size=32,reference=base",
-            tasks="distperp_wikitext2,dptest_mc")], cwd=root)
+            tasks="distperp_wikitext2,dptest_mc,dptest_mmlu")], cwd=root)
     out["torchrun"] = root / "torchrun"
     run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                  str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
@@ -102,7 +103,7 @@ def test_quantized_identical_across_world_sizes(runs):
     assert two["config"]["distperp"]["fingerprint"] == one["config"]["distperp"]["fingerprint"]
     assert two["results"]["distperp_wikitext2"] == one["results"]["distperp_wikitext2"]
     assert two["results"]["distperp_wikitext2"]["kl_divergence,none"] > 0
-    for task in ("distperp_wikitext2", "dptest_mc"):
+    for task in ("distperp_wikitext2", "dptest_mc", "dptest_mmlu"):
         assert _per_doc(load_samples(runs["1p-int4"], task)) == _per_doc(load_samples(runs["2p-int4"], task))
 
 
@@ -117,6 +118,8 @@ def test_work_is_shared_across_ranks(runs):
     rolling = [c for c in info["calls"] if c["kind"] == "loglikelihood_rolling"][0]
     assert len(rolling["padded_tokens_per_rank"]) == 2 and min(rolling["padded_tokens_per_rank"]) > 0
     assert rolling["max_over_mean"] >= 1.0
+    choice = [c for c in info["calls"] if c["kind"] == "loglikelihood"][0]  # multiple choice in shared rows
+    assert choice["share_mode"] == "prefix" and choice["rows"] < choice["units"] and choice["tokens_saved"] > 0
 
 
 def test_collective_timeout_names_the_missing_rank(tmp_path):

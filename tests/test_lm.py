@@ -2,14 +2,16 @@
 
 Runs both through ``lm_eval.simple_evaluate`` in-process on the local ``dptest_*`` tasks and compares logged
 samples: rolling log-likelihoods within 1e-6 relative, loglikelihood within 1e-5 absolute with equal greedy
-flags and acc/acc_norm, greedy generations identical.
+flags and acc/acc_norm (both multiple-choice shapes, through distperp's shared rows and its unshared path), greedy
+generations identical.
 """
 
 import math
 
 import pytest
 
-TASKS = ["dptest_mc", "dptest_rolling", "dptest_gen"]
+TASKS = ["dptest_mc", "dptest_mmlu", "dptest_rolling", "dptest_gen"]
+MC_TASKS = ["dptest_mc", "dptest_mmlu"]
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +21,10 @@ def runs(tiny_model_dir, tasks_dir):
 
     manager = TaskManager(include_path=str(tasks_dir))
     out = {}
-    for model in ("hf", "distperp"):
-        out[model] = lm_eval.simple_evaluate(
-            model=model, model_args=f"pretrained={tiny_model_dir},max_length=128", tasks=TASKS,
+    for name, model, extra, tasks in [("hf", "hf", "", TASKS), ("distperp", "distperp", "", TASKS),
+                                      ("unshared", "distperp", ",share_prefix=false", MC_TASKS)]:
+        out[name] = lm_eval.simple_evaluate(
+            model=model, model_args=f"pretrained={tiny_model_dir},max_length=128{extra}", tasks=tasks,
             task_manager=manager, batch_size=4, device="cpu", log_samples=True)
     return out
 
@@ -42,8 +45,10 @@ def test_rolling_parity(runs):
             runs["hf"]["results"]["dptest_rolling"][metric], rel=1e-6)
 
 
-def test_loglikelihood_parity(runs):
-    hf, dp = _samples(runs["hf"], "dptest_mc"), _samples(runs["distperp"], "dptest_mc")
+@pytest.mark.parametrize("task", MC_TASKS)
+@pytest.mark.parametrize("ours", ["distperp", "unshared"])
+def test_loglikelihood_parity(runs, task, ours):
+    hf, dp = _samples(runs["hf"], task), _samples(runs[ours], task)
     for doc_id in hf:
         for (a_ll, a_greedy), (b_ll, b_greedy) in zip((r[0] for r in hf[doc_id]["resps"]),
                                                       (r[0] for r in dp[doc_id]["resps"])):
@@ -52,9 +57,25 @@ def test_loglikelihood_parity(runs):
             hf_rounding = b_ll.n_tokens * 2.0 ** -23 * abs(float(a_ll))
             assert abs(float(a_ll) - float(b_ll)) <= max(1e-5, hf_rounding)
             assert a_greedy == b_greedy
-        assert hf[doc_id]["acc"] == dp[doc_id]["acc"] and hf[doc_id]["acc_norm"] == dp[doc_id]["acc_norm"]
+        assert hf[doc_id]["acc"] == dp[doc_id]["acc"]
+        assert hf[doc_id].get("acc_norm") == dp[doc_id].get("acc_norm")
     for metric in ("acc,none", "acc_norm,none"):
-        assert runs["distperp"]["results"]["dptest_mc"][metric] == runs["hf"]["results"]["dptest_mc"][metric]
+        assert runs[ours]["results"][task].get(metric) == runs["hf"]["results"][task].get(metric)
+
+
+def test_shared_rows_are_recorded(runs):
+    shared = runs["distperp"]["config"]["distperp"]
+    unshared = runs["unshared"]["config"]["distperp"]
+    assert shared["sharing"] == {"mode": "prefix", "max_row_length": 128, "fallback_reason": None}
+    assert unshared["sharing"]["mode"] == "off"
+    call = next(c for c in shared["calls"] if c["kind"] == "loglikelihood")
+    alone = next(c for c in unshared["calls"] if c["kind"] == "loglikelihood")
+    assert call["units"] == alone["units"] == alone["rows"] and alone["tokens_saved"] == 0
+    assert call["rows"] < call["units"] / 3 and call["tokens_saved"] > call["computed_tokens"]
+    assert call["computed_tokens"] + call["tokens_saved"] == alone["computed_tokens"]
+    assert sum(call["padded_tokens_per_rank"]) < sum(alone["padded_tokens_per_rank"]) / 2
+    rolling = next(c for c in shared["calls"] if c["kind"] == "loglikelihood_rolling")
+    assert rolling["share_mode"] == "off" and rolling["rows"] == rolling["units"]
 
 
 def test_greedy_generation_parity(runs):
@@ -122,3 +143,26 @@ def test_sampled_generation_is_seeded_by_content(tiny_model_dir, tasks_dir):
     resps = [s["resps"] for s in a["samples"]["dptest_gen"]]
     assert resps == [s["resps"] for s in b["samples"]["dptest_gen"]]
     assert resps != [s["resps"] for s in greedy["samples"]["dptest_gen"]]
+
+
+def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir, monkeypatch, caplog):
+    import logging
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from distperp_harness import scoring
+
+    monkeypatch.setattr(scoring, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
+    with caplog.at_level(logging.INFO, logger="distperp_harness"):
+        logging.getLogger("distperp_harness").addHandler(caplog.handler)
+        run = lm_eval.simple_evaluate(model="distperp", model_args=f"pretrained={tiny_model_dir},max_length=128",
+                                      tasks=["dptest_mc"], task_manager=TaskManager(include_path=str(tasks_dir)),
+                                      batch_size=4, device="cpu", log_samples=True)
+        logging.getLogger("distperp_harness").removeHandler(caplog.handler)
+    sharing = run["config"]["distperp"]["sharing"]
+    assert sharing["mode"] == "inputs" and "model type 'llama'" in sharing["fallback_reason"]
+    said = [r for r in caplog.records if "shared-prefix rows are off" in r.getMessage()]
+    assert len({id(r) for r in said}) == 1 and "model type 'llama'" in said[0].getMessage()  # once
+    call = next(c for c in run["config"]["distperp"]["calls"] if c["kind"] == "loglikelihood")
+    assert call["share_mode"] == "inputs" and call["rows"] < call["units"]

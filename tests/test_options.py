@@ -11,6 +11,8 @@ def test_defaults_and_casts_from_cli_strings():
     assert opts.batch_size == 8 and opts.max_length == 512 and opts.trust_remote_code is True
     assert opts.timeout == 60.0 and opts.dtype == "bfloat16" and opts.group_size == 64 and opts.quantize == "int4"
     assert Options.from_kwargs(pretrained="m").batch_size == 1
+    assert Options.from_kwargs(pretrained="m").share_prefix is True
+    assert Options.from_kwargs(pretrained="m", share_prefix="false").share_prefix is False
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("auto:4", "auto:4"), (3, 3), ("16", 16)])
@@ -30,6 +32,7 @@ def test_batch_size_forms(value, expected):
     ({"pretrained": "m", "max_length": 1}, "max_length=1"),
     ({"pretrained": "m", "timeout": -1}, "timeout=-1"),
     ({"pretrained": "m", "trust_remote_code": "maybe"}, "trust_remote_code=true or trust_remote_code=false"),
+    ({"pretrained": "m", "share_prefix": "sometimes"}, "share_prefix=true or share_prefix=false"),
     ({}, "needs pretrained="),
 ])
 def test_bad_values_are_named(kwargs, fragment):
@@ -42,5 +45,7 @@ def test_frozen_and_recorded():
     opts = Options.from_kwargs(pretrained="m", device="cuda:0", device_from_cli=True)
     with pytest.raises(Exception):
         opts.dtype = "float16"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="share_prefix='no'"):
+        Options(pretrained="m", share_prefix="no")  # type: ignore[arg-type]
     record = opts.to_dict()
     assert record["pretrained"] == "m" and "device_from_cli" not in record

@@ -20,11 +20,12 @@ import pytest
 
 from distperp_harness.requests import Unit
 from distperp_harness.resume import BatchStore
+from distperp_harness.rows import build_rows, unit_rows
 from distperp_harness.scoring import GREEDY, LL, N_TOKENS, TOP1, BatchScores
 from helpers import (TASKS_DIR, accelerate_launch_prefix, load_results, load_samples, make_lm, offline_env,
                      run_command, score_rolling)
 
-UNITS = [Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)]
+UNITS = unit_rows([Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)])  # two one-unit rows
 GOOD = BatchScores(np.array([[-3.5, 0.0, 3, -3.25, 2], [-0.5, 1.0, 1, -0.75, 1]]), [np.array([0.1, 0.2, 0.3]),
                                                                                     np.array([1e-9])])
 ARGS = ",max_length=32,batch_size=2"
@@ -57,6 +58,11 @@ def test_roundtrip_and_keying(tmp_path):
     assert store.counts == {"reused": 1, "saved": 1, "recomputed_corrupt": 0, "save_failures": 0}
     assert BatchStore(tmp_path, {"model": "b"}, with_kl=True).load(UNITS) is None  # another configuration
     assert BatchStore(tmp_path, {"model": "a"}, with_kl=True).load(UNITS[:1]) is None  # another batch
+    shared = build_rows([Unit((1, 2, 3, 4), 1), Unit((1, 2, 3, 5), 1)], "prefix")  # one row, two units
+    two = BatchScores(np.array([[-1.0, 0.0, 1, -1.5, 1], [-2.0, 1.0, 1, -2.5, 0]]), [np.array([0.1]), np.array([0.2])])
+    store.save(shared, two)
+    assert _same(store.load(shared), two)
+    assert store.load(unit_rows(shared[0].units)) is None  # the same units on their own rows: no reuse
     assert not list(tmp_path.glob(".tmp-*"))  # atomic writes leave no partial files
 
 

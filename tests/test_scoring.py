@@ -2,6 +2,7 @@
 
 import copy
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,3 +131,151 @@ def test_non_finite_logits_are_reported(model):
     with pytest.raises(NonFiniteLogitsError) as info:
         score_batch(broken, _units(4), device=torch.device("cpu"), pad_token_id=3)
     assert info.value.rows
+
+
+# ------------------------------------------------------------------------------ shared rows (multiple choice)
+def _choice_units(model, seed=0, max_length=128):
+    """Four contexts (1..40 tokens), each with four answers of 1-6 tokens; the first answer of each context is the
+    model's own greedy continuation, so greedy flags are exercised in packed rows."""
+    from distperp_harness.requests import UnitTable, continuation_unit
+
+    rng = np.random.default_rng(seed)
+    units = []
+    for n_context in (1, 9, 23, 40):
+        context = [int(t) for t in rng.integers(4, 400, size=n_context)]
+        greedy = list(context)
+        with torch.no_grad():
+            for _ in range(3):
+                greedy.append(int(model(torch.tensor([greedy])).logits[0, -1].argmax()))
+        answers = [greedy[n_context:]] + [[int(t) for t in rng.integers(4, 400, size=k)] for k in (1, 4, 6)]
+        answers.append([int(rng.integers(4, 400))])  # a second one-token answer
+        units += [continuation_unit(context, a, max_length) for a in answers]
+    return UnitTable(units).units
+
+
+def _close(value, expected):
+    """The issue's accuracy bound: within 1e-5 absolute or 5e-6 relative."""
+    return abs(value - expected) <= max(1e-5, 5e-6 * abs(expected))
+
+
+@pytest.mark.parametrize("batch_rows", [1, 3, 64])
+def test_shared_rows_match_float64_per_unit(model, batch_rows):
+    from distperp_harness.rows import build_rows
+
+    units = _choice_units(model)
+    rows = build_rows(units, "prefix", max_row_length=128)
+    assert len(rows) == 4 and all(r.packed for r in rows)
+    unshared = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3).stats
+    greedy_seen = 0
+    for start in range(0, len(rows), batch_rows):
+        batch = rows[start: start + batch_rows]
+        out = score_batch(model, batch, device=torch.device("cpu"), pad_token_id=3).stats
+        for row_stats, uid in zip(out, [i for r in batch for i in r.unit_ids]):
+            ll, greedy, _, _, _ = _reference_scores(model, units[uid])
+            assert _close(row_stats[LL], ll), (uid, row_stats[LL], ll)
+            assert row_stats[GREEDY] == unshared[uid, GREEDY] == float(greedy)
+            assert row_stats[N_TOKENS] == units[uid].n_score
+            greedy_seen += int(greedy)
+    assert greedy_seen >= 4  # every context's own continuation
+
+
+def test_shared_rows_with_reference_match_float64(model):
+    from distperp_harness.rows import build_rows
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p, generator=torch.Generator().manual_seed(1)))
+    units = _choice_units(model, seed=1)
+    rows = build_rows(units, "prefix")
+    out = score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref)
+    for row_stats, kl, uid in zip(out.stats, out.kl, [i for r in rows for i in r.unit_ids]):
+        ll, _, kls, ref_ll, agree = _reference_scores(model, units[uid], ref)
+        assert _close(row_stats[LL], ll) and _close(row_stats[REF_LL], ref_ll)
+        assert row_stats[TOP1] == agree
+        np.testing.assert_allclose(kl, kls, rtol=1e-4, atol=1e-7)
+
+
+def _tiny_config(model_type):
+    from transformers import AutoConfig
+
+    extra = {"rotary_dim": 4} if model_type == "gptj" else {}
+    return AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
+
+
+@pytest.mark.parametrize("model_type", sorted(scoring._MASKABLE_TYPES))
+def test_every_maskable_type_takes_packed_rows(model_type):
+    """Each allowed model type, with sdpa and eager: packed rows give the unshared rows' numbers (to rounding)."""
+    from distperp_harness.requests import UnitTable, continuation_unit
+    from distperp_harness.rows import build_rows
+
+    rng = np.random.default_rng(0)
+    context = [int(t) for t in rng.integers(4, 300, size=20)]
+    units = UnitTable([continuation_unit(context, [int(t) for t in rng.integers(4, 300, size=k)], 128)
+                       for k in (3, 5, 1, 4)]).units
+    rows = build_rows(units, "prefix")
+    order = [i for r in rows for i in r.unit_ids]
+    for impl in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        tiny = AutoModelForCausalLM.from_config(_tiny_config(model_type), attn_implementation=impl).float().eval()
+        assert scoring.packed_rows_unsupported(tiny, 128) is None
+        packed = score_batch(tiny, rows, device=torch.device("cpu"), pad_token_id=0).stats
+        alone = score_batch(tiny, [units[i] for i in order], device=torch.device("cpu"), pad_token_id=0).stats
+        np.testing.assert_allclose(packed[:, LL], alone[:, LL], rtol=5e-6, atol=1e-5)
+
+
+def test_models_that_cannot_take_the_mask_are_named(model):
+    assert scoring.packed_rows_unsupported(model, 128) is None
+    flash = copy.copy(model.config)
+    flash._attn_implementation = "flash_attention_2"
+    windowed = _tiny_config("mistral")
+    windowed.sliding_window = 64
+    windowed._attn_implementation = "sdpa"
+    cases = {"flash_attention_2": flash, "model type 'gemma2'": _tiny_config("gemma2"), "sliding-window": windowed}
+    for words, config in cases.items():
+        holder = torch.nn.Module()
+        holder.config = config
+        assert words in scoring.packed_rows_unsupported(holder, 128)
+    assert scoring.packed_rows_unsupported(holder, 64) is None  # a window as long as every row never applies
+
+
+SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "wt2-llama-5m"
+SHARED_TEXT = SHARED_MODEL.parents[1] / "data" / "wikitext-2" / "valid.txt"
+
+
+@pytest.mark.skipif(not (SHARED_MODEL / "config.json").is_file() or not SHARED_TEXT.is_file(),
+                    reason="optional: ../shared/models/wt2-llama-5m and ../shared/data/wikitext-2 not present")
+def test_shared_rows_on_the_shared_model():
+    """HellaSwag- and MMLU-shaped questions from WikiText-2 valid on wt2-llama-5m: shared rows vs float64."""
+    from transformers import AutoTokenizer
+
+    from distperp_harness.requests import UnitTable, continuation_unit
+    from distperp_harness.rows import build_rows
+
+    shared = AutoModelForCausalLM.from_pretrained(SHARED_MODEL, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(SHARED_MODEL).encode(SHARED_TEXT.read_text(encoding="utf-8")[:20000])
+    units = []
+    for q in range(6):
+        start = 200 * q
+        context = ids[start: start + 60]
+        endings = [ids[start + 60 + 40 * k: start + 72 + 40 * k] for k in range(4)]
+        units += [continuation_unit(context, e, 1024) for e in endings]
+        units += [continuation_unit(context, [ids[start + 60 + 40 * k]], 1024) for k in range(4, 8)]
+    units = UnitTable(units).units
+    rows = build_rows(units, "prefix", 1024)
+    assert len(rows) == 6 and sum(r.length for r in rows) < sum(u.input_length for u in units) / 3
+    out = score_batch(shared, rows, device=torch.device("cpu"), pad_token_id=0).stats
+    unshared = score_batch(shared, units, device=torch.device("cpu"), pad_token_id=0).stats
+    for row_stats, uid in zip(out, [i for r in rows for i in r.unit_ids]):
+        unit = units[uid]
+        with torch.no_grad():  # float64 by hand, vectorized over the vocabulary (8,192 entries)
+            logits = shared(torch.tensor([unit.tokens[:-1]])).logits[0, -unit.n_score:].double()
+        top = logits.max(dim=-1).values
+        log_z = top + torch.log(torch.exp(logits - top[:, None]).sum(dim=-1))
+        targets = torch.tensor(unit.tokens[-unit.n_score:])
+        ll = math.fsum((logits[torch.arange(unit.n_score), targets] - log_z).tolist())
+        greedy = bool((logits.argmax(dim=-1) == targets).all())
+        assert _close(row_stats[LL], ll), (uid, row_stats[LL], ll)
+        assert row_stats[GREEDY] == unshared[uid, GREEDY] == float(greedy)

@@ -1,0 +1,198 @@
+"""Multiple-choice scoring speed: lm-eval's ``hf`` vs ``distperp`` (shared rows) vs ``distperp share_prefix=false``.
+
+    python benchmarks/bench_mc.py --threads 1          # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min
+    python benchmarks/bench_mc.py --shapes hellaswag --repeats 2 --scorers hf,distperp
+
+Shapes (questions cut from WikiText-2 valid, ``../shared/data/wikitext-2/valid.txt``, read at run time; or the
+shipped sample with ``--text``), as ``loglikelihood`` requests ``(context, continuation)``:
+
+* ``mmlu0``: a ~95-token stem and four ~8-token options listed in the prompt (``A. ...`` .. ``D. ...`` then
+  ``Answer:``), continuations ``" A"`` .. ``" D"`` (one token each for most tokenizers): every answer of a question
+  has the same model input, which ``hf`` (its ``logits_cache``) and distperp both compute once;
+* ``mmlu5``: the same with five solved questions before it (``fewshot_delimiter`` ``"\\n\\n"``);
+* ``hellaswag``: a ~90-token context and four ~15-token endings: distperp computes the context once (a packed row).
+
+Each repeat runs every scorer once on the same ``Instance`` objects (in-process, built with lm-eval's registry, as
+``bench_scoring.py`` does), in an order rotated per repeat. Scoring time is the wall time of
+``lm.loglikelihood(requests)`` (tokenization included, start-up not); tokens/s counts the tokens of all requests
+(context + continuation, each answer on its own: the unshared work), the same numerator for every scorer. The table
+gives the best repeat (interference on a shared machine only slows runs down) and the median ratios; it also checks
+that distperp's chosen answers equal ``hf``'s and gives the largest log-likelihood difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scoring import _quiet, machine, make_lm  # noqa: E402  (also sets the offline environment)
+from _wikitext import SHARED_MODEL, WIKITEXT_TEST  # noqa: E402
+
+WIKITEXT_VALID = WIKITEXT_TEST.with_name("valid.txt")
+SCORERS = {"hf": ("hf", ""), "distperp": ("distperp", ""), "unshared": ("distperp", ",share_prefix=false")}
+LABELS = {"hf": "lm-eval hf", "distperp": "distperp (shared rows)", "unshared": "distperp share_prefix=false"}
+SHAPES = {"mmlu0": 300, "mmlu5": 50, "hellaswag": 300}
+"""Shape name → default number of questions (sized so one scorer call takes seconds, not minutes, on 2 cores)."""
+
+
+def _pieces(ids: list[int], decode, count: int, length: int, start: int = 0) -> list[str]:
+    return [decode(ids[start + i * length: start + (i + 1) * length]).strip() for i in range(count)]
+
+
+def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[list[tuple[str, str]], int]]:
+    """``n`` questions of ``shape``: per question its four ``(context, continuation)`` pairs and the gold index."""
+    letters = "ABCD"
+    if shape == "hellaswag":
+        out = []
+        for q in range(n):
+            context = decode(ids[q * 150: q * 150 + 90]).strip()  # a 90-token context, four 15-token endings
+            endings = _pieces(ids, decode, 4, 15, start=q * 150 + 90)
+            out.append(([(context, " " + e) for e in endings], q % 4))
+        return out
+    shots = 5 if shape == "mmlu5" else 0
+
+    def prompt(k: int) -> str:
+        stem = decode(ids[k * 130: k * 130 + 95]).strip()
+        options = _pieces(ids, decode, 4, 8, start=k * 130 + 95)
+        return stem + "".join(f"\n{letters[j]}. {o}" for j, o in enumerate(options)) + "\nAnswer:"
+
+    out = []
+    for q in range(n):
+        k = q * (shots + 1)
+        examples = "".join(f"{prompt(k + s)} {letters[(k + s) % 4]}\n\n" for s in range(shots))
+        context = examples + prompt(k + shots)
+        out.append(([(context, f" {letter}") for letter in letters], q % 4))
+    return out
+
+
+def requests_for(questions) -> list[Any]:
+    from lm_eval.api.instance import Instance
+
+    return [Instance("loglikelihood", {"q": q}, pair, j) for q, (pairs, _) in enumerate(questions)
+            for j, pair in enumerate(pairs)]
+
+
+def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) -> dict[str, Any]:
+    """Alternating repeats of every scorer on one shape; returns seconds per scorer and the accuracy checks."""
+    questions = build_questions(shape, ids, lambda t: tokenizer.decode(t), args.questions or SHAPES[shape])
+    requests = requests_for(questions)
+    tokens = sum(len(tokenizer.encode(c + x, add_special_tokens=False)) for c, x in (r.args for r in requests))
+    seconds: dict[str, list[float]] = {k: [] for k in lms}
+    results: dict[str, list[float]] = {}
+    greedy: dict[str, list[bool]] = {}
+    calls: dict[str, dict] = {}
+    keys = list(lms)
+    for rep in range(args.repeats):
+        for key in keys[rep % len(keys):] + keys[: rep % len(keys)]:
+            gc.collect()
+            t0 = time.perf_counter()
+            with contextlib.redirect_stderr(io.StringIO()):  # hf draws its progress bars
+                out = lms[key].loglikelihood(requests, disable_tqdm=True)
+            seconds[key].append(time.perf_counter() - t0)
+            results[key] = [float(ll) for ll, _ in out]
+            greedy[key] = [bool(g) for _, g in out]
+            if hasattr(lms[key], "stats"):
+                calls[key] = lms[key].stats.calls[-1]
+        print(f"  {shape} repeat {rep + 1}/{args.repeats}: " + ", ".join(
+            f"{k} {seconds[k][-1]:.2f} s" for k in keys), flush=True)
+    report: dict[str, Any] = {"shape": shape, "questions": len(questions), "tokens": tokens, "seconds": seconds,
+                              "calls": {k: {f: c[f] for f in ("units", "rows", "computed_tokens", "tokens_saved")}
+                                        for k, c in calls.items()}}
+    if "hf" in results:
+        for key in (k for k in results if k != "hf"):
+            report[f"max_abs_diff_{key}"] = max(abs(a - b) for a, b in zip(results["hf"], results[key]))
+            report[f"answers_equal_{key}"] = _answers(results["hf"]) == _answers(results[key])
+            report[f"greedy_equal_{key}"] = greedy["hf"] == greedy[key]
+    return report
+
+
+def _answers(lls: list[float]) -> list[int]:
+    return [max(range(4), key=lambda j: lls[q + j]) for q in range(0, len(lls), 4)]
+
+
+def table(reports: list[dict[str, Any]], args) -> str:
+    import lm_eval
+    import torch
+    import transformers
+
+    lines = [f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
+             f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
+             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
+             f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
+             "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in reports:
+        best = {k: min(v) for k, v in r["seconds"].items()}
+        label = f"{r['shape']} ({r['questions']} q, {r['tokens']:,} tok)"
+        for key, s in best.items():
+            call = r["calls"].get(key, {})
+            vs_hf = f"{best['hf'] / s:.2f}×" if "hf" in best and key != "hf" else "—"
+            vs_un = f"{best['unshared'] / s:.2f}×" if "unshared" in best and key == "distperp" else "—"
+            rows = f"{call['rows']:,} / {call['units']:,}" if call else "—"
+            computed = f"{call['computed_tokens']:,}" if call else "—"
+            lines.append(f"| {label} | {LABELS[key]} | {s:.2f} | {r['tokens'] / s:,.0f} | {vs_hf} | {vs_un} | "
+                         f"{rows} | {computed} |")
+            label = ""
+    lines.append("")
+    for r in reports:
+        ratios = []
+        n = len(r["seconds"].get("hf", []))
+        for key in ("distperp", "unshared"):
+            if "hf" in r["seconds"] and key in r["seconds"]:
+                per = [a / b for a, b in zip(r["seconds"]["hf"], r["seconds"][key])][:n]
+                ratios.append(f"hf/{key} median {statistics.median(per):.2f}")
+        if "unshared" in r["seconds"] and "distperp" in r["seconds"]:
+            per = [a / b for a, b in zip(r["seconds"]["unshared"], r["seconds"]["distperp"])]
+            ratios.append(f"unshared/distperp median {statistics.median(per):.2f}")
+        checks = [f"{k.removeprefix('max_abs_diff_')}: max |Δ ll| vs hf {v:.2g}" for k, v in r.items()
+                  if k.startswith("max_abs_diff_")]
+        checks += [f"{k.removeprefix('answers_equal_')}: chosen answers {'equal' if v else 'DIFFER'}"
+                   for k, v in r.items() if k.startswith("answers_equal_")]
+        lines.append(f"- {r['shape']}: " + "; ".join(ratios + checks) + ".")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(SHARED_MODEL), help="model folder (default ../shared/models/wt2-llama-5m)")
+    p.add_argument("--text", default=str(WIKITEXT_VALID), help="text to cut questions from (WikiText valid.txt)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
+    p.add_argument("--scorers", default=",".join(SCORERS), help=f"comma-separated subset of {', '.join(SCORERS)}")
+    p.add_argument("--questions", type=int, default=None, help="questions per shape (default: per shape)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lms = {key: make_lm(SCORERS[key][0], Path(args.model), args.max_length, args.batch_size, SCORERS[key][1])
+           for key in args.scorers.split(",")}
+    _quiet()
+    tokenizer = next(iter(lms.values())).tokenizer
+    ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False)
+    reports = []
+    for shape in args.shapes.split(","):
+        reports.append(run_shape(shape, lms, tokenizer, ids, args))
+    print(table(reports, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
