@@ -68,8 +68,8 @@ class DistPerpLM(TemplateLM):
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
         self.device_identity = device_identity(self._device)
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
-        loaded = load_all(self.options if reference_model is None else dataclasses.replace(self.options, reference=None),
-                          self._device)
+        to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
+        loaded = load_all(to_load, self._device)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
         if reference_model is not None:

@@ -10,10 +10,10 @@ Every process runs the same loop: for each scheme, a :class:`~distperp_harness.l
 scheme runs under the same launcher, world size and plan rule). The reference model is loaded **once per launch**:
 the first scheme loads it, later schemes reuse the object (``reference_model=``); only the quantized model is
 loaded again per scheme (quantization rewrites it in place). Rank 0 writes one lm-eval results folder per scheme
-(``<output_path>/<scheme>/``, e.g. ``int4-g32``, readable by ``compare``) and ``<output_path>/leaderboard.md``: schemes ranked by KL
-divergence pooled over all scored tokens of all tasks, one row per scheme and task with KL, top-1 agreement,
-flips, Δ accuracy and Δ perplexity (± standard errors, all from ``config.distperp.reference.tasks``), weight bytes
-and scoring tokens/s (model and reference forward passes together).
+(``<output_path>/<scheme>/``, e.g. ``int4-g32``, readable by ``compare``) and ``<output_path>/leaderboard.md``:
+schemes ranked by KL divergence pooled over all scored tokens of all tasks, one row per scheme and task with KL,
+top-1 agreement, flips, Δ accuracy and Δ perplexity (± standard errors, all from
+``config.distperp.reference.tasks``), weight bytes and scoring tokens/s (model and reference forward passes).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", default="base", help="reference= for every scheme (default: base)")
     parser.add_argument("--model_args", default="", help="other --model_args for every scheme, k=v,...")
     parser.add_argument("--batch_size", default="1", help="batch_size= (N, auto)")
-    parser.add_argument("--include_path", default=None, help="folder of task YAMLs, as lm-eval's --include_path")
+    parser.add_argument("--include_path", default=None,
+                        help="more task YAML folders, comma-separated (distperp's own tasks are always included)")
     parser.add_argument("--metadata", default=None, help="JSON passed to the tasks, as lm-eval's --metadata")
     parser.add_argument("--limit", type=float, default=None, help="documents per task (lm-eval's --limit)")
     parser.add_argument("--log_samples", action="store_true", help="also write per-document samples")
@@ -106,19 +107,21 @@ def run_sweep(args: argparse.Namespace) -> int:
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
+    from distperp_harness.cli import tasks_path
     from distperp_harness.lm import DistPerpLM, log
 
     schemes = parse_schemes(args.schemes)
     kwargs = _model_kwargs(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     metadata = json.loads(args.metadata) if args.metadata else None
+    include = [str(tasks_path()), *(p for p in (args.include_path or "").split(",") if p)]
     out = Path(args.output_path)
     reference, folders, t0 = None, [], time.perf_counter()
     for scheme in schemes:
         lm = DistPerpLM(**kwargs, **scheme.model_args(), reference_model=reference)
         log.info(f"sweep: scheme {scheme.label} loaded in {lm.load_seconds:.1f} s "
                  f"({'reference reused' if reference is not None else 'reference loaded'})", main_process_only=True)
-        manager = TaskManager(include_path=args.include_path, metadata=metadata)
+        manager = TaskManager(include_path=include, metadata=metadata)
         tracker = EvaluationTracker(output_path=str(out / scheme.folder)) if lm.rank == 0 else None
         results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=args.limit,
                                           log_samples=args.log_samples, evaluation_tracker=tracker)
@@ -165,11 +168,12 @@ def leaderboard(runs: list[tuple[str, Any]]) -> str:
     """Markdown: ``(label, Run)`` pairs (:class:`~distperp_harness.compare.Run`) ranked by :func:`pooled_kl`, a
     row per task.
 
-    Δacc is the paired difference of accuracy against the reference (lm-eval's ``acc`` rule); Δppl is
-    ``exp(ln_ppl_ratio) − 1`` in percent, with the delta-method standard error.
+    Δacc is the paired difference of accuracy against the reference (lm-eval's ``acc`` rule); c→w / w→c count the
+    documents whose answer went from correct to wrong and back; Δppl is ``exp(ln_ppl_ratio) − 1`` in percent, with
+    the delta-method standard error; tok/s counts scored tokens over scoring time (model and reference).
     """
-    head = ["rank", "scheme", "task", "KL (nats/tok)", "top-1 agree", "flips", "flips (norm)", "Δacc",
-            "Δppl %", "weights MB", "tok/s"]
+    head = ["rank", "scheme", "task", "KL (nats/tok)", "top-1 agree", "flips", "flips (norm)", "c→w / w→c",
+            "Δacc", "Δppl %", "weights MB", "tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ranked = sorted(runs, key=lambda pair: (pooled_kl(pair[1].reference), pair[0]))
     for rank, (label, run) in enumerate(ranked, start=1):
@@ -181,6 +185,7 @@ def leaderboard(runs: list[tuple[str, Any]]) -> str:
                    _pm(e.get("top1_agreement"), e.get("top1_agreement_stderr"), ".3f"),
                    "–" if "flips" not in e else f"{e['flips']:.3f} ({e['n_flips']}/{e['n_docs']})",
                    "–" if "flips_norm" not in e else f"{e['flips_norm']:.3f}",
+                   "–" if "n_correct_to_wrong" not in e else f"{e['n_correct_to_wrong']} / {e['n_wrong_to_correct']}",
                    _pm(e.get("delta_acc"), e.get("delta_acc_stderr"), "+.3f"), _pm(dppl, dppl_se, "+.2f"),
                    f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–",
                    f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–"]

@@ -82,8 +82,9 @@ def test_one_results_folder_per_scheme_ranked_by_pooled_kl(sweep):
     cells = next(row for row in rows if row[1].strip() == "int4:32" and row[2].strip() == "dptest_mc")
     assert cells[5].strip() == f"{mc['flips']:.3f} ({mc['n_flips']}/20)" and mc["n_flips"] >= 1
     ratio, se = mc["ln_ppl_ratio"], mc["ln_ppl_ratio_stderr"]
-    assert cells[8].strip() == f"{100 * math.expm1(ratio):+.2f} ± {100 * math.exp(ratio) * se:.2f}"
-    assert float(cells[9]) == pytest.approx(runs["int4:32"].weight_bytes / 1e6, abs=0.005)
+    assert cells[7].strip() == f"{mc['n_correct_to_wrong']} / {mc['n_wrong_to_correct']}"
+    assert cells[9].strip() == f"{100 * math.expm1(ratio):+.2f} ± {100 * math.exp(ratio) * se:.2f}"
+    assert float(cells[10]) == pytest.approx(runs["int4:32"].weight_bytes / 1e6, abs=0.005)
 
 
 def test_compare_shows_flips_for_every_task_and_plots_them(sweep, tmp_path):
