@@ -127,7 +127,10 @@ def _choice_info(task: Any, doc: Any) -> tuple[bool, int | None, list[float] | N
     """``(multiple_choice, n_choices, choice lengths, gold)`` of one document, read from its task object."""
     if getattr(task, "OUTPUT_TYPE", None) != "multiple_choice":
         return False, None, None, None
-    choices = list(task.doc_to_choice(doc))
+    try:
+        choices = list(task.doc_to_choice(doc))
+    except Exception:  # noqa: BLE001 - lm-eval itself will fail on this document; count flips over the requests
+        return True, None, None, None
     try:
         target = task.doc_to_text(doc) if getattr(task, "multiple_input", False) else task.doc_to_target(doc)
         gold = gold_indices(target, choices)

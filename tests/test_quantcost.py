@@ -237,3 +237,36 @@ def test_a_resumed_run_gives_the_same_entries(mc_runs):
     first, again = (mc_runs[k]["config"]["distperp"] for k in ("int4", "resumed"))
     assert again["resume"]["reused"] > 0 and again["resume"]["saved"] == 0
     assert again["reference"]["tasks"] == first["reference"]["tasks"]
+
+
+class _FakeTask:
+    """What records_from reads from an lm-eval multiple-choice task."""
+
+    OUTPUT_TYPE = "multiple_choice"
+    multiple_input = False
+
+    def doc_to_choice(self, doc):
+        return doc["choices"]
+
+    def doc_to_target(self, doc):
+        return doc["label"]  # KeyError for an unlabeled document
+
+
+def test_records_read_lengths_and_gold_from_the_task_and_drop_padding_copies():
+    from lm_eval.api.instance import Instance
+
+    from distperp_harness.quantcost import records_from
+    from distperp_harness.results import Score
+
+    docs = [{"choices": ["a", "bbbb"], "label": 1}, {"choices": ["cc", "d"]}, {"choices": ["e", "f"], "label": 7}]
+    requests = [Instance("loglikelihood", doc, ("Q:", " " + c), i, ("mc", d, 1))
+                for d, doc in enumerate(docs) for i, c in enumerate(doc["choices"])]
+    scores = [Score(-1.0 - i, 1, -1.5, np.array([0.25]), 1) for i in range(len(requests))]
+    records = records_from(requests + requests[-1:], scores + scores[-1:], {"mc": _FakeTask()})
+    assert len(records) == 6
+    assert [r.choice_length for r in records[:2]] == [1.0, 4.0]  # len(choice), not len(" " + choice)
+    assert [r.gold for r in records[::2]] == [(1,), None, None]  # labelled; no label; label out of range
+    entry = task_entries(records)["mc"]
+    assert entry["n_docs_with_gold"] == 1 and entry["n_docs"] == 3
+    no_task = records_from(requests, scores, None)  # outside lm-eval's evaluator
+    assert no_task[1].choice_length == 5.0 and no_task[0].gold is None and no_task[0].multiple_choice is None
