@@ -201,13 +201,16 @@ def test_killed_rank_fails_the_run_without_results(tiny_model_dir, tasks_dir, tm
 
 
 def _wait_for_rank(launcher_pid, rank, timeout):
-    """PID of the launched process whose environment says RANK=<rank>."""
+    """PID of the launched process whose environment says RANK=<rank>, among the launcher's descendants (other jobs'
+    ranks on a shared machine are never chosen)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
             try:
+                if not _descends_from(int(pid), launcher_pid):
+                    continue
                 env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
@@ -217,6 +220,16 @@ def _wait_for_rank(launcher_pid, rank, timeout):
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} never started")
+
+
+def _descends_from(pid, ancestor):
+    """Whether ``ancestor`` is on ``pid``'s chain of parents (read from /proc)."""
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4, after the command name in parentheses
+        if pid == ancestor:
+            return True
+    return False
 
 
 def test_use_cache_with_several_processes_is_refused(tiny_model_dir, tasks_dir, tmp_path):
