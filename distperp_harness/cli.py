@@ -1,4 +1,4 @@
-"""Command line: ``python -m distperp_harness {demo,tasks-path,compare}`` (also the ``distperp`` script)."""
+"""Command line: ``python -m distperp_harness {demo,tasks-path,compare,sweep}`` (also the ``distperp`` script)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
     compare.add_argument("--plot", default=None, help="also write a PNG figure to this path")
 
+    from distperp_harness.sweep import add_arguments as sweep_arguments
+
+    sweep_arguments(sub.add_parser("sweep", help="quantization leaderboard: several schemes against one reference "
+                                                 "on lm-eval tasks (works under accelerate launch)"))
+
     args = parser.parse_args(argv)
     if args.command == "tasks-path":
         print(tasks_path())
@@ -45,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from distperp_harness.compare import run_compare
 
         return run_compare(args.results, plot=args.plot)
+    if args.command == "sweep":
+        from distperp_harness.sweep import run_sweep
+
+        return run_sweep(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

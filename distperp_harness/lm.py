@@ -7,6 +7,7 @@ gather → results. Each stage lives in its own module; this class only connects
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -28,6 +29,7 @@ from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_p
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
 from distperp_harness.progress import token_progress
+from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks
 from distperp_harness.requests import continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
@@ -51,19 +53,28 @@ class DistPerpLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, reference_model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+        """``kwargs``: the ``--model_args`` keys (:class:`Options`). ``reference_model``: for in-process callers
+        (``sweep``) only, an already loaded model that ``reference=`` names, reused instead of loaded again."""
         super().__init__()
         t0 = time.perf_counter()
         self.options = Options.from_kwargs(**kwargs)
+        if reference_model is not None and self.options.reference is None:
+            raise ValueError("reference_model was given without reference=; it would be ignored. Fix: pass "
+                             "reference=base (or the reference's path) with it.")
         wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
         self.collective = Collective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
         self.device_identity = device_identity(self._device)
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
-        loaded = load_all(self.options, self._device)
+        to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
+        loaded = load_all(to_load, self._device)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
+        if reference_model is not None:
+            self.reference = reference_model
+        self.comparison = ReferenceComparison() if self.reference is not None else None
         self._max_length = loaded.max_length
         self.batching: Batching = agree_on_batching(
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
@@ -110,6 +121,13 @@ class DistPerpLM(TemplateLM):
             raise ValueError(problem)
 
     # ------------------------------------------------------------------------- lm-eval request methods
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[Score, bool]]:
+        """TemplateLM's tokenization and :meth:`_loglikelihood_tokens`, then the per-task reference comparison
+        (which needs the ``Instance``s that ``_loglikelihood_tokens`` no longer sees)."""
+        answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        self._compare(requests, [score for score, _ in answers])
+        return answers
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[Score, bool]]:
         """``requests``: ``((context, continuation), context_tokens, continuation_tokens)`` from TemplateLM.
 
@@ -138,6 +156,7 @@ class DistPerpLM(TemplateLM):
             score = self._as_score(r)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, score)
             out.append(score)
+        self._compare(requests, out)
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -191,6 +210,12 @@ class DistPerpLM(TemplateLM):
         if self.store:
             self.store.add_up([counts for _, counts in gathered])
         return results
+
+    def _compare(self, requests, scores: list[Score]) -> None:
+        """With a reference: gather this call's per-request comparisons (every rank) and log one line per task."""
+        if self.comparison is not None:
+            for line in self.comparison.add(requests, scores, self.collective, evaluator_tasks()):
+                log.info(line, main_process_only=True)
 
     @staticmethod
     def _as_score(r) -> Score:
@@ -305,7 +330,8 @@ class DistPerpLM(TemplateLM):
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
                 "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
-                    "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype)},
+                    "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),
+                    "tasks": self.comparison.entries()},
             },
         }
         return info

@@ -171,3 +171,22 @@ def load_samples(output_path: str | os.PathLike[str], task: str) -> list[dict[st
     path = _newest(found, f"samples_{task}_*.jsonl", root)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return sorted(rows, key=lambda r: r["doc_id"])
+
+
+def sharpened_model(source: str | os.PathLike[str], out: str | os.PathLike[str], scale: float = 8.0) -> Path:
+    """A copy of the model at ``source`` with every weight matrix multiplied by ``scale``, saved to ``out``.
+
+    A random tiny model predicts nearly uniform distributions, so quantizing it changes no multiple-choice answer;
+    scaled weights make the distributions peaked and int4's rounding visible (answers flip).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(scale)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return Path(out)

@@ -19,6 +19,8 @@ from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_result
 pytestmark = pytest.mark.distributed
 
 TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_gen,distperp_wikitext2"
+INT4_TASKS = "distperp_wikitext2,dptest_mc,dptest_mmlu,dptest_rolling,distperp_local_docs"
+ROLLING_DOCS = REPO_ROOT / "tests" / "tasks" / "dptest_rolling.jsonl"  # distperp_local_docs on dptest_rolling's texts
 EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_mmlu": ["acc,none"],
                  "dptest_gen": ["exact_match,none"]}
 
@@ -37,7 +39,7 @@ def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASK
 
     return ["-m", "lm_eval", "--model", "distperp", "--model_args",
             f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
-            "--metadata", json.dumps({"wikitext_path": str(sample_text_path())}),
+            "--metadata", json.dumps({"wikitext_path": str(sample_text_path()), "docs_path": str(ROLLING_DOCS)}),
             "--output_path", str(out), *extra]
 
 
@@ -69,7 +71,7 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         out[f"{n}p-int4"] = root / f"{n}p-int4"
         run_command([*accelerate_launch_prefix(n), *_lm_eval_args(
             tiny_model_dir, tasks_dir, out[f"{n}p-int4"], model_args=",quantize=int4,group_size=32,reference=base",
-            tasks="distperp_wikitext2,dptest_mc,dptest_mmlu")], cwd=root)
+            tasks=INT4_TASKS)], cwd=root)
     out["torchrun"] = root / "torchrun"
     run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                  str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
@@ -105,6 +107,38 @@ def test_quantized_identical_across_world_sizes(runs):
     assert two["results"]["distperp_wikitext2"]["kl_divergence,none"] > 0
     for task in ("distperp_wikitext2", "dptest_mc", "dptest_mmlu"):
         assert _per_doc(load_samples(runs["1p-int4"], task)) == _per_doc(load_samples(runs["2p-int4"], task))
+
+
+def test_reference_entries_identical_across_world_sizes(runs):
+    one, two = (load_results(runs[k])["config"]["distperp"]["reference"] for k in ("1p-int4", "2p-int4"))
+    assert sorted(one["tasks"]) == sorted(INT4_TASKS.split(","))
+    assert two["tasks"] == one["tasks"]  # every field of every task, exactly
+    assert one["tasks"]["dptest_mc"]["n_docs"] == 20 and "flips" in one["tasks"]["dptest_mc"]
+
+
+@pytest.mark.parametrize("entry_task, metrics_task", [("distperp_wikitext2", "distperp_wikitext2"),
+                                                      ("dptest_rolling", "distperp_local_docs"),
+                                                      ("distperp_local_docs", "distperp_local_docs")])
+def test_reference_entries_equal_the_distperp_task_metrics(runs, entry_task, metrics_task):
+    """A plain rolling YAML (lm-eval's own metrics) gets the same KL numbers as distperp's task on the same texts."""
+    results = load_results(runs["2p-int4"])
+    entry = results["config"]["distperp"]["reference"]["tasks"][entry_task]
+    metrics = results["results"][metrics_task]
+    assert entry["n_docs"] == len(load_samples(runs["2p-int4"], metrics_task))
+    assert entry["n_tokens"] == metrics["n_tokens,none"]
+    for name in ("kl_divergence", "top1_agreement", "ln_ppl_ratio"):
+        assert entry[name] == metrics[f"{name},none"] and entry[f"{name}_stderr"] == metrics[f"{name}_stderr,none"]
+    assert entry["kl_p99"] == metrics["kl_p99,none"] and entry["kl_max"] == metrics["kl_max,none"]
+
+
+def test_flips_match_the_logged_samples_of_an_unquantized_run(runs):
+    """The test model flips nothing under int4 (tests/test_quantcost.py has a model that does); still counted."""
+    import numpy as np
+
+    entry = load_results(runs["2p-int4"])["config"]["distperp"]["reference"]["tasks"]["dptest_mc"]
+    pick = {k: {r["doc_id"]: int(np.argmax([float(resp[0][0]) for resp in r["resps"]]))
+                for r in load_samples(runs[k], "dptest_mc")} for k in ("1p", "2p-int4")}
+    assert entry["n_flips"] == sum(pick["1p"][d] != pick["2p-int4"][d] for d in pick["1p"])
 
 
 def _per_doc(samples):
