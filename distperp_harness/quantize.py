@@ -223,8 +223,9 @@ def _is_subclass(t: torch.Tensor) -> bool:
 
 def _storage_bytes(t: torch.Tensor, seen: set[tuple[int, int]]) -> int:
     if _is_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return sum(_storage_bytes(getattr(t, n), seen) for n in names)
+        names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh: tensors only
+        return sum(_storage_bytes(inner, seen) for inner in (getattr(t, n) for n in names)
+                   if isinstance(inner, torch.Tensor))
     key = (t.data_ptr(), t.numel() * t.element_size())
     if key[0] != 0 and key in seen:
         return 0
@@ -237,7 +238,8 @@ def weight_bytes(model: nn.Module) -> int:
 
     A tensor subclass (torchao's quantized weights) counts the sum of its inner tensors (``__tensor_flatten__``,
     recursively: e.g. ``Int4OpaqueTensor``'s uint8 ``qdata`` plus ``scale_and_zero``); a tensor shared by several
-    parameters (tied embeddings) counts once. Buffers (e.g. rotary ``inv_freq``) are not counted.
+    parameters (tied embeddings) counts once. Buffers (e.g. rotary ``inv_freq``) are not counted. A sharded
+    parameter (FSDP2's ``DTensor``) counts its local shard: the bytes this process holds.
     """
     seen: set[tuple[int, int]] = set()
     return sum(_storage_bytes(p, seen) for p in model.parameters())

@@ -1,0 +1,145 @@
+"""Sharded weights (``shard_size=N|node``): N processes hold one copy of a model through torch's FSDP2.
+
+The world is a 2D :class:`~torch.distributed.device_mesh.DeviceMesh` ``(replicate, shard)`` of shape
+``(world_size // N, N)`` on the default process group's backend (gloo on CPU, nccl on GPU): ranks ``g*N .. g*N+N-1``
+form shard group ``g`` and, as global ranks are numbered node by node and ``N`` divides the processes per node,
+every group lies within one node. Each decoder layer and then the whole model get ``fully_shard`` (HSDP on the 2D
+mesh) with no :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` and nothing else: parameters are stored as
+row shards and all-gathered in their own dtype before use, never reduced, so a sharded forward multiplies exactly
+the same numbers as an unsharded one and gives the same bits.
+
+torchao's quantized weights (tensor subclasses without FSDP's all-gather extension points) cannot be sharded: they
+are passed as ``ignored_params`` and stay replicated on every rank; the rest of that model (embeddings, output
+head, norms) is sharded. :class:`ShardReport` says which.
+
+Scoring does not call the root module: it runs ``model.base_model`` and applies the output head per chunk of
+positions. :func:`gathered` therefore all-gathers the root's own group (embeddings, final norm, head) for a whole
+batch, and each decoder layer gathers and frees its shard in its own forward hooks. Every forward issues the same
+sequence of gathers, so all ranks of a group must make the same number of forward calls: a rank with fewer
+batches pads with :func:`idle_calls` forwards of a one-token batch whose results are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def resolve_shard_size(option: int | str, world_size: int, local_world_size: int) -> int:
+    """The shard group size for ``shard_size=option``: an int, or ``"node"`` (= ``local_world_size``).
+
+    Raises:
+        ValueError: when the size does not divide the processes per node (groups must not span nodes; every rank
+        must belong to exactly one group) — with the value, what is allowed and the fix.
+    """
+    size = local_world_size if option == "node" else int(option)
+    if size == 1:
+        return 1
+    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
+    if local_world_size % size or world_size % size:
+        raise ValueError(
+            f"shard_size={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
+            f"shard_size must divide the processes per node, so that each group of processes sharing one copy of "
+            f"the weights lies within one node; allowed here: {', '.join(map(str, divisors))} or 'node'. Fix: "
+            f"shard_size=node, or launch a multiple of {size} processes per node.")
+    return size
+
+
+def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
+    """Ranks of each shard group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
+    return [list(range(g, g + shard_size)) for g in range(0, world_size, shard_size)]
+
+
+def idle_calls(batches_per_rank: Sequence[int], rank: int, shard_size: int) -> int:
+    """Forward calls ``rank`` must add so that every rank of its shard group makes as many as the busiest one.
+
+    ``batches_per_rank[r]``: the number of batches rank ``r`` scores in this call (from the global plan, which
+    every rank knows). Pure; 0 when ``shard_size`` is 1.
+    """
+    if shard_size <= 1:
+        return 0
+    first = rank - rank % shard_size
+    return max(batches_per_rank[first: first + shard_size]) - batches_per_rank[rank]
+
+
+def make_mesh(device: torch.device, world_size: int, shard_size: int):
+    """The ``(replicate, shard)`` device mesh; every rank must call this together (it creates process groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size // shard_size, shard_size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    return hasattr(type(t), "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks: the longest ``nn.ModuleList`` of the model (``model.layers`` of Llama and friends)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else []
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """How a model was laid out: ``shard_size``; ``replicated``: names of parameters every rank holds whole
+    (torchao-quantized weights FSDP cannot shard); ``note``: one sentence for the log and results."""
+
+    shard_size: int
+    replicated: tuple[str, ...]
+    note: str
+
+
+def shard_model(model: nn.Module, mesh, *, what: str = "model") -> ShardReport:
+    """Apply FSDP2 to ``model`` in place on ``mesh``: each decoder layer, then the root (embeddings, norm, head).
+
+    Parameters are moved to the mesh's device one FSDP unit at a time (a layer's unsharded weights at most, then
+    its shard), so a model loaded on the CPU never sits whole on the device. Ends with one forward of a one-token
+    input through the root, which every rank of the world runs together: it makes the root the FSDP root
+    (lazy initialisation) before scoring calls its submodules directly.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    ignored = {p for p in model.parameters() if _is_subclass(p)}
+    replicated = tuple(n for n, p in model.named_parameters() if p in ignored)
+    shard_size = int(mesh.size(-1))
+    for layer in _layers(model):
+        mine = {p for p in layer.parameters() if p in ignored}
+        if any(p not in mine for p in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=mine or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    if replicated:
+        note = (f"{what}: {len(replicated)} torchao-quantized weight tensor(s) stay replicated on every rank "
+                f"(FSDP2 cannot shard torchao's quantized tensors); its other weights are sharded over "
+                f"{shard_size} processes")
+    else:
+        note = f"{what}: all weights sharded over {shard_size} processes (FSDP2, gathered in their own dtype)"
+    return ShardReport(shard_size, replicated, note)
+
+
+def is_sharded(model: nn.Module | None) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(*models: nn.Module | None) -> Iterator[None]:
+    """Within the block, the root FSDP group of each sharded model (embeddings, final norm, output head) is
+    all-gathered; decoder layers gather themselves in their forward. A no-op for unsharded models (and None)."""
+    roots = [m for m in models if is_sharded(m)]
+    for m in roots:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in roots:
+            m.reshard()
