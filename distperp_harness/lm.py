@@ -20,8 +20,8 @@ from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from distperp_harness import __version__
 from distperp_harness.collective import Collective
-from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, physical_device, \
-    resolve_device
+from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
+    physical_device, resolve_device
 from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
 from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
@@ -32,7 +32,10 @@ from distperp_harness.requests import continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
+from distperp_harness.quantize import weight_bytes
+from distperp_harness.requests import Unit
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
+from distperp_harness.sharding import gathered, make_mesh, sharding_report, naming_failures, refuse_generation, resolve_shard_size
 
 log = get_logger(__name__)
 
@@ -60,14 +63,23 @@ class DistPerpLM(TemplateLM):
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
         self.device_identity = device_identity(self._device)
+        self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
+                                             local_world_size(self._world_size))
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
-        loaded = load_all(self.options, self._device)
+        mesh = make_mesh(self._device, self._world_size, self.shard_size) if self.shard_size > 1 else None
+        loaded = load_all(self.options, self._device, mesh)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
+        self.loaded = loaded
+        self.per_rank = self.collective.all_gather_object(
+            {"load_memory": loaded.load_memory, "model_bytes": weight_bytes(self._model),
+             "reference_bytes": weight_bytes(self.reference) if self.reference is not None else None},
+            "gather load memory and resident weight bytes")
         self._max_length = loaded.max_length
         self.batching: Batching = agree_on_batching(
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
-            pad_token_id=self.tokenizer.pad_token_id)
+            pad_token_id=self.tokenizer.pad_token_id,
+            unsharded_bytes=loaded.weight_bytes + (loaded.reference_weight_bytes or 0))
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
@@ -130,6 +142,7 @@ class DistPerpLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
+        refuse_generation(self.shard_size)
         setup = GenerationSetup(
             model=self._model, tokenizer=self.tokenizer, collective=self.collective, device=self._device,
             max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
@@ -145,10 +158,13 @@ class DistPerpLM(TemplateLM):
         """Scores of one batch of the plan: from ``resume_dir`` when saved there, else computed (and saved)."""
         saved = self.store.load(units) if self.store else None
         if saved is not None:
+            if self.shard_size > 1:
+                self._idle_forward()  # the shard group's other ranks may compute this call: gather with them
             return saved
         try:
-            scores = score_batch(self._model, units, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
-                                 reference=self.reference)
+            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
+                scores = score_batch(self._model, units, device=self._device,
+                                     pad_token_id=self.tokenizer.pad_token_id, reference=self.reference)
         except NonFiniteLogitsError as exc:
             where = "; ".join(f"the window {self.tok_decode(list(units[r].tokens[:24]))!r}... "
                               f"({units[r].input_length} tokens)" for r in exc.rows[:3])
@@ -159,12 +175,20 @@ class DistPerpLM(TemplateLM):
         _fault_for_tests(self.rank)
         return scores
 
+    def _idle_forward(self) -> None:
+        """A forward of a one-token batch whose result is dropped: what a rank with fewer batches than others of
+        its shard group runs, so that every rank of the group makes the same gathers."""
+        pad = self.tokenizer.pad_token_id
+        with naming_failures(self.collective, True), gathered(self._model, self.reference):
+            score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
+                        reference=self.reference)
+
     def _score(self, per_request_units, kind: str, disable_tqdm: bool):
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
             attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
             with_reference=self.reference is not None,
-            stats=self.stats, kind=kind,
+            stats=self.stats, kind=kind, shard_size=self.shard_size, idle_fn=self._idle_forward,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['batches']} batches on "
@@ -290,7 +314,11 @@ class DistPerpLM(TemplateLM):
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
                 "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
-                    "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype)},
+                    "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),
+                    "weight_bytes": self.loaded.reference_weight_bytes},
+                "sharding": sharding_report(self.shard_size, self.loaded.sharding, self.per_rank,
+                                            self.collective.world_size),
+                "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
             },
         }
         return info

@@ -143,3 +143,77 @@ def gathered(*models: nn.Module | None) -> Iterator[None]:
     finally:
         for m in roots:
             m.reshard()
+
+
+def gathered_bytes(model: nn.Module | None) -> int:
+    """Bytes a sharded model gathers on top of its shards while scoring: the root's group (held for a whole
+    batch by :func:`gathered`) plus the largest decoder layer (gathered during its forward). 0 when unsharded."""
+    if not is_sharded(model):
+        return 0
+
+    def full(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params if not _is_subclass(p) or _is_dtensor(p))
+
+    in_layers = {id(p) for layer in _layers(model) for p in layer.parameters()}
+    root = full(p for p in model.parameters() if id(p) not in in_layers)
+    return root + max((full(layer.parameters()) for layer in _layers(model)), default=0)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _is_distributed_failure(exc: BaseException) -> bool:
+    """A broken collective (gloo/NCCL error, peer gone, timeout), as opposed to an error of this rank's own."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "timed out",
+                                                                     "timeout", "peer"))
+
+
+@contextlib.contextmanager
+def naming_failures(collective, active: bool) -> Iterator[None]:
+    """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
+    timeout), meet on the gloo control group, whose error names the ranks that never arrived
+    (:class:`~distperp_harness.collective.CollectiveError`); if everyone arrives, the original error stands."""
+    try:
+        yield
+    except Exception as exc:
+        if active and collective.distributed and _is_distributed_failure(exc):
+            collective.barrier("check which ranks are alive after a failed gather of sharded weights")
+        raise
+
+
+def refuse_generation(shard_size: int) -> None:
+    """``generate_until`` with sharded weights is refused: decoding runs a different number of forward steps per
+    prompt, and every step would have to be matched by every rank of the shard group."""
+    if shard_size > 1:
+        raise ValueError(
+            f"generate_until (generation tasks) is not supported with shard_size={shard_size}: with sharded weights "
+            "every forward pass gathers parameters from all processes of a group, and generation makes a different "
+            "number of decoding steps per prompt. Fix: run generation tasks in a separate run with shard_size=1 "
+            "(quantize=int4 makes most models fit one device), or drop them from --tasks.")
+
+
+def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int) -> dict:
+    """``config.distperp.sharding``: the layout and the weight bytes each rank holds.
+
+    ``model_bytes_per_rank`` / ``reference_bytes_per_rank``: stored weight bytes resident on each rank, in rank
+    order (local shards plus replicated weights; parameters gathered only during a forward are not counted;
+    ``None`` without a reference). ``replicated``: weights every rank holds whole, per model.
+    """
+    return {
+        "shard_size": shard_size,
+        "engine": "torch FSDP2 fully_shard, no mixed precision" if shard_size > 1 else None,
+        "mesh": [world_size // shard_size, shard_size] if shard_size > 1 else None,
+        "groups": shard_groups(world_size, shard_size) if shard_size > 1 else None,
+        "model_bytes_per_rank": [r["model_bytes"] for r in per_rank],
+        "reference_bytes_per_rank": [r["reference_bytes"] for r in per_rank],
+        "replicated": {what: list(r.replicated) for what, r in reports.items()},
+        "notes": [r.note for r in reports.values()],
+    }
