@@ -7,6 +7,7 @@ gather → results. Each stage lives in its own module; this class only connects
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ from distperp_harness import __version__
 from distperp_harness.collective import Collective
 from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
+from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
 from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
@@ -66,6 +68,8 @@ class DistPerpLM(TemplateLM):
         self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
                                              local_world_size(self._world_size))
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
+        self.estimate = check_fits(self.collective, self.options, self._device, self.shard_size,
+                                   local_world_size(self._world_size))
         mesh = make_mesh(self._device, self._world_size, self.shard_size) if self.shard_size > 1 else None
         loaded = load_all(self.options, self._device, mesh)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
@@ -319,6 +323,7 @@ class DistPerpLM(TemplateLM):
                 "sharding": sharding_report(self.shard_size, self.loaded.sharding, self.per_rank,
                                             self.collective.world_size),
                 "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
+                "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
             },
         }
         return info

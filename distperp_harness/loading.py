@@ -93,20 +93,24 @@ def model_max_length(options: Options, model, tokenizer) -> int:
     return resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)
 
 
-def skeleton(options: Options, dtype: torch.dtype | str):
-    """The model's modules and parameter shapes on the ``meta`` device (no memory, no weights read)."""
+def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = None, key: str = "pretrained"):
+    """The model's modules and parameter shapes on the ``meta`` device (no memory, no weights read), in ``dtype``
+    (``"auto"``: the checkpoint's, as its config records it)."""
     import transformers
 
-    source = os.path.expanduser(options.pretrained)
-    _check_source(options.pretrained, "pretrained")
+    source = source or options.pretrained
+    _check_source(source, key)
     try:
-        config = transformers.AutoConfig.from_pretrained(source, revision=options.revision,
+        config = transformers.AutoConfig.from_pretrained(os.path.expanduser(source), revision=options.revision,
                                                          trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not read the model config of pretrained={options.pretrained!r}: {exc}") from exc
+        raise ValueError(f"could not read the model config of {key}={source!r}: {exc}") from exc
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(
-            config, dtype=None if dtype == "auto" else dtype, trust_remote_code=options.trust_remote_code)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                             trust_remote_code=options.trust_remote_code)
 
 
 def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):
