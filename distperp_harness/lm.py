@@ -37,7 +37,8 @@ from distperp_harness.runtime import agree_on_batching, attention_coefficient, g
 from distperp_harness.quantize import weight_bytes
 from distperp_harness.requests import Unit
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
-from distperp_harness.sharding import gathered, make_mesh, sharding_report, naming_failures, refuse_generation, resolve_shard_size
+from distperp_harness.sharding import gathered, make_mesh, naming_failures, refuse_generation, resolve_shard_size, \
+    sharding_report
 
 log = get_logger(__name__)
 
@@ -70,7 +71,8 @@ class DistPerpLM(TemplateLM):
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
         self.estimate = check_fits(self.collective, self.options, self._device, self.shard_size,
                                    local_world_size(self._world_size))
-        mesh = make_mesh(self._device, self._world_size, self.shard_size) if self.shard_size > 1 else None
+        mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
+                if self.shard_size > 1 else None)
         loaded = load_all(self.options, self._device, mesh)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes

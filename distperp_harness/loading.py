@@ -114,7 +114,8 @@ def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = No
 
 
 def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):
-    """The model with ``options.quantize`` applied *while loading*, and its :class:`~distperp_harness.quantize.QuantReport`.
+    """The model with ``options.quantize`` applied *while loading*, and its
+    :class:`~distperp_harness.quantize.QuantReport`.
 
     The layer choice (:func:`~distperp_harness.quantize.select_layers`) is made on a ``meta`` skeleton, then
     transformers' ``TorchAoConfig`` path loads the checkpoint tensor by tensor onto ``device``, quantizing each

@@ -86,7 +86,8 @@ class Options:
             _require(self.shard_size == "node", "shard_size", self.shard_size, SHARD_SIZES,
                      "e.g. shard_size=node, or shard_size=8 on nodes of 8 GPUs")
         else:
-            _require(self.shard_size >= 1, "shard_size", self.shard_size, SHARD_SIZES,
+            _require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
+                     SHARD_SIZES,
                      "shard_size=1 (every process holds all weights) or a divisor of the processes per node")
         if self.reference is not None:
             _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterator, Sequence
 
 import torch
@@ -66,12 +67,22 @@ def idle_calls(batches_per_rank: Sequence[int], rank: int, shard_size: int) -> i
     return max(batches_per_rank[first: first + shard_size]) - batches_per_rank[rank]
 
 
-def make_mesh(device: torch.device, world_size: int, shard_size: int):
-    """The ``(replicate, shard)`` device mesh; every rank must call this together (it creates process groups)."""
+def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s: float):
+    """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by
+    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`naming_failures`).
+    Every rank must call this together (it creates process groups)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    backend = dist.get_backend()
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)  # DeviceMesh passes it on as new_group's timeout
     return init_device_mesh(device.type, (world_size // shard_size, shard_size),
-                            mesh_dim_names=("replicate", "shard"))
+                            mesh_dim_names=("replicate", "shard"),
+                            backend_override={"replicate": (backend, options), "shard": (backend, options)})
 
 
 def _is_subclass(t: torch.Tensor) -> bool:

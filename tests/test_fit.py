@@ -49,7 +49,8 @@ def test_sharded_estimate_halves_what_fsdp_shards(tiny_model_dir, collective):
     q_kept, _ = weights_per_rank(skeleton(options, torch.bfloat16), 2, scheme="int4", group_size=32)
     q_whole, _ = weights_per_rank(skeleton(options, torch.bfloat16), 1, scheme="int4", group_size=32)
     embeddings = 2 * spec.vocab_size * spec.hidden_size * 2
-    assert q_whole - q_kept == pytest.approx(embeddings / 2 + spec.hidden_size * 2 * (2 * spec.num_hidden_layers + 1) / 2)
+    norms = spec.hidden_size * 2 * (2 * spec.num_hidden_layers + 1)
+    assert q_whole - q_kept == pytest.approx(embeddings / 2 + norms / 2)
 
 
 def test_estimate_counts_batch_rows_and_the_reference(tiny_model_dir):

@@ -53,7 +53,8 @@ def test_generation_with_sharded_weights_is_refused_with_the_fix():
 
 # ------------------------------------------------------------------------------------------ real launches
 def _args(model_dir, tasks_dir, out, model_args):
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args", f"pretrained={model_dir},max_length=128{model_args}",
+    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
+            f"pretrained={model_dir},max_length=128{model_args}",
             "--tasks", TASKS, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
             "--output_path", str(out)]
 
@@ -121,7 +122,8 @@ def test_bytes_per_rank_at_most_0_6_of_unsharded(runs, name):
         sharding, whole = info["sharding"], base["sharding"]
         assert whole["shard_size"] == 1 and whole["model_bytes_per_rank"] == [base["weight_bytes"]]
         assert info["weight_bytes"] == base["weight_bytes"]  # one whole copy, whatever the layout
-        per_rank = [m + (r or 0) for m, r in zip(sharding["model_bytes_per_rank"], sharding["reference_bytes_per_rank"])]
+        per_rank = [m + (r or 0) for m, r in zip(sharding["model_bytes_per_rank"],
+                                                 sharding["reference_bytes_per_rank"])]
         unsharded = whole["model_bytes_per_rank"][0] + (whole["reference_bytes_per_rank"][0] or 0)
         assert max(per_rank) <= 0.6 * unsharded
         if name == "fp32":
@@ -145,3 +147,17 @@ def test_load_memory_is_reported_per_rank(runs):
     assert all(p["host_peak_rss_bytes"] is None or p["host_peak_rss_bytes"] >= p["host_rss_before_bytes"]
                for p in peaks)
     json.dumps(info)  # everything recorded is plain JSON
+
+
+@pytest.mark.distributed
+def test_a_rank_that_hangs_mid_scoring_is_named_within_the_timeout(tiny_model_dir, tasks_dir, tmp_path):
+    """Rank 1 stalls after its second batch; rank 0's next gather of sharded weights fails at ``timeout`` and the
+    control group names rank 1. No results file."""
+    out = tmp_path / "out"
+    proc = run_command([*accelerate_launch_prefix(2), *_args(tiny_model_dir, tasks_dir, out,
+                                                             ",shard_size=2,timeout=15")],
+                       cwd=tmp_path, env={"DISTPERP_TEST_HOLD": "1:2"}, check=False, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank(s) [1] never arrived" in text and "gather of sharded weights" in text, text[-3000:]
+    assert not list(out.rglob("results_*.json"))
