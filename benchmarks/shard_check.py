@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from gpu_check import build_model, documents, gib  # noqa: E402  (benchmarks/ is this script's folder)
+from gpu_check import base_parser, build_model, documents, gib, parse  # noqa: E402  (benchmarks/ is this script's folder)
 
 
 def model_args(args: argparse.Namespace, run: str, shard_size: int) -> dict:
@@ -98,24 +98,15 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: random Llama-3.2-1B shape)")
+    parser = base_parser(__doc__, 300)
     parser.add_argument("--runs", default="none,int4", help="comma-separated: none, int4 (with reference=base)")
     parser.add_argument("--processes", type=int, default=None, help="cuda: visible GPUs; cpu: 2")
     parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 32768, cpu 1500)")
-    parser.add_argument("--max-length", type=int, default=None, help="cuda 2048, cpu 64")
     parser.add_argument("--batch-size", default="4", help="rows per batch (an integer: the same plan in every run)")
-    parser.add_argument("--work", default=None, help="folder for the built model and results")
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--launch-timeout", type=float, default=300)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--shard-size", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, tokens=(32768, 1500))
     cuda = args.device == "cuda"
-    args.tokens = args.tokens or (32768 if cuda else 1500)
-    args.max_length = args.max_length or (2048 if cuda else 64)
     if args.worker:
         worker(args)
         return 0

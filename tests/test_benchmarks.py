@@ -52,3 +52,17 @@ def test_gpu_check_dry_mode_on_cpu(tmp_path):
 
     rows = json.loads(out.read_text())["rows"]
     assert all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows)
+
+
+def test_shard_check_dry_mode_on_cpu(tmp_path):
+    """The prepared sharded-weights check on 2 CPU processes and the tiny model: same bits sharded or not."""
+    out = tmp_path / "shard_check.json"
+    proc = run_command([sys.executable, BENCHMARKS / "shard_check.py", "--device", "cpu", "--runs", "int4",
+                        "--work", tmp_path, "--json", out], cwd=REPO_ROOT, timeout=600)
+    assert "| run | shard_size | load peak GiB (max rank) |" in proc.stdout
+    import json
+
+    whole, sharded = json.loads(out.read_text())["rows"]
+    assert (whole["shard_size"], sharded["shard_size"]) == (1, 2)
+    assert sharded["same"] == "equal" and sharded["fingerprint"] == whole["fingerprint"]
+    assert sharded["ratio"] <= 0.6 and sharded["replicated"] > 0

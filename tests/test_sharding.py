@@ -4,13 +4,11 @@ per-document results are bit-identical to one unsharded process, fp32 and ``quan
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from distperp_harness.sharding import idle_calls, refuse_generation, resolve_shard_size, shard_groups
-from helpers import accelerate_launch_prefix, free_port, load_results, load_samples, offline_env, run_command
+from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
 
 TASKS = "dptest_rolling,dptest_mc"
 INT4 = ",quantize=int4,group_size=32,reference=base"
@@ -59,19 +57,6 @@ def _args(model_dir, tasks_dir, out, model_args):
             "--output_path", str(out)]
 
 
-def _two_nodes(args, cwd):
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
-         "--machine_rank", str(rank), "--num_processes", "4", "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", *args],
-        cwd=cwd, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)]
-    for p in procs:
-        output, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, output[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     """Each launch once: 1 process unsharded, 2 processes ``shard_size=2``, 2 nodes x 2 ``shard_size=node``;
@@ -86,7 +71,8 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         run_command([*accelerate_launch_prefix(2), *_args(tiny_model_dir, tasks_dir, out[f"2p-{name}"],
                                                           extra + ",shard_size=2")], cwd=root)
         out[f"2nodes-{name}"] = root / f"2nodes-{name}"
-        _two_nodes(_args(tiny_model_dir, tasks_dir, out[f"2nodes-{name}"], extra + ",shard_size=node"), root)
+        run_two_nodes(_args(tiny_model_dir, tasks_dir, out[f"2nodes-{name}"], extra + ",shard_size=node"),
+                      cwd=root, per_node=2)
     return out
 
 
