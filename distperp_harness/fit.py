@@ -16,6 +16,7 @@ read: never an out-of-memory error mid-run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,8 @@ from distperp_harness.options import Options
 
 if TYPE_CHECKING:
     from distperp_harness.collective import Collective
+
+log = logging.getLogger(__name__)
 
 GiB = 2**30
 # Stored bytes per weight element by quantized storage (scales: :func:`_scales`).
@@ -156,37 +159,48 @@ def check_fits(collective: "Collective", options: Options, device: torch.device,
     """Rank 0's estimate against every rank's free memory; ``ValueError`` on every rank when it cannot fit.
 
     Every rank calls this together, before loading. On the CPU the ``local_world`` processes of a node share its
-    memory, so the need is multiplied by them. Returns rank 0's :class:`Need`.
+    memory, so the need is multiplied by them. Returns rank 0's :class:`Need` (None when the model's skeleton
+    could not be built: then loading goes ahead without a verdict, logged).
     """
     free = collective.all_gather_object(free_memory_bytes(device), "gather free memory")
     problem = need = None
     if collective.is_main:
-        from distperp_harness.loading import load_tokenizer, model_max_length
-
-        cache: dict = {}
-        model, _ = cache.setdefault(options.quantize, _skeletons(options, device))
-        max_length = model_max_length(options, model, load_tokenizer(options))
-
-        def need_for(opts: Options, size: int, rows: int | None) -> Need:
-            if opts.quantize not in cache:
-                cache[opts.quantize] = _skeletons(opts, device)
-            model, reference = cache[opts.quantize]
-            return estimate(opts, model, reference, size, max_length, device, rows)
-
-        need = need_for(options, shard_size, None)
-        sharing = local_world if device.type == "cpu" else 1
-        room = min(free) // sharing
-        if need.total > room:
-            worst = min(range(len(free)), key=free.__getitem__)
-            fixes = _fixes(options, need_for, room, shard_size, local_world)
-            problem = (
-                f"the run does not fit: each rank needs about {need.describe()} (estimated from the model config, "
-                f"shard_size={shard_size}, quantize={options.quantize}, batch_size={options.batch_size}, "
-                f"max_length={max_length}), but rank {worst} has {free[worst] / GiB:.2f} GiB free on {device.type}"
-                f"{f' shared by {sharing} processes' if sharing > 1 else ''}. Fix: "
-                + (", or ".join(fixes) if fixes else "more devices per shard group, a smaller model, or "
-                   "max_length=<fewer tokens>") + ".")
+        try:
+            problem, need = _verdict(options, device, shard_size, local_world, free)
+        except ValueError as exc:  # a bad path or config: the same error every rank would meet while loading
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a model the meta skeleton cannot build: load without a verdict
+            log.warning(f"distperp: no memory estimate before loading ({type(exc).__name__}: {exc}); loading anyway")
     problem, need = collective.all_gather_object((problem, need), "agree on the memory estimate")[0]
     if problem:
         raise ValueError(problem)
     return need
+
+
+def _verdict(options: Options, device: torch.device, shard_size: int, local_world: int,
+             free: list[int]) -> tuple[str | None, Need]:
+    """``(why the run cannot fit, or None; rank 0's need)`` (see :func:`check_fits`)."""
+    from distperp_harness.loading import load_tokenizer, model_max_length
+
+    cache: dict = {options.quantize: _skeletons(options, device)}
+    max_length = model_max_length(options, cache[options.quantize][0], load_tokenizer(options))
+
+    def need_for(opts: Options, size: int, rows: int | None) -> Need:
+        if opts.quantize not in cache:
+            cache[opts.quantize] = _skeletons(opts, device)
+        model, reference = cache[opts.quantize]
+        return estimate(opts, model, reference, size, max_length, device, rows)
+
+    need = need_for(options, shard_size, None)
+    sharing = local_world if device.type == "cpu" else 1
+    room = min(free) // sharing
+    if need.total <= room:
+        return None, need
+    worst = min(range(len(free)), key=free.__getitem__)
+    fixes = _fixes(options, need_for, room, shard_size, local_world)
+    return (f"the run does not fit: each rank needs about {need.describe()} (estimated from the model config, "
+            f"shard_size={shard_size}, quantize={options.quantize}, batch_size={options.batch_size}, "
+            f"max_length={max_length}), but rank {worst} has {free[worst] / GiB:.2f} GiB free on {device.type}"
+            f"{f' shared by {sharing} processes' if sharing > 1 else ''}. Fix: "
+            + (", or ".join(fixes) if fixes else "more devices per shard group, a smaller model, or "
+               "max_length=<fewer tokens>") + "."), need

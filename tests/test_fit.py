@@ -91,3 +91,14 @@ def test_need_describes_its_parts():
     need = Need(model=GiB, reference=2 * GiB, gathered=0, activations=GiB // 2)
     assert need.total == 3.5 * GiB
     assert need.describe().endswith("= 3.50 GiB")
+
+
+def test_a_model_without_a_meta_skeleton_loads_without_a_verdict(tiny_model_dir, collective, monkeypatch):
+    with pytest.raises(ValueError, match="no such model folder"):  # a bad path is an error at start, on every rank
+        check_fits(collective, Options.from_kwargs(pretrained="/no/such/model"), CPU, 1, 1)
+
+    def fail(options, device):
+        raise RuntimeError("remote code that needs real weights")
+
+    monkeypatch.setattr(fit, "_skeletons", fail)
+    assert check_fits(collective, Options.from_kwargs(pretrained=str(tiny_model_dir)), CPU, 1, 1) is None
