@@ -30,15 +30,14 @@ from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_p
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, score_requests
 from distperp_harness.progress import token_progress
-from distperp_harness.requests import continuation_unit, window_units
+from distperp_harness.quantize import weight_bytes
+from distperp_harness.requests import Unit, continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
-from distperp_harness.quantize import weight_bytes
-from distperp_harness.requests import Unit
 from distperp_harness.scoring import NonFiniteLogitsError, score_batch
-from distperp_harness.sharding import gathered, make_mesh, naming_failures, refuse_generation, resolve_shard_size, \
-    sharding_report
+from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, \
+    refuse_generation, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
 
@@ -114,6 +113,7 @@ class DistPerpLM(TemplateLM):
         problem = find_disagreement([mine for mine, _ in everyone]) or find_shared_gpus([w for _, w in everyone])
         if problem:
             raise ValueError(problem)
+        check_groups_within_hosts([where["host"] for _, where in everyone], self.shard_size)
 
     # ------------------------------------------------------------------------- lm-eval request methods
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[Score, bool]]:

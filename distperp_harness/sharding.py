@@ -50,6 +50,19 @@ def resolve_shard_size(option: int | str, world_size: int, local_world_size: int
     return size
 
 
+def check_groups_within_hosts(hosts: Sequence[str], shard_size: int) -> None:
+    """``ValueError`` when a shard group would span machines (``hosts[r]``: rank ``r``'s host name), e.g. when a
+    launcher did not set ``LOCAL_WORLD_SIZE`` and ``node`` was taken to mean the whole world."""
+    for group in shard_groups(len(hosts), shard_size):
+        names = sorted({hosts[r] for r in group})
+        if len(names) > 1:
+            raise ValueError(
+                f"shard_size={shard_size}: the shard group of ranks {group[0]}..{group[-1]} spans the hosts "
+                f"{', '.join(names)}; a group must lie within one node (its gathers run at every forward). Fix: "
+                f"launch with accelerate launch or torchrun (they set LOCAL_WORLD_SIZE), or give shard_size=<a "
+                f"divisor of the processes per node>.")
+
+
 def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
     """Ranks of each shard group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
     return [list(range(g, g + shard_size)) for g in range(0, world_size, shard_size)]

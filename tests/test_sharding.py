@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from distperp_harness.sharding import idle_calls, refuse_generation, resolve_shard_size, shard_groups
+from distperp_harness.sharding import check_groups_within_hosts, idle_calls, refuse_generation, resolve_shard_size, shard_groups
 from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
 
 TASKS = "dptest_rolling,dptest_mc"
@@ -26,6 +26,13 @@ def test_shard_size_that_does_not_divide_the_node_fails_with_the_fix(option, wor
         resolve_shard_size(option, world, local)
     text = str(info.value)
     assert f"shard_size={option!r}" in text and f"{local} per node" in text and "Fix:" in text and "'node'" in text
+
+
+def test_a_group_across_hosts_is_refused_with_the_fix():
+    check_groups_within_hosts(["a", "a", "b", "b"], 2)
+    check_groups_within_hosts(["a"] * 4, 4)  # two "nodes" on one machine, as the tests run them
+    with pytest.raises(ValueError, match="ranks 0..3 spans the hosts a, b.*Fix: launch with accelerate launch"):
+        check_groups_within_hosts(["a", "a", "b", "b"], 4)
 
 
 def test_shard_groups_are_consecutive_ranks():
