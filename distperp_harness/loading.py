@@ -104,7 +104,7 @@ def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = No
         config = transformers.AutoConfig.from_pretrained(os.path.expanduser(source), revision=options.revision,
                                                          trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not read the model config of {key}={source!r}: {exc}") from exc
+        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
