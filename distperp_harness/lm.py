@@ -103,8 +103,11 @@ class DistPerpLM(TemplateLM):
                 "device": self.device_identity}
 
     def _scoring_config(self) -> dict:
-        """Everything besides the units that determines scores (the resume key)."""
-        return {**self._run_identity(), "dtype": str(next(self._model.parameters()).dtype)}
+        """Everything besides the units that determines scores (the resume key); not ``shard_size``, which
+        changes where the weights live, not the bits."""
+        identity = self._run_identity()
+        identity["options"] = {k: v for k, v in identity["options"].items() if k != "shard_size"}
+        return {**identity, "dtype": str(next(self._model.parameters()).dtype)}
 
     def _check_ranks_agree(self) -> None:
         """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""

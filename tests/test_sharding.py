@@ -154,3 +154,18 @@ def test_a_rank_that_hangs_mid_scoring_is_named_within_the_timeout(tiny_model_di
     assert proc.returncode != 0
     assert "rank(s) [1] never arrived" in text and "gather of sharded weights" in text, text[-3000:]
     assert not list(out.rglob("results_*.json"))
+
+
+@pytest.mark.distributed
+def test_a_sharded_run_resumes_from_an_unsharded_one(tiny_model_dir, tasks_dir, tmp_path):
+    """Batches saved by one unsharded process are reused by 2 sharded ones (every forward of theirs is then an
+    idle one, matched across the group): same bits, nothing recomputed."""
+    saved = tmp_path / "saved"
+    for n, extra, out in ((1, "", tmp_path / "first"), (2, ",shard_size=2", tmp_path / "again")):
+        run_command([*accelerate_launch_prefix(n), *_args(tiny_model_dir, tasks_dir, out,
+                                                          f",resume_dir={saved}{extra}")], cwd=tmp_path)
+    again = load_results(tmp_path / "again")["config"]["distperp"]
+    assert again["resume"]["reused"] > 0 and again["resume"]["saved"] == 0
+    assert again["fingerprint"] == load_results(tmp_path / "first")["config"]["distperp"]["fingerprint"]
+    for task in TASKS.split(","):
+        assert _per_doc(load_samples(tmp_path / "again", task)) == _per_doc(load_samples(tmp_path / "first", task))
