@@ -32,7 +32,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from gpu_check import base_parser, build_model, documents, gib, parse  # noqa: E402  (benchmarks/ is this script's folder)
+# benchmarks/ is this script's folder, hence on sys.path
+from gpu_check import base_parser, build_model, documents, gib, parse  # noqa: E402
 
 
 def model_args(args: argparse.Namespace, run: str, shard_size: int) -> dict:

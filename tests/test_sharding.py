@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from distperp_harness.sharding import check_groups_within_hosts, idle_calls, refuse_generation, resolve_shard_size, shard_groups
+from distperp_harness.sharding import (check_groups_within_hosts, idle_calls, refuse_generation, resolve_shard_size,
+                                       shard_groups)
 from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
 
 TASKS = "dptest_rolling,dptest_mc"
