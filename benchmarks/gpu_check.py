@@ -148,23 +148,36 @@ def table(rows: list[dict], multi: str) -> str:
     return "\n".join(lines + ["", f"1 vs 2 processes: {multi}"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def base_parser(doc: str, launch_timeout: float) -> argparse.ArgumentParser:
+    """The options every prepared GPU check shares (``shard_check.py`` too)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default=None, help="checkpoint folder (default: random Llama-3.2-1B shape)")
-    parser.add_argument("--runs", default="none,int4", help="comma-separated quantize= schemes")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
-    parser.add_argument("--max-length", type=int, default=None, help="cuda 2048, cpu 64")
-    parser.add_argument("--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 "
-                        "when two GPUs are visible)")
     parser.add_argument("--work", default=None, help="folder for the built model (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--launch-timeout", type=float, default=240)
+    parser.add_argument("--launch-timeout", type=float, default=launch_timeout)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--max-length", type=int, default=None, help="cuda 2048, cpu 64")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None, tokens: tuple[int, int]) -> argparse.Namespace:
+    """Parsed arguments with the device-dependent defaults filled in (``tokens``: cuda, cpu)."""
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    args.tokens = args.tokens or (65536 if cuda else 3000)
+    args.tokens = args.tokens or tokens[0 if cuda else 1]
     args.max_length = args.max_length or (2048 if cuda else 64)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser(__doc__, 240)
+    parser.add_argument("--runs", default="none,int4", help="comma-separated quantize= schemes")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
+    parser.add_argument("--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 "
+                        "when two GPUs are visible)")
+    args = parse(parser, argv, tokens=(65536, 3000))
+    cuda = args.device == "cuda"
     if args.worker:
         worker(args)
         return 0

@@ -21,8 +21,9 @@ from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from distperp_harness import __version__
 from distperp_harness.collective import Collective
-from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, physical_device, \
-    resolve_device
+from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
+    physical_device, resolve_device
+from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
 from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
@@ -30,11 +31,14 @@ from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
 from distperp_harness.progress import token_progress
 from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks
-from distperp_harness.requests import continuation_unit, window_units
+from distperp_harness.quantize import weight_bytes
+from distperp_harness.requests import Unit, continuation_unit, window_units
 from distperp_harness.resume import BatchStore
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
 from distperp_harness.scoring import NonFiniteLogitsError, packed_rows_unsupported, score_batch
+from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, \
+    refuse_generation, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
 
@@ -55,7 +59,8 @@ class DistPerpLM(TemplateLM):
 
     def __init__(self, reference_model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         """``kwargs``: the ``--model_args`` keys (:class:`Options`). ``reference_model``: for in-process callers
-        (``sweep``) only, an already loaded model that ``reference=`` names, reused instead of loaded again."""
+        (``sweep``) only, an already loaded model that ``reference=`` names, reused instead of loaded again (with
+        ``shard_size`` > 1 it is loaded again: a sharded model belongs to its run's mesh)."""
         super().__init__()
         t0 = time.perf_counter()
         self.options = Options.from_kwargs(**kwargs)
@@ -67,18 +72,33 @@ class DistPerpLM(TemplateLM):
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
         self.device_identity = device_identity(self._device)
+        self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
+                                             local_world_size(self._world_size))
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
+        self.estimate = check_fits(self.collective, self.options, self._device, self.shard_size,
+                                   local_world_size(self._world_size))
+        mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
+                if self.shard_size > 1 else None)
+        if reference_model is not None and self.shard_size > 1:
+            reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
-        loaded = load_all(to_load, self._device)
+        loaded = load_all(to_load, self._device, mesh)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
+        self.reference_weight_bytes = loaded.reference_weight_bytes
         if reference_model is not None:
-            self.reference = reference_model
+            self.reference, self.reference_weight_bytes = reference_model, weight_bytes(reference_model)
         self.comparison = ReferenceComparison() if self.reference is not None else None
+        self.loaded = loaded
+        self.per_rank = self.collective.all_gather_object(
+            {"load_memory": loaded.load_memory, "model_bytes": weight_bytes(self._model),
+             "reference_bytes": weight_bytes(self.reference) if self.reference is not None else None},
+            "gather load memory and resident weight bytes")
         self._max_length = loaded.max_length
         self.batching: Batching = agree_on_batching(
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
-            pad_token_id=self.tokenizer.pad_token_id)
+            pad_token_id=self.tokenizer.pad_token_id,
+            unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0))
         _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
@@ -109,8 +129,11 @@ class DistPerpLM(TemplateLM):
                 "device": self.device_identity}
 
     def _scoring_config(self) -> dict:
-        """Everything besides the units that determines scores (the resume key)."""
-        return {**self._run_identity(), "dtype": str(next(self._model.parameters()).dtype)}
+        """Everything besides the units that determines scores (the resume key); not ``shard_size``, which
+        changes where the weights live, not the bits."""
+        identity = self._run_identity()
+        identity["options"] = {k: v for k, v in identity["options"].items() if k != "shard_size"}
+        return {**identity, "dtype": str(next(self._model.parameters()).dtype)}
 
     def _check_ranks_agree(self) -> None:
         """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""
@@ -119,6 +142,7 @@ class DistPerpLM(TemplateLM):
         problem = find_disagreement([mine for mine, _ in everyone]) or find_shared_gpus([w for _, w in everyone])
         if problem:
             raise ValueError(problem)
+        check_groups_within_hosts([where["host"] for _, where in everyone], self.shard_size)
 
     # ------------------------------------------------------------------------- lm-eval request methods
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[Score, bool]]:
@@ -161,6 +185,7 @@ class DistPerpLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
+        refuse_generation(self.shard_size)
         setup = GenerationSetup(
             model=self._model, tokenizer=self.tokenizer, collective=self.collective, device=self._device,
             max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
@@ -176,10 +201,13 @@ class DistPerpLM(TemplateLM):
         """Scores of one batch of rows of the plan: from ``resume_dir`` when saved there, else computed (and saved)."""
         saved = self.store.load(rows) if self.store else None
         if saved is not None:
+            if self.shard_size > 1:
+                self._idle_forward()  # the shard group's other ranks may compute this call: gather with them
             return saved
         try:
-            scores = score_batch(self._model, rows, device=self._device, pad_token_id=self.tokenizer.pad_token_id,
-                                 reference=self.reference)
+            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
+                scores = score_batch(self._model, rows, device=self._device,
+                                     pad_token_id=self.tokenizer.pad_token_id, reference=self.reference)
         except NonFiniteLogitsError as exc:
             where = "; ".join(f"the window {self.tok_decode(list(rows[r].prefix[:24]))!r}... "
                               f"({rows[r].length} tokens)" for r in exc.rows[:3])
@@ -190,12 +218,20 @@ class DistPerpLM(TemplateLM):
         _fault_for_tests(self.rank)
         return scores
 
+    def _idle_forward(self) -> None:
+        """A forward of a one-token batch whose result is dropped: what a rank with fewer batches than others of
+        its shard group runs, so that every rank of the group makes the same gathers."""
+        pad = self.tokenizer.pad_token_id
+        with naming_failures(self.collective, True), gathered(self._model, self.reference):
+            score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
+                        reference=self.reference)
+
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
             attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
             with_reference=self.reference is not None, sharing=sharing,
-            stats=self.stats, kind=kind,
+            stats=self.stats, kind=kind, shard_size=self.shard_size, idle_fn=self._idle_forward,
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['rows']} rows "
@@ -331,7 +367,12 @@ class DistPerpLM(TemplateLM):
                 "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
                     "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),
-                    "tasks": self.comparison.entries()},
+                    "tasks": self.comparison.entries(),
+                    "weight_bytes": self.reference_weight_bytes},
+                "sharding": sharding_report(self.shard_size, self.loaded.sharding, self.per_rank,
+                                            self.collective.world_size),
+                "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
+                "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
             },
         }
         return info

@@ -120,3 +120,63 @@ def kv_cache_bytes_per_token(model: torch.nn.Module) -> int:
     dtype = getattr(model, "dtype", torch.float32)
     element = torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
     return 2 * layers * kv_heads * head_dim * element
+
+
+def _proc_status(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_host_peak() -> bool:
+    """Reset this process's peak resident set (``VmHWM``) to its current size; False where Linux refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class LoadMeter:
+    """Peak memory of one stage (the load stage) of this process, from construction to :meth:`stop`.
+
+    CUDA: the caching allocator's peak (``max_memory_allocated``, reset at start), so every byte any tensor of
+    the stage held on the GPU counts. Host: the peak resident set ``VmHWM`` after resetting it (``clear_refs``);
+    it counts anonymous memory *and* touched pages of memory-mapped checkpoint files, so it is an upper bound
+    on what the loader itself allocated; ``host_anon_after_bytes`` (``RssAnon``) is the anonymous part at the end.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.device_before = int(torch.cuda.memory_allocated(device))
+        self.host_reset = _reset_host_peak()
+        self.host_before = _proc_status("VmRSS")
+        self.anon_before = _proc_status("RssAnon")
+
+    def stop(self) -> dict:
+        """``{device_peak_bytes, device_before_bytes, device_after_bytes}`` on CUDA (else None) and
+        ``{host_peak_rss_bytes (None when the peak could not be reset), host_rss_before_bytes,
+        host_anon_before_bytes, host_anon_after_bytes}``."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return {
+            "device": str(self.device),
+            "device_peak_bytes": int(torch.cuda.max_memory_allocated(self.device)) if cuda else None,
+            "device_before_bytes": self.device_before if cuda else None,
+            "device_after_bytes": int(torch.cuda.memory_allocated(self.device)) if cuda else None,
+            "host_peak_rss_bytes": _proc_status("VmHWM") if self.host_reset else None,
+            "host_rss_before_bytes": self.host_before,
+            "host_anon_before_bytes": self.anon_before,
+            "host_anon_after_bytes": _proc_status("RssAnon"),
+        }

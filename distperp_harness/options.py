@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 QUANT_SCHEMES = ("none", "int4", "int8", "8da4w")
 GROUP_SIZES = (32, 64, 128, 256)
+SHARD_SIZES = ("an integer >= 1 that divides the processes per node, or 'node' (all processes of a node share one "
+               "copy of the weights)")
 # The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
 # falls back to the CPU (with a log line). Any other CUDA device asked for on such a machine is an error.
 CLI_DEFAULT_DEVICE = "cuda:0"
@@ -54,6 +56,8 @@ class Options:
     resume_dir: str | None = None
     # multiple choice (issue 11): units of one context share rows; false computes every unit on its own row
     share_prefix: bool = True
+    # models bigger than one device (issue 12): processes that together hold one copy of the weights
+    shard_size: int | str = 1
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -82,6 +86,13 @@ class Options:
                          "lower stride or raise max_length")
         _require(isinstance(self.share_prefix, bool), "share_prefix", self.share_prefix, "true or false",
                  "share_prefix=false computes every answer of a multiple-choice question on its own row")
+        if isinstance(self.shard_size, str):
+            _require(self.shard_size == "node", "shard_size", self.shard_size, SHARD_SIZES,
+                     "e.g. shard_size=node, or shard_size=8 on nodes of 8 GPUs")
+        else:
+            _require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
+                     SHARD_SIZES,
+                     "shard_size=1 (every process holds all weights) or a divisor of the processes per node")
         if self.reference is not None:
             _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
                      "'base' (the same checkpoint, unquantized) or a model path / hub id", "")
@@ -155,6 +166,9 @@ def _cast(key: str, value: Any) -> Any:
         return {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}.get(text, text)
     if key == "batch_size":
         return _as_batch_size(value)
+    if key == "shard_size":
+        text = str(value).strip().lower()
+        return text if not text.lstrip("-").isdigit() else _as_int(key, text)
     if key in _STR_KEYS:
         return str(value)
     return value

@@ -10,6 +10,7 @@ table and rebuilds the results of its own requests in a fixed order: the same bi
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import time
@@ -24,6 +25,7 @@ from distperp_harness.plan import Batch, assign_batches, balance_report, make_ba
 from distperp_harness.requests import Unit, UnitTable, pack_units, unpack_units
 from distperp_harness.rows import Row, build_rows
 from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
+from distperp_harness.sharding import idle_calls
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
                    batching: Batching, attention_coef: float = 0.0, head_coef: float = 0.0,
                    with_reference: bool = False, sharing: Sharing = Sharing(),
                    stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
-                   kind: str = "score") -> list[RequestResult]:
+                   kind: str = "score", shard_size: int = 1,
+                   idle_fn: Callable[[], None] | None = None) -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
     Args:
@@ -97,6 +100,9 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
             are per unit, in row order.
         sharing: how units share rows; the batches hold ``batching`` rows each (``batch_size=N``: N rows).
         progress: given the number of padded tokens this rank will compute, returns an update callback.
+        shard_size, idle_fn: with sharded weights (``shard_size`` > 1) every forward gathers parameters from the
+            rank's whole shard group, so after its own batches a rank calls ``idle_fn`` (a forward whose result
+            is dropped) until it has made as many forward calls as the busiest rank of its group.
 
     Returns:
         One :class:`RequestResult` per local request, identical bits for every world size.
@@ -119,6 +125,10 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
             kl_rows.extend(scores.kl)
         if update:
             update(batch.padded_tokens)
+    owned = collections.Counter(plan.owner)
+    counts = [owned[r] for r in range(collective.world_size)]
+    for _ in range(idle_calls(counts, collective.rank, shard_size)):
+        idle_fn()
     t_score = time.perf_counter() - t0
 
     full, kl_full = _gather_results(collective, table, ids, unit_stats, kl_rows if with_reference else None)

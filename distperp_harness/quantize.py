@@ -223,8 +223,9 @@ def _is_subclass(t: torch.Tensor) -> bool:
 
 def _storage_bytes(t: torch.Tensor, seen: set[tuple[int, int]]) -> int:
     if _is_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return sum(_storage_bytes(getattr(t, n), seen) for n in names)
+        names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh: tensors only
+        return sum(_storage_bytes(inner, seen) for inner in (getattr(t, n) for n in names)
+                   if isinstance(inner, torch.Tensor))
     key = (t.data_ptr(), t.numel() * t.element_size())
     if key[0] != 0 and key in seen:
         return 0
@@ -237,7 +238,8 @@ def weight_bytes(model: nn.Module) -> int:
 
     A tensor subclass (torchao's quantized weights) counts the sum of its inner tensors (``__tensor_flatten__``,
     recursively: e.g. ``Int4OpaqueTensor``'s uint8 ``qdata`` plus ``scale_and_zero``); a tensor shared by several
-    parameters (tied embeddings) counts once. Buffers (e.g. rotary ``inv_freq``) are not counted.
+    parameters (tied embeddings) counts once. Buffers (e.g. rotary ``inv_freq``) are not counted. A sharded
+    parameter (FSDP2's ``DTensor``) counts its local shard: the bytes this process holds.
     """
     seen: set[tuple[int, int]] = set()
     return sum(_storage_bytes(p, seen) for p in model.parameters())
@@ -347,8 +349,25 @@ def quantize_model(model: nn.Module, scheme: str, *, group_size: int = 128,
         return QuantReport(config_name=None, config=None, group_size=None, weight_format=None, quantized=(),
                            skipped={}, weight_bytes_after=before, seconds=0.0, **common)
 
+    selected, skipped, notes = select_layers(model, plan, include_lm_head)
+    chosen = set(selected)
+    from torchao.quantization import quantize_
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        quantize_(model, plan.config, filter_fn=lambda module, fqn: fqn in chosen)
+    return finish_report(model, scheme, plan, group_size, selected, skipped, notes, common,
+                         time.perf_counter() - start)
+
+
+def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[list[str], dict[str, str], list[str]]:
+    """Which Linear layers ``plan`` quantizes: ``(selected names, skipped name -> reason, notes)``, in module order.
+
+    Reads only module types, shapes and identities, so a ``meta``-device skeleton gives the same answer as the
+    loaded model (what :func:`distperp_harness.loading.load_quantized` relies on).
+    """
     lm_head = getattr(model, "get_output_embeddings", lambda: None)()
-    selected: set[int] = set()
+    selected: list[str] = []
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -360,31 +379,34 @@ def quantize_model(model: nn.Module, scheme: str, *, group_size: int = 128,
         else:
             reason = plan.skip_reason(module)
         if reason is None:
-            selected.add(id(module))
+            selected.append(name)
         else:
             skipped[name] = reason
     notes = []
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
-    if lm_head is not None and id(lm_head) in selected and getattr(embedding, "weight", None) is lm_head.weight:
+    head_name = next((name for name, module in model.named_modules() if module is lm_head), None)
+    if head_name in selected and getattr(embedding, "weight", None) is lm_head.weight:
         notes.append("The output embedding was tied to the input embedding: quantizing it untied them, and the "
                      "input embedding keeps its full-precision copy.")
+    return selected, skipped, notes
 
+
+def finish_report(model: nn.Module, scheme: str, plan: Plan, group_size: int, selected: list[str],
+                  skipped: dict[str, str], notes: list[str], common: dict[str, Any], seconds: float) -> QuantReport:
+    """The :class:`QuantReport` of ``model`` after ``plan`` ran on the ``selected`` layers: a selected layer whose
+    weight is still a plain tensor is listed as skipped (left unquantized by torchao)."""
     from torchao.core.config import config_to_dict
-    from torchao.quantization import quantize_
 
-    start = time.perf_counter()
-    with torch.no_grad():
-        quantize_(model, plan.config, filter_fn=lambda module, fqn: id(module) in selected)
-    seconds = time.perf_counter() - start
-
+    skipped = dict(skipped)
     quantized, formats = [], collections.Counter()
-    for name, module in model.named_modules():
-        if id(module) in selected and _is_subclass(module.weight):
+    modules = dict(model.named_modules())
+    for name in selected:
+        if _is_subclass(modules[name].weight):
             quantized.append(name)
-            formats[type(module.weight).__name__] += 1
-        elif id(module) in selected:
+            formats[type(modules[name].weight).__name__] += 1
+        else:
             skipped[name] = "left unquantized by torchao (the weight is a plain tensor after quantize_)"
     return QuantReport(config_name=type(plan.config).__name__, config=config_to_dict(plan.config),
-                       group_size=group_size if spec.uses_group_size else None,
+                       group_size=group_size if SCHEMES[scheme].uses_group_size else None,
                        weight_format=", ".join(formats) or None, quantized=tuple(quantized), skipped=skipped,
                        weight_bytes_after=weight_bytes(model), seconds=seconds, notes=tuple(notes), **common)

@@ -171,6 +171,7 @@ def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int,
     scored (the worst case), with the real :func:`~distperp_harness.scoring.score_batch`."""
     from distperp_harness.requests import Unit
     from distperp_harness.scoring import score_batch
+    from distperp_harness.sharding import gathered
 
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
 
@@ -182,7 +183,8 @@ def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int,
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        score_batch(model, units, device=device, pad_token_id=pad_token_id, reference=reference)
+        with gathered(model, reference):  # sharded weights (shard_size): every rank of a group probes together
+            score_batch(model, units, device=device, pad_token_id=pad_token_id, reference=reference)
         if device.type != "cuda":
             return 0
         torch.cuda.synchronize(device)
@@ -237,15 +239,20 @@ def generation_rows(batching: Batching, length: int, *, activation_bytes: int, k
 
 def agree_on_batching(collective: "Collective", options: Options, model: torch.nn.Module, device: torch.device,
                       max_length: int, *, reference: torch.nn.Module | None = None,
-                      pad_token_id: int = 0) -> Batching:
+                      pad_token_id: int = 0, unsharded_bytes: int | None = None) -> Batching:
     """Rank 0's :func:`batching_for`, after every rank checked it can hold it (:func:`check_budget`).
+
+    ``unsharded_bytes``: the stored bytes of whole copies of the model and the reference. With sharded weights
+    (``shard_size``) the budget is still sized from them, as if one device held every weight, so a sharded run
+    packs the same batches as an unsharded one and gives the same bits.
 
     Raises:
         ValueError: on every rank, naming the ranks that cannot hold the budget and what to do.
     """
     from distperp_harness.quantize import weight_bytes
 
-    resident = weight_bytes(model) + (weight_bytes(reference) if reference is not None else 0)
+    resident = unsharded_bytes if unsharded_bytes is not None else \
+        weight_bytes(model) + (weight_bytes(reference) if reference is not None else 0)
     batching: Batching = collective.all_gather_object(
         batching_for(options, model, device, max_length, reference=reference, resident_bytes=resident),
         "agree on batching")[0]

@@ -112,6 +112,22 @@ def accelerate_launch_prefix(num_processes: int, port: int | None = None) -> lis
     ]  # fmt: skip
 
 
+def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1,
+                  timeout: float = 600) -> None:
+    """Run ``python -m accelerate.commands.launch ... <args>`` as two "nodes" on loopback (two launchers,
+    ``--machine_rank 0`` and ``1``, ``per_node`` processes each); fail the test if either exits non-zero."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+         "--machine_rank", str(rank), "--num_processes", str(2 * per_node), "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", *map(str, args)],
+        cwd=cwd, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)]
+    for p in procs:
+        output, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, output[-3000:]
+
+
 def lm_eval_command(args: Sequence[str], *, num_processes: int | None = None) -> list[str]:
     """The command line for lm-eval's CLI with ``args``.
 

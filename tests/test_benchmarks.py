@@ -64,3 +64,17 @@ def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
         assert f"| {shape} (3 q, " in out, out
         assert f"- {shape}: " in out
     assert "| distperp share_prefix=false |" in out and "DIFFER" not in out
+
+
+def test_shard_check_dry_mode_on_cpu(tmp_path):
+    """The prepared sharded-weights check on 2 CPU processes and the tiny model: same bits sharded or not."""
+    out = tmp_path / "shard_check.json"
+    proc = run_command([sys.executable, BENCHMARKS / "shard_check.py", "--device", "cpu", "--runs", "int4",
+                        "--work", tmp_path, "--json", out], cwd=REPO_ROOT, timeout=600)
+    assert "| run | shard_size | load peak GiB (max rank) |" in proc.stdout
+    import json
+
+    whole, sharded = json.loads(out.read_text())["rows"]
+    assert (whole["shard_size"], sharded["shard_size"]) == (1, 2)
+    assert sharded["same"] == "equal" and sharded["fingerprint"] == whole["fingerprint"]
+    assert sharded["ratio"] <= 0.6 and sharded["replicated"] > 0

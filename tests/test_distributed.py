@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_results, load_samples, offline_env,
-                     run_command)
+                     run_command, run_two_nodes)
 
 pytestmark = pytest.mark.distributed
 
@@ -43,20 +43,6 @@ def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASK
             "--output_path", str(out), *extra]
 
 
-def _two_nodes(model_dir, tasks_dir, out, cwd):
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
-         "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-         *_lm_eval_args(model_dir, tasks_dir, out)],
-        cwd=cwd, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)]
-    for p in procs:
-        output, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, output[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
@@ -66,7 +52,7 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         run_command([*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[f"{n}p"])[0:]],
                     cwd=root)
     out["2nodes"] = root / "2nodes"
-    _two_nodes(tiny_model_dir, tasks_dir, out["2nodes"], root)
+    run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)
     for n in (1, 2):  # quantized, with the unquantized reference: same exactness
         out[f"{n}p-int4"] = root / f"{n}p-int4"
         run_command([*accelerate_launch_prefix(n), *_lm_eval_args(

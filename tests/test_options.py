@@ -34,11 +34,20 @@ def test_batch_size_forms(value, expected):
     ({"pretrained": "m", "trust_remote_code": "maybe"}, "trust_remote_code=true or trust_remote_code=false"),
     ({"pretrained": "m", "share_prefix": "sometimes"}, "share_prefix=true or share_prefix=false"),
     ({}, "needs pretrained="),
+    ({"pretrained": "m", "shard_size": 0}, "shard_size=0 is not valid"),
+    ({"pretrained": "m", "shard_size": "nodes"}, "or 'node'"),
+    ({"pretrained": "m", "shard_size": "2.5"}, "shard_size='2.5'"),
 ])
 def test_bad_values_are_named(kwargs, fragment):
     with pytest.raises(ValueError, match=None) as info:
         Options.from_kwargs(**kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("value, expected", [("node", "node"), ("NODE", "node"), ("2", 2), (8, 8), (None, 1)])
+def test_shard_size_forms(value, expected):
+    kwargs = {} if value is None else {"shard_size": value}
+    assert Options.from_kwargs(pretrained="m", **kwargs).shard_size == expected
 
 
 def test_frozen_and_recorded():
