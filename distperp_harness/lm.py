@@ -38,7 +38,7 @@ from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
 from distperp_harness.scoring import NonFiniteLogitsError, packed_rows_unsupported, score_batch
 from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, \
-    refuse_generation, resolve_shard_size, sharding_report
+    refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
 
@@ -227,6 +227,7 @@ class DistPerpLM(TemplateLM):
                         reference=self.reference)
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
+        refuse_generation_tasks(self.shard_size, evaluator_tasks())  # every rank sees the same tasks
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
             attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),

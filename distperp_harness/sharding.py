@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -222,6 +222,14 @@ def refuse_generation(shard_size: int) -> None:
             "every forward pass gathers parameters from all processes of a group, and generation makes a different "
             "number of decoding steps per prompt. Fix: run generation tasks in a separate run with shard_size=1 "
             "(quantize=int4 makes most models fit one device), or drop them from --tasks.")
+
+
+def refuse_generation_tasks(shard_size: int, tasks: Mapping[str, Any] | None) -> None:
+    """:func:`refuse_generation` before any scoring when the evaluation's tasks (``tasks``: name → lm-eval task, as
+    :func:`distperp_harness.quantcost.evaluator_tasks` reads them) include a generation task, so a sharded run
+    does not score its log-likelihood tasks first and fail only when lm-eval reaches ``generate_until``."""
+    if shard_size > 1 and any(getattr(task, "OUTPUT_TYPE", None) == "generate_until" for task in (tasks or {}).values()):
+        refuse_generation(shard_size)
 
 
 def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int) -> dict:
