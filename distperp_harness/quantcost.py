@@ -147,7 +147,7 @@ def records_from(requests: Sequence[Any], scores: Sequence[Any], tasks: Mapping[
     out: dict[tuple, Record] = {}
     info_cache: dict[tuple[str, int], tuple] = {}
     for req, score in zip(requests, scores, strict=True):
-        if req.doc_id is None or getattr(score, "kl", None) is None:
+        if getattr(req, "doc_id", None) is None or getattr(score, "kl", None) is None:
             continue
         task_name = str(req.task_name)
         multiple_choice, n_choices, lengths, gold = None, None, None, None

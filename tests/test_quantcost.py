@@ -270,3 +270,15 @@ def test_records_read_lengths_and_gold_from_the_task_and_drop_padding_copies():
     assert entry["n_docs_with_gold"] == 1 and entry["n_docs"] == 3
     no_task = records_from(requests, scores, None)  # outside lm-eval's evaluator
     assert no_task[1].choice_length == 5.0 and no_task[0].gold is None and no_task[0].multiple_choice is None
+
+
+def test_requests_from_the_python_api_without_instance_fields_are_not_compared():
+    """``lm.loglikelihood_rolling([obj with .args])`` (benchmarks, scripts) has no task or doc_id: nothing to
+    compare per task, and no error."""
+    from types import SimpleNamespace
+
+    from distperp_harness.quantcost import records_from
+    from distperp_harness.results import Score
+
+    score = Score(-3.0, 2, -2.5, np.array([0.1, 0.2]), 1)
+    assert records_from([SimpleNamespace(args=("some text",))], [score], None) == []
