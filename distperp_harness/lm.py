@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import time
 from typing import Any
@@ -29,11 +28,11 @@ from distperp_harness.loading import load_all
 from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
-from distperp_harness.progress import token_progress
+from distperp_harness.progress import setup_logging, token_progress
 from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks
 from distperp_harness.quantize import weight_bytes
 from distperp_harness.requests import Unit, continuation_unit, window_units
-from distperp_harness.resume import BatchStore
+from distperp_harness.resume import BatchStore, fault_for_tests
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
 from distperp_harness.scoring import NonFiniteLogitsError, packed_rows_unsupported, score_batch
@@ -215,7 +214,7 @@ class DistPerpLM(TemplateLM):
                              "meaningless. Try dtype=float32, or check the checkpoint.") from exc
         if self.store:
             self.store.save(rows, scores)
-        _fault_for_tests(self.rank)
+        fault_for_tests(self.rank)
         return scores
 
     def _idle_forward(self) -> None:
@@ -394,31 +393,4 @@ class DistPerpLM(TemplateLM):
         return cls(**arg_dict, **extra)
 
 
-def _fault_for_tests(rank: int) -> None:
-    """Fault injection for the resume tests, after each scored batch; unset in normal runs.
-
-    ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has scored that many batches (as a SIGKILL
-    would); ``DISTPERP_TEST_HOLD=<rank>:<batches>`` makes it stall there (a long batch, to be preempted).
-    """
-    _fault_for_tests.count = getattr(_fault_for_tests, "count", 0) + 1
-    for name, act in (("DISTPERP_TEST_CRASH", lambda: os._exit(17)), ("DISTPERP_TEST_HOLD", lambda: time.sleep(600))):
-        spec = os.environ.get(name)
-        if spec:
-            fault_rank, after = (int(x) for x in spec.split(":"))
-            if rank == fault_rank and _fault_for_tests.count == after:
-                act()
-
-
-def _setup_logging() -> None:
-    """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0."""
-    logger = logging.getLogger("distperp_harness")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [distperp] %(message)s",
-                                               datefmt="%Y-%m-%d:%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
-_setup_logging()
+setup_logging()

@@ -1,7 +1,8 @@
-"""One progress bar, on global rank 0 only, counting padded tokens (shows tokens/s and ETA)."""
+"""What rank 0 prints: distperp's log format, and one progress bar counting padded tokens (tokens/s and ETA)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 
@@ -27,3 +28,15 @@ def token_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int], 
         return update
 
     return start
+
+
+def setup_logging() -> None:
+    """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0."""
+    logger = logging.getLogger("distperp_harness")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [distperp] %(message)s",
+                                               datefmt="%Y-%m-%d:%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

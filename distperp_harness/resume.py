@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -301,3 +302,19 @@ def _on_sigterm(signum: int, frame) -> None:  # noqa: ARG001 - signal handler si
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
     os._exit(128 + signum)
+
+
+# ---------------------------------------------------------------------------------------------- fault injection
+def fault_for_tests(rank: int) -> None:
+    """Fault injection for the resume tests, after each scored batch; unset in normal runs.
+
+    ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has scored that many batches (as a SIGKILL
+    would); ``DISTPERP_TEST_HOLD=<rank>:<batches>`` makes it stall there (a long batch, to be preempted).
+    """
+    fault_for_tests.count = getattr(fault_for_tests, "count", 0) + 1
+    for name, act in (("DISTPERP_TEST_CRASH", lambda: os._exit(17)), ("DISTPERP_TEST_HOLD", lambda: time.sleep(600))):
+        spec = os.environ.get(name)
+        if spec:
+            fault_rank, after = (int(x) for x in spec.split(":"))
+            if rank == fault_rank and fault_for_tests.count == after:
+                act()
