@@ -25,6 +25,7 @@ from torch import nn
 
 from distperp_harness.memory import activation_bytes_per_token, free_memory_bytes
 from distperp_harness.options import Options
+from distperp_harness.sharding import decoder_layers
 
 if TYPE_CHECKING:
     from distperp_harness.collective import Collective
@@ -66,11 +67,6 @@ def _scales(storage: str, weight: torch.Tensor, group_size: int) -> float:
     return groups * (weight.element_size() + 1)  # int4-in-int8: model-dtype scale, int8 zero point
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=len) if lists else []
-
-
 def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: bool,
             device: torch.device) -> tuple[dict[int, float], set[int]]:
     """Stored bytes per parameter (by id) after ``scheme``, and the ids that torchao quantizes (kept whole)."""
@@ -99,9 +95,9 @@ def weights_per_rank(model: nn.Module, shard_size: int, *, scheme: str = "none",
     if shard_size <= 1:
         return int(sum(sizes.values())), 0
     resident = sum(b if pid in quantized else b / shard_size for pid, b in sizes.items())
-    in_layers = {id(p) for layer in _layers(model) for p in layer.parameters()}
+    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
     root = sum(b for pid, b in sizes.items() if pid not in in_layers and pid not in quantized)
-    layer = max((sum(sizes[id(p)] for p in lay.parameters() if id(p) not in quantized) for lay in _layers(model)),
+    layer = max((sum(sizes[id(p)] for p in lay.parameters() if id(p) not in quantized) for lay in decoder_layers(model)),
                 default=0)
     return int(resident), int(root + layer)
 

@@ -217,12 +217,13 @@ def resolve_model_dtype(scheme: str, requested: str, device: torch.device | str)
     return None, "dtype=auto: the loader's default dtype"
 
 
-def _is_subclass(t: torch.Tensor) -> bool:
+def is_tensor_subclass(t: torch.Tensor) -> bool:
+    """True for a tensor subclass that holds inner tensors (torchao's quantized weights, DTensor)."""
     return hasattr(type(t), "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter)
 
 
 def _storage_bytes(t: torch.Tensor, seen: set[tuple[int, int]]) -> int:
-    if _is_subclass(t):
+    if is_tensor_subclass(t):
         names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh: tensors only
         return sum(_storage_bytes(inner, seen) for inner in (getattr(t, n) for n in names)
                    if isinstance(inner, torch.Tensor))
@@ -374,7 +375,7 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[
             continue
         if module is lm_head and not include_lm_head:
             reason = "output embedding kept in full precision by default (quantize_lm_head=true includes it)"
-        elif _is_subclass(module.weight):
+        elif is_tensor_subclass(module.weight):
             reason = f"already quantized ({type(module.weight).__name__})"
         else:
             reason = plan.skip_reason(module)
@@ -401,7 +402,7 @@ def finish_report(model: nn.Module, scheme: str, plan: Plan, group_size: int, se
     quantized, formats = [], collections.Counter()
     modules = dict(model.named_modules())
     for name in selected:
-        if _is_subclass(modules[name].weight):
+        if is_tensor_subclass(modules[name].weight):
             quantized.append(name)
             formats[type(modules[name].weight).__name__] += 1
         else:

@@ -29,6 +29,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from distperp_harness.quantize import is_tensor_subclass
+
 
 def resolve_shard_size(option: int | str, world_size: int, local_world_size: int) -> int:
     """The shard group size for ``shard_size=option``: an int, or ``"node"`` (= ``local_world_size``).
@@ -98,11 +100,7 @@ def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s:
                             backend_override={"replicate": (backend, options), "shard": (backend, options)})
 
 
-def _is_subclass(t: torch.Tensor) -> bool:
-    return hasattr(type(t), "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter)
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks: the longest ``nn.ModuleList`` of the model (``model.layers`` of Llama and friends)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return max(lists, key=len) if lists else []
@@ -128,10 +126,10 @@ def shard_model(model: nn.Module, mesh, *, what: str = "model") -> ShardReport:
     """
     from torch.distributed.fsdp import fully_shard
 
-    ignored = {p for p in model.parameters() if _is_subclass(p)}
+    ignored = {p for p in model.parameters() if is_tensor_subclass(p)}
     replicated = tuple(n for n, p in model.named_parameters() if p in ignored)
     shard_size = int(mesh.size(-1))
-    for layer in _layers(model):
+    for layer in decoder_layers(model):
         mine = {p for p in layer.parameters() if p in ignored}
         if any(p not in mine for p in layer.parameters()):
             fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=mine or None)
@@ -176,11 +174,11 @@ def gathered_bytes(model: nn.Module | None) -> int:
         return 0
 
     def full(params) -> int:
-        return sum(p.numel() * p.element_size() for p in params if not _is_subclass(p) or _is_dtensor(p))
+        return sum(p.numel() * p.element_size() for p in params if not is_tensor_subclass(p) or _is_dtensor(p))
 
-    in_layers = {id(p) for layer in _layers(model) for p in layer.parameters()}
+    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
     root = full(p for p in model.parameters() if id(p) not in in_layers)
-    return root + max((full(layer.parameters()) for layer in _layers(model)), default=0)
+    return root + max((full(layer.parameters()) for layer in decoder_layers(model)), default=0)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
