@@ -239,12 +239,12 @@ class DistPerpLM(TemplateLM):
                  f"{self.world_size} process(es) in {call['total_seconds']:.1f} s "
                  f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
                  f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
-        gathered = self.collective.all_gather_object(
+        per_rank = self.collective.all_gather_object(
             (peak_memory_bytes(self._device), self.store.local_counts() if self.store else None),
             "gather peak memory and resume counts")
-        call["peak_memory_bytes_per_rank"] = [memory for memory, _ in gathered]
+        call["peak_memory_bytes_per_rank"] = [memory for memory, _ in per_rank]
         if self.store:
-            self.store.add_up([counts for _, counts in gathered])
+            self.store.add_up([counts for _, counts in per_rank])
         return results
 
     def _compare(self, requests, scores: list[Score]) -> None:
