@@ -148,7 +148,7 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
         import sys, time, torch
         from distperp_harness.collective import Collective, CollectiveError
         c = Collective(timeout_s=4, cpu=True)
-        print("CONTROL", c.rank, c.control_backend, flush=True)
+        sys.stdout.write(f"CONTROL {c.rank} {c.control_backend}\\n"); sys.stdout.flush()  # one write: no interleaving
         c.all_gather_tensor(torch.zeros(2))            # everyone arrives once
         if c.rank == 1:
             time.sleep(120)                            # then rank 1 hangs
