@@ -35,7 +35,7 @@ from distperp_harness.requests import Unit, continuation_unit, window_units
 from distperp_harness.resume import BatchStore, fault_for_tests
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
-from distperp_harness.scoring import NonFiniteLogitsError, packed_rows_unsupported, score_batch
+from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, packed_rows_unsupported, score_batch
 from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 
@@ -196,19 +196,21 @@ class DistPerpLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return outputs
 
-    def _score_batch(self, rows):
-        """Scores of one batch of rows of the plan: from ``resume_dir`` when saved there, else computed (and saved)."""
+    def _score_batch(self, rows, shared: int = 0):
+        """Scores of one batch of rows of the plan (sharing their first ``shared`` tokens): from ``resume_dir`` when
+        saved there, else computed (and saved)."""
         saved = self.store.load(rows) if self.store else None
         if saved is not None:
-            if self.shard_size > 1:
-                self._idle_forward()  # the shard group's other ranks may compute this call: gather with them
+            if self.shard_size > 1:  # the shard group's other ranks may compute these calls: gather with them
+                for _ in range(forward_calls(shared)):
+                    self._idle_forward()
             return saved
         try:
             with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
-                scores = score_batch(self._model, rows, device=self._device,
+                scores = score_batch(self._model, rows, device=self._device, shared=shared,
                                      pad_token_id=self.tokenizer.pad_token_id, reference=self.reference)
         except NonFiniteLogitsError as exc:
-            where = "; ".join(f"the window {self.tok_decode(list(rows[r].prefix[:24]))!r}... "
+            where = "; ".join(f"the window {self.tok_decode(list(rows[r].root[:24]))!r}... "
                               f"({rows[r].length} tokens)" for r in exc.rows[:3])
             raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
                              "meaningless. Try dtype=float32, or check the checkpoint.") from exc

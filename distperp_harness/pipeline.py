@@ -10,7 +10,7 @@ table and rebuilds the results of its own requests in a fixed order: the same bi
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import hashlib
 import math
 import time
@@ -23,8 +23,8 @@ import torch
 from distperp_harness.collective import Collective
 from distperp_harness.plan import Batch, assign_batches, balance_report, make_batches
 from distperp_harness.requests import Unit, UnitTable, pack_units, unpack_units
-from distperp_harness.rows import Row, build_rows
-from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
+from distperp_harness.rows import Row, plan_rows, shared_prefix
+from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores, forward_calls
 from distperp_harness.sharding import idle_calls
 
 
@@ -36,12 +36,13 @@ class Batching:
     token_budget: int | None = None
     max_batch_size: int = 64
 
-    def batches(self, lengths: Sequence[int], n_score: Sequence[int] | None = None) -> list[Batch]:
-        """Batches over units in canonical order; ``n_score`` only annotates them (it never moves a boundary)."""
+    def batches(self, lengths: Sequence[int], n_score: Sequence[int] | None = None,
+                group_starts: Sequence[int] = (0,)) -> list[Batch]:
+        """Batches over rows in plan order, never across ``group_starts``; ``n_score`` only annotates them."""
         if self.token_budget is not None:
             return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
-                                n_score=n_score)
-        return make_batches(lengths, batch_size=self.batch_size, n_score=n_score)
+                                n_score=n_score, group_starts=group_starts)
+        return make_batches(lengths, batch_size=self.batch_size, n_score=n_score, group_starts=group_starts)
 
     def rows_for(self, padded_length: int) -> int:
         """Rows a batch of ``padded_length`` tokens may hold under this rule."""
@@ -82,7 +83,7 @@ class Sharing:
     max_row_length: int | None = None
 
 
-ScoreFn = Callable[[Sequence[Row]], BatchScores]
+ScoreFn = Callable[[Sequence[Row], int], BatchScores]
 Progress = Callable[[int], None]
 
 
@@ -96,8 +97,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
 
     Args:
         per_request_units: for each local request, its units in order (an empty list scores nothing).
-        score_fn: scores one batch of rows (see :func:`distperp_harness.scoring.score_batch`); its statistics
-            are per unit, in row order.
+        score_fn: scores one batch of rows given the tokens they share (see
+            :func:`distperp_harness.scoring.score_batch`); its statistics are per unit, in row order.
         sharing: how units share rows; the batches hold ``batching`` rows each (``batch_size=N``: N rows).
         progress: given the number of padded tokens this rank will compute, returns an update callback.
         shard_size, idle_fn: with sharded weights (``shard_size`` > 1) every forward gathers parameters from the
@@ -109,8 +110,11 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     """
     t0 = time.perf_counter()
     table = _global_table(per_request_units, collective)
-    computed = build_rows(table.units, sharing.mode, sharing.max_row_length)
-    batches = batching.batches([r.length for r in computed], [r.scored for r in computed])
+    row_plan = plan_rows(table.units, sharing.mode, sharing.max_row_length, attention_coef)
+    computed = row_plan.rows
+    batches = batching.batches([r.length for r in computed], [r.scored for r in computed], row_plan.group_starts)
+    if sharing.mode == "prefix":
+        batches = [dataclasses.replace(b, shared=shared_prefix(computed[b.start: b.stop])) for b in batches]
     plan = assign_batches(batches, collective.world_size, attention_coef, head_coef)
     mine = plan.batches_of(collective.rank)
     update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
@@ -118,15 +122,16 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     ids, unit_stats, kl_rows = [], [], []
     for i in mine:
         batch = batches[i]
-        scores = score_fn(computed[batch.start: batch.stop])
+        scores = score_fn(computed[batch.start: batch.stop], batch.shared)
         ids.extend(uid for row in computed[batch.start: batch.stop] for uid in row.unit_ids)
         unit_stats.append(scores.stats)
         if with_reference:
             kl_rows.extend(scores.kl)
         if update:
             update(batch.padded_tokens)
-    owned = collections.Counter(plan.owner)
-    counts = [owned[r] for r in range(collective.world_size)]
+    counts = [0] * collective.world_size  # forward calls per rank: a batch with a shared prefix makes two
+    for batch, owner in zip(batches, plan.owner):
+        counts[owner] += forward_calls(batch.shared)
     for _ in range(idle_calls(counts, collective.rank, shard_size)):
         idle_fn()
     t_score = time.perf_counter() - t0
@@ -136,11 +141,14 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     if stats is not None:
         stats._digest.update(full.tobytes())
         report = balance_report(plan, attention_coef, head_coef)
-        tokens = sum(r.length for r in computed)
+        tokens = sum(b.shared + sum(r.length - b.shared for r in computed[b.start: b.stop]) for b in batches)
+        contexts = len({u.tokens[: u.input_length - u.n_score + 1] for u in table.units})
         stats.calls.append({
             "kind": kind, "units": len(table), "rows": len(computed), "share_mode": sharing.mode,
             "computed_tokens": tokens, "tokens_saved": sum(u.input_length for u in table.units) - tokens,
-            "batches": len(batches),
+            "contexts": contexts, "computed_tokens_per_context": tokens / max(1, contexts),
+            "row_groups": len(row_plan.group_starts), "batches": len(batches),
+            "batches_sharing_a_prefix": sum(1 for b in batches if b.shared),
             "scored_tokens": int(full[:, N_TOKENS].sum()),
             "padded_tokens_per_rank": report["padded_tokens_per_rank"],
             "max_over_mean": report["max_over_mean"], "best_max_over_mean": report["best_max_over_mean"],

@@ -16,6 +16,7 @@ Two pure steps, testable and simulable without any process group:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -26,13 +27,15 @@ from typing import Sequence
 class Batch:
     """Units ``start .. stop-1`` of the canonical order, right-padded to ``padded_length`` input tokens.
 
-    ``scored`` is the number of target tokens the batch scores (0 when the caller did not say).
+    ``scored`` is the number of target tokens the batch scores (0 when the caller did not say); ``shared`` the
+    tokens at the start of every row that the batch computes once (:func:`distperp_harness.rows.shared_prefix`).
     """
 
     start: int
     stop: int
     padded_length: int
     scored: int = 0
+    shared: int = 0
 
     @property
     def rows(self) -> int:
@@ -40,7 +43,8 @@ class Batch:
 
     @property
     def padded_tokens(self) -> int:
-        return self.rows * self.padded_length
+        """Token positions the batch computes: the shared prefix once, then every row's padded rest."""
+        return self.shared + self.rows * (self.padded_length - self.shared)
 
 
 @dataclass(frozen=True)
@@ -57,16 +61,21 @@ class Plan:
 
 
 def make_batches(lengths: Sequence[int], *, batch_size: int | None = None, token_budget: int | None = None,
-                 max_batch_size: int = 64, n_score: Sequence[int] | None = None) -> list[Batch]:
+                 max_batch_size: int = 64, n_score: Sequence[int] | None = None,
+                 group_starts: Sequence[int] = (0,)) -> list[Batch]:
     """Pack units, given by input ``lengths`` in canonical (non-increasing) order, into batches.
 
     Exactly one of ``batch_size`` (rows per batch) or ``token_budget`` (rows x padded length per batch, at
     most ``max_batch_size`` rows) is given. The result depends only on ``lengths`` and these arguments.
     ``n_score`` (scored tokens per unit, optional) only fills :attr:`Batch.scored`; it never moves a boundary.
+    ``group_starts``: indices where a group of rows begins (the lengths are non-increasing within each group); no
+    batch holds rows of two groups.
     """
     if (batch_size is None) == (token_budget is None):
         raise ValueError("give exactly one of batch_size or token_budget")
-    if any(lengths[i] < lengths[i + 1] for i in range(len(lengths) - 1)):
+    starts = set(group_starts) | {0}
+    ordered_starts = sorted(starts)
+    if any(lengths[i] < lengths[i + 1] and i + 1 not in starts for i in range(len(lengths) - 1)):
         raise ValueError("lengths must be in canonical, non-increasing order")
     if n_score is not None and len(n_score) != len(lengths):
         raise ValueError(f"n_score has {len(n_score)} entries for {len(lengths)} units")
@@ -83,6 +92,9 @@ def make_batches(lengths: Sequence[int], *, batch_size: int | None = None, token
         else:
             rows = max(1, min(max_batch_size, token_budget // max(1, padded)))
             stop = min(n, start + rows)
+        after = bisect.bisect_right(ordered_starts, start)
+        if after < len(ordered_starts):
+            stop = min(stop, ordered_starts[after])
         scored = scored_before[stop] - scored_before[start] if n_score is not None else 0
         batches.append(Batch(start, stop, padded, scored))
         start = stop

@@ -63,22 +63,45 @@ class BatchScores:
 
 
 def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-              chunk_rows: int, packing: "_Packing | None" = None
+              chunk_rows: int, packing: "_Packing | None" = None, cache=None
               ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
     float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
-    ``packing``: the attention mask and position ids of a batch with packed rows (None: plain causal rows)."""
+    ``packing``: the attention mask and position ids of a batch with tree rows (None: plain causal rows);
+    ``cache``: the key/value cache of the batch's shared prefix (:func:`_prefix_cache`), which ``input_ids`` follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     extra = packing.kwargs(model) if packing is not None else {}
+    if cache is not None:
+        extra[_cache_argument(model)] = cache
+        extra["use_cache"] = True
+    else:
+        extra["use_cache"] = False
     if head is not None and model_type in _PLAIN_HEAD_TYPES:
-        hidden = model.base_model(input_ids=input_ids, use_cache=False, **extra).last_hidden_state
+        hidden = model.base_model(input_ids=input_ids, **extra).last_hidden_state
         feats = hidden[rows, cols]
         if _ReusedHead.applies(head, feats):
             return feats, _ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
         return feats, lambda chunk: _at_least_float32(head(chunk))
-    logits = model(input_ids=input_ids, use_cache=False, **extra).logits
+    logits = model(input_ids=input_ids, **extra).logits
     return logits[rows, cols], _at_least_float32
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The forward argument that takes a key/value cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, rows: int):
+    """The key/value cache of ``prefix_ids`` (``[1, p]``, positions ``0 .. p-1``) repeated for ``rows`` rows."""
+    out = model.base_model(input_ids=prefix_ids, use_cache=True)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None:
+        raise RuntimeError(f"{type(model.base_model).__name__} returned no key/value cache for a shared prefix")
+    cache.batch_repeat_interleave(rows)
+    return cache
 
 
 class _ReusedHead:
@@ -153,12 +176,14 @@ def _chunks(n: int, vocab: int, device_type: str = "cpu") -> list[tuple[int, int
 
 @torch.no_grad()
 def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *, device: torch.device,
-                pad_token_id: int, reference: torch.nn.Module | None = None) -> BatchScores:
+                pad_token_id: int, reference: torch.nn.Module | None = None, shared: int = 0) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.rows`), or units (one row each) — as one right-padded batch.
 
-    Rows with several segments run with a prefix-sharing attention mask and explicit position ids (see
-    :class:`_Packing`; the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of
-    plain rows runs exactly as before, with no mask.
+    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (see :class:`_Packing`;
+    the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
+    exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.rows.shared_prefix` of the batch): the
+    first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
+    cache (:func:`forward_calls`: two forward calls, model then reference each time).
 
     Returns:
         ``BatchScores`` over the batch's units in row order, with ``stats[i] = (log-likelihood, greedy 0/1, n scored
@@ -169,14 +194,20 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     """
     batch_rows = list(batch) if batch and isinstance(batch[0], Row) else unit_rows(batch)
     units = [u for r in batch_rows for u in r.units]
-    ids, rows, cols, targets, packing = _layout(batch_rows, pad_token_id, device)
+    ids, rows, cols, targets, packing = _layout(batch_rows, pad_token_id, device, shared)
 
     n = len(targets)
     chunks = _chunks(n, _vocab_size(model), device.type)
     chunk_rows = max(b - a for a, b in chunks) if chunks else 1
-    feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing)
-    ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing)
+    models = [m for m in (model, reference) if m is not None]
+    # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
+    # plain forwards, so the sharded weights' gathers match across a shard group.
+    caches = ([_prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
+              if packing is not None and packing.prefix_ids is not None else [None] * len(models))
+    feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
+    ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
                                 if reference is not None else (None, None))
+    del caches
 
     logprob = torch.empty(n, dtype=torch.float64, device=device)
     greedy = torch.empty(n, dtype=torch.bool, device=device)
@@ -233,8 +264,9 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(getattr(getattr(model, "config", None), "vocab_size", 32000))
 
 
-def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device):
-    """``(input ids [rows, padded], row and column of every scored position, its target, packing or None)``."""
+def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, shared: int = 0):
+    """``(input ids [rows, padded - shared], row and column of every scored position, its target, packing or
+    None)``; with ``shared`` > 0 the first ``shared`` columns (equal in every row) go to ``packing.prefix_ids``."""
     padded = max(r.length for r in batch_rows)
     ids = torch.full((len(batch_rows), padded), pad_token_id, dtype=torch.long)
     row_list, col_list, target_list = [], [], []
@@ -244,36 +276,61 @@ def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device):
             row_list.extend([i] * unit.n_score)
             col_list.extend(row.columns(k))
             target_list.extend(unit.tokens[-unit.n_score:])
-    packing = _Packing.of(batch_rows, padded, device) if any(r.packed for r in batch_rows) else None
-    return (ids.to(device), torch.tensor(row_list, device=device), torch.tensor(col_list, device=device),
+    if shared:
+        if len(batch_rows) < 2 or (ids[:, :shared] != ids[:1, :shared]).any() or min(col_list) < shared:
+            raise ValueError(f"internal error: these rows do not share their first {shared} tokens unscored")
+        col_list = [c - shared for c in col_list]
+    packing = (_Packing.of(batch_rows, padded, device, shared) if shared or any(r.packed for r in batch_rows)
+               else None)
+    return (ids[:, shared:].to(device), torch.tensor(row_list, device=device), torch.tensor(col_list, device=device),
             torch.tensor(target_list, device=device), packing)
+
+
+def forward_calls(shared: int) -> int:
+    """Forward calls of each model for a batch whose rows share ``shared`` tokens computed once."""
+    return 2 if shared else 1
 
 
 @dataclass(frozen=True)
 class _Packing:
-    """Attention mask and position ids of a batch holding packed rows.
+    """Attention mask and position ids of a batch holding tree rows, and the prefix it computes once.
 
-    ``allowed[b, 0, q, k]``: query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k`` is in the prefix or
-    in ``q``'s own segment; padding counts as prefix (it comes last, so no real position sees it). Position ids
-    restart each segment where the prefix ends. Handed to the model as transformers (5.x ``masking_utils``) builds
-    its own: ``create_causal_mask`` returns a 4D mask unchanged (``_preprocess_mask_arguments``), ``sdpa`` takes it
-    as a boolean ``attn_mask`` (True: attend) and ``eager`` adds it to the scores, so it gets 0 or the dtype's
-    minimum there; the rotary (or learned) positions come from ``position_ids``.
+    ``allowed[b, 0, q, k]``: query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k``'s run is ``q``'s run
+    or one of its ancestors (:meth:`Row.ancestors`); a padding query sees every earlier column (padding comes last,
+    so no real position sees it). Position ids continue each run's parent. With a shared prefix of ``p`` tokens,
+    ``prefix_ids`` is ``[1, p]`` and the queries are the columns from ``p`` on (the keys stay every column: the
+    cached prefix, then the row). Handed to the model as transformers (5.x ``masking_utils``) builds its own:
+    ``create_causal_mask`` returns a 4D mask unchanged (``_preprocess_mask_arguments``), ``sdpa`` takes it as a
+    boolean ``attn_mask`` (True: attend) and ``eager`` adds it to the scores, so it gets 0 or the dtype's minimum
+    there; the rotary (or learned) positions come from ``position_ids``.
     """
 
     allowed: torch.Tensor
     position_ids: torch.Tensor
+    prefix_ids: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, batch_rows: Sequence[Row], padded: int, device: torch.device) -> "_Packing":
-        seg = torch.zeros(len(batch_rows), padded, dtype=torch.long)
-        pos = torch.arange(padded).repeat(len(batch_rows), 1)
+    def of(cls, batch_rows: Sequence[Row], padded: int, device: torch.device, shared: int = 0) -> "_Packing":
+        n = len(batch_rows)
+        run = torch.zeros(n, padded, dtype=torch.long)
+        pos = torch.arange(padded).repeat(n, 1)
+        blocks = []
+        base = 0
         for i, row in enumerate(batch_rows):
-            seg[i, : row.length] = torch.tensor(row.segment_ids())
+            run[i, : row.length] = torch.tensor(row.run_ids()) + base
+            run[i, row.length:] = base + len(row.runs)  # this row's padding: a run that sees all of the row
             pos[i, : row.length] = torch.tensor(row.position_ids())
-        causal = torch.ones(padded, padded, dtype=torch.bool).tril()
-        allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
-        return cls(allowed[:, None].to(device), pos.to(device))
+            anc = torch.ones(len(row.runs) + 1, len(row.runs) + 1, dtype=torch.bool)
+            anc[: len(row.runs), : len(row.runs)] = torch.from_numpy(row.ancestors())
+            anc[: len(row.runs), len(row.runs)] = False
+            blocks.append(anc)
+            base += len(row.runs) + 1
+        anc_all = torch.block_diag(*blocks)
+        q = run[:, shared:]
+        allowed = anc_all[q[:, :, None], run[:, None, :]] & torch.ones(padded, padded, dtype=torch.bool).tril()[shared:]
+        prefix = batch_rows[0].tokens()[:shared] if shared else None
+        return cls(allowed[:, None].to(device), pos[:, shared:].to(device),
+                   None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device))
 
     def kwargs(self, model: torch.nn.Module) -> dict:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":

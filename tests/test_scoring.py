@@ -224,6 +224,9 @@ def test_every_maskable_type_takes_packed_rows(model_type):
         packed = score_batch(tiny, rows, device=torch.device("cpu"), pad_token_id=0).stats
         alone = score_batch(tiny, [units[i] for i in order], device=torch.device("cpu"), pad_token_id=0).stats
         np.testing.assert_allclose(packed[:, LL], alone[:, LL], rtol=5e-6, atol=1e-5)
+        # the same rows twice in one batch, their context computed once (key/value cache)
+        twice = score_batch(tiny, rows + rows, device=torch.device("cpu"), pad_token_id=0, shared=19).stats
+        np.testing.assert_allclose(twice[:, LL], np.concatenate([alone[:, LL]] * 2), rtol=5e-6, atol=1e-5)
 
 
 def test_models_that_cannot_take_the_mask_are_named(model):
@@ -279,3 +282,93 @@ def test_shared_rows_on_the_shared_model():
         greedy = bool((logits.argmax(dim=-1) == targets).all())
         assert _close(row_stats[LL], ll), (uid, row_stats[LL], ll)
         assert row_stats[GREEDY] == unshared[uid, GREEDY] == float(greedy)
+
+
+# ------------------------------------------------------------- tree rows and prefixes computed once per batch
+def _few_shot_units(model, seed=0, shots=40, questions=6, max_length=128):
+    """A ``shots``-token few-shot block shared by every question (first_n), each question 3-9 tokens, four
+    answers: the model's own greedy continuation, a one-token, a 4-token and a 2-token answer."""
+    from distperp_harness.requests import UnitTable, continuation_unit
+
+    rng = np.random.default_rng(seed)
+    block = [int(t) for t in rng.integers(4, 400, size=shots)]
+    units = []
+    for q in range(questions):
+        context = block + [int(t) for t in rng.integers(4, 400, size=3 + q)]
+        greedy = list(context)
+        with torch.no_grad():
+            for _ in range(2):
+                greedy.append(int(model(torch.tensor([greedy])).logits[0, -1].argmax()))
+        answers = [greedy[len(context):], [int(rng.integers(4, 400))]] + \
+            [[int(t) for t in rng.integers(4, 400, size=k)] for k in (4, 2)]
+        units += [continuation_unit(context, a, max_length) for a in answers]
+    return UnitTable(units).units
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("rows_per_batch", [1, 2, 4])
+def test_tree_rows_and_shared_prefixes_match_float64(tiny_model_dir, impl, rows_per_batch):
+    """Few-shot questions in tree rows, batches computing their shared block once: every unit equals the float64
+    log-softmax of its own unshared logits; greedy flags equal the unshared path's."""
+    from distperp_harness.plan import make_batches
+    from distperp_harness.rows import plan_rows, shared_prefix
+
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                attn_implementation=impl).eval()
+    units = _few_shot_units(tiny)
+    plan = plan_rows(units, "prefix", max_row_length=64)
+    assert any(len(r.runs) > 3 for r in plan.rows) and len(plan.rows) >= 3
+    unshared = score_batch(tiny, units, device=torch.device("cpu"), pad_token_id=3).stats
+    batches = make_batches([r.length for r in plan.rows], batch_size=rows_per_batch, group_starts=plan.group_starts)
+    shared_seen = 0
+    for batch in batches:
+        rows = plan.rows[batch.start: batch.stop]
+        shared = shared_prefix(rows)
+        shared_seen += shared > 0
+        out = score_batch(tiny, rows, device=torch.device("cpu"), pad_token_id=3, shared=shared).stats
+        for row_stats, uid in zip(out, [i for r in rows for i in r.unit_ids]):
+            ll, greedy, _, _, _ = _reference_scores(tiny, units[uid])
+            assert _close(row_stats[LL], ll), (uid, row_stats[LL], ll)
+            assert row_stats[GREEDY] == unshared[uid, GREEDY] == float(greedy)
+    assert (shared_seen > 0) == (rows_per_batch > 1)
+
+
+def test_shared_prefix_with_reference_matches_float64(model):
+    from distperp_harness.rows import plan_rows, shared_prefix
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p, generator=torch.Generator().manual_seed(1)))
+    units = _few_shot_units(model, seed=2)
+    rows = plan_rows(units, "prefix", max_row_length=64).rows
+    shared = shared_prefix(rows)
+    assert shared >= 40
+    out = score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref, shared=shared)
+    for row_stats, kl, uid in zip(out.stats, out.kl, [i for r in rows for i in r.unit_ids]):
+        ll, _, kls, ref_ll, agree = _reference_scores(model, units[uid], ref)
+        assert _close(row_stats[LL], ll) and _close(row_stats[REF_LL], ref_ll)
+        assert row_stats[TOP1] == agree
+        np.testing.assert_allclose(kl, kls, rtol=1e-4, atol=1e-7)
+
+
+def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
+    """Prefix then rows, for the model and the reference in turn: what an idle rank of a shard group mirrors."""
+    from distperp_harness.rows import plan_rows, shared_prefix, unit_rows
+
+    units = _few_shot_units(model, seed=3)
+    rows = plan_rows(units, "prefix", max_row_length=64).rows
+    shared = shared_prefix(rows)
+    ref = copy.deepcopy(model)
+    calls = []
+    hooks = [m.base_model.register_forward_hook(lambda mod, args, kwargs, out, name=name: calls.append(name),
+                                                with_kwargs=True) for name, m in (("model", model), ("ref", ref))]
+    try:
+        score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref, shared=shared)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert scoring.forward_calls(shared) == 2 and calls == ["model", "ref", "model", "ref"]
+    with pytest.raises(ValueError, match="do not share"):
+        score_batch(model, rows[:1] + unit_rows([Unit(tuple(range(4, 80)), 1)]), device=torch.device("cpu"),
+                    pad_token_id=3, shared=shared)
