@@ -34,7 +34,8 @@ from distperp_harness.quantize import weight_bytes
 from distperp_harness.requests import Unit, continuation_unit, window_units
 from distperp_harness.resume import BatchStore, fault_for_tests
 from distperp_harness.results import Score
-from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient
+from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient, \
+    row_budget
 from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, packed_rows_unsupported, score_batch
 from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
@@ -103,19 +104,23 @@ class DistPerpLM(TemplateLM):
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
-        self.sharing, self.sharing_fallback = self._sharing()
+        self.sharing, self.sharing_fallback, self.row_budget_reason = self._sharing()
         self.load_seconds = time.perf_counter() - t0
 
-    def _sharing(self) -> tuple[Sharing, str | None]:
-        """How ``loglikelihood`` units share rows, and why packed rows are off when the model cannot take them."""
+    def _sharing(self) -> tuple[Sharing, str | None, str | None]:
+        """How ``loglikelihood`` units share rows, why tree rows are off when the model cannot take them, and how
+        the row budget was chosen."""
         if not self.options.share_prefix:
-            return Sharing("off"), None
+            return Sharing("off"), None, None
         models = [m for m in (self._model, self.reference) if m is not None]
         why = next((r for r in (packed_rows_unsupported(m, self._max_length) for m in models) if r), None)
         if why is not None:
             log.info(f"shared-prefix rows are off: {why}; units with the same input still share a row, every other "
                      "answer gets a row of its own", main_process_only=True)
-        return Sharing("inputs" if why else "prefix", self._max_length), why
+            return Sharing("inputs", self._max_length), why, None
+        tokens, how = row_budget(self.batching, self._max_length, attention_coefficient(self._model))
+        log.info(f"tree rows of at most {tokens} tokens ({how})", main_process_only=True)
+        return Sharing("prefix", tokens), None, how
 
     def _run_identity(self) -> dict:
         """What every rank must share for results to be one computation: options, versions, device identity."""
@@ -361,7 +366,7 @@ class DistPerpLM(TemplateLM):
                 "batching": {"batch_size": self.batching.batch_size, "token_budget": self.batching.token_budget,
                              "max_batch_size": self.batching.max_batch_size},
                 "sharing": {"mode": self.sharing.mode, "max_row_length": self.sharing.max_row_length,
-                            "fallback_reason": self.sharing_fallback},
+                            "row_budget": self.row_budget_reason, "fallback_reason": self.sharing_fallback},
                 "load_seconds": self.load_seconds,
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,

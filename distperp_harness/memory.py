@@ -26,7 +26,17 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     width = 4
     per_layer = width * (6 * hidden + 3 * inter) + width * heads * max_length
     scoring = width * 2 * hidden + 8 * 4
-    return int(per_layer * 2 + scoring)
+    return int(per_layer * 2 + scoring + tree_mask_bytes_per_token(max_length))
+
+
+MAX_ROW_FACTOR = 4
+"""Tree rows hold at most this many times ``max_length`` tokens (:func:`distperp_harness.runtime.row_budget`)."""
+
+
+def tree_mask_bytes_per_token(max_length: int) -> int:
+    """The tree attention mask's bytes per query token: one float per key of the longest row
+    (``MAX_ROW_FACTOR * max_length``; sdpa on CPU and eager attention take the boolean mask as additive floats)."""
+    return 4 * MAX_ROW_FACTOR * max_length
 
 
 def _cgroup_memory() -> tuple[int, int] | None:

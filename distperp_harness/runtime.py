@@ -222,6 +222,25 @@ def batching_for(options: Options, model: torch.nn.Module, device: torch.device,
     return Batching(batch_size=None, token_budget=budget, max_batch_size=options.max_batch_size)
 
 
+def row_budget(batching: Batching, max_length: int, attention_coef: float) -> tuple[int, str]:
+    """``(tokens, why)``: the longest tree row (:mod:`distperp_harness.rows`), from the batching rule and the model.
+
+    ``batch_size=N`` promises N rows of at most ``max_length`` tokens, so rows stay within ``max_length``. A token
+    budget (``auto``) lets rows grow to ``m * max_length`` tokens with ``m = floor(1 / (attention_coef *
+    max_length))`` in ``1 .. MAX_ROW_FACTOR``: the longest row whose dense attention costs no more than its linear
+    work; never above the token budget. Sibling runs share positions, so every path stays within ``max_length``.
+    """
+    from distperp_harness.memory import MAX_ROW_FACTOR
+
+    if batching.token_budget is None:
+        return max_length, f"batch_size={batching.batch_size}: rows of at most max_length={max_length} tokens"
+    factor = int(1.0 / (attention_coef * max_length)) if attention_coef > 0 else MAX_ROW_FACTOR
+    factor = max(1, min(MAX_ROW_FACTOR, factor))
+    tokens = max(max_length, min(batching.token_budget, factor * max_length))
+    return tokens, (f"batch_size=auto: {factor} x max_length={max_length} (dense attention at most the linear work, "
+                    f"attention coefficient {attention_coef:.3g}), within the token budget {batching.token_budget}")
+
+
 def generation_rows(batching: Batching, length: int, *, activation_bytes: int, kv_bytes: int) -> int:
     """Rows of a generation batch whose rows grow to ``length`` tokens (prompt + ``max_gen_toks``).
 

@@ -18,10 +18,11 @@ from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_result
 
 pytestmark = pytest.mark.distributed
 
-TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_gen,distperp_wikitext2"
-INT4_TASKS = "distperp_wikitext2,dptest_mc,dptest_mmlu,dptest_rolling,distperp_local_docs"
+TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,distperp_wikitext2"
+INT4_TASKS = "distperp_wikitext2,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_rolling,distperp_local_docs"
 ROLLING_DOCS = REPO_ROOT / "tests" / "tasks" / "dptest_rolling.jsonl"  # distperp_local_docs on dptest_rolling's texts
 EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_mmlu": ["acc,none"],
+                 "dptest_fewshot": ["acc,none", "acc_norm,none"],
                  "dptest_gen": ["exact_match,none"]}
 
 

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-TASKS = ["dptest_mc", "dptest_mmlu", "dptest_rolling", "dptest_gen"]
-MC_TASKS = ["dptest_mc", "dptest_mmlu"]
+TASKS = ["dptest_mc", "dptest_mmlu", "dptest_fewshot", "dptest_rolling", "dptest_gen"]
+MC_TASKS = ["dptest_mc", "dptest_mmlu", "dptest_fewshot"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,8 @@ def test_loglikelihood_parity(runs, task, ours):
 def test_shared_rows_are_recorded(runs):
     shared = runs["distperp"]["config"]["distperp"]
     unshared = runs["unshared"]["config"]["distperp"]
-    assert shared["sharing"] == {"mode": "prefix", "max_row_length": 128, "fallback_reason": None}
+    assert shared["sharing"] == {"mode": "prefix", "max_row_length": 128, "fallback_reason": None,
+                                 "row_budget": "batch_size=4: rows of at most max_length=128 tokens"}
     assert unshared["sharing"]["mode"] == "off"
     call = next(c for c in shared["calls"] if c["kind"] == "loglikelihood")
     alone = next(c for c in unshared["calls"] if c["kind"] == "loglikelihood")
@@ -76,6 +77,9 @@ def test_shared_rows_are_recorded(runs):
     assert sum(call["padded_tokens_per_rank"]) < sum(alone["padded_tokens_per_rank"]) / 2
     rolling = next(c for c in shared["calls"] if c["kind"] == "loglikelihood_rolling")
     assert rolling["share_mode"] == "off" and rolling["rows"] == rolling["units"]
+    # dptest_fewshot's two-shot block is computed once per batch; each question costs about its own tokens
+    assert call["batches_sharing_a_prefix"] > 0 and call["row_groups"] >= 2
+    assert call["computed_tokens_per_context"] < alone["computed_tokens_per_context"] / 2
 
 
 def test_greedy_generation_parity(runs):

@@ -11,7 +11,7 @@ from distperp_harness.sharding import (check_groups_within_hosts, idle_calls, re
                                        refuse_generation_tasks, resolve_shard_size, shard_groups)
 from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
 
-TASKS = "dptest_rolling,dptest_mc"
+TASKS = "dptest_rolling,dptest_mc,dptest_fewshot"
 INT4 = ",quantize=int4,group_size=32,reference=base"
 
 
