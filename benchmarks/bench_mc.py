@@ -10,7 +10,13 @@ shipped sample with ``--text``), as ``loglikelihood`` requests ``(context, conti
   ``Answer:``), continuations ``" A"`` .. ``" D"`` (one token each for most tokenizers): every answer of a question
   has the same model input, which ``hf`` (its ``logits_cache``) and distperp both compute once;
 * ``mmlu5``: the same with five solved questions before it (``fewshot_delimiter`` ``"\\n\\n"``);
-* ``hellaswag``: a ~90-token context and four ~15-token endings: distperp computes the context once (a packed row).
+* ``hellaswag``: a ~90-token context and four ~15-token endings: distperp computes the context once (a tree row);
+* leaderboard few-shot shapes (lm-eval's ``fewshot_config: sampler: first_n``: every question of the task gets the same
+  solved examples, so every prompt starts with the same block), with their templates' layout:
+  ``mmlupro5`` (MMLU-Pro 5-shot, leaderboard template: ``Question: ...\nOptions:\nA. ..`` to ``J.``, answers ``" A"``
+  .. ``" J"``; ~840-token prompts, ~700 shared), ``mmlu3`` (MMLU 3-shot, default template with its subject line;
+  ~710 / ~530), ``bbh3`` (BBH 3-shot, leaderboard template, answers ``" (A)"`` .. ``" (D)"``, several tokens each;
+  ~360 / ~260).
 
 Each repeat runs every scorer once on the same ``Instance`` objects (in-process, built with lm-eval's registry, as
 ``bench_scoring.py`` does), in an order rotated per repeat. Scoring time is the wall time of
@@ -40,7 +46,7 @@ from _wikitext import SHARED_MODEL, WIKITEXT_TEST  # noqa: E402
 WIKITEXT_VALID = WIKITEXT_TEST.with_name("valid.txt")
 SCORERS = {"hf": ("hf", ""), "distperp": ("distperp", ""), "unshared": ("distperp", ",share_prefix=false")}
 LABELS = {"hf": "lm-eval hf", "distperp": "distperp (shared rows)", "unshared": "distperp share_prefix=false"}
-SHAPES = {"mmlu0": 300, "mmlu5": 50, "hellaswag": 300}
+SHAPES = {"mmlu0": 300, "mmlu5": 50, "hellaswag": 300, "mmlupro5": 100, "mmlu3": 100, "bbh3": 150}
 """Shape name → default number of questions (sized so one scorer call takes seconds, not minutes, on 2 cores)."""
 
 
@@ -58,6 +64,8 @@ def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[li
             endings = _pieces(ids, decode, 4, 15, start=q * 150 + 90)
             out.append(([(context, " " + e) for e in endings], q % 4))
         return out
+    if shape in FIRST_N:
+        return _first_n_questions(FIRST_N[shape], ids, decode, n)
     shots = 5 if shape == "mmlu5" else 0
 
     def prompt(k: int) -> str:
@@ -72,6 +80,38 @@ def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[li
         context = examples + prompt(k + shots)
         out.append(([(context, f" {letter}") for letter in letters], q % 4))
     return out
+
+
+FIRST_N = {
+    # shots, stem tokens, options, option tokens, option labels, answers, header, question template
+    "mmlupro5": dict(shots=5, stem=40, options=10, option_tokens=5, labels="ABCDEFGHIJ",
+                     answer=" {}", header="The following are multiple choice questions (with answers) about history.\n",
+                     question="Question: {stem}\nOptions:\n{options}\nAnswer:", line="{}. {}", sep="\n\n"),
+    "mmlu3": dict(shots=3, stem=106, options=4, option_tokens=11, labels="ABCD", answer=" {}",
+                  header="The following are multiple choice questions (with answers) about high school history.\n\n",
+                  question="{stem}\n{options}\nAnswer:", line="{}. {}", sep="\n\n"),
+    "bbh3": dict(shots=3, stem=34, options=4, option_tokens=5, labels="ABCD", answer=" ({})",
+                 header="Select the option that completes the sentence.\n\n",
+                 question="Q: {stem}\nOptions:\n{options}\nA:", line="({}) {}", sep="\n\n"),
+}
+"""Leaderboard few-shot layouts: the first ``shots`` documents are every question's examples (``first_n``)."""
+
+
+def _first_n_questions(spec: dict, ids: list[int], decode, n: int) -> list[tuple[list[tuple[str, str]], int]]:
+    width = spec["stem"] + spec["options"] * spec["option_tokens"] + 10
+
+    def prompt(k: int) -> str:
+        start = k * width
+        stem = decode(ids[start: start + spec["stem"]]).strip()
+        opts = _pieces(ids, decode, spec["options"], spec["option_tokens"], start=start + spec["stem"])
+        options = "\n".join(spec["line"].format(spec["labels"][j], o) for j, o in enumerate(opts))
+        return spec["question"].format(stem=stem, options=options)
+
+    labels = spec["labels"]
+    block = spec["header"] + "".join(
+        prompt(k) + spec["answer"].format(labels[k % len(labels)]) + spec["sep"] for k in range(spec["shots"]))
+    return [([(block + prompt(spec["shots"] + q), spec["answer"].format(letter)) for letter in labels],
+             q % len(labels)) for q in range(n)]
 
 
 def requests_for(questions) -> list[Any]:
@@ -104,19 +144,23 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
                 calls[key] = lms[key].stats.calls[-1]
         print(f"  {shape} repeat {rep + 1}/{args.repeats}: " + ", ".join(
             f"{k} {seconds[k][-1]:.2f} s" for k in keys), flush=True)
+    prompt_tokens = [len(tokenizer.encode(pairs[0][0], add_special_tokens=False)) for pairs, _ in questions]
     report: dict[str, Any] = {"shape": shape, "questions": len(questions), "tokens": tokens, "seconds": seconds,
-                              "calls": {k: {f: c[f] for f in ("units", "rows", "computed_tokens", "tokens_saved")}
+                              "prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
+                              "calls": {k: {f: c[f] for f in ("units", "rows", "computed_tokens", "tokens_saved",
+                                                              "computed_tokens_per_context")}
                                         for k, c in calls.items()}}
     if "hf" in results:
         for key in (k for k in results if k != "hf"):
             report[f"max_abs_diff_{key}"] = max(abs(a - b) for a, b in zip(results["hf"], results[key]))
-            report[f"answers_equal_{key}"] = _answers(results["hf"]) == _answers(results[key])
+            options = len(questions[0][0])
+            report[f"answers_equal_{key}"] = _answers(results["hf"], options) == _answers(results[key], options)
             report[f"greedy_equal_{key}"] = greedy["hf"] == greedy[key]
     return report
 
 
-def _answers(lls: list[float]) -> list[int]:
-    return [max(range(4), key=lambda j: lls[q + j]) for q in range(0, len(lls), 4)]
+def _answers(lls: list[float], options: int = 4) -> list[int]:
+    return [max(range(options), key=lambda j: lls[q + j]) for q in range(0, len(lls), options)]
 
 
 def table(reports: list[dict[str, Any]], args) -> str:
@@ -128,19 +172,20 @@ def table(reports: list[dict[str, Any]], args) -> str:
              f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
              f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
              f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
-             "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed | per question |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reports:
         best = {k: min(v) for k, v in r["seconds"].items()}
-        label = f"{r['shape']} ({r['questions']} q, {r['tokens']:,} tok)"
+        label = f"{r['shape']} ({r['questions']} q, {r['prompt_tokens']:.0f}-token prompts)"
         for key, s in best.items():
             call = r["calls"].get(key, {})
             vs_hf = f"{best['hf'] / s:.2f}×" if "hf" in best and key != "hf" else "—"
             vs_un = f"{best['unshared'] / s:.2f}×" if "unshared" in best and key == "distperp" else "—"
             rows = f"{call['rows']:,} / {call['units']:,}" if call else "—"
             computed = f"{call['computed_tokens']:,}" if call else "—"
+            per_question = f"{call['computed_tokens'] / r['questions']:,.0f}" if call else "—"
             lines.append(f"| {label} | {LABELS[key]} | {s:.2f} | {r['tokens'] / s:,.0f} | {vs_hf} | {vs_un} | "
-                         f"{rows} | {computed} |")
+                         f"{rows} | {computed} | {per_question} |")
             label = ""
     lines.append("")
     for r in reports:

@@ -37,7 +37,7 @@ from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient, \
     row_budget
 from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, packed_rows_unsupported, score_batch
-from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, \
+from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
@@ -213,7 +213,8 @@ class DistPerpLM(TemplateLM):
         try:
             with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
                 scores = score_batch(self._model, rows, device=self._device, shared=shared,
-                                     pad_token_id=self.tokenizer.pad_token_id, reference=self.reference)
+                                     pad_token_id=self.tokenizer.pad_token_id, reference=self.reference,
+                                     between_forwards=functools.partial(regather, self._model, self.reference))
         except NonFiniteLogitsError as exc:
             where = "; ".join(f"the window {self.tok_decode(list(rows[r].root[:24]))!r}... "
                               f"({rows[r].length} tokens)" for r in exc.rows[:3])

@@ -176,14 +176,16 @@ def _chunks(n: int, vocab: int, device_type: str = "cpu") -> list[tuple[int, int
 
 @torch.no_grad()
 def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *, device: torch.device,
-                pad_token_id: int, reference: torch.nn.Module | None = None, shared: int = 0) -> BatchScores:
+                pad_token_id: int, reference: torch.nn.Module | None = None, shared: int = 0,
+                between_forwards: Callable[[], None] | None = None) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.rows`), or units (one row each) — as one right-padded batch.
 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids (see :class:`_Packing`;
     the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
     exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.rows.shared_prefix` of the batch): the
     first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
-    cache (:func:`forward_calls`: two forward calls, model then reference each time).
+    cache (:func:`forward_calls`: two forward calls, model then reference each time); ``between_forwards`` runs
+    between the two (sharded weights re-gather there, so the batch makes the gathers of two plain batches).
 
     Returns:
         ``BatchScores`` over the batch's units in row order, with ``stats[i] = (log-likelihood, greedy 0/1, n scored
@@ -204,6 +206,8 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     # plain forwards, so the sharded weights' gathers match across a shard group.
     caches = ([_prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
               if packing is not None and packing.prefix_ids is not None else [None] * len(models))
+    if caches[0] is not None and between_forwards is not None:
+        between_forwards()
     feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
     ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
                                 if reference is not None else (None, None))

@@ -167,6 +167,16 @@ def gathered(*models: nn.Module | None) -> Iterator[None]:
             m.reshard()
 
 
+def regather(*models: nn.Module | None) -> None:
+    """Reshard, then gather again, the root group of each sharded model: inside :func:`gathered`, what ends one
+    forward call and begins the next exactly as two ``gathered`` blocks would (same collectives, same order)."""
+    roots = [m for m in models if is_sharded(m)]
+    for m in roots:
+        m.reshard()
+    for m in roots:
+        m.unshard()
+
+
 def gathered_bytes(model: nn.Module | None) -> int:
     """Bytes a sharded model gathers on top of its shards while scoring: the root's group (held for a whole
     batch by :func:`gathered`) plus the largest decoder layer (gathered during its forward). 0 when unsharded."""
