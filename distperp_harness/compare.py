@@ -4,9 +4,9 @@ A run is one lm-eval results JSON (``results_*.json``; a folder means the newest
 row per run and task: model, quantization scheme, processes, each perplexity metric with its standard error, KL
 divergence, top-1 agreement and answer flips (with a reference: from the task's metrics where it has them, else
 from ``config.distperp.reference.tasks``, so every task shows them), scoring throughput, weight bytes and the
-fingerprint. The plot reads the per-document samples written next to the results (``--log_samples``): NLL per
-token for every document and, with a reference, the mean KL divergence per token, runs side by side; and, where
-runs have multiple-choice tasks with a reference, a panel of flips per task, runs side by side.
+fingerprint. ``--plot`` draws the panels that have data (:func:`distperp_harness.plots.plot_compare`): per task,
+KL divergence, top-1 agreement, perplexity and answer flips, runs side by side; with the per-document samples
+written next to the results (``--log_samples``), NLL per token (and KL per token) for every document.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PPL_METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity")
 METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "kl_divergence",
            "top1_agreement", "flips", "flips_norm")
 
@@ -35,6 +36,8 @@ class Run:
     fingerprint: str | None
     samples: dict[str, Path] = field(default_factory=dict)
     reference: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reference_weight_bytes: int | None = None
+    reference_dtype: str | None = None
 
     @property
     def label(self) -> str:
@@ -79,6 +82,8 @@ def load_run(path: str | Path) -> Run:
         fingerprint=info.get("fingerprint"),
         samples=samples,
         reference=(info.get("reference") or {}).get("tasks") or {},
+        reference_weight_bytes=(info.get("reference") or {}).get("weight_bytes"),
+        reference_dtype=(info.get("reference") or {}).get("dtype"),
     )
 
 
@@ -142,79 +147,90 @@ def per_document(run: Run, task: str) -> dict[str, list[float]]:
     return {"nll_per_token": nll, "kl_per_token": kl}
 
 
-def flips_by_task(runs: list[Run]) -> dict[str, list[tuple[float, float | None] | None]]:
-    """Per multiple-choice task, each run's ``(flips, stderr)`` (``None`` where the run has no such entry)."""
-    tasks = sorted({t for r in runs for t, e in r.reference.items() if "flips" in e})
-    return {t: [(r.reference[t]["flips"], r.reference[t].get("flips_stderr")) if "flips" in r.reference.get(t, {})
-                else None for r in runs] for t in tasks}
-
-
-def plot_runs(runs: list[Run], out: str | Path) -> Path:
-    """PNG: per task, per-document NLL/token for each run and, where present, KL/token; then flips per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({t for r in runs for t in r.samples})
-    flips = flips_by_task(runs)
-    if not tasks and not flips:
-        raise ValueError("nothing to plot: no per-document samples next to these results (rerun lm-eval with "
-                         "--log_samples) and no multiple-choice task with reference= (no flips)")
-    has_kl = any(per_document(r, t)["kl_per_token"] for r in runs for t in tasks if t in r.samples)
-    columns = 2 if has_kl else 1
-    fig, axes = plt.subplots(len(tasks) + bool(flips), columns, figsize=(12 if has_kl else 7,
-                             3.6 * (len(tasks) + bool(flips))), squeeze=False)
-    width = 0.8 / len(runs)
-    for i, task in enumerate(tasks):
-        docs = {j: per_document(run, task) for j, run in enumerate(runs) if task in run.samples}
-        with_kl = [j for j in docs if docs[j]["kl_per_token"]]
-        for j, d in docs.items():
-            xs = [k + (j - (len(runs) - 1) / 2) * width for k in range(len(d["nll_per_token"]))]
-            axes[i][0].bar(xs, d["nll_per_token"], width=width, label=runs[j].label)
-            if j in with_kl:
-                kl_width = 0.8 / len(with_kl)
-                slot = with_kl.index(j) - (len(with_kl) - 1) / 2
-                axes[i][1].bar([k + slot * kl_width for k in range(len(d["kl_per_token"]))], d["kl_per_token"],
-                               width=kl_width, label=runs[j].label)
-        axes[i][0].set(title=f"{task}: NLL per token by document", xlabel="document", ylabel="nats / token")
-        axes[i][0].legend(fontsize=8)
-        if has_kl:
-            axes[i][1].set(title=f"{task}: KL(reference || model) per token", xlabel="document",
-                           ylabel="nats / token")
-            axes[i][1].legend(fontsize=8)
-    if flips:
-        _plot_flips(axes[len(tasks)][0], runs, flips)
-        for ax in axes[len(tasks)][1:]:
-            ax.axis("off")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+def run_labels(runs: list[Run]) -> list[str]:
+    """:attr:`Run.label` of each run, a repeated one numbered (``(2)``, ...) so series stay apart in a figure."""
+    seen: dict[str, int] = {}
+    out = []
+    for run in runs:
+        seen[run.label] = seen.get(run.label, 0) + 1
+        out.append(run.label if seen[run.label] == 1 else f"{run.label} ({seen[run.label]})")
     return out
 
 
-def _plot_flips(ax, runs: list[Run], flips: dict[str, list]) -> None:
-    """Grouped bars: share of documents whose answer differs from the reference's, ± stderr, per task and run."""
-    width = 0.8 / len(runs)
-    for j, run in enumerate(runs):
-        xs, ys, errs = [], [], []
-        for k, values in enumerate(flips.values()):
-            if values[j] is not None:
-                xs.append(k + (j - (len(runs) - 1) / 2) * width)
-                ys.append(values[j][0])
-                errs.append(values[j][1] or 0.0)
-        if xs:
-            ax.bar(xs, ys, width=width, yerr=errs, capsize=2, label=run.label)
-    ax.set_xticks(range(len(flips)), list(flips), rotation=20, fontsize=8)
-    ax.set(title="answer flips vs reference (share of documents, ± stderr)", ylabel="flips")
-    ax.legend(fontsize=8)
+def _times(se: Any, factor: float) -> float | None:
+    return se * factor if isinstance(se, (int, float)) and math.isfinite(se) else None
+
+
+def _spread(values: dict[Any, tuple[float, Any]]) -> bool:
+    """Log scale: positive values spanning more than 20×."""
+    positive = [v for v, _ in values.values() if v > 0]
+    return len(positive) == len(values) > 0 and max(positive) / min(positive) > 20
+
+
+def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
+    """What ``compare --plot`` draws (:func:`distperp_harness.plots.plot_compare`).
+
+    Returns:
+        The dot panels with data (rows: tasks, series: runs): ``kl_divergence``, ``top1_agreement``, ``perplexity``
+        (token perplexity; word or byte where a task has no token perplexity) and ``flips`` (% of documents), KL and
+        perplexity on a log scale where they span over 20×; the tasks with per-document samples; the skipped panels,
+        each with why.
+    """
+    from distperp_harness.plots import make_panel
+
+    labels = run_labels(runs)
+    tasks = sorted({t for r in runs for t in (*r.tasks, *r.reference)})
+    kl, top1, ppl, flips = {}, {}, {}, {}
+    for label, run in zip(labels, runs):
+        for task in tasks:
+            for name, store, scale in (("kl_divergence", kl, 1), ("top1_agreement", top1, 1), ("flips", flips, 100)):
+                value, se = value_and_stderr(run, task, name)
+                if isinstance(value, (int, float)) and (name != "kl_divergence" or value > 0):
+                    store[(task, label)] = (scale * value, _times(se, scale))
+    for task in tasks:  # one perplexity per task: the first metric any run reports
+        metric = next((m for m in PPL_METRICS for r in runs if isinstance(value_and_stderr(r, task, m)[0], float)),
+                      None)
+        for label, run in zip(labels, runs):
+            value, se = value_and_stderr(run, task, metric) if metric else (None, None)
+            if isinstance(value, float):
+                row = task if metric == PPL_METRICS[0] else f"{task} ({metric.split('_')[0]})"
+                ppl[(row, label)] = (value, se if isinstance(se, float) else None)
+    ppl_rows = sorted({row for row, _ in ppl})
+    no_reference = "no reference= in these runs"
+    candidates = [
+        (make_panel("kl_divergence", "KL(reference ‖ model) per token", "nats / token", kl, tasks, labels,
+                    log=_spread(kl)), "kl_divergence", no_reference),
+        (make_panel("top1_agreement", "top-1 agreement with the reference", "share of tokens", top1, tasks, labels),
+         "top1_agreement", no_reference),
+        (make_panel("perplexity", "perplexity (token unless named)", "perplexity (± stderr)", ppl, ppl_rows, labels,
+                    log=_spread(ppl)), "perplexity", "no perplexity metric"),
+        (make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, tasks, labels),
+         "flips", "no multiple-choice task with reference="),
+    ]
+    sampled = sorted({t for r in runs for t in r.samples})
+    skipped = [f"{name} ({why})" for panel, name, why in candidates if panel is None]
+    if not sampled:
+        skipped.append("per-document panels (no samples: run lm-eval with --log_samples)")
+    return [p for p, _, _ in candidates if p is not None], sampled, skipped
+
+
+def plot_runs(runs: list[Run], out: str | Path) -> Path:
+    """PNG of the panels that have data (see :func:`distperp_harness.plots.plot_compare`); returns its path."""
+    from distperp_harness.plots import plot_compare
+
+    return plot_compare(runs, out).path
 
 
 def run_compare(paths: list[str], plot: str | None = None) -> int:
-    """CLI body: print the table; write the plot when asked."""
+    """CLI body: print the table; write the plot when asked, and say in one line what it drew (exit 1: no plot)."""
     runs = [load_run(p) for p in paths]
     print(markdown_table(runs))
     if plot:
-        print(f"plot written to {plot_runs(runs, plot)}")
+        from distperp_harness.plots import PlotUnavailable, plot_compare
+
+        try:
+            print(plot_compare(runs, plot).line("compare"))
+        except (PlotUnavailable, ValueError) as error:
+            print(f"compare: no plot: {error}")
+            return 1
     return 0

@@ -5,7 +5,7 @@
    sample, fp32. lm-eval prints its results table.
 3. The same with ``quantize=int4,reference=base``: perplexities, KL divergence and top-1 agreement vs fp32.
 4. One process, fp32: per-document results and the fingerprint must equal the N-process run's, bit for bit.
-5. A comparison table of the runs.
+5. A comparison table of the runs, and their figure (``compare.png``, when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -92,5 +92,11 @@ def run_demo(out: str | None = None, processes: int = 2) -> int:
     print("\n" + markdown_table(list(runs.values())))
     print(f"\n1 process vs {processes} processes: per-document log-likelihoods and fingerprint "
           f"{'IDENTICAL' if identical else 'DIFFERENT'} ({fingerprints[0]} / {fingerprints[1]})")
+    from distperp_harness.plots import PlotUnavailable, plot_compare
+
+    try:
+        print(plot_compare(list(runs.values()), root / "compare.png").line("demo"))
+    except PlotUnavailable as error:
+        print(f"demo: no figure: {error}")
     print(f"results in {root}; demo took {time.perf_counter() - t0:.0f} s")
     return 0 if identical else 1

@@ -13,7 +13,9 @@ loaded again per scheme (quantization rewrites it in place). Rank 0 writes one l
 (``<output_path>/<scheme>/``, e.g. ``int4-g32``, readable by ``compare``) and ``<output_path>/leaderboard.md``:
 schemes ranked by KL divergence pooled over all scored tokens of all tasks, one row per scheme and task with KL,
 top-1 agreement, flips, Δ accuracy and Δ perplexity (± standard errors, all from
-``config.distperp.reference.tasks``), weight bytes and scoring tokens/s (model and reference forward passes).
+``config.distperp.reference.tasks``), weight bytes and scoring tokens/s (model and reference forward passes); and
+beside it ``leaderboard.png`` (``--plot PATH`` to choose): KL per token against weight bytes, one point per
+scheme, with the Pareto front, and Δppl % / flips / Δacc per scheme and task (:mod:`distperp_harness.plots`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=float, default=None, help="documents per task (lm-eval's --limit)")
     parser.add_argument("--log_samples", action="store_true", help="also write per-document samples")
     parser.add_argument("--output_path", required=True, help="folder for one results folder per scheme")
+    parser.add_argument("--plot", default=None,
+                        help="path of the leaderboard figure (default: OUTPUT_PATH/leaderboard.png; needs matplotlib)")
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,12 +141,27 @@ def run_sweep(args: argparse.Namespace) -> int:
     if folders:
         from distperp_harness.compare import load_run
 
-        table = leaderboard([(label, load_run(folder)) for label, folder in folders])
-        (out / "leaderboard.md").write_text(table + "\n")
-        print(table)
-        print(f"\nsweep: {len(schemes)} schemes, reference loaded once, {time.perf_counter() - t0:.0f} s; "
-              f"results in {out}/<scheme>/, table in {out / 'leaderboard.md'}")
+        lines = write_leaderboard(out, [(label, load_run(folder)) for label, folder in folders], args.plot)
+        print("\n".join(lines))
+        print(f"sweep: {len(schemes)} schemes, reference loaded once, {time.perf_counter() - t0:.0f} s; "
+              f"results in {out}/<scheme>/")
     return 0
+
+
+def write_leaderboard(out: Path, runs: list[tuple[str, Any]], plot: str | Path | None = None) -> list[str]:
+    """Write ``leaderboard.md`` and the figure (``plot``, default ``leaderboard.png``) into ``out``; returns the lines
+    to print: the table, then one line naming the figure and its panels, or saying why there is none (matplotlib
+    missing, nothing to draw). The markdown is written in every case."""
+    from distperp_harness.plots import PlotUnavailable, plot_leaderboard
+
+    out.mkdir(parents=True, exist_ok=True)
+    table = leaderboard(runs)
+    (out / "leaderboard.md").write_text(table + "\n")
+    try:
+        figure = plot_leaderboard(runs, plot or out / "leaderboard.png").line("sweep")
+    except (PlotUnavailable, ValueError) as error:
+        figure = f"sweep: no figure: {error}"
+    return [table, "", f"sweep: table in {out / 'leaderboard.md'}", figure]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,6 +175,59 @@ def pooled_kl(entries: dict[str, dict[str, Any]]) -> float:
     if tokens <= 0:
         return math.inf
     return math.fsum(e["kl_divergence"] * e["n_tokens"] for e in entries.values() if "kl_divergence" in e) / tokens
+
+
+def ranked(runs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``(label, Run)`` pairs in leaderboard order: pooled KL, then label."""
+    return sorted(runs, key=lambda pair: (pooled_kl(pair[1].reference), pair[0]))
+
+
+def pooled_kl_stderr(entries: dict[str, dict[str, Any]]) -> float | None:
+    """Standard error of :func:`pooled_kl`, tasks taken as independent samples: √Σ(nₜ·seₜ)² / Σnₜ.
+
+    ``None`` where a task with a KL divergence has no standard error (one document) or no task has tokens.
+    """
+    kl = [e for e in entries.values() if "kl_divergence" in e and e.get("n_tokens", 0) > 0]
+    if not kl or any(e.get("kl_divergence_stderr") is None for e in kl):
+        return None
+    tokens = math.fsum(e["n_tokens"] for e in kl)
+    return math.sqrt(math.fsum((e["n_tokens"] * e["kl_divergence_stderr"]) ** 2 for e in kl)) / tokens
+
+
+def leaderboard_panels(runs: list[tuple[str, Any]]) -> tuple[list[tuple[str, float, float, float | None]], list]:
+    """What the leaderboard figure draws (:func:`distperp_harness.plots.plot_leaderboard`), in leaderboard order.
+
+    Returns:
+        Scatter points ``(label, weight MB, pooled KL, its stderr)`` of the schemes with weight bytes and a KL
+        divergence, and the dot panels with data (rows: schemes, series: tasks): ``delta_ppl`` (%, tasks without
+        flips), ``flips`` (% of documents) and ``delta_acc`` (points) for multiple-choice tasks.
+    """
+    from distperp_harness.plots import make_panel
+
+    runs = ranked(runs)
+    points = [(label, run.weight_bytes / 1e6, pooled_kl(run.reference), pooled_kl_stderr(run.reference))
+              for label, run in runs if run.weight_bytes and 0 < pooled_kl(run.reference) < math.inf]
+    rows = [label for label, _ in runs]
+    tasks = sorted({t for _, run in runs for t in run.reference})
+    dppl, flips, dacc = {}, {}, {}
+    for label, run in runs:
+        for task, e in run.reference.items():
+            if "flips" in e:
+                flips[(label, task)] = (100 * e["flips"], _times(e.get("flips_stderr"), 100))
+                if e.get("delta_acc") is not None:
+                    dacc[(label, task)] = (100 * e["delta_acc"], _times(e.get("delta_acc_stderr"), 100))
+            elif e.get("ln_ppl_ratio") is not None:
+                ratio, se = e["ln_ppl_ratio"], e.get("ln_ppl_ratio_stderr")
+                dppl[(label, task)] = (100 * math.expm1(ratio), _times(se, 100 * math.exp(ratio)))
+    panels = [make_panel("delta_ppl", "Δ perplexity vs reference", "Δppl % (± stderr)", dppl, rows, tasks,
+                         zero=True),
+              make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, rows, tasks),
+              make_panel("delta_acc", "Δ accuracy vs reference", "points (± stderr)", dacc, rows, tasks, zero=True)]
+    return points, [p for p in panels if p is not None]
+
+
+def _times(se: float | None, factor: float) -> float | None:
+    return None if se is None else se * factor
 
 
 def _pm(value: float | None, stderr: float | None, fmt: str) -> str:
@@ -175,8 +247,7 @@ def leaderboard(runs: list[tuple[str, Any]]) -> str:
     head = ["rank", "scheme", "task", "KL (nats/tok)", "top-1 agree", "flips", "flips (norm)", "c→w / w→c",
             "Δacc", "Δppl %", "weights MB", "tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ranked = sorted(runs, key=lambda pair: (pooled_kl(pair[1].reference), pair[0]))
-    for rank, (label, run) in enumerate(ranked, start=1):
+    for rank, (label, run) in enumerate(ranked(runs), start=1):
         for task, e in sorted(run.reference.items()):
             ratio, ratio_se = e.get("ln_ppl_ratio"), e.get("ln_ppl_ratio_stderr")
             dppl = None if ratio is None else 100 * math.expm1(ratio)

@@ -206,3 +206,42 @@ def sharpened_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return Path(out)
+
+
+# --- fixed results JSONs for the figure tests (no model: the numbers are given) ---------------------------------
+
+
+def rolling_entry(kl: float, n_tokens: int = 1000, ln_ppl_ratio: float = 0.01) -> dict[str, Any]:
+    """A ``config.distperp.reference.tasks`` entry of a perplexity task (stderrs: 10 % / 30 % of the value)."""
+    return {"n_docs": 10, "n_tokens": n_tokens, "kl_divergence": kl, "kl_divergence_stderr": kl / 10,
+            "top1_agreement": 1 - 3 * kl, "top1_agreement_stderr": 0.002, "ln_ppl_ratio": ln_ppl_ratio,
+            "ln_ppl_ratio_stderr": abs(ln_ppl_ratio) * 0.3 + 1e-4}
+
+
+def mc_entry(kl: float, flips: float, delta_acc: float | None = None, n_tokens: int = 200) -> dict[str, Any]:
+    """An entry of a multiple-choice task; ``delta_acc=None``: the task has no gold (no accuracy keys)."""
+    entry = {**rolling_entry(kl, n_tokens), "n_docs": 20, "flips": flips, "flips_stderr": 0.05,
+             "n_flips": round(20 * flips), "flips_norm": flips, "flips_norm_stderr": 0.05}
+    if delta_acc is not None:
+        entry.update({"delta_acc": delta_acc, "delta_acc_stderr": 0.05, "n_correct_to_wrong": 1,
+                      "n_wrong_to_correct": 0})
+    return entry
+
+
+def write_results_json(folder: str | os.PathLike[str], *, quantize: str | None = None, group_size: int | None = None,
+                       weight_bytes: int | None = 4_000_000, reference: Mapping[str, Any] | None = None,
+                       results: Mapping[str, Any] | None = None, reference_bytes: int = 4_000_000) -> Path:
+    """Write a ``results_*.json`` as lm-eval + distperp would (only the keys ``compare.load_run`` reads)."""
+    options: dict[str, Any] = {"pretrained": "/models/tiny"}
+    if quantize:
+        options.update({"quantize": quantize, **({"group_size": group_size} if group_size else {})})
+    info = {"options": options, "world_size": 1, "fingerprint": "0123456789abcdef", "weight_bytes": weight_bytes,
+            "calls": [{"total_seconds": 1.0, "scored_tokens": 1000}],
+            "quantization": {"weight_bytes_after": weight_bytes} if quantize else None,
+            "reference": None if reference is None else {"source": "base", "dtype": "torch.float32",
+                                                         "tasks": dict(reference), "weight_bytes": reference_bytes}}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "results_2026-01-01T00-00-00.000000.json"
+    path.write_text(json.dumps({"results": dict(results or {}), "config": {"model": "distperp", "distperp": info}}))
+    return path

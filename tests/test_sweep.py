@@ -111,3 +111,120 @@ def test_two_processes_give_the_same_entries(sweep, tasks_dir, tmp_path):
         one, two = (load_results(o / folder)["config"]["distperp"] for o in (sweep["out"], out))
         assert two["world_size"] == 2 and two["fingerprint"] == one["fingerprint"]
         assert json.dumps(two["reference"]["tasks"]) == json.dumps(one["reference"]["tasks"])
+
+
+# --- the leaderboard figure, from fixed results JSONs -------------------------------------------------------------
+
+TWELVE = ["int4:32", "int4:64", "int4:128", "int4:256", "8da4w:32", "8da4w:64", "8da4w:128", "8da4w:256", "int8",
+          "int8 bf16", "int4:32 hqq", "int4:128 awq"]
+MB = [1.42, 1.39, 1.36, 1.35, 1.42, 1.39, 1.36, 1.35, 2.71, 2.71, 1.42, 1.36]  # clusters of equal weight bytes
+KL = [0.0127, 0.015, 0.0214, 0.025, 0.014, 0.017, 0.0252, 0.03, 9.4e-5, 1.0e-4, 0.0128, 0.02]
+
+
+def _fixed_runs(root, labels, tasks):
+    """``(label, Run)`` from results JSONs written with given numbers; ``tasks``: names → entry(kl) builders."""
+    from helpers import write_results_json
+
+    runs = []
+    for i, label in enumerate(labels):
+        reference = {task: make(KL[i]) for task, make in tasks.items()}
+        path = write_results_json(root / f"s{i}", quantize="int4", weight_bytes=int(MB[i] * 1e6),
+                                  reference=reference, reference_bytes=4_461_056)
+        runs.append((label, load_run(path)))
+    return runs
+
+
+def _tasks(kind):
+    from helpers import mc_entry, rolling_entry
+
+    rolling = {"wiki": lambda kl: rolling_entry(kl, 6000, ln_ppl_ratio=kl / 2)}
+    mc = {"hellaswag": lambda kl: mc_entry(kl, min(1.0, 8 * kl), delta_acc=-2 * kl)}
+    mc_no_gold = {"mc_no_gold": lambda kl: mc_entry(kl, min(1.0, 6 * kl))}
+    return {"rolling": rolling, "mc": mc, "mc_no_gold": mc_no_gold, "both": {**rolling, **mc}}[kind]
+
+
+def test_pooled_kl_stderr():
+    from distperp_harness.sweep import pooled_kl_stderr
+
+    entries = {"a": {"kl_divergence": 0.1, "kl_divergence_stderr": 0.01, "n_tokens": 300},
+               "b": {"kl_divergence": 0.2, "kl_divergence_stderr": 0.04, "n_tokens": 100}, "c": {"n_docs": 3}}
+    assert pooled_kl_stderr(entries) == pytest.approx(math.sqrt((300 * 0.01) ** 2 + (100 * 0.04) ** 2) / 400,
+                                                      rel=1e-12)
+    entries["b"]["kl_divergence_stderr"] = None
+    assert pooled_kl_stderr(entries) is None and pooled_kl_stderr({}) is None
+
+
+@pytest.mark.parametrize("kind, panels", [
+    ("rolling", ["kl_vs_weight_bytes", "delta_ppl"]),
+    ("mc", ["kl_vs_weight_bytes", "flips", "delta_acc"]),
+    ("mc_no_gold", ["kl_vs_weight_bytes", "flips"]),
+    ("both", ["kl_vs_weight_bytes", "delta_ppl", "flips", "delta_acc"])])
+def test_leaderboard_figure_has_the_panels_of_its_data(kind, panels, tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from distperp_harness.plots import leaderboard_figure
+    from distperp_harness.sweep import leaderboard_panels, write_leaderboard
+
+    runs = _fixed_runs(tmp_path, TWELVE[:2], _tasks(kind))
+    lines = write_leaderboard(tmp_path / "out", runs)
+    png = tmp_path / "out" / "leaderboard.png"
+    assert (tmp_path / "out" / "leaderboard.md").read_text().startswith("| rank | scheme |")
+    assert lines[-1].startswith(f"sweep: figure {png}: drew KL vs weight bytes")
+    with Image.open(png) as image:
+        assert image.text["Description"] == "panels: " + ", ".join(panels)
+    fig, names = leaderboard_figure(runs)
+    assert names == panels and [ax.get_gid() for ax in fig.axes] == panels
+    points, dots = leaderboard_panels(runs)
+    assert [p[0] for p in points] == ["int4:32", "int4:64"]  # ranked by pooled KL
+    assert points[0][1:3] == (1.42, pytest.approx(KL[0], rel=1e-12))
+    if "delta_ppl" in panels:
+        assert dots[0].values[("int4:32", "wiki")][0] == pytest.approx(100 * math.expm1(KL[0] / 2), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 12])
+def test_leaderboard_figure_is_readable_with_2_or_12_schemes(n, tmp_path):
+    """No two texts overlap (scheme labels, row names, task names, titles, legends); each scheme label is inside the
+    KL panel and on no marker."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    from distperp_harness.plots import leaderboard_figure, text_overlaps
+
+    runs = _fixed_runs(tmp_path, TWELVE[:n], _tasks("both"))
+    fig, _ = leaderboard_figure(runs)
+    fig.canvas.draw()
+    assert text_overlaps(fig) == []
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    labels = {a.get_text(): Text.get_window_extent(a, renderer) for a in ax.texts}
+    assert sorted(labels) == sorted(TWELVE[:n])
+    inside = ax.get_window_extent(renderer)
+    markers = [Bbox.from_extents(*(ax.transData.transform((MB[i], KL[i])) - 4),
+                                 *(ax.transData.transform((MB[i], KL[i])) + 4)) for i in range(n)]
+    for box in labels.values():
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+        assert not any(box.overlaps(m) for m in markers)
+    rows = [t.get_text() for t in fig.axes[1].get_yticklabels()]
+    assert rows[::-1] == [label for label, _ in sorted(runs, key=lambda p: (KL[TWELVE.index(p[0])], p[0]))]
+
+
+def test_without_matplotlib_the_markdown_is_still_written(tmp_path, monkeypatch):
+    import sys
+
+    from distperp_harness.sweep import write_leaderboard
+
+    runs = _fixed_runs(tmp_path, TWELVE[:2], _tasks("both"))
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    lines = write_leaderboard(tmp_path / "out", runs)
+    assert (tmp_path / "out" / "leaderboard.md").exists() and not (tmp_path / "out" / "leaderboard.png").exists()
+    assert lines[-1].startswith("sweep: no figure: matplotlib is not installed; pip install")
+
+
+def test_the_sweep_writes_its_figure(sweep):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    with Image.open(sweep["out"] / "leaderboard.png") as image:
+        assert image.text["Description"] == "panels: kl_vs_weight_bytes, delta_ppl, flips, delta_acc"
