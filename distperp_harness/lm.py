@@ -22,6 +22,7 @@ from distperp_harness import __version__
 from distperp_harness.collective import Collective
 from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
+from distperp_harness.failfast import fail_for_tests, stop_together
 from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
@@ -203,27 +204,34 @@ class DistPerpLM(TemplateLM):
             if self.shard_size > 1:
                 self._idle_forward()  # the shard group's other ranks may compute this call: gather with them
             return saved
-        try:
-            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
-                scores = score_batch(self._model, rows, device=self._device,
-                                     pad_token_id=self.tokenizer.pad_token_id, reference=self.reference)
-        except NonFiniteLogitsError as exc:
-            where = "; ".join(f"the window {self.tok_decode(list(rows[r].prefix[:24]))!r}... "
-                              f"({rows[r].length} tokens)" for r in exc.rows[:3])
-            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
-                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
+        with stop_together(self.collective, self._device):  # an error here stops every rank, naming this one
+            fail_for_tests(self.rank)
+            scores = self._forward(rows)
         if self.store:
             self.store.save(rows, scores)
         fault_for_tests(self.rank)
         return scores
 
+    def _forward(self, rows):
+        try:
+            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
+                return score_batch(self._model, rows, device=self._device,
+                                   pad_token_id=self.tokenizer.pad_token_id, reference=self.reference)
+        except NonFiniteLogitsError as exc:
+            where = "; ".join(f"the window {self.tok_decode(list(rows[r].prefix[:24]))!r}... "
+                              f"({rows[r].length} tokens)" for r in exc.rows[:3])
+            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
+                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
+
     def _idle_forward(self) -> None:
         """A forward of a one-token batch whose result is dropped: what a rank with fewer batches than others of
         its shard group runs, so that every rank of the group makes the same gathers."""
         pad = self.tokenizer.pad_token_id
-        with naming_failures(self.collective, True), gathered(self._model, self.reference):
-            score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
-                        reference=self.reference)
+        with stop_together(self.collective, self._device):
+            fail_for_tests(self.rank)
+            with naming_failures(self.collective, True), gathered(self._model, self.reference):
+                score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
+                            reference=self.reference)
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
         refuse_generation_tasks(self.shard_size, evaluator_tasks())  # every rank sees the same tasks
