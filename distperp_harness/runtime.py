@@ -16,8 +16,9 @@ estimate (:func:`activation_bytes_per_token`: float32 transients of one layer, e
 beyond that a larger batch no longer computes faster (see :data:`_CPU_MAX_TOKENS`).
 
 Rank 0 chooses; every rank then *checks* that it can hold that budget (:func:`check_budget`): on CUDA by running
-a full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU by the
-estimate against available memory. A rank that cannot hold it stops the run at start, naming itself.
+a full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU and
+with sharded weights by the estimate against available memory (a sharded probe that ran out of memory on one rank
+would leave its group's other ranks waiting in a gather, so no verdict could be gathered). A rank that cannot hold it stops the run at start, naming itself.
 
 lm-eval's ``auto:N`` re-detects a row count N times while the sorted requests get shorter. A token budget already
 gives shorter units more rows, so distperp detects once and treats ``auto:N`` as ``auto`` (logged).
@@ -259,8 +260,12 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
     if batching.token_budget is None:
         return batching
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
+    # With sharded weights a probe that runs out of memory on one rank mid-forward leaves the rest of its group
+    # waiting in a gather that never comes: no verdict could be gathered. The estimate alone decides there.
+    from distperp_harness.sharding import is_sharded
+
     probe = (scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
-             if device.type == "cuda" else None)
+             if device.type == "cuda" and not is_sharded(model) else None)
     problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
                            bytes_per_token=per_token)
     problems = collective.all_gather_object((problem, str(device)), "check the batch budget")
