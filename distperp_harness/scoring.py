@@ -58,13 +58,18 @@ def _logit_bytes(dtype: torch.dtype) -> int:
     return size + (4 if size < 4 else 0)
 
 
-def chunk_bytes(device_type: str, dtype: torch.dtype, reference_dtype: torch.dtype | None = None) -> int:
+def chunk_bytes(device_type: str, dtype: torch.dtype, reference_dtype: torch.dtype | None = None, *,
+                positions: int | None = None, vocab: int | None = None) -> int:
     """Bytes the chunk loop of :func:`score_batch` holds at its peak, besides the features (module doc):
-    ``chunk_elements * (logit bytes of the model [+ of the reference + 8 for the KL])``."""
+    ``elements * (logit bytes of the model [+ of the reference + 8 for the KL])``, with ``elements`` a whole
+    chunk, or fewer when a batch scores only ``positions`` positions of a ``vocab``-sized vocabulary."""
     per_logit = _logit_bytes(dtype)
     if reference_dtype is not None:
         per_logit += _logit_bytes(reference_dtype) + 8
-    return chunk_elements(device_type, reference_dtype is not None) * per_logit
+    elements = chunk_elements(device_type, reference_dtype is not None)
+    if positions is not None and vocab:
+        elements = min(elements, max(1, elements // vocab) * vocab, positions * vocab)
+    return elements * per_logit
 
 
 class NonFiniteLogitsError(ValueError):
