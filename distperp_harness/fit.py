@@ -79,6 +79,17 @@ def _scales(storage: str, weight: torch.Tensor, group_size: int) -> float:
     return groups * (weight.element_size() + 1)  # int4-in-int8: model-dtype scale, int8 zero point
 
 
+def _quantized_bytes(storage: str, weight: torch.Tensor, group_size: int, device: torch.device) -> float:
+    """Stored bytes of one quantized ``[N, K]`` weight. CUDA's tinygemm layout (``Int4TilePackedTo4dTensor``)
+    first pads K up to a multiple of 1024 and N up to a multiple of 8 (16 on ROCm), and stores the padding too."""
+    if storage == "int4-packed" and device.type == "cuda":
+        ntile = 16 if torch.version.hip else 8
+        n, k = weight.shape[0], weight.shape[-1]
+        n, k = -(-n // ntile) * ntile, -(-k // 1024) * 1024
+        weight = torch.empty((n, k), dtype=weight.dtype, device="meta")
+    return weight.numel() * _PER_ELEMENT[storage] + _scales(storage, weight, group_size)
+
+
 def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: bool,
             device: torch.device) -> tuple[dict[int, float], set[int]]:
     """Stored bytes per parameter (by id) after ``scheme``, and the ids that torchao quantizes (kept whole)."""
@@ -94,7 +105,7 @@ def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: boo
     quantized = set()
     for name in selected:
         weight = modules[name].weight
-        sizes[id(weight)] = weight.numel() * _PER_ELEMENT[plan.storage] + _scales(plan.storage, weight, group_size)
+        sizes[id(weight)] = _quantized_bytes(plan.storage, weight, group_size, device)
         quantized.add(id(weight))
     return sizes, quantized
 
