@@ -99,13 +99,38 @@ class DistPerpLM(TemplateLM):
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
             pad_token_id=self.tokenizer.pad_token_id,
             unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0))
-        _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
+        self._check_prefix_token()  # fail now, not mid-run, if there is no (valid) token to condition on
+        self.warnings = self._quantization_warnings()
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
         self.sharing, self.sharing_fallback = self._sharing()
         self.load_seconds = time.perf_counter() - t0
+
+    def _check_prefix_token(self) -> None:
+        """``prefix_token_id`` (given, or the tokenizer's BOS/EOS) must index every model's embeddings: else it
+        would load, then fail at the first batch (an ``IndexError``; a device-side assert on CUDA)."""
+        token = self.prefix_token_id
+        models = [m for m in (self._model, self.reference) if m is not None]
+        rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
+        if not 0 <= token < rows:
+            given = "prefix_token_id" if self.options.prefix_token_id is not None else "the tokenizer's BOS/EOS id"
+            raise ValueError(f"{given}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
+                             f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")
+
+    def _quantization_warnings(self) -> list[str]:
+        """The quantization report's warnings (logged, and recorded in the results); with a reference, what a
+        comparison against an unquantized model then measures."""
+        warnings = list(self.quant_report.warnings) if self.quant_report else []
+        if warnings and self.reference is not None:
+            warnings.append(
+                f"reference={self.options.reference}: with no layer quantized, the comparison measures only the cast "
+                f"from the reference's {next(self.reference.parameters()).dtype} to the model's "
+                f"{next(self._model.parameters()).dtype}, not quantization.")
+        for line in warnings:
+            log.warning(line, main_process_only=True)
+        return warnings
 
     def _sharing(self) -> tuple[Sharing, str | None]:
         """How ``loglikelihood`` units share rows, and why packed rows are off when the model cannot take them."""
@@ -381,6 +406,7 @@ class DistPerpLM(TemplateLM):
                                             self.collective.world_size),
                 "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
                 "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
+                "warnings": self.warnings,
             },
         }
         return info

@@ -103,3 +103,11 @@ def test_a_model_without_a_meta_skeleton_loads_without_a_verdict(tiny_model_dir,
 
     monkeypatch.setattr(fit, "_skeletons", fail)
     assert check_fits(collective, Options.from_kwargs(pretrained=str(tiny_model_dir)), CPU, 1, 1) is None
+
+
+def test_tinygemm_padding_is_counted_on_cuda():
+    weight = torch.empty((100, 1500), dtype=torch.bfloat16, device="meta")
+    padded_n, padded_k = 104, 2048  # N to a multiple of 8, K to a multiple of 1024
+    expected = padded_n * padded_k * 0.5 + padded_n * padded_k / 128 * 2 * 2  # int4 + bf16 scale and zero per group
+    assert fit._quantized_bytes("int4-packed", weight, 128, torch.device("cuda")) == expected
+    assert fit._quantized_bytes("int4-packed", weight, 128, CPU) == 100 * 1500 * 0.5 + 100 * 1500 / 128 * 2 * 2
