@@ -5,9 +5,13 @@
 
 For each run (``bfloat16`` and ``quantize=int4`` by default) through the real ``DistPerpLM`` with
 ``batch_size=auto``: load time and peak CUDA memory of the load stage, weight bytes, ``auto``'s token budget
-(chosen twice: the answer must not move), rolling log-likelihood tokens/s over ``--tokens`` tokens of text and its
-MFU (2 x parameters x tokens/s over the GPU's dense bf16 peak), peak CUDA memory of scoring, and the first batch
-of the plan computed twice (bits must be equal). With two or more GPUs (or ``--processes 2`` on CPU) the rolling
+(chosen twice: the answer must not move), rolling log-likelihood tokens/s over ``--tokens`` tokens of text, for the
+unquantized run its MFU (2 x parameters x tokens/s over the GPU's dense bf16 peak, from an exact table of GPU
+names: "unknown" for any other GPU) and for quantized runs the speed-up over it instead (MFU against a bf16 peak
+means little for int4 kernels), peak CUDA memory of scoring, the first batch of the plan computed twice (bits must
+be equal), how many Linear layers were quantized (every one must be), and whether the run's memory was released
+(the model collected after ``gc.collect()``, and on CUDA the allocated bytes back at the baseline after
+``torch.cuda.empty_cache()``). The load peak is the loader's own meter (``config.distperp.load_memory_per_rank``). With two or more GPUs (or ``--processes 2`` on CPU) the rolling
 fingerprint of 1 and of 2 processes (``accelerate launch``) must be equal.
 
 Default model: a random Llama-3.2-1B-shaped model (1.24B parameters, 128,256-entry head) built by
@@ -22,8 +26,10 @@ import json
 import os
 import subprocess
 import sys
+import gc
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,19 +40,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from distperp_harness.tiny import TEST_SPEC, TinySpec, build_tiny_model, sample_text  # noqa: E402
+from distperp_harness.tiny import TinySpec, build_tiny_model, sample_text  # noqa: E402
 
 LLAMA_1B = TinySpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                     intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True, seed=0,
                     name="gpu-check-llama-1b")
-# Dense bf16 tensor-core peak (FLOP/s) by GPU name, for MFU.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+# The dry-run model: every Linear input width (hidden 128, heads x head_dim 128, MLP 256) a multiple of the int4
+# group size 128, so quantize=int4 quantizes every Linear layer of the decoder (the test model quantizes 2 of 15).
+DRY_SPEC = TinySpec(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
+                    max_position_embeddings=128, seed=0, train_steps=0, name="dry-llama")
+# Dense (no sparsity) bf16 tensor-core peak in FLOP/s, by the exact name torch.cuda.get_device_name() reports
+# (NVIDIA datasheets). Any other name: MFU "unknown", never a guess from a similar name (H100 PCIe and NVL are
+# 24 % and 16 % below the SXM part).
+PEAK_BF16 = {
+    "NVIDIA H100 80GB HBM3": 989.4e12,  # H100 SXM
+    "NVIDIA H100 PCIe": 756.0e12,
+    "NVIDIA H100 NVL": 835.5e12,
+    "NVIDIA H200": 989.4e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835.5e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362.05e12,
+    "NVIDIA L4": 121.0e12,
+    "NVIDIA A10G": 70.0e12,
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+}
+# Allocated CUDA bytes a run may leave behind (the caching allocator's own bookkeeping), for the release check.
+RELEASE_SLACK = 16 << 20
 
 
 def build_model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    spec = LLAMA_1B if args.device == "cuda" else TEST_SPEC
+    spec = LLAMA_1B if args.device == "cuda" else DRY_SPEC
     out = Path(args.work) / spec.name
     if not (out / "config.json").exists():
         build_tiny_model(spec, out)
@@ -69,10 +97,10 @@ def model_args(args: argparse.Namespace, model: Path, scheme: str) -> dict:
 
 
 def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of this exact GPU name, else None (reported as "unknown")."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16.items() if key in name), None)
+    return PEAK_BF16.get(torch.cuda.get_device_name(device))
 
 
 def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str]) -> dict:
@@ -82,13 +110,12 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str])
     from distperp_harness.scoring import score_batch
 
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     lm = DistPerpLM(**model_args(args, model, scheme))
     load_s = time.perf_counter() - t0
-    load_peak = torch.cuda.max_memory_allocated() if cuda else None
+    # The loader's own meter (reset at the start of the load stage, read at its end); the constructor's budget
+    # probe, which runs after it, resets the allocator's peak again, so reading that here would miss the load.
+    load_peak = lm.loaded.load_memory["device_peak_bytes"] if cuda else None
     again = batching_for(lm.options, lm.model, lm.device, lm.max_length, resident_bytes=lm.weight_bytes)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -103,13 +130,32 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str])
     rows = max(1, min(len(units), lm.batching.rows_for(max(u.input_length for u in units))))
     first = [score_batch(lm.model, units[:rows], device=lm.device, pad_token_id=lm.tokenizer.pad_token_id).stats
              for _ in range(2)]
+    report = lm.quant_report
+    eligible = None if report is None else \
+        [why for why in report.skipped.values() if not why.startswith("output embedding kept")]
+    layers = None if report is None or report.config_name is None else \
+        (len(report.quantized), len(report.quantized) + len(eligible))  # the output head is not eligible
     row = dict(run="bfloat16" if scheme == "none" and cuda else ("float32" if scheme == "none" else scheme),
                load_s=load_s, load_peak=load_peak, weight_bytes=lm.weight_bytes, budget=lm.batching.token_budget,
                budget_again=again.token_budget, tokens=call["scored_tokens"], tokens_per_s=tokens_per_s,
-               mfu=(2 * params * tokens_per_s / peak) if peak else None, score_peak=score_peak,
+               mfu=(2 * params * tokens_per_s / peak) if peak and scheme == "none" else None,
+               peak_known=peak is not None or not cuda, score_peak=score_peak, quantized_layers=layers,
                same_bits=first[0].tobytes() == first[1].tobytes(), fingerprint=lm.stats.fingerprint)
-    del lm
-    return row
+    model_ref = weakref.ref(lm.model)
+    del lm, first, again
+    return row, model_ref
+
+
+def release(row: dict, model_ref: "weakref.ref", baseline: int | None) -> None:
+    """Collect the run (``DistPerpLM`` sits in reference cycles, torchao's bound ``extra_repr`` adds one) and
+    record whether its model is gone and, on CUDA, whether allocated memory is back at ``baseline``."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() - baseline if baseline is not None else None
+    row["left_after_bytes"] = left
+    row["released"] = model_ref() is None and (left is None or left <= RELEASE_SLACK)
 
 
 def launch(args: argparse.Namespace, model: Path, processes: int, out: Path) -> str:
@@ -137,15 +183,36 @@ def gib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:.2f}"
 
 
+def efficiency(row: dict, rows: list[dict]) -> str:
+    """MFU for the unquantized run (or "unknown" GPU), the speed-up over it for a quantized one."""
+    if row["quantized_layers"] is None:
+        if row["mfu"] is not None:
+            return f"MFU {100 * row['mfu']:.1f} %"
+        return "MFU unknown (GPU not in PEAK_BF16)" if not row["peak_known"] else "n/a"
+    base = next((r for r in rows if r["quantized_layers"] is None), None)
+    return "n/a" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x of {base['run']}"
+
+
 def table(rows: list[dict], multi: str) -> str:
-    lines = ["| run | load s | load peak GiB | weights GiB | auto budget (twice) | tokens | tokens/s | MFU | "
-             "scoring peak GiB | same batch twice |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    lines = ["| run | load s | load peak GiB | weights GiB | auto budget (twice) | tokens | tokens/s | MFU or speed-up | "
+             "scoring peak GiB | same batch twice | layers quantized | memory released |",
+             "|---|---:|---:|---:|---|---:|---:|---|---:|---|---|---|"]
     for r in rows:
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
+        layers = "-" if r["quantized_layers"] is None else "{}/{}".format(*r["quantized_layers"])
+        left = r.get("left_after_bytes")
+        released = ("yes" if r.get("released") else "NO") + ("" if left is None else f" ({left / 2**20:+.1f} MiB)")
         lines.append(f"| {r['run']} | {r['load_s']:.1f} | {gib(r['load_peak'])} | {gib(r['weight_bytes'])} | "
-                     f"{r['budget']}, {r['budget_again']} | {r['tokens']} | {r['tokens_per_s']:.0f} | {mfu} | "
-                     f"{gib(r['score_peak'])} | {'equal bits' if r['same_bits'] else 'DIFFERENT'} |")
+                     f"{r['budget']}, {r['budget_again']} | {r['tokens']} | {r['tokens_per_s']:.0f} | "
+                     f"{efficiency(r, rows)} | {gib(r['score_peak'])} | "
+                     f"{'equal bits' if r['same_bits'] else 'DIFFERENT'} | {layers} | {released} |")
     return "\n".join(lines + ["", f"1 vs 2 processes: {multi}"])
+
+
+def passed(row: dict) -> bool:
+    """A row's checks: same bits, same budget twice, memory released, every Linear layer quantized."""
+    layers = row["quantized_layers"]
+    return (row["same_bits"] and row["budget"] == row["budget_again"] and row.get("released", True)
+            and (layers is None or layers[0] == layers[1]))
 
 
 def base_parser(doc: str, launch_timeout: float) -> argparse.ArgumentParser:
@@ -190,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
     model = build_model(args)
     docs = documents(args.tokens)
-    rows = [run_one(args, model, scheme, docs) for scheme in args.runs.split(",")]
+    baseline = torch.cuda.memory_allocated() if cuda else None
+    rows = []
+    for scheme in args.runs.split(","):
+        row, model_ref = run_one(args, model, scheme, docs)
+        release(row, model_ref, baseline)
+        rows.append(row)
     processes = args.processes or (2 if cuda and torch.cuda.device_count() >= 2 else 0)
     multi = "skipped (one GPU)"
     if processes >= 2:
@@ -199,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, multi), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "processes": multi}, indent=1, default=str))
-    ok = all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows) and "DIFFERENT" not in multi
+    ok = all(passed(r) for r in rows) and "DIFFERENT" not in multi
     return 0 if ok else 1
 
 

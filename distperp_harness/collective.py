@@ -34,6 +34,9 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import torch
 
+from distperp_harness.controlplane import control_group as _control_group
+from distperp_harness.failfast import start_watch
+
 T = TypeVar("T")
 
 
@@ -60,9 +63,9 @@ class Collective:
         self._group: Any = None
         self._step = 0
         if self.distributed:
-            # Every rank reaches this line in the same order (new_group is itself collective).
-            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self._group = _control_group(self.rank, self.world_size, timeout_s)
             _watch_for_failure()
+            start_watch(_default_store(), self.rank)  # a failing peer stops this rank within seconds (failfast)
             atexit.register(_leave_group, timeout_s, self._group)
 
     @property

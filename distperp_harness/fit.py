@@ -37,23 +37,35 @@ GiB = 2**30
 _PER_ELEMENT = {"int4-packed": 0.5, "int4-in-int8": 1.0, "int8": 1.0}
 
 
+# NCCL's own buffers (channels, proxies; outside torch's allocator) for the shard group's communicator on CUDA:
+# a stated margin, not a measurement (NCCL_BUFFSIZE 4 MiB per channel and peer, up to 32 channels).
+COMM_MARGIN_CUDA = 1 * GiB
+
+
 @dataclass(frozen=True)
 class Need:
-    """Bytes one rank needs: weights it keeps, weights it gathers during a forward, one batch's activations."""
+    """Bytes one rank needs (module doc), each part named as :mod:`benchmarks.shard_check` measures it: weights it
+    keeps; weights it gathers during a forward; one batch's activations; the logits chunks of scoring; a margin
+    for communication buffers."""
 
     model: int
     reference: int
     gathered: int
     activations: int
+    logits: int = 0
+    comm: int = 0
 
     @property
     def total(self) -> int:
-        return self.model + self.reference + self.gathered + self.activations
+        return self.model + self.reference + self.gathered + self.activations + self.logits + self.comm
 
     def describe(self) -> str:
         parts = [f"model weights {self.model / GiB:.2f}", f"reference {self.reference / GiB:.2f}",
                  f"gathered while computing {self.gathered / GiB:.2f}",
-                 f"activations of one batch {self.activations / GiB:.2f}"]
+                 f"activations of one batch {self.activations / GiB:.2f}",
+                 f"logits chunks {self.logits / GiB:.2f}"]
+        if self.comm:
+            parts.append(f"communication buffers {self.comm / GiB:.2f}")
         return f"{' + '.join(parts)} = {self.total / GiB:.2f} GiB"
 
 
@@ -65,6 +77,17 @@ def _scales(storage: str, weight: torch.Tensor, group_size: int) -> float:
     if storage == "int4-packed":  # scale and zero point per group, in the model dtype
         return groups * 2 * weight.element_size()
     return groups * (weight.element_size() + 1)  # int4-in-int8: model-dtype scale, int8 zero point
+
+
+def _quantized_bytes(storage: str, weight: torch.Tensor, group_size: int, device: torch.device) -> float:
+    """Stored bytes of one quantized ``[N, K]`` weight. CUDA's tinygemm layout (``Int4TilePackedTo4dTensor``)
+    first pads K up to a multiple of 1024 and N up to a multiple of 8 (16 on ROCm), and stores the padding too."""
+    if storage == "int4-packed" and device.type == "cuda":
+        ntile = 16 if torch.version.hip else 8
+        n, k = weight.shape[0], weight.shape[-1]
+        n, k = -(-n // ntile) * ntile, -(-k // 1024) * 1024
+        weight = torch.empty((n, k), dtype=weight.dtype, device="meta")
+    return weight.numel() * _PER_ELEMENT[storage] + _scales(storage, weight, group_size)
 
 
 def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: bool,
@@ -82,38 +105,64 @@ def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: boo
     quantized = set()
     for name in selected:
         weight = modules[name].weight
-        sizes[id(weight)] = weight.numel() * _PER_ELEMENT[plan.storage] + _scales(plan.storage, weight, group_size)
+        sizes[id(weight)] = _quantized_bytes(plan.storage, weight, group_size, device)
         quantized.add(id(weight))
     return sizes, quantized
 
 
-def weights_per_rank(model: nn.Module, shard_size: int, *, scheme: str = "none", group_size: int = 128,
-                     include_lm_head: bool = False, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
-    """``(resident bytes per rank, bytes gathered during a forward)`` of ``model`` (a meta skeleton) under
-    ``scheme`` and ``shard_size`` (see :mod:`distperp_harness.sharding` for the layout)."""
+def _parts(model: nn.Module, shard_size: int, *, scheme: str = "none", group_size: int = 128,
+           include_lm_head: bool = False, device: torch.device = torch.device("cpu")) -> tuple[int, int, int]:
+    """``(resident bytes per rank, root group bytes, largest decoder layer bytes)``; the last two are what FSDP
+    gathers (0 when unsharded; torchao-quantized weights are never gathered: they stay whole on every rank)."""
     sizes, quantized = _stored(model, scheme, group_size, include_lm_head, device)
     if shard_size <= 1:
-        return int(sum(sizes.values())), 0
+        return int(sum(sizes.values())), 0, 0
     resident = sum(b if pid in quantized else b / shard_size for pid, b in sizes.items())
     in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
     root = sum(b for pid, b in sizes.items() if pid not in in_layers and pid not in quantized)
     layer = max((sum(sizes[id(p)] for p in lay.parameters() if id(p) not in quantized) for lay in decoder_layers(model)),
                 default=0)
-    return int(resident), int(root + layer)
+    return int(resident), int(root), int(layer)
+
+
+def weights_per_rank(model: nn.Module, shard_size: int, *, scheme: str = "none", group_size: int = 128,
+                     include_lm_head: bool = False, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
+    """``(resident bytes per rank, peak bytes gathered during a forward)`` of ``model`` (a meta skeleton) under
+    ``scheme`` and ``shard_size`` (see :mod:`distperp_harness.sharding` for the layout). The root group
+    (embeddings, final norm, head) stays gathered for a whole batch; a decoder layer counts twice while gathered:
+    FSDP2 all-gathers into one flat buffer and then copies each parameter out of it."""
+    resident, root, layer = _parts(model, shard_size, scheme=scheme, group_size=group_size,
+                                   include_lm_head=include_lm_head, device=device)
+    return resident, root + 2 * layer
 
 
 def estimate(options: Options, model: nn.Module, reference: nn.Module | None, shard_size: int, max_length: int,
              device: torch.device, batch_rows: int | None = None) -> Need:
-    """What one rank needs (module doc); ``model``/``reference`` are meta skeletons in their load dtypes."""
-    from distperp_harness.scoring import chunk_elements
+    """What one rank needs (module doc); ``model``/``reference`` are meta skeletons in their load dtypes.
 
-    kept, gathered = weights_per_rank(model, shard_size, scheme=options.quantize, group_size=options.group_size,
-                                      include_lm_head=options.quantize_lm_head, device=device)
-    ref_kept, ref_gathered = (0, 0) if reference is None else weights_per_rank(reference, shard_size)
+    Gathered: both roots (held for the whole batch) plus twice the largest decoder layer of either (the model's
+    layers are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each
+    model's compute dtype and attention implementation, for ``rows`` full-length rows. Logits:
+    :func:`~distperp_harness.scoring.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when sharded on CUDA
+    (gloo's buffers on CPU are negligible).
+    """
+    from distperp_harness.scoring import chunk_bytes
+
+    kept, root, layer = _parts(model, shard_size, scheme=options.quantize, group_size=options.group_size,
+                               include_lm_head=options.quantize_lm_head, device=device)
+    ref_kept, ref_root, ref_layer = (0, 0, 0) if reference is None else _parts(reference, shard_size)
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
-    activations = rows * max_length * per_token + 2 * 4 * chunk_elements(device.type)
-    return Need(kept, ref_kept, gathered + ref_gathered, activations)
+    vocab = max(int(getattr(m.config, "vocab_size", 0) or 0) for m in (model, reference) if m is not None)
+    logits = chunk_bytes(device.type, _dtype(model), _dtype(reference) if reference is not None else None,
+                         positions=rows * max_length, vocab=vocab)
+    comm = COMM_MARGIN_CUDA if device.type == "cuda" and shard_size > 1 else 0
+    return Need(kept, ref_kept, root + ref_root + 2 * max(layer, ref_layer), rows * max_length * per_token,
+                logits, comm)
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int) -> list[str]:

@@ -22,6 +22,7 @@ from distperp_harness import __version__
 from distperp_harness.collective import Collective
 from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
+from distperp_harness.failfast import fail_for_tests, stop_together
 from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
 from distperp_harness.loading import load_all
@@ -99,13 +100,38 @@ class DistPerpLM(TemplateLM):
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
             pad_token_id=self.tokenizer.pad_token_id,
             unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0))
-        _ = self.prefix_token_id  # fail now, not mid-run, if there is no token to condition on
+        self._check_prefix_token()  # fail now, not mid-run, if there is no (valid) token to condition on
+        self.warnings = self._quantization_warnings()
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
         self.sharing, self.sharing_fallback, self.row_budget_reason = self._sharing()
         self.load_seconds = time.perf_counter() - t0
+
+    def _check_prefix_token(self) -> None:
+        """``prefix_token_id`` (given, or the tokenizer's BOS/EOS) must index every model's embeddings: else it
+        would load, then fail at the first batch (an ``IndexError``; a device-side assert on CUDA)."""
+        token = self.prefix_token_id
+        models = [m for m in (self._model, self.reference) if m is not None]
+        rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
+        if not 0 <= token < rows:
+            given = "prefix_token_id" if self.options.prefix_token_id is not None else "the tokenizer's BOS/EOS id"
+            raise ValueError(f"{given}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
+                             f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")
+
+    def _quantization_warnings(self) -> list[str]:
+        """The quantization report's warnings (logged, and recorded in the results); with a reference, what a
+        comparison against an unquantized model then measures."""
+        warnings = list(self.quant_report.warnings) if self.quant_report else []
+        if warnings and self.reference is not None:
+            warnings.append(
+                f"reference={self.options.reference}: with no layer quantized, the comparison measures only the cast "
+                f"from the reference's {next(self.reference.parameters()).dtype} to the model's "
+                f"{next(self._model.parameters()).dtype}, not quantization.")
+        for line in warnings:
+            log.warning(line, main_process_only=True)
+        return warnings
 
     def _sharing(self) -> tuple[Sharing, str | None, str | None]:
         """How ``loglikelihood`` units share rows, why tree rows are off when the model cannot take them, and how
@@ -210,28 +236,35 @@ class DistPerpLM(TemplateLM):
                 for _ in range(forward_calls(shared)):
                     self._idle_forward()
             return saved
-        try:
-            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
-                scores = score_batch(self._model, rows, device=self._device, shared=shared,
-                                     pad_token_id=self.tokenizer.pad_token_id, reference=self.reference,
-                                     between_forwards=functools.partial(regather, self._model, self.reference))
-        except NonFiniteLogitsError as exc:
-            where = "; ".join(f"the window {self.tok_decode(list(rows[r].root[:24]))!r}... "
-                              f"({rows[r].length} tokens)" for r in exc.rows[:3])
-            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
-                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
+        with stop_together(self.collective, self._device):  # an error here stops every rank, naming this one
+            fail_for_tests(self.rank)
+            scores = self._forward(rows, shared)
         if self.store:
             self.store.save(rows, scores)
         fault_for_tests(self.rank)
         return scores
 
+    def _forward(self, rows, shared: int = 0):
+        try:
+            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
+                return score_batch(self._model, rows, device=self._device, shared=shared,
+                                   pad_token_id=self.tokenizer.pad_token_id, reference=self.reference,
+                                   between_forwards=functools.partial(regather, self._model, self.reference))
+        except NonFiniteLogitsError as exc:
+            where = "; ".join(f"the window {self.tok_decode(list(rows[r].root[:24]))!r}... "
+                              f"({rows[r].length} tokens)" for r in exc.rows[:3])
+            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
+                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
+
     def _idle_forward(self) -> None:
         """A forward of a one-token batch whose result is dropped: what a rank with fewer batches than others of
         its shard group runs, so that every rank of the group makes the same gathers."""
         pad = self.tokenizer.pad_token_id
-        with naming_failures(self.collective, True), gathered(self._model, self.reference):
-            score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
-                        reference=self.reference)
+        with stop_together(self.collective, self._device):
+            fail_for_tests(self.rank)
+            with naming_failures(self.collective, True), gathered(self._model, self.reference):
+                score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
+                            reference=self.reference)
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
         refuse_generation_tasks(self.shard_size, evaluator_tasks())  # every rank sees the same tasks
@@ -381,6 +414,7 @@ class DistPerpLM(TemplateLM):
                                             self.collective.world_size),
                 "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
                 "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
+                "warnings": self.warnings,
             },
         }
         return info

@@ -109,8 +109,9 @@ def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = No
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
+        extra = {"attn_implementation": options.attn_implementation} if options.attn_implementation else {}
         return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                             trust_remote_code=options.trust_remote_code)
+                                                             trust_remote_code=options.trust_remote_code, **extra)
 
 
 def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):

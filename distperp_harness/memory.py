@@ -12,21 +12,44 @@ import torch
 
 
 def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
-    """Conservative bytes of live activations per input token during one forward pass and scoring (no KV cache).
+    """Bytes of live activations per input token during one forward pass and scoring (no KV cache), in the
+    model's compute dtype (``w`` bytes) and for its attention implementation.
 
-    One layer's transients at a time (residual stream, q/k/v and attention output, the MLP's three intermediates,
-    and eager attention scores over ``max_length`` keys), in float32 whatever the model dtype, doubled for the
-    residual stream, norms and allocator slack; plus scoring's per-position vectors (features, indices, float64
-    log-probs).
+    One decoder layer's transients at a time, the larger of its two halves: attention (residual and normed input,
+    q/k/v, the rotary embedding's copies of q and k, attention output and projection) and MLP (residual and normed
+    input, gate activation, up projection, their product, the down projection); eager attention adds its scores
+    over ``max_length`` keys (in ``w``, a float32 softmax and the cast back), which sdpa/flash kernels do not
+    hold. Plus scoring's per position: the last hidden state and the gathered features (``w`` each), the indices,
+    target and float64 results (64 bytes). Not counted: logits chunks (:func:`~distperp_harness.scoring.chunk_bytes`).
     """
     config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(config, "hidden_size", 1024) or 1024)
     inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 16) or 16)
-    width = 4
-    per_layer = width * (6 * hidden + 3 * inter) + width * heads * max_length
-    scoring = width * 2 * hidden + 8 * 4
-    return int(per_layer * 2 + scoring + tree_mask_bytes_per_token(max_length))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    width = compute_dtype_bytes(model)
+    attention = 2 * hidden + (heads + 2 * kv_heads) * head_dim + (heads + kv_heads) * head_dim + 2 * hidden
+    mlp = 2 * hidden + 3 * inter + hidden
+    per_layer = width * max(attention, mlp)
+    if getattr(config, "_attn_implementation", None) == "eager":
+        per_layer += heads * max_length * (2 * width + 4)
+    scoring = 2 * width * hidden + 64
+    return int(per_layer + scoring + tree_mask_bytes_per_token(max_length))
+
+
+def compute_dtype_bytes(model: torch.nn.Module) -> int:
+    """Element size of the dtype activations are computed in: the input embeddings' (torchao keeps them, and
+    quantized linears compute in that dtype), else the first floating-point parameter's."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.element_size()
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.element_size()
+    return 4
 
 
 MAX_ROW_FACTOR = 4

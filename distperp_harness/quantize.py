@@ -282,10 +282,23 @@ class QuantReport:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of every field (lists for tuples)."""
+        """JSON-ready dict of every field (lists for tuples), plus ``warnings``."""
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out.update(quantized=list(self.quantized), skipped=dict(self.skipped), notes=list(self.notes))
+        out.update(quantized=list(self.quantized), skipped=dict(self.skipped), notes=list(self.notes),
+                   warnings=self.warnings)
         return out
+
+    @property
+    def warnings(self) -> list[str]:
+        """A quantize setting that quantized no layer (e.g. every shape indivisible by ``group_size``)."""
+        if self.config_name is None or self.quantized:
+            return []
+        reasons = collections.Counter(self.skipped.values())
+        why = "; ".join(f"{n}x {reason}" for reason, n in reasons.most_common(3))
+        return [f"quantize={self.scheme}{'' if self.group_size is None else f',group_size={self.group_size}'} "
+                f"quantized no layer: all {len(self.skipped)} Linear layers were skipped ({why}); the model runs in "
+                f"{self.model_dtype}, unquantized. Fix: a group_size that divides the layers' input widths, or "
+                f"another scheme."]
 
     def summary(self) -> str:
         """One line for the rank-0 log."""

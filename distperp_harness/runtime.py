@@ -9,15 +9,17 @@ memory, the requests or the world size — so the plan, and hence the bits, are 
 
     budget = pow2_floor((fraction * (total - resident weights) - logits chunks) / activation bytes per token)
 
-with ``resident weights`` the model's and the reference's stored bytes, the activation bytes a conservative
-estimate (:func:`activation_bytes_per_token`: float32 transients of one layer, eager attention scores), and
+with ``resident weights`` the model's and the reference's stored bytes, the logits chunks
+:func:`~distperp_harness.scoring.chunk_bytes`, the activation bytes :func:`activation_bytes_per_token` (one
+layer's transients in the compute dtype; eager attention's scores only with eager attention), and
 ``fraction`` 1/2 on CUDA (the allocator's fragmentation and the CUDA context take part of the rest) and 1/4 on CPU
 (the other processes of the node share the memory). On CPU the budget is also capped at ``_CPU_MAX_TOKENS``:
 beyond that a larger batch no longer computes faster (see :data:`_CPU_MAX_TOKENS`).
 
 Rank 0 chooses; every rank then *checks* that it can hold that budget (:func:`check_budget`): on CUDA by running
-a full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU by the
-estimate against available memory. A rank that cannot hold it stops the run at start, naming itself.
+a full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU and
+with sharded weights by the estimate against available memory (a sharded probe that ran out of memory on one rank
+would leave its group's other ranks waiting in a gather, so no verdict could be gathered). A rank that cannot hold it stops the run at start, naming itself.
 
 lm-eval's ``auto:N`` re-detects a row count N times while the sorted requests get shorter. A token budget already
 gives shorter units more rows, so distperp detects once and treats ``auto:N`` as ``auto`` (logged).
@@ -122,26 +124,32 @@ def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, 
                   device_type: str = "cpu", resident_bytes: int = 0, reference: torch.nn.Module | None = None) -> int:
     """The token budget of ``batch_size=auto`` (module doc): a pure function of the model(s), ``device_type`` and
     ``total_bytes``; ``resident_bytes`` are the stored weights of the model and the reference."""
-    from distperp_harness.scoring import chunk_elements
+    from distperp_harness.scoring import chunk_bytes
 
     fraction = _MEMORY_FRACTION.get(device_type, _MEMORY_FRACTION["cpu"])
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
-    usable = int(fraction * max(0, total_bytes - resident_bytes)) - 2 * 4 * chunk_elements(device_type)
+    logits = chunk_bytes(device_type, _dtype(model), _dtype(reference) if reference is not None else None)
+    usable = int(fraction * max(0, total_bytes - resident_bytes)) - logits
     tokens = usable // max(1, per_token)
     if device_type == "cpu":
         tokens = min(tokens, _CPU_MAX_TOKENS)
     return clamp_budget(tokens, max_length, max_batch_size)
 
 
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def check_budget(budget: int, max_length: int, device: torch.device, *, free_bytes: int,
-                 probe: Probe | None = None, bytes_per_token: int = 0) -> str | None:
+                 probe: Probe | None = None, bytes_per_token: int = 0, fixed_bytes: int = 0) -> str | None:
     """``None`` when this rank can hold ``budget`` tokens per batch, else the reason it cannot.
 
     CUDA: ``probe(budget)`` (a full-length worst-case batch) must run without running out of memory and peak
-    below ``free_bytes`` (free before it). CPU: ``budget * bytes_per_token`` must fit ``free_bytes``.
+    below ``free_bytes`` (free before it). CPU (and no probe): ``budget * bytes_per_token + fixed_bytes`` (the
+    logits chunks) must fit ``free_bytes``.
     """
     if device.type != "cuda" or probe is None:
-        need = budget * bytes_per_token
+        need = budget * bytes_per_token + fixed_bytes
         if need > free_bytes:
             return f"a batch needs about {need / 2**30:.2f} GiB, {free_bytes / 2**30:.2f} GiB is available"
         return None
@@ -278,10 +286,17 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
     if batching.token_budget is None:
         return batching
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
+    # With sharded weights a probe that runs out of memory on one rank mid-forward leaves the rest of its group
+    # waiting in a gather that never comes: no verdict could be gathered. The estimate alone decides there.
+    from distperp_harness.sharding import is_sharded
+
     probe = (scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
-             if device.type == "cuda" else None)
+             if device.type == "cuda" and not is_sharded(model) else None)
+    from distperp_harness.scoring import chunk_bytes
+
+    logits = chunk_bytes(device.type, _dtype(model), _dtype(reference) if reference is not None else None)
     problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
-                           bytes_per_token=per_token)
+                           bytes_per_token=per_token, fixed_bytes=logits)
     problems = collective.all_gather_object((problem, str(device)), "check the batch budget")
     bad = [f"rank {rank} ({where}): {why}" for rank, (why, where) in enumerate(problems) if why]
     if bad:

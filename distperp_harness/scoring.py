@@ -8,6 +8,11 @@ position: ``log p(target) = logit[target] - logsumexp(logits)`` with the log-sum
 and the subtraction and all sums in float64; the greedy flag is ``argmax == target``. With a reference model
 the same positions also give KL(reference || model) (float64), the reference's log-prob and top-1 agreement.
 
+Memory per chunk of logits (what :func:`chunk_bytes` counts and the memory estimate uses): the head's output in
+the model dtype plus its float32 copy when that dtype is narrower; with a reference the same for the reference's
+head, plus the KL's float64 work space, two buffers of half a chunk's rows each: one float64 per logit of the chunk
+(:func:`_kl_`). With a reference the chunk holds half the positions.
+
 Results depend only on the batch's content, never on which process computes it.
 """
 
@@ -41,9 +46,30 @@ _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
 _HOST_DEVICE_TYPES = ("cpu",)
 
 
-def chunk_elements(device_type: str) -> int:
-    """Logits computed at once per chunk on a device of ``device_type``."""
-    return _CHUNK_ELEMENTS.get(device_type, _CHUNK_ELEMENTS["cpu"])
+def chunk_elements(device_type: str, with_reference: bool = False) -> int:
+    """Logits computed at once per chunk on a device of ``device_type`` (half as many with a reference: each
+    position then also holds the reference's logits and the KL's float64 work space)."""
+    return _CHUNK_ELEMENTS.get(device_type, _CHUNK_ELEMENTS["cpu"]) // (2 if with_reference else 1)
+
+
+def _logit_bytes(dtype: torch.dtype) -> int:
+    """Bytes per logit of a head computing in ``dtype``: its output, plus the float32 copy when narrower."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return size + (4 if size < 4 else 0)
+
+
+def chunk_bytes(device_type: str, dtype: torch.dtype, reference_dtype: torch.dtype | None = None, *,
+                positions: int | None = None, vocab: int | None = None) -> int:
+    """Bytes the chunk loop of :func:`score_batch` holds at its peak, besides the features (module doc):
+    ``elements * (logit bytes of the model [+ of the reference + 8 for the KL])``, with ``elements`` a whole
+    chunk, or fewer when a batch scores only ``positions`` positions of a ``vocab``-sized vocabulary."""
+    per_logit = _logit_bytes(dtype)
+    if reference_dtype is not None:
+        per_logit += _logit_bytes(reference_dtype) + 8
+    elements = chunk_elements(device_type, reference_dtype is not None)
+    if positions is not None and vocab:
+        elements = min(elements, max(1, elements // vocab) * vocab, positions * vocab)
+    return elements * per_logit
 
 
 class NonFiniteLogitsError(ValueError):
@@ -169,9 +195,36 @@ def _is_first_argmax(logits: torch.Tensor, target_logit: torch.Tensor, top: torc
     return greedy
 
 
-def _chunks(n: int, vocab: int, device_type: str = "cpu") -> list[tuple[int, int]]:
-    step = max(1, chunk_elements(device_type) // max(1, vocab))
+def _chunks(n: int, vocab: int, device_type: str = "cpu", with_reference: bool = False) -> list[tuple[int, int]]:
+    step = max(1, chunk_elements(device_type, with_reference) // max(1, vocab))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _lse64_(x: torch.Tensor) -> torch.Tensor:
+    """Float64 log-sum-exp of each row of the float64 ``x``, computed in place (``x`` is overwritten)."""
+    top = x.amax(dim=-1, keepdim=True)
+    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+
+
+def _kl_(ref_logits: torch.Tensor, logits: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """KL(reference || model) per row, float64: ``E_ref[r - m] + lse(m) - lse(r)`` with ``r``, ``m`` the rows'
+    logits, every step in float64. ``work``: two float64 buffers of ``[block, vocab]``; rows go through in blocks
+    of ``block``, so the KL needs no memory beyond them (``work`` is overwritten)."""
+    a_buf, b_buf = work
+    n, step = ref_logits.shape[0], a_buf.shape[0]
+    out = torch.empty(n, dtype=torch.float64, device=ref_logits.device)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        a, b = a_buf[: j - i], b_buf[: j - i]
+        lse_m = _lse64_(b.copy_(logits[i:j]))
+        top_r = a.copy_(ref_logits[i:j]).amax(dim=-1, keepdim=True)
+        weights = a.sub_(top_r).exp_()  # exp(r - max r): the reference's probabilities times its partition sum
+        total = weights.sum(dim=-1)
+        lse_r = total.log() + top_r.squeeze(-1)  # as _lse64_ does it: a model against itself gives exactly 0
+        mean_r = torch.bmm(weights.unsqueeze(1), b.copy_(ref_logits[i:j]).unsqueeze(2)).view(-1)
+        mean_m = torch.bmm(weights.unsqueeze(1), b.copy_(logits[i:j]).unsqueeze(2)).view(-1)
+        out[i:j] = (mean_r - mean_m) / total + lse_m - lse_r
+    return out
 
 
 @torch.no_grad()
@@ -199,7 +252,7 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     ids, rows, cols, targets, packing = _layout(batch_rows, pad_token_id, device, shared)
 
     n = len(targets)
-    chunks = _chunks(n, _vocab_size(model), device.type)
+    chunks = _chunks(n, _vocab_size(model), device.type, reference is not None)
     chunk_rows = max(b - a for a, b in chunks) if chunks else 1
     models = [m for m in (model, reference) if m is not None]
     # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
@@ -223,6 +276,8 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
         ref_logprob = torch.empty(n, dtype=torch.float64, device=device)
         kl = torch.empty(n, dtype=torch.float64, device=device)
         top1 = torch.empty(n, dtype=torch.bool, device=device)
+        block = (chunk_rows + 1) // 2  # two float64 buffers of half a chunk: one float64 per logit
+        work = tuple(torch.empty(block, _vocab_size(reference), dtype=torch.float64, device=device) for _ in "ab")
     for a, b in chunks:
         logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: _logsumexp_ overwrites it
         tgt = targets[a:b].unsqueeze(-1)
@@ -233,13 +288,12 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
         greedy[a:b] = _is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
         if reference is not None:
             ref_logits = ref_to_logits(ref_feats[a:b])
-            lp = torch.log_softmax(logits.double(), dim=-1)
-            ref_lp = torch.log_softmax(ref_logits.double(), dim=-1)
-            # Same recipe as the model's log-prob (float32 log-sum-exp, float64 difference): comparable sums.
-            ref_logprob[a:b] = ref_logits.gather(-1, tgt).squeeze(-1).double() - torch.logsumexp(
-                ref_logits, dim=-1).double()
-            kl[a:b] = (ref_lp.exp() * (ref_lp - lp)).sum(dim=-1)
+            kl[a:b] = _kl_(ref_logits, logits, work)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
+            # Same recipe as the model's log-prob (float32 log-sum-exp, float64 difference): comparable sums.
+            # In place, last: it overwrites ref_logits (bit for bit torch.logsumexp, see _logsumexp_).
+            ref_target = ref_logits.gather(-1, tgt).squeeze(-1).double()
+            ref_logprob[a:b] = ref_target - _logsumexp_(ref_logits, ref_logits.amax(dim=-1)).double()
         logprob[a:b] = target_logit.double() - _logsumexp_(logits, top).double()
     if n and not bool(finite.all()):
         bad = (~finite).nonzero().flatten()

@@ -177,26 +177,6 @@ def regather(*models: nn.Module | None) -> None:
         m.unshard()
 
 
-def gathered_bytes(model: nn.Module | None) -> int:
-    """Bytes a sharded model gathers on top of its shards while scoring: the root's group (held for a whole
-    batch by :func:`gathered`) plus the largest decoder layer (gathered during its forward). 0 when unsharded."""
-    if not is_sharded(model):
-        return 0
-
-    def full(params) -> int:
-        return sum(p.numel() * p.element_size() for p in params if not is_tensor_subclass(p) or _is_dtensor(p))
-
-    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
-    root = full(p for p in model.parameters() if id(p) not in in_layers)
-    return root + max((full(layer.parameters()) for layer in decoder_layers(model)), default=0)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _is_distributed_failure(exc: BaseException) -> bool:
     """A broken collective (gloo/NCCL error, peer gone, timeout), as opposed to an error of this rank's own."""
     import torch.distributed as dist

@@ -106,3 +106,20 @@ def test_ranks_with_different_configurations_are_refused(tiny_model_dir, tmp_pat
     proc = run_command([*accelerate_launch_prefix(2), str(script)], cwd=tmp_path, check=False, timeout=180)
     assert proc.returncode != 0
     assert "rank 1 does not run what rank 0 runs: options.max_length: 32 on rank 0 vs 33" in proc.stdout + proc.stderr
+
+
+def test_a_prefix_token_outside_the_vocabulary_fails_at_start(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"prefix_token_id=99999 is not a token of this model: its embeddings hold "
+                                         r"ids 0\.\.\d+\. Fix: pass prefix_token_id=<an id below \d+>"):
+        make_lm(tiny_model_dir, ",device=cpu,prefix_token_id=99999")
+
+
+def test_a_quantize_setting_that_quantizes_no_layer_is_a_recorded_warning(tiny_model_dir):
+    lm = make_lm(tiny_model_dir, ",device=cpu,quantize=int4,group_size=256,reference=base")
+    info = lm.get_model_info()["distperp"]
+    assert info["quantization"]["quantized"] == []
+    assert any("quantized no layer" in w for w in info["quantization"]["warnings"])
+    assert [w for w in info["warnings"] if "quantized no layer" in w]
+    assert [w for w in info["warnings"] if "the comparison measures only the cast" in w]
+    fine = make_lm(tiny_model_dir, ",device=cpu,quantize=int4,group_size=32").get_model_info()["distperp"]
+    assert fine["warnings"] == [] and fine["quantization"]["warnings"] == []

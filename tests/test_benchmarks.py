@@ -78,3 +78,14 @@ def test_shard_check_dry_mode_on_cpu(tmp_path):
     assert (whole["shard_size"], sharded["shard_size"]) == (1, 2)
     assert sharded["same"] == "equal" and sharded["fingerprint"] == whole["fingerprint"]
     assert sharded["ratio"] <= 0.6 and sharded["replicated"] > 0
+
+
+def test_gpu_all_dry_mode_on_cpu(tmp_path):
+    """The one command a GPU owner runs, in its CPU dry mode: one table file, every check passed."""
+    out = tmp_path / "gpu_all.md"
+    proc = run_command(["bash", BENCHMARKS / "gpu_all.sh", "--device", "cpu", "--out", out], cwd=REPO_ROOT,
+                       timeout=900, env={"PYTHON": sys.executable})
+    text = out.read_text()
+    assert "## gpu_check" in text and "## shard_check" in text and "FAILED" not in text, proc.stdout[-3000:]
+    assert text.count("passed") == 2
+    assert "| int4 |" in text and "| 14/14 |" in text  # the dry-run model quantizes every decoder Linear
