@@ -57,9 +57,10 @@ MAX_ROW_FACTOR = 4
 
 
 def tree_mask_bytes_per_token(max_length: int) -> int:
-    """The tree attention mask's bytes per query token: one float per key of the longest row
-    (``MAX_ROW_FACTOR * max_length``; sdpa on CPU and eager attention take the boolean mask as additive floats)."""
-    return 4 * MAX_ROW_FACTOR * max_length
+    """The tree attention mask's bytes per query token in a row of ``max_length`` tokens: one float per key (sdpa on
+    CPU and eager attention take the boolean mask as additive floats). Rows ``m`` times longer (``batch_size=auto``,
+    :func:`distperp_harness.runtime.row_budget`) hold ``m`` times fewer rows per batch and ``m`` times this."""
+    return 4 * max_length
 
 
 def _cgroup_memory() -> tuple[int, int] | None:
