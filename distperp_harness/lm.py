@@ -25,18 +25,18 @@ from distperp_harness.devices import device_identity, find_disagreement, find_sh
 from distperp_harness.failfast import fail_for_tests, stop_together
 from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
-from distperp_harness.loading import load_all
+from distperp_harness.loading import check_prefix_token, load_all
 from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
 from distperp_harness.progress import setup_logging, token_progress
-from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks
+from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.quantize import weight_bytes
 from distperp_harness.requests import Unit, continuation_unit, window_units
 from distperp_harness.resume import BatchStore, fault_for_tests
 from distperp_harness.results import Score
-from distperp_harness.runtime import agree_on_batching, attention_coefficient, generation_rows, head_coefficient, \
-    row_budget
+from distperp_harness.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
+    head_coefficient
 from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, packed_rows_unsupported, score_batch
 from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
@@ -100,53 +100,20 @@ class DistPerpLM(TemplateLM):
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
             pad_token_id=self.tokenizer.pad_token_id,
             unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0))
-        self._check_prefix_token()  # fail now, not mid-run, if there is no (valid) token to condition on
-        self.warnings = self._quantization_warnings()
+        # fail now, not mid-run, if there is no (valid) token to condition on
+        check_prefix_token(self.prefix_token_id, [m for m in (self._model, self.reference) if m is not None],
+                           given=self.options.prefix_token_id is not None)
+        self.warnings = quantization_warnings(self.quant_report, self.options.reference, self._model, self.reference)
+        for line in self.warnings:
+            log.warning(line, main_process_only=True)
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
-        self.sharing, self.sharing_fallback, self.row_budget_reason = self._sharing()
+        self.sharing, self.sharing_fallback, self.row_budget_reason = choose_sharing(
+            self.options.share_prefix, [m for m in (self._model, self.reference) if m is not None], self.batching,
+            self._max_length)
         self.load_seconds = time.perf_counter() - t0
-
-    def _check_prefix_token(self) -> None:
-        """``prefix_token_id`` (given, or the tokenizer's BOS/EOS) must index every model's embeddings: else it
-        would load, then fail at the first batch (an ``IndexError``; a device-side assert on CUDA)."""
-        token = self.prefix_token_id
-        models = [m for m in (self._model, self.reference) if m is not None]
-        rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
-        if not 0 <= token < rows:
-            given = "prefix_token_id" if self.options.prefix_token_id is not None else "the tokenizer's BOS/EOS id"
-            raise ValueError(f"{given}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
-                             f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")
-
-    def _quantization_warnings(self) -> list[str]:
-        """The quantization report's warnings (logged, and recorded in the results); with a reference, what a
-        comparison against an unquantized model then measures."""
-        warnings = list(self.quant_report.warnings) if self.quant_report else []
-        if warnings and self.reference is not None:
-            warnings.append(
-                f"reference={self.options.reference}: with no layer quantized, the comparison measures only the cast "
-                f"from the reference's {next(self.reference.parameters()).dtype} to the model's "
-                f"{next(self._model.parameters()).dtype}, not quantization.")
-        for line in warnings:
-            log.warning(line, main_process_only=True)
-        return warnings
-
-    def _sharing(self) -> tuple[Sharing, str | None, str | None]:
-        """How ``loglikelihood`` units share rows, why tree rows are off when the model cannot take them, and how
-        the row budget was chosen."""
-        if not self.options.share_prefix:
-            return Sharing("off"), None, None
-        models = [m for m in (self._model, self.reference) if m is not None]
-        why = next((r for r in (packed_rows_unsupported(m, self._max_length) for m in models) if r), None)
-        if why is not None:
-            log.info(f"shared-prefix rows are off: {why}; units with the same input still share a row, every other "
-                     "answer gets a row of its own", main_process_only=True)
-            return Sharing("inputs", self._max_length), why, None
-        tokens, how = row_budget(self.batching, self._max_length, attention_coefficient(self._model))
-        log.info(f"tree rows of at most {tokens} tokens ({how})", main_process_only=True)
-        return Sharing("prefix", tokens), None, how
 
     def _run_identity(self) -> dict:
         """What every rank must share for results to be one computation: options, versions, device identity."""

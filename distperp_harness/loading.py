@@ -222,3 +222,14 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
                          "Fix: lower stride or set max_length.")
     return Loaded(device, tokenizer, model, reference, report, model_bytes, max_length,
                   reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop())
+
+
+def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:
+    """``token`` (the prefix token id: ``given`` in ``--model_args``, or the tokenizer's BOS/EOS) must index every
+    model's embeddings: else it would load, then fail at the first batch (an ``IndexError``; a device-side assert on
+    CUDA). Raises ``ValueError`` naming the fix."""
+    rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
+    if not 0 <= token < rows:
+        what = "prefix_token_id" if given else "the tokenizer's BOS/EOS id"
+        raise ValueError(f"{what}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
+                         f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")

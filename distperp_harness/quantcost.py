@@ -332,3 +332,16 @@ class ReferenceComparison:
     def entries(self) -> dict[str, dict[str, Any]]:
         """``config.distperp.reference.tasks``: one entry per task (see :func:`task_entry`)."""
         return task_entries(list(self._records.values()))
+
+
+def quantization_warnings(report, reference_source: str | None, model: torch.nn.Module,
+                          reference: torch.nn.Module | None) -> list[str]:
+    """The quantization report's warnings (recorded in the results) and, with a reference, what a comparison against
+    an unquantized model then measures."""
+    warnings = list(report.warnings) if report else []
+    if warnings and reference is not None:
+        warnings.append(
+            f"reference={reference_source}: with no layer quantized, the comparison measures only the cast from the "
+            f"reference's {next(reference.parameters()).dtype} to the model's {next(model.parameters()).dtype}, not "
+            "quantization.")
+    return warnings

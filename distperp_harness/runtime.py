@@ -306,3 +306,22 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
             f"it: {'; '.join(bad)}. Another process may be using that device's memory. Fix: free it, or pass "
             f"batch_size=N (rows per batch) or a smaller max_batch_size.")
     return batching
+
+
+def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: Batching,
+                   max_length: int) -> tuple["Sharing", str | None, str | None]:
+    """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any), why tree rows are off
+    when a model cannot take their mask, and how the row budget was chosen (both logged on rank 0)."""
+    from distperp_harness.pipeline import Sharing
+    from distperp_harness.scoring import packed_rows_unsupported
+
+    if not share_prefix:
+        return Sharing("off"), None, None
+    why = next((r for r in (packed_rows_unsupported(m, max_length) for m in models) if r), None)
+    if why is not None:
+        _log_main("shared-prefix rows are off: %s; units with the same input still share a row, every other answer "
+                  "gets a row of its own", why)
+        return Sharing("inputs", max_length), why, None
+    tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
+    _log_main("tree rows of at most %d tokens (%s)", tokens, how)
+    return Sharing("prefix", tokens), None, how
