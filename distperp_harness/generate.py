@@ -162,7 +162,8 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
                      min_shared_tokens=setup.min_shared_tokens, world_size=collective.world_size,
                      seconds=time.perf_counter() - start_time)
     log.info(f"generate_until: {record['requests']} requests, {record['jobs']} generations "
-             f"({record['sampled_jobs']} sampled, seed {seed}) in {record['batches']} batches; "
+             f"({record['sampled_jobs']} sampled{f', seed {seed}' if record['sampled_jobs'] else ''}) in "
+             f"{record['batches']} batches; "
              f"{record['shared_batches']} started from a shared prefix (>= {setup.min_shared_tokens} tokens); "
              f"prompt tokens computed {record['computed_prompt_tokens']} of {record['prompt_tokens']} "
              f"({record['computed_prompt_tokens_per_job']:.0f} per generation) in {record['total_seconds']:.1f} s",
