@@ -221,11 +221,24 @@ def _cache_argument(model: torch.nn.Module) -> str:
 
 
 def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
-    """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows."""
+    """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows; ``None`` (logged once) when the
+    model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, which
+    the ``[prefix][pad...][suffix]`` layout allows as it stands."""
     out = model(input_ids=prefix, use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = getattr(out, "cache", None)
+    if cache is None:  # transformers before the rename
+        cache = out.past_key_values
+    if not hasattr(cache, "batch_repeat_interleave") or any(getattr(cache, "is_linear", None) or ()):
+        if not _UNSHAREABLE:
+            _UNSHAREABLE.append(type(cache).__name__)
+            log.info(f"generation: the model's {type(cache).__name__} cannot start rows from a shared prefix; "
+                     "batches are computed whole", main_process_only=True)
+        return None
     cache.batch_repeat_interleave(rows)
     return cache
+
+
+_UNSHAREABLE: list[str] = []
 
 
 @torch.no_grad()
@@ -260,8 +273,9 @@ def _generate_batch(setup: GenerationSetup, jobs: Sequence[Job]) -> tuple[dict[s
     max_length = kwargs.pop("max_length", width + max_gen_toks)
     forked = [setup.device] if setup.device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
-        if shared:
-            extra[_cache_argument(setup.model)] = _prefix_cache(setup.model, ids[:1, :shared], len(jobs))
+        cache = _prefix_cache(setup.model, ids[:1, :shared], len(jobs)) if shared else None
+        if cache is not None:
+            extra[_cache_argument(setup.model)] = cache
         out = setup.model.generate(
             input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
             stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(jobs)),
@@ -269,6 +283,7 @@ def _generate_batch(setup: GenerationSetup, jobs: Sequence[Job]) -> tuple[dict[s
     texts = {job.key: postprocess_generated_text(tokenizer.decode(row[width:].tolist(), skip_special_tokens=True),
                                                  until, None)
              for job, row in zip(jobs, out)}
+    shared = shared if cache is not None else 0
     stats = {"rows": len(jobs), "shared_tokens": shared, "prompt_tokens": sum(len(p) for p in prompts),
              "computed_prompt_tokens": shared + len(jobs) * suffix_width if shared else len(jobs) * width}
     return texts, stats

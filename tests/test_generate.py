@@ -153,3 +153,20 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
     assert a == b and a[0] != a[1] and c != a
     record = lm.stats.calls[-1]
     assert record["kind"] == "generate_until" and record["seed"] == 6 and record["jobs"] == 2
+
+
+def test_a_cache_that_cannot_be_repeated_computes_batches_whole(peaked_dir, collective, sample_text_path,
+                                                                 monkeypatch):
+    from transformers import DynamicCache
+
+    from distperp_harness import generate as gen
+
+    model, tokenizer = _load(peaked_dir)
+    args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]
+    expected = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args)
+    owner = next(c for c in DynamicCache.__mro__ if "batch_repeat_interleave" in vars(c))
+    monkeypatch.delattr(owner, "batch_repeat_interleave")
+    monkeypatch.setattr(gen, "_UNSHAREABLE", [])
+    calls = []
+    assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected  # middle pads, no cache
+    assert calls[0]["shared_batches"] == 0 and gen._UNSHAREABLE == ["DynamicCache"]
