@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{median['hf'] / median[name]:.2f}x |")
     print(f"\nidentical generations: {same}/{len(requests)}")
     print(f"distperp prompt tokens computed per generation: {call['computed_prompt_tokens_per_job']:.0f} "
-          f"(of {call['prompt_tokens'] / max(1, call['jobs']):.0f}); {call['shared_batches']}/{call['batches']} "
+          f"(of {call['prompt_tokens'] / max(1, call['jobs']):.0f}); "
+          f"{call['shared_batches']}/{call['generation_batches']} "
           f"batches from a shared prefix")
     for i, (a, b) in enumerate(zip(outputs["hf"], outputs["distperp"])):
         if a != b:

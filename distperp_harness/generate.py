@@ -133,7 +133,8 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     local_keys = _job_keys(args, identities)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
     everyone = collective.all_gather_object(
-        (seed, [(key, kwargs_key, sampled, ctx, kw) for (key, kwargs_key, sampled), (ctx, kw) in zip(local_keys, args)]),
+        (seed, [(key, kwargs_key, sampled, ctx, kw)
+                for (key, kwargs_key, sampled), (ctx, kw) in zip(local_keys, args)]),
         "gather prompts")
     seed = everyone[0][0]  # rank 0's, so every rank seeds alike
     jobs: dict[str, Job] = {}
@@ -163,27 +164,30 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
                      seconds=time.perf_counter() - start_time)
     log.info(f"generate_until: {record['requests']} requests, {record['jobs']} generations "
              f"({record['sampled_jobs']} sampled{f', seed {seed}' if record['sampled_jobs'] else ''}) in "
-             f"{record['batches']} batches; "
+             f"{record['generation_batches']} batches; "
              f"{record['shared_batches']} started from a shared prefix (>= {setup.min_shared_tokens} tokens); "
              f"prompt tokens computed {record['computed_prompt_tokens']} of {record['prompt_tokens']} "
-             f"({record['computed_prompt_tokens_per_job']:.0f} per generation) in {record['total_seconds']:.1f} s",
+             f"({record['computed_prompt_tokens_per_job']:.0f} per generation) in {record['seconds']:.1f} s",
              main_process_only=True)
     if calls is not None:
         calls.append(record)
     return [texts[key] for key, _, _ in local_keys]
 
 
-def _record(stats: list[dict], peaks: list[int], *, requests: int, jobs: Sequence[Job], seed: int, min_shared_tokens: int,
-            world_size: int, seconds: float) -> dict:
+def _record(stats: list[dict], peaks: list[int], *, requests: int, jobs: Sequence[Job], seed: int,
+            min_shared_tokens: int, world_size: int, seconds: float) -> dict:
+    """The call's record for ``config.distperp.calls`` (``seconds``, not ``total_seconds``: compare.py divides the
+    scoring calls' scored tokens by their total_seconds; ``generation_batches``, not ``batches``: resume counts
+    those). Computed prompt tokens count every position run through the model, pads included."""
     shared = sorted(s["shared_tokens"] for s in stats if s["shared_tokens"])
     computed = sum(s["computed_prompt_tokens"] for s in stats)
     return {"kind": "generate_until", "requests": requests, "jobs": len(jobs),
-            "sampled_jobs": sum(j.seed is not None for j in jobs), "seed": seed, "batches": len(stats),
+            "sampled_jobs": sum(j.seed is not None for j in jobs), "seed": seed, "generation_batches": len(stats),
             "shared_batches": len(shared), "min_shared_tokens": min_shared_tokens,
             "shared_tokens_min_max": [shared[0], shared[-1]] if shared else None,
             "prompt_tokens": sum(s["prompt_tokens"] for s in stats), "computed_prompt_tokens": computed,
             "computed_prompt_tokens_per_job": computed / max(1, len(jobs)), "world_size": world_size,
-            "total_seconds": seconds, "peak_memory_bytes_per_rank": peaks}
+            "seconds": seconds, "peak_memory_bytes_per_rank": peaks}
 
 
 def _batches(ordered: Sequence[Job], rows_for: Callable[[int], int], max_gen_toks: int) -> list[Batch]:

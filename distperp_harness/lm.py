@@ -192,8 +192,8 @@ class DistPerpLM(TemplateLM):
                                        activation_bytes=activation_bytes_per_token(self._model, self.max_length),
                                        kv_bytes=kv_cache_bytes_per_token(self._model)),
             seed=torch.initial_seed())  # lm-eval's --seed (its torch value) seeds sampled requests
-        outputs = generate(setup, [req.args for req in requests],
-                           identities=[(req.task_name, req.doc_id, req.idx) for req in requests], calls=self.stats.calls)
+        outputs = generate(setup, [req.args for req in requests], calls=self.stats.calls,
+                           identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
         for req, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return outputs

@@ -64,14 +64,15 @@ def test_greedy_from_a_shared_prefix_equals_left_padding(peaked_dir, collective,
     model, tokenizer = _load(peaked_dir, attn)
     prompts = _fewshot_prompts(sample_text_path)
     lengths = [len(tokenizer.encode(p)) for p in prompts]
-    assert len(set(lengths)) > 2 and min(lengths) - 1 > MIN_SHARED_TOKENS and max(lengths) <= 128 - 12  # pads between prefix and suffixes
+    assert len(set(lengths)) > 2  # pads between the prefix and the suffixes
+    assert min(lengths) - 1 > MIN_SHARED_TOKENS and max(lengths) <= 128 - 12
     args = [(p, dict(GREEDY)) for p in prompts]
     shared_calls, alone_calls = [], []
     shared = generate(_setup(model, tokenizer, collective), args, calls=shared_calls)
     alone = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args, calls=alone_calls)
     assert shared == alone and len(set(shared)) > 1 and all(shared)
     call, plain = shared_calls[0], alone_calls[0]
-    assert call["shared_batches"] == call["batches"] == 2 and plain["shared_batches"] == 0
+    assert call["shared_batches"] == call["generation_batches"] == 2 and plain["shared_batches"] == 0
     assert call["shared_tokens_min_max"][0] > MIN_SHARED_TOKENS
     assert call["prompt_tokens"] == plain["prompt_tokens"] == sum(lengths)
     assert call["computed_prompt_tokens"] < 0.6 * plain["computed_prompt_tokens"]  # two batches, two prefixes
