@@ -16,7 +16,8 @@ Cases:
   shared block once per batch and starts every row from its KV cache.
 
 Both models are built in-process from lm-eval's registry and called with the same ``Instance`` objects, alternating
-per repeat (rotated order). Prints the median and best wall time, generated tokens/s, prompt tokens (total and
+per repeat (rotated order). Prints the median and best wall time, the median process CPU time (steadier on a
+shared machine), generated tokens/s, prompt tokens (total and
 shared by all prompts), the prompt tokens distperp computed per generation, and how many generations are identical
 between the two.
 """
@@ -93,14 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     lms = {name: get_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
            for name in ("hf", "distperp")}
     seconds: dict[str, list[float]] = {name: [] for name in lms}
+    cpu: dict[str, list[float]] = {name: [] for name in lms}  # process CPU time: less hurt by a busy machine
     outputs: dict[str, list[str]] = {}
     names = list(lms)
     for repeat in range(args.repeats):
         for name in names[repeat % 2:] + names[: repeat % 2]:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             outputs[name] = lms[name].generate_until(requests, disable_tqdm=True)
             seconds[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
     median = {name: statistics.median(t) for name, t in seconds.items()}
+    cpu_median = {name: statistics.median(t) for name, t in cpu.items()}
     tokenizer = lms["distperp"].tokenizer
     generated = sum(len(tokenizer.encode(o)) for o in outputs["distperp"])
     same = sum(a == b for a, b in zip(outputs["hf"], outputs["distperp"]))
@@ -109,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.case}: {len(requests)} greedy prompts of {min(map(len, encoded))}-{max(map(len, encoded))} "
           f"tokens ({common_prefix(encoded)} shared by all), batch {args.batch_size}, max_length {args.max_length}, "
           f"up to {args.max_gen_toks} new tokens, {generated} generated tokens; {args.repeats} alternating repeats\n")
-    print("| model | median s | best s | generated tokens/s (median) | vs hf (median) |\n|---|---:|---:|---:|---:|")
+    print("| model | median s | best s | generated tokens/s (median) | vs hf (median) | median CPU s | vs hf (CPU) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
         print(f"| {name} | {median[name]:.2f} | {min(seconds[name]):.2f} | {generated / median[name]:.0f} | "
-              f"{median['hf'] / median[name]:.2f}x |")
+              f"{median['hf'] / median[name]:.2f}x | {cpu_median[name]:.2f} | "
+              f"{cpu_median['hf'] / cpu_median[name]:.2f}x |")
     print(f"\nidentical generations: {same}/{len(requests)}")
     print(f"distperp prompt tokens computed per generation: {call['computed_prompt_tokens_per_job']:.0f} "
           f"(of {call['prompt_tokens'] / max(1, call['jobs']):.0f}); "
