@@ -17,9 +17,8 @@ Cases:
 
 Both models are built in-process from lm-eval's registry and called with the same ``Instance`` objects, alternating
 per repeat (rotated order). Prints the median and best wall time, the median process CPU time (steadier on a
-shared machine), generated tokens/s, prompt tokens (total and
-shared by all prompts), the prompt tokens distperp computed per generation, and how many generations are identical
-between the two.
+shared machine), generated tokens/s, prompt tokens (total and shared by all prompts), the prompt tokens distperp
+computed per generation, and how many generations are identical between the two.
 """
 
 from __future__ import annotations
