@@ -188,8 +188,10 @@ class DistPerpLM(TemplateLM):
             max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
             rows_for=functools.partial(generation_rows, self.batching,
                                        activation_bytes=activation_bytes_per_token(self._model, self.max_length),
-                                       kv_bytes=kv_cache_bytes_per_token(self._model)))
-        outputs = generate(setup, [req.args for req in requests])
+                                       kv_bytes=kv_cache_bytes_per_token(self._model)),
+            seed=torch.initial_seed())  # lm-eval's --seed (its torch value) seeds sampled requests
+        outputs = generate(setup, [req.args for req in requests], calls=self.stats.calls,
+                           identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
         for req, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return outputs
