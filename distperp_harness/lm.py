@@ -144,8 +144,13 @@ class DistPerpLM(TemplateLM):
     # ------------------------------------------------------------------------- lm-eval request methods
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[Score, bool]]:
         """TemplateLM's tokenization and :meth:`_loglikelihood_tokens`, then the per-task reference comparison
-        (which needs the ``Instance``s that ``_loglikelihood_tokens`` no longer sees)."""
-        answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        (which needs the ``Instance``s that ``_loglikelihood_tokens`` no longer sees). Within the call, a context
+        shared by several answers is tokenized once (TemplateLM encodes it again for every answer)."""
+        self._encoded = {}
+        try:
+            answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._encoded = None
         self._compare(requests, [score for score, _ in answers])
         return answers
 
@@ -271,11 +276,18 @@ class DistPerpLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
         """Token ids of ``string``, with lm-eval ``hf``'s rules for special tokens (parity)."""
+        memo = getattr(self, "_encoded", None)
+        key = (string, add_special_tokens, left_truncate_len)
+        if memo is not None and key in memo and not kwargs:
+            return list(memo[key])
         special = _add_special_kwargs(add_special_tokens, self.options.add_bos_token)
         if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
             special["add_special_tokens"] = False
         encoding = self.tokenizer.encode(string, **special)
-        return encoding[-left_truncate_len:] if left_truncate_len else encoding
+        encoding = encoding[-left_truncate_len:] if left_truncate_len else encoding
+        if memo is not None and not kwargs:
+            memo[key] = tuple(encoding)
+        return encoding
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)

@@ -60,7 +60,7 @@ def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
                         "--batch-size", "2"], cwd=REPO_ROOT, timeout=300)
     out = proc.stdout
     assert "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |" in out
-    for shape in ("mmlu0", "mmlu5", "hellaswag"):
+    for shape in ("mmlu0", "mmlu5", "hellaswag", "mmlupro5", "mmlu3", "bbh3"):
         assert f"| {shape} (3 q, " in out, out
         assert f"- {shape}: " in out
     assert "| distperp share_prefix=false |" in out and "DIFFER" not in out
