@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from distperp_harness.masks import Packing as _Packing
 from distperp_harness.requests import Unit
 from distperp_harness.rows import Row, unit_rows
 
@@ -233,7 +234,7 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
                 between_forwards: Callable[[], None] | None = None) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.rows`), or units (one row each) — as one right-padded batch.
 
-    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (see :class:`_Packing`;
+    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (see :class:`distperp_harness.masks.Packing`;
     the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
     exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.rows.shared_prefix` of the batch): the
     first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
@@ -349,57 +350,6 @@ def forward_calls(shared: int) -> int:
     return 2 if shared else 1
 
 
-@dataclass(frozen=True)
-class _Packing:
-    """Attention mask and position ids of a batch holding tree rows, and the prefix it computes once.
-
-    ``allowed[b, 0, q, k]``: query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k``'s run is ``q``'s run
-    or one of its ancestors (:meth:`Row.ancestors`); a padding query sees every earlier column (padding comes last,
-    so no real position sees it). Position ids continue each run's parent. With a shared prefix of ``p`` tokens,
-    ``prefix_ids`` is ``[1, p]`` and the queries are the columns from ``p`` on (the keys stay every column: the
-    cached prefix, then the row). Handed to the model as transformers (5.x ``masking_utils``) builds its own:
-    ``create_causal_mask`` returns a 4D mask unchanged (``_preprocess_mask_arguments``), ``sdpa`` takes it as a
-    boolean ``attn_mask`` (True: attend) and ``eager`` adds it to the scores, so it gets 0 or the dtype's minimum
-    there; the rotary (or learned) positions come from ``position_ids``.
-    """
-
-    allowed: torch.Tensor
-    position_ids: torch.Tensor
-    prefix_ids: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, batch_rows: Sequence[Row], padded: int, device: torch.device, shared: int = 0) -> "_Packing":
-        n = len(batch_rows)
-        run = torch.zeros(n, padded, dtype=torch.long)
-        pos = torch.arange(padded).repeat(n, 1)
-        blocks = []
-        base = 0
-        for i, row in enumerate(batch_rows):
-            run[i, : row.length] = torch.tensor(row.run_ids()) + base
-            run[i, row.length:] = base + len(row.runs)  # this row's padding: a run that sees all of the row
-            pos[i, : row.length] = torch.tensor(row.position_ids())
-            anc = torch.ones(len(row.runs) + 1, len(row.runs) + 1, dtype=torch.bool)
-            anc[: len(row.runs), : len(row.runs)] = torch.from_numpy(row.ancestors())
-            anc[: len(row.runs), len(row.runs)] = False
-            blocks.append(anc)
-            base += len(row.runs) + 1
-        anc_all = torch.block_diag(*blocks)
-        q = run[:, shared:]
-        allowed = anc_all[q[:, :, None], run[:, None, :]] & torch.ones(padded, padded, dtype=torch.bool).tril()[shared:]
-        prefix = batch_rows[0].tokens()[:shared] if shared else None
-        return cls(allowed[:, None].to(device), pos[:, shared:].to(device),
-                   None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device))
-
-    def kwargs(self, model: torch.nn.Module) -> dict:
-        if getattr(model.config, "_attn_implementation", None) == "sdpa":
-            mask = self.allowed
-        else:
-            dtype = model.get_input_embeddings().weight.dtype
-            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)
-        return {"attention_mask": mask, "position_ids": self.position_ids}
-
-
 # Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
 # (each checked against unshared rows, with sdpa and eager, in tests/test_scoring.py).
 _MASKABLE_TYPES = frozenset({
@@ -411,17 +361,22 @@ _MASKABLE_TYPES = frozenset({
 def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
     """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
 
-    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (flash-attention and flex ignore or
-    rebuild a custom mask), no attention-logit soft capping, and no sliding window shorter than ``max_length`` (a
-    custom mask replaces the window; rows are at most ``max_length`` tokens, so a longer window never applies).
+    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
+    where transformers implements it for the model (``_supports_flex_attn``; a block mask, :mod:`distperp_harness.masks`)
+    — flash attention takes no custom mask —, no attention-logit soft capping, and no sliding window shorter than
+    ``max_length`` (a custom mask replaces the window; rows are at most ``max_length`` tokens, so a longer window
+    never applies).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _MASKABLE_TYPES:
         return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
-        return f"attention implementation {impl!r} does not take a custom 4D attention mask (sdpa and eager do)"
+    if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        return f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"
+    if impl not in ("sdpa", "eager", "flex_attention"):
+        return (f"attention implementation {impl!r} does not take a custom attention mask (sdpa and eager take a "
+                f"dense one, flex_attention a block mask)")
     if getattr(config, "attn_logit_softcapping", None):
         return "attention logits are soft-capped"
     window = getattr(config, "sliding_window", None)
