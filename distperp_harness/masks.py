@@ -20,6 +20,7 @@ transformers (5.x ``masking_utils``) passes any 4D mask, a ``BlockMask`` include
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -116,3 +117,18 @@ class Packing:
             mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
             mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)
         return {"attention_mask": mask, "position_ids": self.position_ids}
+
+
+def flex_shapes(device: torch.device, models: Sequence[torch.nn.Module]) -> contextlib.AbstractContextManager:
+    """Where forwards of ``models`` run: on CPU with flex attention, compiled for static shapes only.
+
+    transformers compiles ``flex_attention`` once and torch recompiles it for each new shape; from the second shape
+    on, torch 2.13 makes sizes symbolic, and inductor's CPU flex template then emits C++ that does not compile
+    (``'cur_kvSplitSize0' was not declared``) when a mask reads a symbolic size (transformers' own causal mask and
+    offsets do). Static shapes recompile per shape instead (then, past torch's recompile limit, run uncompiled:
+    slower, same rule). CUDA keeps torch's defaults.
+    """
+    if device.type == "cpu" and any(getattr(getattr(m, "config", None), "_attn_implementation", None)
+                                    == "flex_attention" for m in models):
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    return contextlib.nullcontext()

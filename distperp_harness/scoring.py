@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distperp_harness.masks import Packing as _Packing
+from distperp_harness.masks import Packing as _Packing, flex_shapes
 from distperp_harness.requests import Unit
 from distperp_harness.rows import Row, unit_rows
 
@@ -258,13 +258,14 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     models = [m for m in (model, reference) if m is not None]
     # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
     # plain forwards, so the sharded weights' gathers match across a shard group.
-    caches = ([_prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
-              if packing is not None and packing.prefix_ids is not None else [None] * len(models))
-    if caches[0] is not None and between_forwards is not None:
-        between_forwards()
-    feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
-    ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
-                                if reference is not None else (None, None))
+    with flex_shapes(device, models):
+        caches = ([_prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
+                  if packing is not None and packing.prefix_ids is not None else [None] * len(models))
+        if caches[0] is not None and between_forwards is not None:
+            between_forwards()
+        feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
+        ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
+                                    if reference is not None else (None, None))
     del caches
 
     logprob = torch.empty(n, dtype=torch.float64, device=device)

@@ -2,6 +2,7 @@
 
 import copy
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -372,3 +373,35 @@ def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
     with pytest.raises(ValueError, match="do not share"):
         score_batch(model, rows[:1] + unit_rows([Unit(tuple(range(4, 80)), 1)]), device=torch.device("cpu"),
                     pad_token_id=3, shared=shared)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="flex_attention on CPU compiles C++ kernels (torch inductor) and needs a C++ compiler")
+def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
+    """attn_implementation=flex_attention: the tree mask as a BlockMask, with and without a shared prefix computed
+    once; every unit equals the float64 log-softmax of its own unshared logits, greedy flags equal sdpa's."""
+    from distperp_harness.rows import plan_rows, shared_prefix
+
+    models = {impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                         attn_implementation=impl).eval()
+              for impl in ("sdpa", "flex_attention")}
+    assert scoring.packed_rows_unsupported(models["flex_attention"], 128) is None
+    units = _few_shot_units(models["sdpa"], seed=4, questions=4)
+    rows = plan_rows(units, "prefix", max_row_length=64).rows[:2]
+    shared = shared_prefix(rows)
+    assert shared >= 40 and all(r.packed for r in rows)
+    for prefix in (0, shared):
+        out = {impl: score_batch(m, rows, device=torch.device("cpu"), pad_token_id=3, shared=prefix).stats
+               for impl, m in models.items()}
+        for row_stats, sdpa_stats, uid in zip(out["flex_attention"], out["sdpa"], [i for r in rows for i in r.unit_ids]):
+            ll, greedy, _, _, _ = _reference_scores(models["sdpa"], units[uid])
+            assert _close(row_stats[LL], ll), (prefix, uid, row_stats[LL], ll)
+            assert row_stats[GREEDY] == sdpa_stats[GREEDY] == float(greedy)
+
+
+def test_flex_attention_needs_transformers_support():
+    """flex_attention on a model type transformers has no flex kernel for: named, so rows fall back."""
+    tiny = AutoModelForCausalLM.from_config(_tiny_config("gpt2"), attn_implementation="sdpa").eval()
+    tiny.config._attn_implementation = "flex_attention"
+    assert "no flex_attention for GPT2LMHeadModel" in scoring.packed_rows_unsupported(tiny, 128)
