@@ -14,6 +14,16 @@ be equal), how many Linear layers were quantized (every one must be), and whethe
 ``torch.cuda.empty_cache()``). The load peak is the loader's own meter (``config.distperp.load_memory_per_rank``). With two or more GPUs (or ``--processes 2`` on CPU) the rolling
 fingerprint of 1 and of 2 processes (``accelerate launch``) must be equal.
 
+The tree-row case (``--tree-impls``, one row per attention implementation, default ``sdpa,flex_attention`` on CUDA
+and ``sdpa`` in the dry mode, where compiling flex's CPU kernels takes minutes): MMLU-Pro-shaped 5-shot questions
+(lm-eval's leaderboard template with ``first_n`` examples: a ~700-token block of five solved questions shared by
+every question, ~140 tokens of its own, ten one-token letters ``" A"`` .. ``" J"``; synthetic, cut from the
+packaged sample) through ``DistPerpLM.loglikelihood`` with ``attn_implementation=`` each one: one untimed call
+(compiles flex's kernels for every batch shape), then a timed one: request tokens/s (context + continuation of
+every answer, the unshared work), computed tokens per question, peak CUDA memory of the timed call, and whether
+the chosen answers (argmax over the ten letters) equal sdpa's. A model or torch that cannot run flex attention
+(or takes no tree mask with it) gets a "skipped" row with the reason.
+
 Default model: a random Llama-3.2-1B-shaped model (1.24B parameters, 128,256-entry head) built by
 ``distperp_harness.tiny`` into ``--work``; ``--model PATH`` uses a local checkpoint instead. Exits 1 when a
 check fails.
@@ -179,6 +189,94 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.work, "fingerprint.json").write_text(json.dumps({"fingerprint": lm.stats.fingerprint}))
 
 
+def tree_questions(tokenizer, cuda: bool, n: int) -> list[tuple[str, list[str]]]:
+    """``n`` MMLU-Pro-shaped questions ``(context, ten continuations)`` (bench_mc.py's ``mmlupro5`` layout; in the
+    dry mode one shot, no header and two-token stems, so a prompt nearly fits the dry model's 128 positions)."""
+    shots, stem, option_tokens = (5, 40, 5) if cuda else (1, 2, 1)
+    ids = tokenizer.encode(sample_text(), add_special_tokens=False)
+    width = stem + 10 * option_tokens
+    letters = "ABCDEFGHIJ"
+
+    def piece(start: int, length: int) -> str:
+        start %= len(ids) - length
+        return tokenizer.decode(ids[start: start + length]).strip()
+
+    def prompt(k: int) -> str:
+        options = "\n".join(f"{letters[j]}. {piece(k * width + stem + j * option_tokens, option_tokens)}"
+                            for j in range(10))
+        return f"Question: {piece(k * width, stem)}\nOptions:\n{options}\nAnswer:"
+
+    header = "The following are multiple choice questions (with answers) about history.\n" if cuda else ""
+    block = header + "".join(
+        f"{prompt(k)} {letters[k % 10]}\n\n" for k in range(shots))
+    return [(block + prompt(shots + q), [f" {x}" for x in letters]) for q in range(n)]
+
+
+def tree_case(args: argparse.Namespace, model: Path, impl: str) -> dict:
+    """The MMLU-Pro-shaped case with ``attn_implementation=impl`` (module doc); ``skipped`` says why it did not run."""
+    from distperp_harness.lm import DistPerpLM
+
+    cuda = args.device == "cuda"
+    row = dict(impl=impl, skipped=None)
+    kwargs = dict(model_args(args, model, "none"), attn_implementation=impl)
+    if not cuda:
+        kwargs["max_length"] = 128
+    try:
+        lm = DistPerpLM(**kwargs)
+    except (ValueError, ImportError) as e:  # transformers: no flex attention for this model or device
+        return dict(row, skipped=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    if lm.sharing_fallback:
+        row["skipped"] = f"no tree rows: {lm.sharing_fallback}"
+        del lm
+        return row
+    questions = tree_questions(lm.tokenizer, cuda, args.tree_questions)
+    requests = [SimpleNamespace(args=(c, x)) for c, xs in questions for x in xs]
+    lm.loglikelihood(requests, disable_tqdm=True)  # untimed: compiles flex's kernels for every batch shape
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    out = lm.loglikelihood(requests, disable_tqdm=True)
+    call = lm.stats.calls[-1]
+    lls = [float(ll) for ll, _ in out]
+    request_tokens = sum(len(lm.tok_encode(c + x)) for c, x in (r.args for r in requests))
+    prompt = [len(lm.tok_encode(c)) for c, _ in questions]
+    shared = len(os.path.commonprefix([lm.tok_encode(c) for c, _ in questions[:2]]))
+    row.update(questions=len(questions), prompt_tokens=sum(prompt) / len(prompt), shared_tokens=shared,
+               rows=call["rows"], per_question=call["computed_tokens"] / len(questions),
+               seconds=call["scoring_seconds"], tokens_per_s=request_tokens / call["scoring_seconds"],
+               peak=torch.cuda.max_memory_allocated() if cuda else None, lls=lls,
+               answers=[max(range(10), key=lambda j: lls[q + j]) for q in range(0, len(lls), 10)])
+    del lm
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def tree_table(rows: list[dict]) -> str:
+    lines = ["| tree rows, MMLU-Pro 5-shot shape | questions | prompt tokens (shared) | rows | computed tokens per "
+             "question | scoring s | request tokens/s | vs sdpa | scoring peak GiB | answers vs sdpa |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    base = next((r for r in rows if r["impl"] == "sdpa" and not r["skipped"]), None)
+    for r in rows:
+        if r["skipped"]:
+            lines.append(f"| {r['impl']} | skipped: {r['skipped']} | | | | | | | | |")
+            continue
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
+        lines.append(f"| {r['impl']} | {r['questions']} | {r['prompt_tokens']:.0f} ({r['shared_tokens']}) | "
+                     f"{r['rows']} | {r['per_question']:.0f} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{speed} | {gib(r['peak'])} | {tree_agreement(r, base)} |")
+    return "\n".join(lines)
+
+
+def tree_agreement(row: dict, base: dict | None) -> str:
+    if base is None or row is base:
+        return "-"
+    same = row["answers"] == base["answers"]
+    diff = max(abs(a - b) for a, b in zip(row["lls"], base["lls"]))
+    return f"{'equal' if same else 'DIFFERENT'} (max abs ll diff {diff:.2g})"
+
+
 def gib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:.2f}"
 
@@ -243,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
     parser.add_argument("--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 "
                         "when two GPUs are visible)")
+    parser.add_argument("--tree-impls", default=None, help="attention implementations of the tree-row case "
+                        "(cuda: sdpa,flex_attention; cpu: sdpa; 'none': skip the case)")
+    parser.add_argument("--tree-questions", type=int, default=None, help="questions of the tree case (cuda 400, cpu 4)")
     args = parse(parser, argv, tokens=(65536, 3000))
     cuda = args.device == "cuda"
     if args.worker:
@@ -268,10 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     if processes >= 2:
         one, two = (launch(args, model, n, work / f"p{n}") for n in (1, processes))
         multi = f"{'identical' if one == two else 'DIFFERENT'} fingerprints ({one} / {two})"
+    impls = args.tree_impls or ("sdpa,flex_attention" if cuda else "sdpa")
+    args.tree_questions = args.tree_questions or (400 if cuda else 4)
+    tree = [tree_case(args, model, impl) for impl in impls.split(",") if impl != "none"]
     print(table(rows, multi), flush=True)
+    if tree:
+        print("\n" + tree_table(tree), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "processes": multi}, indent=1, default=str))
-    ok = all(passed(r) for r in rows) and "DIFFERENT" not in multi
+        Path(args.json).write_text(json.dumps({"rows": rows, "processes": multi, "tree": tree}, indent=1,
+                                              default=str))
+    ok = all(passed(r) for r in rows) and "DIFFERENT" not in multi and "DIFFERENT" not in tree_table(tree)
     return 0 if ok else 1
 
 

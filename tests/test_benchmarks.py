@@ -48,10 +48,13 @@ def test_gpu_check_dry_mode_on_cpu(tmp_path):
     assert "| run | load s | load peak GiB | weights GiB | auto budget (twice) |" in proc.stdout
     assert "| float32 |" in proc.stdout and "| int4 |" in proc.stdout
     assert "1 vs 2 processes: identical fingerprints" in proc.stdout
+    assert "| tree rows, MMLU-Pro 5-shot shape |" in proc.stdout and "| sdpa | 4 |" in proc.stdout
     import json
 
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows)
+    assert [t["impl"] for t in report["tree"]] == ["sdpa"] and report["tree"][0]["per_question"] > 0
 
 
 def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
