@@ -7,7 +7,8 @@
 #
 # Runs, each with its own table appended to FILE:
 #   1. benchmarks/gpu_check.py: bf16 and int4 through the real DistPerpLM (load/scoring peaks, budgets, tokens/s,
-#      MFU or speed-up, same bits twice, every Linear quantized, memory released; 1 vs 2 processes with 2+ GPUs);
+#      MFU or speed-up, same bits twice, every Linear quantized, memory released; 1 vs 2 processes with 2+ GPUs;
+#      an MMLU-Pro-shaped tree-row case, sdpa vs flex_attention: tokens/s, scoring peak, chosen answers equal);
 #   2. benchmarks/shard_check.py: sharded vs unsharded weights (needs 2+ GPUs on CUDA; 2 CPU processes dry).
 # Not yet here (issue 19, item 5, left open): shard_check's one-process CUDA mode (a mesh of one) and the
 # multiple-choice and perplexity benchmarks on the random Llama-3.2-1B-shaped model (bench_mc.py and
