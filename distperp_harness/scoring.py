@@ -234,7 +234,7 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
                 between_forwards: Callable[[], None] | None = None) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.rows`), or units (one row each) — as one right-padded batch.
 
-    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (see :class:`distperp_harness.masks.Packing`;
+    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (:mod:`~distperp_harness.masks`;
     the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
     exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.rows.shared_prefix` of the batch): the
     first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
