@@ -39,13 +39,13 @@ from transformers import LogitsProcessor
 from distperp_harness.collective import Collective
 from distperp_harness.memory import peak_memory_bytes
 from distperp_harness.plan import Batch, assign_batches
+from distperp_harness.rows import MIN_SHARED_PREFIX
 
 log = get_logger(__name__)
 
-MIN_SHARED_TOKENS = 32
-"""Shortest common prefix a batch starts from a shared KV cache. Any model: the saved prefill is ``(rows - 1) *
-prefix`` tokens against one extra forward call, which pays from a few dozen tokens on CPU and GPU alike; below that
-the saving is noise and only the (float-rounding) numerics would change."""
+MIN_SHARED_TOKENS = MIN_SHARED_PREFIX
+"""Shortest common prefix a batch starts from a shared KV cache (the rule scoring's batches follow too): the saved
+prefill is ``(rows - 1) * prefix`` tokens against one extra forward call."""
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 """Generation arguments applied by the distribution warpers (transformers' sampling-only logits processors)."""

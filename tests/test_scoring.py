@@ -183,13 +183,23 @@ def test_shared_rows_match_float64_per_unit(model, batch_rows):
 def test_shared_rows_with_reference_match_float64(model):
     from distperp_harness.rows import build_rows
 
+    ref = _perturbed_copy(model)
+    units = _choice_units(model, seed=1)
+    rows = build_rows(units, "prefix")
+    out = score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref)
+    _assert_matches_float64_with_reference(model, ref, units, rows, out)
+
+
+def _perturbed_copy(model):
+    """A reference model: ``model`` with small seeded noise on every weight."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.02 * torch.randn_like(p, generator=torch.Generator().manual_seed(1)))
-    units = _choice_units(model, seed=1)
-    rows = build_rows(units, "prefix")
-    out = score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref)
+    return ref
+
+
+def _assert_matches_float64_with_reference(model, ref, units, rows, out):
     for row_stats, kl, uid in zip(out.stats, out.kl, [i for r in rows for i in r.unit_ids]):
         ll, _, kls, ref_ll, agree = _reference_scores(model, units[uid], ref)
         assert _close(row_stats[LL], ll) and _close(row_stats[REF_LL], ref_ll)
@@ -337,20 +347,13 @@ def test_tree_rows_and_shared_prefixes_match_float64(tiny_model_dir, impl, rows_
 def test_shared_prefix_with_reference_matches_float64(model):
     from distperp_harness.rows import plan_rows, shared_prefix
 
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.02 * torch.randn_like(p, generator=torch.Generator().manual_seed(1)))
+    ref = _perturbed_copy(model)
     units = _few_shot_units(model, seed=2)
     rows = plan_rows(units, "prefix", max_row_length=64).rows
     shared = shared_prefix(rows)
     assert shared >= 40
     out = score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref, shared=shared)
-    for row_stats, kl, uid in zip(out.stats, out.kl, [i for r in rows for i in r.unit_ids]):
-        ll, _, kls, ref_ll, agree = _reference_scores(model, units[uid], ref)
-        assert _close(row_stats[LL], ll) and _close(row_stats[REF_LL], ref_ll)
-        assert row_stats[TOP1] == agree
-        np.testing.assert_allclose(kl, kls, rtol=1e-4, atol=1e-7)
+    _assert_matches_float64_with_reference(model, ref, units, rows, out)
 
 
 def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
