@@ -58,10 +58,14 @@ class DistPerpLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, reference_model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+    def __init__(self, reference_model: torch.nn.Module | None = None, *, mesh_of_one: bool = False,
+                 **kwargs: Any) -> None:
         """``kwargs``: the ``--model_args`` keys (:class:`Options`). ``reference_model``: for in-process callers
         (``sweep``) only, an already loaded model that ``reference=`` names, reused instead of loaded again (with
-        ``shard_size`` > 1 it is loaded again: a sharded model belongs to its run's mesh)."""
+        ``shard_size`` > 1 it is loaded again: a sharded model belongs to its run's mesh). ``mesh_of_one``: for
+        checks only (``benchmarks/shard_check.py --processes 1``), not a ``--model_args`` key: at ``shard_size=1``
+        still build the device mesh and apply FSDP2 (each rank a shard group of one), so that one device runs the
+        sharded load and forward code paths; the bits equal those of the unsharded run."""
         super().__init__()
         t0 = time.perf_counter()
         self.options = Options.from_kwargs(**kwargs)
@@ -79,8 +83,8 @@ class DistPerpLM(TemplateLM):
         self.estimate = check_fits(self.collective, self.options, self._device, self.shard_size,
                                    local_world_size(self._world_size))
         mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
-                if self.shard_size > 1 else None)
-        if reference_model is not None and self.shard_size > 1:
+                if self.shard_size > 1 or mesh_of_one else None)
+        if reference_model is not None and mesh is not None:
             reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
         loaded = load_all(to_load, self._device, mesh)

@@ -92,3 +92,20 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
     assert "## gpu_check" in text and "## shard_check" in text and "FAILED" not in text, proc.stdout[-3000:]
     assert text.count("passed") == 2
     assert "| int4 |" in text and "| 14/14 |" in text  # the dry-run model quantizes every decoder Linear
+
+
+def test_shard_check_mesh_of_one_on_cpu(tmp_path):
+    """The one-GPU mode of the sharded-weights check, in its dry mode (one CPU process, gloo): FSDP2 on a mesh of
+    one process gives the fingerprint of the unsharded run, and the torchao weights stay outside FSDP."""
+    out = tmp_path / "shard_check.json"
+    proc = run_command([sys.executable, BENCHMARKS / "shard_check.py", "--device", "cpu", "--processes", "1",
+                        "--runs", "int4", "--tokens", "300", "--work", tmp_path, "--json", out], cwd=REPO_ROOT,
+                       timeout=300)
+    assert "| int4 | 1 (mesh of one) |" in proc.stdout and "fingerprints equal to the unsharded run" in proc.stdout
+    import json
+
+    whole, mesh = json.loads(out.read_text())["rows"]
+    assert (whole["mesh_of_one"], whole["fsdp"]) == (False, False) and (mesh["mesh_of_one"], mesh["fsdp"]) == (True, True)
+    assert mesh["same"] == "equal" and mesh["fingerprint"] == whole["fingerprint"]
+    assert mesh["replicated"] == 14  # every quantized Linear of the dry-run model stays outside FSDP
+    assert mesh["estimate_total"] > whole["estimate_total"]  # the units FSDP copies on a mesh of one are counted
