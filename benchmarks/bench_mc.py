@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mc.py --threads 1          # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min
     python benchmarks/bench_mc.py --shapes hellaswag --repeats 2 --scorers hf,distperp
+    python benchmarks/bench_mc.py --random-shape llama-1b --device cuda --dtype float32 --questions 50 --repeats 1
 
 Shapes (questions cut from WikiText-2 valid, ``../shared/data/wikitext-2/valid.txt``, read at run time; or the
 shipped sample with ``--text``), as ``loglikelihood`` requests ``(context, continuation)``:
@@ -24,6 +25,12 @@ Each repeat runs every scorer once on the same ``Instance`` objects (in-process,
 (context + continuation, each answer on its own: the unshared work), the same numerator for every scorer. The table
 gives the best repeat (interference on a shared machine only slows runs down) and the median ratios; it also checks
 that distperp's chosen answers equal ``hf``'s and gives the largest log-likelihood difference.
+
+``--device cuda`` / ``--dtype``: every scorer on ``cuda:0`` in that dtype (lm-eval ``hf`` takes both too).
+``--random-shape NAME``: a random-init model of ``bench_scoring.RANDOM_SHAPES`` (``llama-1b``: Llama-3.2-1B's shape;
+``tiny``: the test model's), built once into ``--workdir``. Exits 1 when a scorer's chosen answers differ from
+``hf``'s in float32 (a failed check); in bfloat16/float16 ``hf`` sums log-probs in that dtype, so near-ties of a
+random model may flip: the count is reported, not checked.
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ import gc
 import io
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scoring import _quiet, machine, make_lm  # noqa: E402  (also sets the offline environment)
+from bench_scoring import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model  # noqa: E402
 from _wikitext import SHARED_MODEL, WIKITEXT_TEST  # noqa: E402
 
 WIKITEXT_VALID = WIKITEXT_TEST.with_name("valid.txt")
@@ -154,7 +162,9 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
         for key in (k for k in results if k != "hf"):
             report[f"max_abs_diff_{key}"] = max(abs(a - b) for a, b in zip(results["hf"], results[key]))
             options = len(questions[0][0])
-            report[f"answers_equal_{key}"] = _answers(results["hf"], options) == _answers(results[key], options)
+            chosen = _answers(results["hf"], options), _answers(results[key], options)
+            report[f"answers_equal_{key}"] = chosen[0] == chosen[1]
+            report[f"answers_differing_{key}"] = sum(a != b for a, b in zip(*chosen))
             report[f"greedy_equal_{key}"] = greedy["hf"] == greedy[key]
     return report
 
@@ -170,7 +180,7 @@ def table(reports: list[dict[str, Any]], args) -> str:
 
     lines = [f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
              f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
-             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
+             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · {args.dtype} on {device_name(args.device)} · batch size "
              f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
              "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed | per question |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -200,7 +210,10 @@ def table(reports: list[dict[str, Any]], args) -> str:
             ratios.append(f"unshared/distperp median {statistics.median(per):.2f}")
         checks = [f"{k.removeprefix('max_abs_diff_')}: max |Δ ll| vs hf {v:.2g}" for k, v in r.items()
                   if k.startswith("max_abs_diff_")]
-        checks += [f"{k.removeprefix('answers_equal_')}: chosen answers {'equal' if v else 'DIFFER'}"
+        checks += [f"{k.removeprefix('answers_equal_')}: chosen answers " + (
+                       "equal" if v else "DIFFER" if args.dtype == "float32" else
+                       f"differ on {r['answers_differing_' + k.removeprefix('answers_equal_')]} of {r['questions']} "
+                       f"({args.dtype} rounding in hf: not checked)")
                    for k, v in r.items() if k.startswith("answers_equal_")]
         lines.append(f"- {r['shape']}: " + "; ".join(ratios + checks) + ".")
     return "\n".join(lines)
@@ -218,6 +231,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every scorer runs (cuda: cuda:0)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype of every scorer")
+    p.add_argument("--random-shape", default=None, choices=tuple(RANDOM_SHAPES),
+                   help="a random-init model of this shape instead of --model (built in --workdir)")
+    p.add_argument("--workdir", default=None, help="where to build the random model (default: a temp folder)")
     return p.parse_args(argv)
 
 
@@ -227,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lms = {key: make_lm(SCORERS[key][0], Path(args.model), args.max_length, args.batch_size, SCORERS[key][1])
+    if args.random_shape:
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_mc_"))
+        args.model = str(resolve_model(f"random-{args.random_shape}", workdir))
+    lms = {key: make_lm(SCORERS[key][0], Path(args.model), args.max_length, args.batch_size, SCORERS[key][1],
+                        device=args.device, dtype=args.dtype)
            for key in args.scorers.split(",")}
     _quiet()
     tokenizer = next(iter(lms.values())).tokenizer
@@ -236,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         reports.append(run_shape(shape, lms, tokenizer, ids, args))
     print(table(reports, args))
-    return 0
+    failed = args.dtype == "float32" and not all(v for r in reports for k, v in r.items()
+                                                 if k.startswith("answers_equal_"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,15 +4,18 @@
     python benchmarks/bench_scoring.py --quick         # small subsets: ~5 min
     python benchmarks/bench_scoring.py --models wt2-llama-5m --scorers hf,distperp --cli 62   # + the real CLI
     python benchmarks/bench_scoring.py --profile       # torch.profiler op breakdown instead of timing
+    python benchmarks/bench_scoring.py --random-shape llama-1b --device cuda --dtype bfloat16 --no-memory
 
 Work: ``loglikelihood_rolling`` over WikiText-2 test articles (``../shared/data/wikitext-2/test.txt``, read at run
 time, split on top-level `` = Title = `` lines), disjoint windows of ``--max-length`` tokens, ``--batch-size`` rows,
-float32, one process, CPU. Both models are built in-process with lm-eval's registry
+float32, one process, CPU (``--device cuda --dtype bfloat16``: both scorers on ``cuda:0`` in that dtype). Both models are built in-process with lm-eval's registry
 (``get_model(name).create_from_arg_string``) and called with the same ``Instance`` objects.
 
 Models: ``../shared/models/wt2-llama-5m`` (5.5M parameters, vocab 8,192) and a random-init Llama with 52M
 parameters and vocab 32,000 built in a temporary folder (it reuses the wt2-llama-5m tokenizer: a model vocab
 larger than the tokenizer's is valid, the extra rows are never targets but are part of every softmax).
+``--random-shape NAME`` scores a random-init model of a shape in :data:`RANDOM_SHAPES` instead (``llama-1b``:
+Llama-3.2-1B's, for GPUs; ``tiny``: the test model's, for dry runs), built once into ``--workdir``.
 
 Timing (in-process): each repeat runs every scorer once, in an order rotated per repeat (hf, distperp, bare, ...),
 so slow phases of a shared machine hit all of them; tokens/s is scored tokens over the call's wall time. The table
@@ -24,7 +27,8 @@ not tokenization; the end-to-end figure is printed too.
 
 Memory (one fresh subprocess per scorer): load, build the requests, then score ``--memory-tokens`` tokens while
 a thread samples the resident set size (``/proc/self/statm``) every millisecond. Peak memory of scoring is the
-highest RSS during the call minus the RSS just before it; when the call raised the process's high-water mark
+highest RSS during the call minus the RSS just before it (on CUDA: the allocator's peak during the call minus
+what was allocated before it); when the call raised the process's high-water mark
 (``getrusage`` ``ru_maxrss``), that exact kernel figure is used instead of the sampled one. torch on CPU allocates
 through malloc, so RSS is what scoring really holds (``tracemalloc`` does not see torch tensors).
 
@@ -54,9 +58,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                     "TOKENIZERS_PARALLELISM": "false", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-                     "TQDM_DISABLE": "1"}.items():
+                     "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}.items():
     os.environ.setdefault(_key, _value)  # before torch/transformers/tqdm are imported
+if not any(a in ("cuda", "--device=cuda") for a in sys.argv):  # torchao's CUDA kernels are not needed on the CPU
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -67,6 +72,17 @@ RANDOM_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, 
                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5)
 """The larger CPU model: 52.0M parameters (32.8M of them input embeddings and output head), vocab 32,000."""
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-52m": RANDOM_CONFIG,
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                     tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5),
+}
+"""``--random-shape`` name → Llama config of a random-init model (``random-<name>`` in ``--models``). ``llama-1b``
+is Llama-3.2-1B's shape (1.24B parameters, tied embeddings; saved in bfloat16, which a float32 run upcasts
+exactly); ``tiny`` is the test model's (distperp_harness.tiny.TEST_SPEC), for dry runs on the CPU."""
 
 SCORERS: dict[str, str] = {
     "hf": "lm-eval hf",
@@ -79,31 +95,52 @@ SCORERS: dict[str, str] = {
 
 
 # ------------------------------------------------------------------------------------------------ models, data
-def build_random_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A random-init Llama (:data:`RANDOM_CONFIG`, float32) with ``tokenizer_dir``'s tokenizer, saved in ``out_dir``."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def random_tokenizer(vocab_size: int) -> Any:
+    """The wt2-llama-5m tokenizer when the shared model is present and fits ``vocab_size``, else the tiny test
+    tokenizer (trained on the packaged sample, as the test models' is)."""
+    from transformers import AutoTokenizer
 
+    if (SHARED_MODEL / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(SHARED_MODEL)
+        if len(tokenizer) <= vocab_size:
+            return tokenizer
+    from distperp_harness.tiny import TEST_SPEC, sample_text, train_tokenizer
+
+    return train_tokenizer([sample_text()], min(TEST_SPEC.vocab_size, vocab_size), model_max_length=2048)
+
+
+def build_random_model(out_dir: Path, shape: str = "llama-52m", seed: int = 0) -> Path:
+    """A random-init Llama of :data:`RANDOM_SHAPES` ``[shape]`` with :func:`random_tokenizer`, saved in ``out_dir``
+    (float32; ``llama-1b`` in bfloat16)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(RANDOM_SHAPES[shape])
+    tokenizer = random_tokenizer(config["vocab_size"])
+    if shape != "llama-52m":  # (the 52M model keeps the ids it was first built with)
+        config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**RANDOM_CONFIG, dtype="float32")).to(torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if len(tokenizer) > RANDOM_CONFIG["vocab_size"]:
-        raise ValueError(f"tokenizer of {tokenizer_dir} has {len(tokenizer)} entries > model vocab")
+    model = LlamaForCausalLM(LlamaConfig(**config, dtype="float32")).to(torch.float32)
+    if shape == "llama-1b":
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
 def resolve_model(name: str, workdir: Path) -> Path:
-    """Path of model ``name``: ``wt2-llama-5m``, :data:`RANDOM_MODEL` (built in ``workdir``) or a folder."""
+    """Path of model ``name``: ``wt2-llama-5m``, ``random-<shape>`` of :data:`RANDOM_SHAPES` (built in
+    ``workdir``) or a folder."""
     if name == "wt2-llama-5m":
         return SHARED_MODEL
-    if name == RANDOM_MODEL:
-        out = workdir / RANDOM_MODEL
-        return out if (out / "config.json").is_file() else build_random_model(out, SHARED_MODEL)
+    if name.startswith("random-") and name.removeprefix("random-") in RANDOM_SHAPES:
+        out = workdir / name
+        return out if (out / "config.json").is_file() else build_random_model(out, name.removeprefix("random-"))
     if Path(name).is_dir():
         return Path(name)
-    raise ValueError(f"--models entry {name!r}: use wt2-llama-5m, {RANDOM_MODEL} or a model folder")
+    raise ValueError(f"--models entry {name!r}: use wt2-llama-5m, "
+                     f"{', '.join('random-' + k for k in RANDOM_SHAPES)} or a model folder")
 
 
 def select_documents(articles: list[str], tokenizer: Any, max_tokens: int | None) -> tuple[list[str], int]:
@@ -137,20 +174,23 @@ def model_facts(path: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- scorers
-def _model_args(path: Path, max_length: int, extra: str = "") -> str:
-    return f"pretrained={path},dtype=float32,max_length={max_length},device=cpu" + extra
+def _model_args(path: Path, max_length: int, extra: str = "", device: str = "cpu", dtype: str = "float32") -> str:
+    device = "cuda:0" if device == "cuda" else device  # what lm-eval's hf takes (distperp takes it too)
+    return f"pretrained={path},dtype={dtype},max_length={max_length},device={device}" + extra
 
 
-def make_lm(scorer: str, path: Path, max_length: int, batch_size: int, extra_args: str = "") -> Any:
+def make_lm(scorer: str, path: Path, max_length: int, batch_size: int, extra_args: str = "", device: str = "cpu",
+            dtype: str = "float32") -> Any:
     """The lm-eval LM object behind ``scorer`` (``bare`` uses a plain ``distperp`` LM for its model and plan);
-    ``extra_args`` (``",key=value..."``) go to its ``--model_args``."""
+    ``extra_args`` (``",key=value..."``) go to its ``--model_args``; ``device`` (``cpu``, ``cuda``) and
+    ``dtype`` to both ``hf`` and distperp."""
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401  (registers --model distperp)
 
     name = "hf" if scorer == "hf" else "distperp"
     extra = {"int4": ",quantize=int4", "int4-bf16": ",quantize=int4"}.get(scorer, "")
-    args = _model_args(path, max_length, extra + extra_args)
+    args = _model_args(path, max_length, extra + extra_args, device, dtype)
     if scorer == "int4-bf16":
         args = args.replace("dtype=float32", "dtype=bfloat16")
     return get_model(name).create_from_arg_string(args, {"batch_size": batch_size})
@@ -177,7 +217,7 @@ def bare_batches(lm: Any, docs: list[str]) -> list[Any]:
         ids = torch.full((batch.rows, batch.padded_length), lm.tokenizer.pad_token_id, dtype=torch.long)
         for i, unit in enumerate(table.units[batch.start: batch.stop]):
             ids[i, : unit.input_length] = torch.tensor(unit.tokens[:-1])
-        out.append(ids)
+        out.append(ids.to(lm.device))
     return out
 
 
@@ -277,12 +317,21 @@ def memory_worker(args: argparse.Namespace) -> dict[str, Any]:
     _quiet()
     torch.set_num_threads(args.threads or torch.get_num_threads())
     path = Path(args.model_path)
-    lm = make_lm(args.memory_worker, path, args.max_length, args.batch_size)
+    lm = make_lm(args.memory_worker, path, args.max_length, args.batch_size, device=args.device, dtype=args.dtype)
     docs, tokens = select_documents(load_articles(Path(args.text)), lm.tokenizer, args.memory_tokens)
     requests = requests_for(docs)
     batches = bare_batches(lm, docs) if args.memory_worker == "bare" else None
     runner = make_runner(args.memory_worker, lm, requests, batches)
     gc.collect()
+    if args.device == "cuda":  # the allocator's peak: exact
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        runner.run()
+        torch.cuda.synchronize()
+        peak, exact = torch.cuda.max_memory_allocated(), True
+        return {"scorer": args.memory_worker, "tokens": tokens, "rss_before": before, "peak_rss": peak,
+                "peak_delta": peak - before, "exact": exact}
     before, high_before = current_rss(), max_rss()
     with RssSampler() as sampler:
         runner.run()
@@ -297,7 +346,8 @@ def measure_memory(scorer: str, path: Path, args: argparse.Namespace) -> dict[st
     """Run :func:`memory_worker` for ``scorer`` in a fresh subprocess; None (with a note) if it fails."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-worker", scorer, "--model-path", str(path),
            "--max-length", str(args.max_length), "--batch-size", str(args.batch_size), "--text", str(args.text),
-           "--memory-tokens", str(args.memory_tokens), "--threads", str(args.threads or 0)]
+           "--memory-tokens", str(args.memory_tokens), "--threads", str(args.threads or 0), "--device", args.device,
+           "--dtype", args.dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -338,7 +388,8 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
         if scorer == "bare":
             continue
         try:
-            lms[scorer] = make_lm(scorer, path, args.max_length, args.batch_size)
+            lms[scorer] = make_lm(scorer, path, args.max_length, args.batch_size, device=args.device,
+                                  dtype=args.dtype)
         except Exception as exc:  # noqa: BLE001 - an optional path (int4) may not be available
             if scorer in ("hf", "distperp"):
                 raise
@@ -397,8 +448,8 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
 
 
 DEFAULT_TOKENS: dict[bool, dict[str, int | None]] = {
-    False: {"wt2-llama-5m": 100_000, RANDOM_MODEL: 16_000},
-    True: {"wt2-llama-5m": 8_000, RANDOM_MODEL: 4_000},
+    False: {"wt2-llama-5m": 100_000, RANDOM_MODEL: 16_000, "random-llama-1b": 65_536, "random-tiny": 2_000},
+    True: {"wt2-llama-5m": 8_000, RANDOM_MODEL: 4_000, "random-llama-1b": 16_384, "random-tiny": 1_000},
 }
 """Tokens scored per model (whole articles, first ones first): full run, ``--quick``; ``--tokens 0``: all
 324,890. Sized so one scorer call takes 15-40 s on 2 cores: many short alternating repeats give steadier
@@ -418,6 +469,15 @@ def machine() -> str:
     except OSError:
         pass
     return f"{name}, {os.cpu_count()} cores"
+
+
+def device_name(device: str) -> str:
+    """``cpu``, or the GPU's name (``cuda:0``)."""
+    if device != "cuda":
+        return device
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} (cuda:0)"
 
 
 def _median(values: list[float]) -> float | None:
@@ -467,7 +527,8 @@ def report(results: list[ModelResult], args: argparse.Namespace) -> str:
     lines = [
         f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
         f"({torch.get_num_threads()} threads) · transformers {transformers.__version__} · lm-eval "
-        f"{lm_eval.__version__} · 1 process · float32 · batch size {args.batch_size} · max_length {args.max_length} · "
+        f"{lm_eval.__version__} · 1 process · {args.dtype} on {device_name(args.device)} · batch size {args.batch_size} · "
+        f"max_length {args.max_length} · "
         f"best of {args.repeats} alternating repeats",
         "",
         "| model | scorer | tokens/s | vs hf | vs bare forward | peak scoring memory | vs hf |",
@@ -522,7 +583,8 @@ def profile_scorers(path: Path, args: argparse.Namespace) -> str:
     self CPU time, and the share of the post-processing ops (:data:`POSTPROCESSING_OPS`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    lms = {key: make_lm(key, path, args.max_length, args.batch_size) for key in ("hf", "distperp")}
+    lms = {key: make_lm(key, path, args.max_length, args.batch_size, device=args.device, dtype=args.dtype)
+           for key in ("hf", "distperp")}
     _quiet()
     lms["bare"] = lms["distperp"]
     limit = args.tokens if args.tokens is not None else DEFAULT_TOKENS[True].get(path.name, 8_000)
@@ -559,7 +621,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small subsets and 3 repeats (a few minutes)")
     p.add_argument("--models", default=f"wt2-llama-5m,{RANDOM_MODEL}",
-                   help=f"comma-separated: wt2-llama-5m, {RANDOM_MODEL}, or model folders")
+                   help=f"comma-separated: wt2-llama-5m, random-<shape> ({', '.join(RANDOM_SHAPES)}), or model folders")
+    p.add_argument("--random-shape", default=None, choices=tuple(RANDOM_SHAPES),
+                   help="score only a random-init model of this shape (the same as --models random-<shape>)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both scorers run (cuda: cuda:0)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype of both scorers")
     p.add_argument("--scorers", default=",".join(SCORERS), help=f"comma-separated subset of {', '.join(SCORERS)}")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=1024)
@@ -582,6 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.scorers = [s.strip() for s in args.scorers.split(",") if s.strip()]
+    if args.random_shape:
+        args.models = f"random-{args.random_shape}"
     args.memory_scorers = (args.scorers if args.memory_scorers is None
                            else [s.strip() for s in args.memory_scorers.split(",") if s.strip()])
     unknown = [s for s in args.scorers if s not in SCORERS]
