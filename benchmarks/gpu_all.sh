@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # Everything one machine can check of distperp's GPU paths, in one command and one table file.
 #
-#   bash benchmarks/gpu_all.sh                    # CUDA (one GPU or more); about 5-8 minutes on one H100/H200
+#   bash benchmarks/gpu_all.sh                    # CUDA (one GPU or more); meant to stay within 8 minutes on one H200
 #   bash benchmarks/gpu_all.sh --device cpu       # dry mode on tiny models (runs in `make test`)
 #   bash benchmarks/gpu_all.sh --out FILE         # where the table goes (default: gpu_all.md in a temp folder)
+#   bash benchmarks/gpu_all.sh --only a,b         # only these steps (names below)
 #
-# Runs, each with its own table appended to FILE:
-#   1. benchmarks/gpu_check.py: bf16 and int4 through the real DistPerpLM (load/scoring peaks, budgets, tokens/s,
-#      MFU or speed-up, same bits twice, every Linear quantized, memory released; 1 vs 2 processes with 2+ GPUs;
-#      an MMLU-Pro-shaped tree-row case, sdpa vs flex_attention: tokens/s, scoring peak, chosen answers equal);
-#   2. benchmarks/shard_check.py: sharded vs unsharded weights (needs 2+ GPUs on CUDA; 2 CPU processes dry).
-# Not yet here (issue 19, item 5, left open): shard_check's one-process CUDA mode (a mesh of one) and the
-# multiple-choice and perplexity benchmarks on the random Llama-3.2-1B-shaped model (bench_mc.py and
-# bench_scoring.py time CPU scorers only).
-# Exits non-zero when any check fails; the table says which.
+# Steps, each with its own table and wall time appended to FILE:
+#   1. gpu_check: bf16 and int4 through the real DistPerpLM (load/scoring peaks, budgets, tokens/s, MFU or
+#      speed-up, same bits twice, every Linear quantized, memory released; 1 vs 2 processes with 2+ GPUs; an
+#      MMLU-Pro-shaped tree-row case, sdpa vs flex_attention: tokens/s, scoring peak, chosen answers equal);
+#   2. shard_check: sharded vs unsharded weights on 2+ processes (2+ GPUs; 2 CPU processes dry);
+#   3. shard_check_one: the mesh of one (shard_check.py --processes 1): FSDP2 on a one-process device mesh, int4
+#      loaded with quantization while loading and a bf16 reference; same bits as unsharded, peaks vs estimate;
+#   4. bench_mc: multiple-choice shapes (mmlu0, hellaswag, mmlupro5), hf vs distperp vs share_prefix=false, on a
+#      random Llama-3.2-1B-shaped model in float32 (chosen answers must equal hf's: a float32 check);
+#   5. bench_scoring: rolling perplexity, hf vs distperp vs the bare forward, same model in bfloat16, tokens/s
+#      and the allocator's scoring peak of hf and distperp.
+# The CPU dry mode runs every step on tiny models: bench_mc and bench_scoring use a random model of the test
+# model's shape instead of the 1B shape (said in the table). Text: ../shared/data/wikitext-2 when present, else
+# copies of the packaged sample. Exits non-zero when any check fails; the table says which.
 set -uo pipefail
 DEVICE=cuda
 OUT=""
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
-    *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE)" >&2; exit 2 ;;
+    --only) ONLY="$2"; shift 2 ;;
+    *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE, --only gpu_check,shard_check,shard_check_one,bench_mc,bench_scoring)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,36 +39,86 @@ OUT="${OUT:-$WORK/gpu_all.md}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 [ "$DEVICE" = cpu ] && export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 status=0
+START=$SECONDS
 {
   echo "# distperp gpu_all ($DEVICE), $(date -u +%Y-%m-%dT%H:%MZ)"
   [ "$DEVICE" = cuda ] && "$PY" -c 'import torch; print(f"# {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")'
 } > "$OUT"
 
-run() {  # name, command...: its table (lines starting with | or "1 vs") goes to OUT; a failure is recorded
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+
+run() {  # name, command...: its table (lines starting with |, "1 vs 2", "mesh of one", "- name:" notes, the
+         # header line with "·") goes to OUT; a failure (exit status, or DIFFER in the table) is recorded
   local name="$1"; shift
+  want "$name" || return 0
   echo "" >> "$OUT"; echo "## $name" >> "$OUT"
-  local log="$WORK/$name.log"
+  local log="$WORK/$name.log" t0=$SECONDS
   "$@" > "$log" 2>&1
   local rc=$?
-  grep -E '^(\||1 vs 2)' "$log" >> "$OUT"
+  grep -E '^(\||1 vs 2|mesh of one|- [A-Za-z0-9_.-]+: |[0-9]{4}-[0-9]{2}-[0-9]{2} · )' "$log" >> "$OUT"
+  if [ $rc -eq 0 ] && grep -qE '\bDIFFER(ENT)?\b|NOT SHARDED' "$log"; then rc=99; fi
   if [ $rc -ne 0 ]; then
-    echo "FAILED (exit $rc): $*; log: $log" >> "$OUT"; tail -n 20 "$log" >> "$OUT"; status=1
+    echo "FAILED (exit $rc, $((SECONDS - t0)) s): $*; log: $log" >> "$OUT"; tail -n 20 "$log" >> "$OUT"; status=1
   else
-    echo "passed" >> "$OUT"
+    echo "passed ($((SECONDS - t0)) s)" >> "$OUT"
   fi
 }
+
+# Text for the benchmarks: the shared WikiText-2 when this checkout sits next to it, else copies of the sample.
+WIKI="$HERE/../../shared/data/wikitext-2"
+if [ -f "$WIKI/test.txt" ] && [ -f "$WIKI/valid.txt" ]; then
+  TEST_TEXT="$WIKI/test.txt"; VALID_TEXT="$WIKI/valid.txt"
+else
+  TEST_TEXT="$WORK/sample_copies.txt"; VALID_TEXT="$TEST_TEXT"
+  "$PY" - "$TEST_TEXT" "$HERE/.." <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[2])
+from distperp_harness.tiny import sample_text
+out = []
+for i in range(24):  # each copy's articles retitled and every paragraph marked, so no two windows are equal
+    for line in sample_text().splitlines():  # (distperp computes an identical window once; hf would not)
+        s = line.strip()
+        if not s or s.startswith("= = "):
+            out.append(line)
+        elif s.startswith("= "):
+            out.append(line.replace(" = ", f" = Copy {i} ", 1))
+        else:
+            out.append(f" ( {i} ) {s} ")
+open(sys.argv[1], "w", encoding="utf-8").write("\n".join(out) + "\n")
+PYEOF
+fi
 
 if [ "$DEVICE" = cpu ]; then
   run gpu_check "$PY" "$HERE/gpu_check.py" --device cpu --tokens 1500 --work "$WORK/models"
   run shard_check "$PY" "$HERE/shard_check.py" --device cpu --runs int4 --work "$WORK/shard"
+  run shard_check_one "$PY" "$HERE/shard_check.py" --device cpu --processes 1 --runs int4 --tokens 300 \
+    --work "$WORK/shard_one"
+  if want bench_mc || want bench_scoring; then
+    printf '\n(cpu dry mode: bench_mc and bench_scoring use a random model of the tiny test shape, not the Llama-3.2-1B shape)\n' >> "$OUT"
+  fi
+  run bench_mc "$PY" "$HERE/bench_mc.py" --random-shape tiny --workdir "$WORK/random" --text "$VALID_TEXT" \
+    --shapes mmlu0,hellaswag --questions 2 --repeats 1 --max-length 256 --batch-size 4
+  run bench_scoring "$PY" "$HERE/bench_scoring.py" --random-shape tiny --workdir "$WORK/random" --text "$TEST_TEXT" \
+    --scorers hf,distperp,bare --tokens 400 --repeats 1 --max-length 128 --batch-size 4 --no-memory
 else
   run gpu_check "$PY" "$HERE/gpu_check.py" --device cuda --work "$WORK/models"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     run shard_check "$PY" "$HERE/shard_check.py" --device cuda --work "$WORK/shard"
-  else
-    echo -e "\n## shard_check\nskipped: one GPU (its one-process mode is not written yet)" >> "$OUT"
+  elif want shard_check; then
+    printf '\n## shard_check\nskipped: one GPU (shard_check_one below is its one-process mode)\n' >> "$OUT"
   fi
+  ONE_MODEL=()  # reuse gpu_check's random Llama-3.2-1B-shaped model when it was built
+  [ -f "$WORK/models/gpu-check-llama-1b/config.json" ] && ONE_MODEL=(--model "$WORK/models/gpu-check-llama-1b")
+  run shard_check_one "$PY" "$HERE/shard_check.py" --device cuda --processes 1 --runs int4 --tokens 8192 \
+    ${ONE_MODEL[@]+"${ONE_MODEL[@]}"} --work "$WORK/shard_one"
+  run bench_mc "$PY" "$HERE/bench_mc.py" --random-shape llama-1b --device cuda --dtype float32 \
+    --workdir "$WORK/random" --text "$VALID_TEXT" --shapes mmlu0,hellaswag,mmlupro5 --questions 24 --repeats 1 \
+    --max-length 2048 --batch-size 8
+  run bench_scoring "$PY" "$HERE/bench_scoring.py" --random-shape llama-1b --device cuda --dtype bfloat16 \
+    --workdir "$WORK/random" --text "$TEST_TEXT" --scorers hf,distperp,bare --tokens 16384 --repeats 2 \
+    --max-length 2048 --batch-size 8 --memory-scorers hf,distperp --memory-tokens 8192
 fi
+echo -e "\ntotal: $((SECONDS - START)) s" >> "$OUT"
 cat "$OUT"
 echo "table: $OUT"
 exit $status

@@ -90,8 +90,12 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
                        timeout=900, env={"PYTHON": sys.executable})
     text = out.read_text()
     assert "## gpu_check" in text and "## shard_check" in text and "FAILED" not in text, proc.stdout[-3000:]
-    assert text.count("passed") == 2
+    assert text.count("passed") == 5  # gpu_check, shard_check, shard_check_one, bench_mc, bench_scoring
     assert "| int4 |" in text and "| 14/14 |" in text  # the dry-run model quantizes every decoder Linear
+    assert "| int4 | 1 (mesh of one) |" in text and "fingerprints equal to the unsharded run" in text
+    assert "## bench_mc" in text and "| mmlu0 (2 q, " in text and "chosen answers equal" in text
+    assert "## bench_scoring" in text and "| random-tiny (" in text and "DIFFER" not in text
+    assert "tiny test shape, not the Llama-3.2-1B shape" in text and "total: " in text
 
 
 def test_shard_check_mesh_of_one_on_cpu(tmp_path):
