@@ -180,7 +180,8 @@ def table(reports: list[dict[str, Any]], args) -> str:
 
     lines = [f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
              f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
-             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · {args.dtype} on {device_name(args.device)} · batch size "
+             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · {args.dtype} on "
+             f"{device_name(args.device)} · batch size "
              f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
              "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed | per question |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

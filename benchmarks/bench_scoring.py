@@ -8,8 +8,9 @@
 
 Work: ``loglikelihood_rolling`` over WikiText-2 test articles (``../shared/data/wikitext-2/test.txt``, read at run
 time, split on top-level `` = Title = `` lines), disjoint windows of ``--max-length`` tokens, ``--batch-size`` rows,
-float32, one process, CPU (``--device cuda --dtype bfloat16``: both scorers on ``cuda:0`` in that dtype). Both models are built in-process with lm-eval's registry
-(``get_model(name).create_from_arg_string``) and called with the same ``Instance`` objects.
+float32, one process, CPU (``--device cuda --dtype bfloat16``: both scorers on ``cuda:0`` in that dtype). Both models
+are built in-process with lm-eval's registry (``get_model(name).create_from_arg_string``) and called with the same
+``Instance`` objects.
 
 Models: ``../shared/models/wt2-llama-5m`` (5.5M parameters, vocab 8,192) and a random-init Llama with 52M
 parameters and vocab 32,000 built in a temporary folder (it reuses the wt2-llama-5m tokenizer: a model vocab
@@ -527,7 +528,8 @@ def report(results: list[ModelResult], args: argparse.Namespace) -> str:
     lines = [
         f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
         f"({torch.get_num_threads()} threads) · transformers {transformers.__version__} · lm-eval "
-        f"{lm_eval.__version__} · 1 process · {args.dtype} on {device_name(args.device)} · batch size {args.batch_size} · "
+        f"{lm_eval.__version__} · 1 process · {args.dtype} on {device_name(args.device)} · "
+        f"batch size {args.batch_size} · "
         f"max_length {args.max_length} · "
         f"best of {args.repeats} alternating repeats",
         "",

@@ -29,7 +29,8 @@ while [ $# -gt 0 ]; do
     --device) DEVICE="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
-    *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE, --only gpu_check,shard_check,shard_check_one,bench_mc,bench_scoring)" >&2; exit 2 ;;
+    *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE," \
+            "--only gpu_check,shard_check,shard_check_one,bench_mc,bench_scoring)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -94,7 +95,8 @@ if [ "$DEVICE" = cpu ]; then
   run shard_check_one "$PY" "$HERE/shard_check.py" --device cpu --processes 1 --runs int4 --tokens 300 \
     --work "$WORK/shard_one"
   if want bench_mc || want bench_scoring; then
-    printf '\n(cpu dry mode: bench_mc and bench_scoring use a random model of the tiny test shape, not the Llama-3.2-1B shape)\n' >> "$OUT"
+    printf '\n(cpu dry mode: bench_mc and bench_scoring use a random model of the tiny test shape, %s)\n' \
+      "not the Llama-3.2-1B shape" >> "$OUT"
   fi
   run bench_mc "$PY" "$HERE/bench_mc.py" --random-shape tiny --workdir "$WORK/random" --text "$VALID_TEXT" \
     --shapes mmlu0,hellaswag --questions 2 --repeats 1 --max-length 256 --batch-size 4

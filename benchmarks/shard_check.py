@@ -63,7 +63,6 @@ def model_args(args: argparse.Namespace, run: str, shard_size: int) -> dict:
 def worker(args: argparse.Namespace) -> None:
     """One launched process: load, score, and (rank 0) write what the table needs."""
     from distperp_harness.lm import DistPerpLM
-
     from distperp_harness.sharding import is_sharded
 
     lm = DistPerpLM(**model_args(args, args.run, args.shard_size), mesh_of_one=args.mesh_of_one)

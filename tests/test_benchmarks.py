@@ -109,7 +109,8 @@ def test_shard_check_mesh_of_one_on_cpu(tmp_path):
     import json
 
     whole, mesh = json.loads(out.read_text())["rows"]
-    assert (whole["mesh_of_one"], whole["fsdp"]) == (False, False) and (mesh["mesh_of_one"], mesh["fsdp"]) == (True, True)
+    assert (whole["mesh_of_one"], whole["fsdp"]) == (False, False)
+    assert (mesh["mesh_of_one"], mesh["fsdp"]) == (True, True)
     assert mesh["same"] == "equal" and mesh["fingerprint"] == whole["fingerprint"]
     assert mesh["replicated"] == 14  # every quantized Linear of the dry-run model stays outside FSDP
     assert mesh["estimate_total"] > whole["estimate_total"]  # the units FSDP copies on a mesh of one are counted
