@@ -114,3 +114,14 @@ def test_shard_check_mesh_of_one_on_cpu(tmp_path):
     assert mesh["same"] == "equal" and mesh["fingerprint"] == whole["fingerprint"]
     assert mesh["replicated"] == 14  # every quantized Linear of the dry-run model stays outside FSDP
     assert mesh["estimate_total"] > whole["estimate_total"]  # the units FSDP copies on a mesh of one are counted
+
+
+def test_random_shape_llama_1b_is_llama_3_2_1b():
+    """``--random-shape llama-1b`` (bench_scoring, bench_mc, gpu_all.sh) has Llama-3.2-1B's parameters: 1,235,814,400
+    with the output head tied to the embeddings (built on the meta device: nothing allocated)."""
+    code = ("import sys, torch; sys.path.insert(0, 'benchmarks'); from bench_scoring import RANDOM_SHAPES; "
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "with torch.device('meta'): m = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES['llama-1b']))\n"
+            "print(sum(p.numel() for p in m.parameters()), m.lm_head.weight is m.model.embed_tokens.weight)")
+    proc = run_command([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=120)
+    assert proc.stdout.split()[-2:] == ["1235814400", "True"]
