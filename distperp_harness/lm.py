@@ -417,6 +417,7 @@ class DistPerpLM(TemplateLM):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         if "device" in extra:
             extra["device_from_cli"] = True
+        Options.from_kwargs(**arg_dict)  # only --model_args keys: in-process keywords (mesh_of_one, ...) are refused
         return cls(**arg_dict, **extra)
 
 

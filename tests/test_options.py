@@ -58,3 +58,12 @@ def test_frozen_and_recorded():
         Options(pretrained="m", share_prefix="no")  # type: ignore[arg-type]
     record = opts.to_dict()
     assert record["pretrained"] == "m" and "device_from_cli" not in record
+
+
+@pytest.mark.parametrize("key", ["mesh_of_one", "reference_model"])
+def test_in_process_keywords_are_not_model_args(key):
+    """DistPerpLM's in-process keywords (for the checks and sweep) cannot be typed in --model_args."""
+    from distperp_harness.lm import DistPerpLM
+
+    with pytest.raises(ValueError, match=f"Unknown --model_args key.*'{key}'"):
+        DistPerpLM.create_from_arg_string(f"pretrained=some/model,{key}=True")
