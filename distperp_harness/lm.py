@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from distperp_harness import __version__
 from distperp_harness.collective import Collective
@@ -30,6 +29,7 @@ from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_p
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
 from distperp_harness.progress import setup_logging, token_progress
+from distperp_harness.tokens import Tokenization
 from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.quantize import weight_bytes
 from distperp_harness.requests import Unit, continuation_unit, window_units
@@ -48,7 +48,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 
-class DistPerpLM(TemplateLM):
+class DistPerpLM(Tokenization, TemplateLM):
     """lm-eval model ``distperp``: exact, world-size-independent log-likelihoods for Hugging Face causal LMs.
 
     Results of ``loglikelihood`` / ``loglikelihood_rolling`` are float64 sums (returned as
@@ -275,41 +275,6 @@ class DistPerpLM(TemplateLM):
     @staticmethod
     def _as_score(r) -> Score:
         return Score(r.loglikelihood, r.n_tokens, r.ref_loglikelihood, r.kl, r.top1_agree)
-
-    # ----------------------------------------------------------------------------------- tokenization
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
-        """Token ids of ``string``, with lm-eval ``hf``'s rules for special tokens (parity)."""
-        memo = getattr(self, "_encoded", None)
-        key = (string, add_special_tokens, left_truncate_len)
-        if memo is not None and key in memo and not kwargs:
-            return list(memo[key])
-        special = _add_special_kwargs(add_special_tokens, self.options.add_bos_token)
-        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
-            special["add_special_tokens"] = False
-        encoding = self.tokenizer.encode(string, **special)
-        encoding = encoding[-left_truncate_len:] if left_truncate_len else encoding
-        if memo is not None and not kwargs:
-            memo[key] = tuple(encoding)
-        return encoding
-
-    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
-
-    @property
-    def eot_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def prefix_token_id(self) -> int:
-        if self.options.prefix_token_id is not None:
-            return self.options.prefix_token_id
-        if self.tokenizer.bos_token_id is not None:
-            return self.tokenizer.bos_token_id
-        if self.tokenizer.eos_token_id is not None:
-            return self.tokenizer.eos_token_id
-        raise ValueError("the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
-                         "first token on. Fix: pass prefix_token_id=<id> in --model_args.")
 
     # ------------------------------------------------------------------ what the evaluator and loggers read
     @property
