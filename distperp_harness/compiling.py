@@ -2,12 +2,12 @@
 graphs and the same kernels on every process.
 
 **What is compiled, and why.** Every forward distperp makes — scoring's ``model.base_model(...)`` for plain-head
-models and ``model(...)`` for the others, the reference pass, both forwards of a batch with a shared prefix,
-generation — goes through the model's stack of decoder layers, and that is where nearly all of the work besides the
+models and ``model(...)`` for the others, the reference pass, the prefix and row forwards of a batch whose rows
+share a prefix, generation — goes through the model's stack of decoder layers, and that is where nearly all of the work besides the
 output head (which scoring computes itself, in chunks) happens: norms, rotary embedding, attention, MLP, residuals.
 So each decoder layer's ``forward`` is compiled (regional compilation), not the whole model: one graph serves every
 layer (same code, parameters as inputs), it compiles in seconds where a whole model takes far longer, and no call
-path can miss it. Calls that carry a key/value cache (the second forward of a shared-prefix batch, and generation)
+path can miss it. Calls that carry a key/value cache (both forwards of a batch whose rows share a prefix, and generation)
 run eager: a cache update specializes on the layer index and the cache length, which would compile one graph per
 layer and per length; they are counted (``eager_calls``).
 
@@ -176,7 +176,7 @@ def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], packed: 
         model.base_model(input_ids=ids, use_cache=False)
         done.append(f"{rows}x{length}")
         if packed:
-            allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril().expand(rows, 1, -1, -1)
+            allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril().repeat(rows, 1, 1, 1)
             positions = torch.arange(length, device=device).repeat(rows, 1)
             model.base_model(input_ids=ids, use_cache=False, **_Packing(allowed, positions).kwargs(model))
             done.append(f"{rows}x{length} tree mask")
