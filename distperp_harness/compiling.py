@@ -72,7 +72,7 @@ class CompileState:
         for undo in reversed(self._restore):
             undo()
         self._restore.clear()
-        self.active = False
+        self.active, self.layers, self.graphs = False, 0, 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "active": self.active, "reason": self.reason,
@@ -94,12 +94,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def warmup_shapes(rows_for: Callable[[int], int], max_length: int) -> list[tuple[int, int]]:
-    """``(rows, length)`` of the warm-up forwards: the batching rule's full-length batch (at least two rows: a
-    one-row warm-up would specialize the rows to 1), and one full-length row (a graph where rows are 1, which
-    dynamo keeps apart). Functions of ``max_length`` and the batching rule only."""
+    """``(rows, length)`` of the warm-up forwards, functions of ``max_length`` and the batching rule only: its
+    full-length batch. Dynamo keeps batches of one row apart (a graph where rows are 1); that graph is compiled
+    too only when the full-length batch is one row (then also two rows of half the length, for the shorter
+    batches that hold more rows). Otherwise the odd one-row batch (the end of a plan) runs eager."""
     rows = rows_for(max_length)
-    first = (rows, max_length) if rows >= 2 else (2, max(2, max_length // 2))
-    return [first, (1, max_length)]
+    if rows >= 2:
+        return [(rows, max_length)]
+    return [(1, max_length), (2, max(2, max_length // 2))]
 
 
 def _unique_graphs() -> int:
@@ -134,6 +136,9 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
             if not _is_recompile(exc):
                 raise
             state.eager_calls["not_covered"] += 1
+            import os
+            if os.environ.get("DISTPERP_DEBUG_COMPILE"):
+                print(str(exc)[-3000:])
             return eager(*args, **kwargs)
         state.compiled_calls += 1
         return out
@@ -193,8 +198,12 @@ def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Seq
     t0 = time.perf_counter()
     state.active, state._warming = True, True
     try:
+        import torch.fx.experimental._config as fx_config
+
+        # use_duck_shape=False: a warm-up size equal to a weight's (hidden size, heads) must not fix rows or length.
         with torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)), \
-                torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)):
+                torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)), \
+                fx_config.patch(_known(fx_config, use_duck_shape=False)):
             for model in models:
                 state.layers += _patch(state, model, state.mode)
                 state.warmup = _warm_up(model, shapes, packed, pad_token_id, device)

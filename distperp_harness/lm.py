@@ -113,7 +113,7 @@ class DistPerpLM(TemplateLM):
             self._max_length)
         self.compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
             self.options.compile_mode, [self._model, self.reference], collective=self.collective,
-            rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode != "off",
+            rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
             pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,

@@ -14,7 +14,7 @@ from distperp_harness.requests import Unit, window_units
 from distperp_harness.scoring import LL, score_batch
 from helpers import make_lm, score_rolling
 
-ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4"
+ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4,share_prefix=false"
 TEXTS = ["The tower is 324 metres tall, about the same height as an 81-storey building.",
          "It was the first structure to reach a height of 300 metres. " * 4,
          "Short."]
@@ -108,5 +108,25 @@ def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatc
 
 
 def test_warmup_shapes_come_from_max_length_and_batching():
-    assert compiling.warmup_shapes(lambda length: 4096 // length, 1024) == [(4, 1024), (1, 1024)]
-    assert compiling.warmup_shapes(lambda length: 1, 4096) == [(2, 2048), (1, 4096)]
+    assert compiling.warmup_shapes(lambda length: 4096 // length, 1024) == [(4, 1024)]
+    assert compiling.warmup_shapes(lambda length: max(1, 4096 // length), 8192) == [(1, 8192), (2, 4096)]
+
+
+@pytest.mark.distributed
+def test_two_processes_give_the_bits_of_one(tiny_model_dir, tasks_dir, tmp_path):
+    """``accelerate launch`` with 1 and 2 processes, compile=true, one tiny rolling task: equal fingerprints and
+    per-document results (rank 1 waits for rank 0's compile and loads its kernels from the on-disk cache)."""
+    from helpers import accelerate_launch_prefix, load_results, load_samples, run_command
+
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"{n}p"
+        run_command([*accelerate_launch_prefix(n), "-m", "lm_eval", "--model", "distperp", "--model_args",
+                     f"pretrained={tiny_model_dir}{ARGS.replace(',batch_size=4', '')},compile=true",
+                     "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--batch_size", "4",
+                     "--log_samples", "--output_path", str(out)], cwd=tmp_path)
+        info = load_results(out)["config"]["distperp"]
+        assert info["world_size"] == n and info["compile"]["active"] and info["compile"]["recompilations"] == 0
+        runs[n] = (info["fingerprint"], [s["resps"] for s in sorted(load_samples(out, "dptest_rolling"),
+                                                                     key=lambda s: s["doc_id"])])
+    assert runs[1] == runs[2]
