@@ -54,6 +54,7 @@ class CompileState:
     compiled_calls: int = 0
     eager_calls: dict[str, int] = field(default_factory=lambda: {"kv_cache": 0, "not_covered": 0})
     cache: dict[str, Any] = field(default_factory=dict)
+    not_covered_example: str | None = None
     _graphs_at_ready: int = field(default=0, repr=False)
     _warming: bool = field(default=False, repr=False)
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -78,7 +79,8 @@ class CompileState:
         return {"mode": self.mode, "active": self.active, "reason": self.reason,
                 "compile_seconds": round(self.seconds, 3), "layers": self.layers, "warmup": self.warmup,
                 "graphs": self.graphs, "recompilations": self.recompilations(),
-                "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls), "cache": self.cache}
+                "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls),
+                "not_covered_example": self.not_covered_example, "cache": self.cache}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -136,9 +138,8 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
             if not _is_recompile(exc):
                 raise
             state.eager_calls["not_covered"] += 1
-            import os
-            if os.environ.get("DISTPERP_DEBUG_COMPILE"):
-                print(str(exc)[-3000:])
+            if state.not_covered_example is None:  # dynamo's guard failures, for config.distperp.compile
+                state.not_covered_example = " ".join(str(exc).split("triggered by")[-1].split())[:400]
             return eager(*args, **kwargs)
         state.compiled_calls += 1
         return out
