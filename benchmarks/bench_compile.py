@@ -109,7 +109,8 @@ def table(runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> s
     import torch
     import transformers
 
-    lines = [f"{datetime.date.today().isoformat()} · {machine()} (shared with other jobs) · torch {torch.__version__} "
+    lines = [f"{datetime.date.today().isoformat()} · {machine()} (shared with other jobs) · torch "
+             f"{torch.__version__} "
              f"({args.threads or torch.get_num_threads()} threads) · transformers {transformers.__version__} · "
              f"lm-eval {lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
              f"{args.batch_size} · max_length {args.max_length} · fastest of {args.repeats} (cold: 1)", "",
@@ -136,8 +137,11 @@ def table(runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> s
                          f"{vs_eager} | {vs_eager_c} |")
             label = ""
             if info:
-                notes.append(f"- {work} {scorer}: compile {json.dumps({k: info.get(k) for k in ('active', 'reason', 'graphs', 'recompilations', 'compiled_calls', 'eager_calls')})}; "
-                             f"cache hits/misses {info.get('cache', {}).get('hits')}/{info.get('cache', {}).get('misses')}")
+                shown = {k: info.get(k) for k in ("active", "reason", "graphs", "recompilations", "compiled_calls",
+                                                  "eager_calls")}
+                cache = info.get("cache") or {}
+                notes.append(f"- {work} {scorer}: compile {json.dumps(shown)}; cache hits/misses "
+                             f"{cache.get('hits')}/{cache.get('misses')}")
         ref = {k: v[-1]["results"] for k, v in by_scorer.items()}
         for a, b in (("eager", "warm"), ("eager", "cold"), ("hf", "eager")):
             if a in ref and b in ref:

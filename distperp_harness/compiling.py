@@ -3,19 +3,20 @@ graphs and the same kernels on every process.
 
 **What is compiled, and why.** Every forward distperp makes — scoring's ``model.base_model(...)`` for plain-head
 models and ``model(...)`` for the others, the reference pass, the prefix and row forwards of a batch whose rows
-share a prefix, generation — goes through the model's stack of decoder layers, and that is where nearly all of the work besides the
-output head (which scoring computes itself, in chunks) happens: norms, rotary embedding, attention, MLP, residuals.
-So each decoder layer's ``forward`` is compiled (regional compilation), not the whole model: one graph serves every
-layer (same code, parameters as inputs), it compiles in seconds where a whole model takes far longer, and no call
-path can miss it. Calls that carry a key/value cache (both forwards of a batch whose rows share a prefix, and generation)
-run eager: a cache update specializes on the layer index and the cache length, which would compile one graph per
-layer and per length; they are counted (``eager_calls``).
+share a prefix, generation — goes through the model's stack of decoder layers, and that is where nearly all of the
+work besides the output head (which scoring computes itself, in chunks) happens: norms, rotary embedding,
+attention, MLP, residuals. So each decoder layer's ``forward`` is compiled (regional compilation), not the whole
+model: one graph serves every layer (same code, parameters as inputs), it compiles in seconds where a whole model
+takes far longer, and no call path can miss it. Calls that carry a key/value cache (both forwards of a batch whose
+rows share a prefix, and generation) run eager: a cache update specializes on the layer index and the cache
+length, which would compile one graph per layer and per length; they are counted (``eager_calls``).
 
-**Shapes.** ``dynamic=True``: rows and length are symbolic, so one graph serves batches of every shape. The graphs
-are compiled at load time by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from ``max_length`` and the
-batching rule, never from the requests or the world size), with and without the tree-row mask when rows may be
-shared. After the warm-up nothing compiles again (``torch.compiler.set_stance("fail_on_recompile")``): a call the
-warm-up graphs do not cover (e.g. rows of one token) runs eager and is counted. So which kernels compute a batch
+**Shapes.** ``dynamic=True`` without duck sizing: rows and length are symbolic, so one graph serves batches of
+every shape. The graphs are compiled at load time by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from
+``max_length`` and the batching rule, never from the requests or the world size), without and (``share_prefix``
+with tree rows) with the tree-row mask. After the warm-up nothing compiles again
+(``torch.compiler.set_stance("fail_on_recompile")``): a call the warm-up graphs do not cover (a one-row batch when
+full-length batches hold several rows, rows of one token) runs eager and is counted. So which kernels compute a batch
 depends on its shape alone, on every rank: inductor's size-dependent choices come from the warm-up's sizes (the same
 everywhere) and never from timing (``torch._inductor.config.deterministic`` while compiling).
 
