@@ -24,6 +24,10 @@ every answer, the unshared work), computed tokens per question, peak CUDA memory
 the chosen answers (argmax over the ten letters) equal sdpa's. A model or torch that cannot run flex attention
 (or takes no tree mask with it) gets a "skipped" row with the reason.
 
+Compiled rows (``--compile``, default on CUDA only: compiling on the CPU dry run would take most of its time): each
+run again with ``compile=true``, its tokens/s against the same run eager (and the MFU for bf16), its compile seconds,
+recompilations after the warm-up (must be 0) and the same first batch twice (equal bits).
+
 Default model: a random Llama-3.2-1B-shaped model (1.24B parameters, 128,256-entry head) built by
 ``distperp_harness.tiny`` into ``--work``; ``--model PATH`` uses a local checkpoint instead. Exits 1 when a
 check fails.
@@ -97,8 +101,9 @@ def documents(tokens: int) -> list[str]:
     return [f"{text}\n(copy {i})" for i in range(max(1, tokens * 4 // len(text)))]
 
 
-def model_args(args: argparse.Namespace, model: Path, scheme: str) -> dict:
-    kwargs = dict(pretrained=str(model), device=args.device, batch_size="auto", max_length=args.max_length)
+def model_args(args: argparse.Namespace, model: Path, scheme: str, compiled: bool = False) -> dict:
+    kwargs = dict(pretrained=str(model), device=args.device, batch_size="auto", max_length=args.max_length,
+                  compile=compiled)
     if args.device == "cuda":
         kwargs["dtype"] = "bfloat16"
     if scheme != "none":
@@ -113,7 +118,7 @@ def peak_flops(device: torch.device) -> float | None:
     return PEAK_BF16.get(torch.cuda.get_device_name(device))
 
 
-def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str]) -> dict:
+def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str], compiled: bool = False) -> dict:
     from distperp_harness.lm import DistPerpLM
     from distperp_harness.requests import window_units
     from distperp_harness.runtime import batching_for
@@ -121,7 +126,7 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str])
 
     cuda = args.device == "cuda"
     t0 = time.perf_counter()
-    lm = DistPerpLM(**model_args(args, model, scheme))
+    lm = DistPerpLM(**model_args(args, model, scheme, compiled))
     load_s = time.perf_counter() - t0
     # The loader's own meter (reset at the start of the load stage, read at its end); the constructor's budget
     # probe, which runs after it, resets the allocator's peak again, so reading that here would miss the load.
@@ -145,12 +150,17 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str])
         [why for why in report.skipped.values() if not why.startswith("output embedding kept")]
     layers = None if report is None or report.config_name is None else \
         (len(report.quantized), len(report.quantized) + len(eligible))  # the output head is not eligible
-    row = dict(run="bfloat16" if scheme == "none" and cuda else ("float32" if scheme == "none" else scheme),
+    name = "bfloat16" if scheme == "none" and cuda else ("float32" if scheme == "none" else scheme)
+    state = lm.compiled.to_dict()
+    row = dict(run=name + (" compiled" if compiled else ""), scheme_run=name, compiled=compiled,
+               compile_active=state["active"], compile_reason=state["reason"],
+               compile_s=state["compile_seconds"],
                load_s=load_s, load_peak=load_peak, weight_bytes=lm.weight_bytes, budget=lm.batching.token_budget,
                budget_again=again.token_budget, tokens=call["scored_tokens"], tokens_per_s=tokens_per_s,
                mfu=(2 * params * tokens_per_s / peak) if peak and scheme == "none" else None,
                peak_known=peak is not None or not cuda, score_peak=score_peak, quantized_layers=layers,
-               same_bits=first[0].tobytes() == first[1].tobytes(), fingerprint=lm.stats.fingerprint)
+               same_bits=first[0].tobytes() == first[1].tobytes(), fingerprint=lm.stats.fingerprint,
+               recompilations=lm.compiled.recompilations())
     model_ref = weakref.ref(lm.model)
     del lm, first, again
     return row, model_ref
@@ -282,12 +292,20 @@ def gib(value: float | None) -> str:
 
 
 def efficiency(row: dict, rows: list[dict]) -> str:
-    """MFU for the unquantized run (or "unknown" GPU), the speed-up over it for a quantized one."""
+    """MFU for the unquantized run (or "unknown" GPU), the speed-up over it for a quantized one; for a compiled
+    run also its speed-up over the same run eager, its compile seconds and recompilations."""
+    if row.get("compiled"):
+        eager = next((r for r in rows if not r.get("compiled") and r["scheme_run"] == row["scheme_run"]), None)
+        if not row["compile_active"]:
+            return f"NOT COMPILED ({row['compile_reason']})"
+        mfu = f"MFU {100 * row['mfu']:.1f} %, " if row["mfu"] is not None else ""
+        speed = "n/a" if eager is None else f"{row['tokens_per_s'] / eager['tokens_per_s']:.2f}x of eager"
+        return f"{mfu}{speed}; compile {row['compile_s']:.0f} s, {row['recompilations']} recompilations"
     if row["quantized_layers"] is None:
         if row["mfu"] is not None:
             return f"MFU {100 * row['mfu']:.1f} %"
         return "MFU unknown (GPU not in PEAK_BF16)" if not row["peak_known"] else "n/a"
-    base = next((r for r in rows if r["quantized_layers"] is None), None)
+    base = next((r for r in rows if r["quantized_layers"] is None and not r.get("compiled")), None)
     return "n/a" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x of {base['run']}"
 
 
@@ -310,7 +328,7 @@ def passed(row: dict) -> bool:
     """A row's checks: same bits, same budget twice, memory released, every Linear layer quantized."""
     layers = row["quantized_layers"]
     return (row["same_bits"] and row["budget"] == row["budget_again"] and row.get("released", True)
-            and (layers is None or layers[0] == layers[1]))
+            and (layers is None or layers[0] == layers[1]) and row.get("recompilations", 0) == 0)
 
 
 def base_parser(doc: str, launch_timeout: float) -> argparse.ArgumentParser:
@@ -339,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__, 240)
     parser.add_argument("--runs", default="none,int4", help="comma-separated quantize= schemes")
     parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="also run each scheme with compile=true (auto: on CUDA only)")
     parser.add_argument("--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 "
                         "when two GPUs are visible)")
     parser.add_argument("--tree-impls", default=None, help="attention implementations of the tree-row case "
@@ -360,10 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     docs = documents(args.tokens)
     baseline = torch.cuda.memory_allocated() if cuda else None
     rows = []
+    compiled = args.compile == "on" or (args.compile == "auto" and cuda)
     for scheme in args.runs.split(","):
-        row, model_ref = run_one(args, model, scheme, docs)
-        release(row, model_ref, baseline)
-        rows.append(row)
+        for compile_it in (False, True) if compiled else (False,):
+            row, model_ref = run_one(args, model, scheme, docs, compile_it)
+            release(row, model_ref, baseline)
+            rows.append(row)
     processes = args.processes or (2 if cuda and torch.cuda.device_count() >= 2 else 0)
     multi = "skipped (one GPU)"
     if processes >= 2:

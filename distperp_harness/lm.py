@@ -19,6 +19,7 @@ from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
 from distperp_harness.collective import Collective
+from distperp_harness.compiling import compile_models
 from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
 from distperp_harness.failfast import fail_for_tests, stop_together
@@ -110,13 +111,17 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.warnings = quantization_warnings(self.quant_report, self.options.reference, self._model, self.reference)
         for line in self.warnings:
             log.warning(line, main_process_only=True)
-        self.store = None if not self.options.resume_dir else BatchStore(
-            self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
-            is_main=self.collective.is_main, exit_on_sigterm=True)
         self.stats = RunStats()
         self.sharing, self.sharing_fallback, self.row_budget_reason = choose_sharing(
             self.options.share_prefix, [m for m in (self._model, self.reference) if m is not None], self.batching,
             self._max_length)
+        self.compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
+            self.options.compile_mode, [self._model, self.reference], collective=self.collective,
+            rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
+            pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
+        self.store = None if not self.options.resume_dir else BatchStore(
+            self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
+            is_main=self.collective.is_main, exit_on_sigterm=True)
         self.load_seconds = time.perf_counter() - t0
 
     def _run_identity(self) -> dict:
@@ -134,7 +139,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         changes where the weights live, not the bits."""
         identity = self._run_identity()
         identity["options"] = {k: v for k, v in identity["options"].items() if k != "shard_size"}
-        return {**identity, "dtype": str(next(self._model.parameters()).dtype)}
+        return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode}
 
     def _check_ranks_agree(self) -> None:
         """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""
@@ -352,6 +357,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                 "sharing": {"mode": self.sharing.mode, "max_row_length": self.sharing.max_row_length,
                             "row_budget": self.row_budget_reason, "fallback_reason": self.sharing_fallback},
                 "load_seconds": self.load_seconds,
+                "compile": self.compiled.to_dict(),
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,

@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 QUANT_SCHEMES = ("none", "int4", "int8", "8da4w")
 GROUP_SIZES = (32, 64, 128, 256)
+# torch.compile's modes (``compile=true`` is "default"); "false": eager
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SHARD_SIZES = ("an integer >= 1 that divides the processes per node, or 'node' (all processes of a node share one "
                "copy of the weights)")
 # The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
@@ -58,6 +60,8 @@ class Options:
     share_prefix: bool = True
     # models bigger than one device (issue 12): processes that together hold one copy of the weights
     shard_size: int | str = 1
+    # compiled decoder layers (issue 20): "false" (eager) or a torch.compile mode; compile=true is "default"
+    compile: str = "false"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -93,9 +97,17 @@ class Options:
             _require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
                      SHARD_SIZES,
                      "shard_size=1 (every process holds all weights) or a divisor of the processes per node")
+        _require(self.compile == "false" or self.compile in COMPILE_MODES, "compile", self.compile,
+                 f"true, false or a torch.compile mode ({', '.join(COMPILE_MODES)})",
+                 "e.g. compile=true (mode default) or compile=max-autotune")
         if self.reference is not None:
             _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
                      "'base' (the same checkpoint, unquantized) or a model path / hub id", "")
+
+    @property
+    def compile_mode(self) -> str | None:
+        """The torch.compile mode of ``compile=``, or None for eager."""
+        return None if self.compile == "false" else self.compile
 
     @property
     def auto_batch(self) -> bool:
@@ -166,6 +178,10 @@ def _cast(key: str, value: Any) -> Any:
         return {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}.get(text, text)
     if key == "batch_size":
         return _as_batch_size(value)
+    if key == "compile":
+        text = str(value).strip().lower()
+        return {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false",
+                "none": "false"}.get(text, text)
     if key == "shard_size":
         text = str(value).strip().lower()
         return text if not text.lstrip("-").isdigit() else _as_int(key, text)
