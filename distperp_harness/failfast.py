@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from distperp_harness.testfaults import inject
+
 FAILURE_KEY = "distperp/failure"
 ACK_KEY = "distperp/failure_acks"
 POLL_S = 1.0
@@ -184,9 +186,8 @@ def fail_for_tests(rank: int) -> None:
     """Fault injection before each forward of the failure tests; unset in normal runs.
     ``DISTPERP_TEST_FAIL=<rank>:<forward>`` makes that rank raise at its n-th forward (real or idle), before the
     forward's first gather, as an error of its own would."""
-    fail_for_tests.count = getattr(fail_for_tests, "count", 0) + 1
-    spec = os.environ.get("DISTPERP_TEST_FAIL")
-    if spec:
-        fault_rank, after = (int(x) for x in spec.split(":"))
-        if rank == fault_rank and fail_for_tests.count == after:
-            raise RuntimeError(f"injected failure for tests (DISTPERP_TEST_FAIL={spec})")
+    inject("forward", rank, {"DISTPERP_TEST_FAIL": _raise_injected})
+
+
+def _raise_injected(spec: str) -> None:
+    raise RuntimeError(f"injected failure for tests (DISTPERP_TEST_FAIL={spec})")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 import json
 import time
 from collections import Counter
@@ -38,8 +37,9 @@ from transformers import LogitsProcessor
 
 from distperp_harness.collective import Collective
 from distperp_harness.memory import peak_memory_bytes
+from distperp_harness.kvcache import CacheNotShareable, cache_argument, prefix_cache
 from distperp_harness.plan import Batch, assign_batches
-from distperp_harness.rows import MIN_SHARED_PREFIX
+from distperp_harness.rows import MIN_SHARED_PREFIX, common_prefix_length
 
 log = get_logger(__name__)
 
@@ -211,35 +211,22 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]], min_tokens: int) -> i
     if len(prompts) < 2:
         return 0
     limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    n = 0
-    while n < limit and all(p[n] == first[n] for p in prompts):
-        n += 1
+    n = min([limit] + [common_prefix_length(prompts[0], p) for p in prompts[1:]])
     return n if n >= max(1, min_tokens) else 0
-
-
-def _cache_argument(model: torch.nn.Module) -> str:
-    """The name ``generate`` takes a KV cache under (``cache`` in transformers >= 5.x, else ``past_key_values``)."""
-    params = inspect.signature(model.prepare_inputs_for_generation).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
     """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows; ``None`` (logged once) when the
     model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, which
     the ``[prefix][pad...][suffix]`` layout allows as it stands."""
-    out = model(input_ids=prefix, use_cache=True)
-    cache = getattr(out, "cache", None)
-    if cache is None:  # transformers before the rename
-        cache = out.past_key_values
-    if not hasattr(cache, "batch_repeat_interleave") or any(getattr(cache, "is_linear", None) or ()):
+    try:
+        return prefix_cache(model, prefix, rows)
+    except CacheNotShareable as exc:
         if not _UNSHAREABLE:
-            _UNSHAREABLE.append(type(cache).__name__)
-            log.info(f"generation: the model's {type(cache).__name__} cannot start rows from a shared prefix; "
-                     "batches are computed whole", main_process_only=True)
+            _UNSHAREABLE.append(str(exc))
+            log.info(f"generation: the model's {exc} cannot start rows from a shared prefix; batches are computed "
+                     "whole", main_process_only=True)
         return None
-    cache.batch_repeat_interleave(rows)
-    return cache
 
 
 _UNSHAREABLE: list[str] = []
@@ -279,7 +266,7 @@ def _generate_batch(setup: GenerationSetup, jobs: Sequence[Job]) -> tuple[dict[s
     with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
         cache = _prefix_cache(setup.model, ids[:1, :shared], len(jobs)) if shared else None
         if cache is not None:
-            extra[_cache_argument(setup.model)] = cache
+            extra[cache_argument(setup.model)] = cache
         out = setup.model.generate(
             input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
             stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(jobs)),

@@ -30,7 +30,6 @@ from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_p
 from distperp_harness.options import Options
 from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
 from distperp_harness.progress import setup_logging, token_progress
-from distperp_harness.tokens import Tokenization
 from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.quantize import weight_bytes
 from distperp_harness.requests import Unit, continuation_unit, window_units
@@ -38,7 +37,8 @@ from distperp_harness.resume import BatchStore, fault_for_tests
 from distperp_harness.results import Score
 from distperp_harness.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
     head_coefficient
-from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, packed_rows_unsupported, score_batch
+from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, score_batch
+from distperp_harness.tokens import Tokenization
 from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 

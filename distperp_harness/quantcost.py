@@ -34,11 +34,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distperp_harness.metrics import percentile_99, ratio_and_stderr
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

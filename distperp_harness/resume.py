@@ -43,6 +43,7 @@ import numpy as np
 from distperp_harness.requests import Unit
 from distperp_harness.rows import Row
 from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
+from distperp_harness.testfaults import inject
 
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
 log = logging.getLogger(__name__)
@@ -311,10 +312,5 @@ def fault_for_tests(rank: int) -> None:
     ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has scored that many batches (as a SIGKILL
     would); ``DISTPERP_TEST_HOLD=<rank>:<batches>`` makes it stall there (a long batch, to be preempted).
     """
-    fault_for_tests.count = getattr(fault_for_tests, "count", 0) + 1
-    for name, act in (("DISTPERP_TEST_CRASH", lambda: os._exit(17)), ("DISTPERP_TEST_HOLD", lambda: time.sleep(600))):
-        spec = os.environ.get(name)
-        if spec:
-            fault_rank, after = (int(x) for x in spec.split(":"))
-            if rank == fault_rank and fault_for_tests.count == after:
-                act()
+    inject("batch", rank, {"DISTPERP_TEST_CRASH": lambda _: os._exit(17),
+                           "DISTPERP_TEST_HOLD": lambda _: time.sleep(600)})

@@ -186,7 +186,7 @@ def plan_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int |
         leaves.append(inp)
         readers[inp] = waiting
         waiting = []
-    lcps = [0] + [_lcp(a, b) for a, b in zip(leaves, leaves[1:])]
+    lcps = [0] + [common_prefix_length(a, b) for a, b in zip(leaves, leaves[1:])]
     limit = max_row_length if max_row_length is not None else sum(map(len, leaves))
     packs: list[list[int]] = []
     size = 0
@@ -210,8 +210,9 @@ def _order(row: Row) -> tuple[int, int]:
     return -row.length, min(row.unit_ids)
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (binary search on C-level slice comparisons)."""
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (of one sequence type; binary search on C-level slice
+    comparisons)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -299,6 +300,6 @@ def shared_prefix(rows: Sequence[Row]) -> int:
     shared = min(len(r.root) for r in rows)
     first = rows[0].root
     for row in rows[1:]:
-        shared = min(shared, _lcp(first[:shared], row.root[:shared]))
+        shared = min(shared, common_prefix_length(first[:shared], row.root[:shared]))
     shared = min([shared] + [u.input_length - u.n_score for r in rows for u in r.units])
     return shared if shared >= MIN_SHARED_PREFIX else 0

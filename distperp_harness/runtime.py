@@ -35,7 +35,7 @@ import torch
 from distperp_harness.memory import activation_bytes_per_token, free_memory_bytes, is_out_of_memory, room_bytes, \
     total_memory_bytes
 from distperp_harness.options import Options
-from distperp_harness.pipeline import Batching
+from distperp_harness.pipeline import Batching, Sharing
 
 if TYPE_CHECKING:
     from distperp_harness.collective import Collective
@@ -309,10 +309,9 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
 
 
 def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: Batching,
-                   max_length: int) -> tuple["Sharing", str | None, str | None]:
+                   max_length: int) -> tuple[Sharing, str | None, str | None]:
     """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any), why tree rows are off
     when a model cannot take their mask, and how the row budget was chosen (both logged on rank 0)."""
-    from distperp_harness.pipeline import Sharing
     from distperp_harness.scoring import packed_rows_unsupported
 
     if not share_prefix:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from distperp_harness.masks import Packing as _Packing, flex_shapes
+from distperp_harness.kvcache import cache_argument, prefix_cache
 from distperp_harness.requests import Unit
 from distperp_harness.rows import Row, unit_rows
 
@@ -95,12 +96,12 @@ def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tenso
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
     float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
     ``packing``: the attention mask and position ids of a batch with tree rows (None: plain causal rows);
-    ``cache``: the key/value cache of the batch's shared prefix (:func:`_prefix_cache`), which ``input_ids`` follow."""
+    ``cache``: the key/value cache of the batch's shared prefix (:func:`~distperp_harness.kvcache.prefix_cache`), which ``input_ids`` follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     extra = packing.kwargs(model) if packing is not None else {}
     if cache is not None:
-        extra[_cache_argument(model)] = cache
+        extra[cache_argument(model)] = cache
         extra["use_cache"] = True
     else:
         extra["use_cache"] = False
@@ -112,23 +113,6 @@ def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tenso
         return feats, lambda chunk: _at_least_float32(head(chunk))
     logits = model(input_ids=input_ids, **extra).logits
     return logits[rows, cols], _at_least_float32
-
-
-def _cache_argument(model: torch.nn.Module) -> str:
-    """The forward argument that takes a key/value cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, rows: int):
-    """The key/value cache of ``prefix_ids`` (``[1, p]``, positions ``0 .. p-1``) repeated for ``rows`` rows."""
-    out = model.base_model(input_ids=prefix_ids, use_cache=True)
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if cache is None:
-        raise RuntimeError(f"{type(model.base_model).__name__} returned no key/value cache for a shared prefix")
-    cache.batch_repeat_interleave(rows)
-    return cache
 
 
 class _ReusedHead:
@@ -259,7 +243,7 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
     # plain forwards, so the sharded weights' gathers match across a shard group.
     with flex_shapes(device, models):
-        caches = ([_prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
+        caches = ([prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
                   if packing is not None and packing.prefix_ids is not None else [None] * len(models))
         if caches[0] is not None and between_forwards is not None:
             between_forwards()
