@@ -14,8 +14,8 @@ runs alike (one code path, tested on CPU). Why not the NCCL group with ``TORCH_N
 * gloo is synchronous and TCP-based: a peer that exits closes its sockets, so survivors fail at once rather
   than at the timeout; a hung peer is bounded by ``timeout``; payloads already live on the CPU, so nothing is
   staged in GPU memory; ``monitored_barrier`` names missing ranks at exit. The price is TCP bandwidth for the
-  payloads (8 bytes per unit token, 48 per unit, 8 per scored token with a reference: ~2 MB for WikiText-103,
-  under a second even at 1 Gb/s), negligible next to scoring.
+  payloads (a fixed-size record per unit, 4 bytes per token only towards the rank that computes it, a few
+  float64 per unit back to the ranks that asked), negligible next to scoring.
 
 Every collective is issued with ``async_op=True`` and waited on *inside* the guard, so an error from any
 backend, also one raised at wait time, becomes a :class:`CollectiveError`. Before each collective a rank marks
@@ -29,7 +29,7 @@ import os
 import pickle
 import sys
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,10 @@ class CollectiveError(RuntimeError):
 
 class Collective:
     """Gathers among all processes of the run; a no-op wrapper when there is one process."""
+
+    bytes_sent: int = 0
+    """Payload bytes this rank sent to other ranks so far (``bytes_received``: received from them)."""
+    bytes_received: int = 0
 
     def __init__(self, timeout_s: float = 1800.0, cpu: bool | None = None) -> None:
         """``cpu``: use a gloo group on the CPU (default: when CUDA is unavailable)."""
@@ -74,6 +78,11 @@ class Collective:
         return torch.distributed.get_backend(self._group) if self._group is not None else "none"
 
     @property
+    def sequence(self) -> int:
+        """How many collectives this rank has issued: equal on every rank between two collectives (a key prefix)."""
+        return self._step
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -89,25 +98,76 @@ class Collective:
         """Every rank's ``obj``, in rank order (one pickled round trip, as bytes in a tensor)."""
         if not self.distributed:
             return [obj]
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        parts = self.all_gather_tensor(torch.from_numpy(payload.copy()), name=name)
+        parts = self.all_gather_tensor(torch.from_numpy(_pickled(obj)), name=name)
         return [pickle.loads(p.numpy().tobytes()) for p in parts]
 
+    def gather_object(self, obj: T, dst: int = 0, name: str = "gather objects to one rank") -> list[T] | None:
+        """Every rank's ``obj`` in rank order on ``dst``, ``None`` elsewhere; only ``dst`` receives payloads."""
+        if not self.distributed:
+            return [obj]
+        payload = _pickled(obj)
+        sizes = self._sizes(len(payload), name)
+        parts = [payload if r == dst else payload[:0] for r in range(self.world_size)]
+        received = self.exchange(parts, [s if self.rank == dst else 0 for s in sizes], name)
+        return [pickle.loads(p.tobytes()) for p in received] if self.rank == dst else None
+
     def all_gather_tensor(self, tensor: torch.Tensor, name: str = "gather tensors") -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (first dimensions may differ; trailing ones must match), on the CPU, in rank order."""
+        """Every rank's ``tensor`` (first dimensions may differ; trailing ones must match), on the CPU, in rank order.
+
+        Parts of different sizes travel unpadded (an all-to-all with per-rank counts); equal ones in one all-gather.
+        """
         if not self.distributed:
             return [tensor.cpu()]
         dist = torch.distributed
         local = tensor.detach().cpu().contiguous()
-        size = torch.tensor([local.shape[0]], dtype=torch.int64)
+        sizes = self._sizes(local.shape[0], name)
+        row = int(np.prod(local.shape[1:], dtype=np.int64))
+        if len(set(sizes)) == 1:
+            out = [torch.empty_like(local) for _ in range(self.world_size)]
+            self._guarded(name, lambda: dist.all_gather(out, local, group=self._group, async_op=True))
+            nbytes = local.numel() * local.element_size()
+            self._count(nbytes * (self.world_size - 1), nbytes * (self.world_size - 1))
+            return out
+        flat = local.reshape(-1).numpy()
+        received = self.exchange([flat] * self.world_size, [s * row for s in sizes], name)
+        return [torch.from_numpy(r).reshape(s, *local.shape[1:]) for r, s in zip(received, sizes)]
+
+    def exchange(self, parts: Sequence[np.ndarray], counts: Sequence[int], name: str = "exchange") -> list[np.ndarray]:
+        """All-to-all: send ``parts[d]`` (1-D, one dtype) to rank ``d``; receive ``counts[s]`` elements from rank ``s``.
+
+        Every rank must know what it receives (the plan says so); nothing is padded. Returns one array per source
+        rank, in rank order (``parts[rank]`` comes back as is).
+        """
+        if len(parts) != self.world_size or len(counts) != self.world_size:
+            raise ValueError(f"exchange needs one part and one count per rank ({self.world_size})")
+        dtype = np.result_type(*[np.asarray(p).dtype for p in parts])
+        if not self.distributed:
+            return [np.asarray(parts[0], dtype=dtype)]
+        send = torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]))
+        recv = torch.empty(int(sum(counts)), dtype=send.dtype)
+        in_splits = [int(np.asarray(p).size) for p in parts]
+        out_splits = [int(c) for c in counts]
+        self._guarded(name, lambda: torch.distributed.all_to_all_single(
+            recv, send, out_splits, in_splits, group=self._group, async_op=True))
+        item = send.element_size()
+        self._count(item * (send.numel() - in_splits[self.rank]), item * (recv.numel() - out_splits[self.rank]))
+        bounds = np.concatenate([[0], np.cumsum(out_splits)])
+        flat = recv.numpy()
+        return [flat[bounds[r]: bounds[r + 1]] for r in range(self.world_size)]
+
+    def _sizes(self, n: int, name: str) -> list[int]:
+        """Every rank's ``n`` (one fixed-size all-gather)."""
+        size = torch.tensor([n], dtype=torch.int64)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._guarded(f"{name} (sizes)", lambda: dist.all_gather(sizes, size, group=self._group, async_op=True))
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype)
-        padded[: local.shape[0]] = local
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._guarded(name, lambda: dist.all_gather(out, padded, group=self._group, async_op=True))
-        return [o[: int(s.item())] for o, s in zip(out, sizes)]
+        self._guarded(f"{name} (sizes)", lambda: torch.distributed.all_gather(sizes, size, group=self._group,
+                                                                               async_op=True))
+        self._count(8 * (self.world_size - 1), 8 * (self.world_size - 1))
+        return [int(s.item()) for s in sizes]
+
+    def _count(self, sent: int, received: int) -> None:
+        """Payload bytes this rank sent to and received from *other* ranks (its own part excluded where known)."""
+        self.bytes_sent += int(sent)
+        self.bytes_received += int(received)
 
     def _guarded(self, name: str, op: Callable[[], Any]) -> None:
         """Issue ``op`` (which returns a work handle, or None) and wait for it; on any failure, at issue or at
@@ -182,6 +242,11 @@ def _leave_group(timeout_s: float, group: Any) -> None:
         pass
 
 
+def default_store() -> Any:
+    """The process group's rendezvous store (``None`` without a process group)."""
+    return _default_store()
+
+
 def _default_store() -> Any:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
@@ -189,3 +254,7 @@ def _default_store() -> Any:
         return _get_default_store()
     except Exception:  # noqa: BLE001 - private API; the error message is then less specific
         return None
+
+
+def _pickled(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()

@@ -256,6 +256,8 @@ class DistPerpLM(Tokenization, TemplateLM):
             attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
             with_reference=self.reference is not None, sharing=sharing,
             stats=self.stats, kind=kind, shard_size=self.shard_size, idle_fn=self._idle_forward,
+            local_world_size=local_world_size(self._world_size), log=functools.partial(log.warning,
+                                                                                       main_process_only=True),
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['rows']} rows "
@@ -316,8 +318,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         return torch.cat(parts).to(tensor.device)
 
     def gather_object(self, obj, dst: int = 0):
-        gathered = self.collective.all_gather_object(obj, "lm-eval gather_object")
-        return gathered if self.rank == dst else None
+        return self.collective.gather_object(obj, dst, "lm-eval gather_object")
 
     def barrier(self) -> None:
         self.collective.barrier("lm-eval barrier")

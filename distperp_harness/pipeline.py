@@ -1,11 +1,19 @@
-"""One scoring call across all processes: exchange units → rows → global plan → score own batches → gather.
+"""One scoring call across all processes: records → one plan → tokens to computers → claim and score → results back.
 
-Every rank passes the units of the requests lm-eval gave it (its round-robin share plus padding copies).
-The units of all ranks are exchanged as int64 tensors, deduplicated into one canonical :class:`UnitTable`,
-grouped into rows (:mod:`distperp_harness.rows`: shared inputs and shared prefixes, from the table alone), packed
-into world-size-independent batches of rows and assigned to ranks by cost. Each rank scores its batches;
-per-unit float64 statistics (and per-token KL values) are all-gathered, so every rank holds the whole
-table and rebuilds the results of its own requests in a fixed order: the same bits on 1 process or N.
+Every rank passes the units of the requests lm-eval gave it (its round-robin share plus padding copies) and:
+
+1. turns its distinct units into fixed-size records and prefix hashes (:mod:`distperp_harness.records`) and
+   exchanges those, never tokens; every rank merges them into the same canonical table;
+2. plans rows (:mod:`distperp_harness.rowplan`), world-size-independent batches and their owners from the table
+   alone;
+3. sends each unit's tokens only to the ranks that may compute it (:func:`~distperp_harness.routing.move_tokens`);
+4. computes batches it takes (:mod:`distperp_harness.claims`: its own, then its ward's), each row built exactly from
+   its units' tokens (:func:`~distperp_harness.rows.row_of`);
+5. sends each unit's float64 results to the ranks that hold it (:func:`~distperp_harness.routing.return_results`)
+   and assembles its own requests in a fixed order.
+
+Rows, batches and their numbers depend only on the set of units: the same bits on 1 process or N, whichever rank
+computes a batch.
 """
 
 from __future__ import annotations
@@ -20,10 +28,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distperp_harness.collective import Collective
+from distperp_harness.claims import Claims, helper_of, helper_step
+from distperp_harness.collective import Collective, default_store
 from distperp_harness.plan import Batch, assign_batches, balance_report, make_batches
-from distperp_harness.requests import Unit, UnitTable, pack_units, unpack_units
-from distperp_harness.rows import Row, plan_rows, shared_prefix
+from distperp_harness.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
+from distperp_harness.requests import Unit
+from distperp_harness.routing import move_tokens, return_results
+from distperp_harness.rowplan import PlannedRows, batch_shared, plan_from_records
+from distperp_harness.rows import Row, row_of, shared_prefix, unit_rows
 from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores, forward_calls
 from distperp_harness.sharding import idle_calls
 
@@ -92,7 +104,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
                    with_reference: bool = False, sharing: Sharing = Sharing(),
                    stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
                    kind: str = "score", shard_size: int = 1,
-                   idle_fn: Callable[[], None] | None = None) -> list[RequestResult]:
+                   idle_fn: Callable[[], None] | None = None, claiming: bool = True,
+                   local_world_size: int = 1, log: Callable[[str], None] | None = None) -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
     Args:
@@ -100,116 +113,141 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
         score_fn: scores one batch of rows given the tokens they share (see
             :func:`distperp_harness.scoring.score_batch`); its statistics are per unit, in row order.
         sharing: how units share rows; the batches hold ``batching`` rows each (``batch_size=N``: N rows).
-        progress: given the number of padded tokens this rank will compute, returns an update callback.
+        progress: given the number of padded tokens this rank is planned to compute, returns an update callback.
         shard_size, idle_fn: with sharded weights (``shard_size`` > 1) every forward gathers parameters from the
-            rank's whole shard group, so after its own batches a rank calls ``idle_fn`` (a forward whose result
-            is dropped) until it has made as many forward calls as the busiest rank of its group.
+            rank's whole shard group, so the plan is static and after its own batches a rank calls ``idle_fn`` (a
+            forward whose result is dropped) until it has made as many forward calls as the busiest rank of its group.
+        claiming: let ranks take batches dynamically (:mod:`distperp_harness.claims`; unsharded runs only).
+        local_world_size: processes per node (the helper of a rank is on another node when there are several).
+        log: where rank 0's notes about the plan go (idle ranks).
 
     Returns:
         One :class:`RequestResult` per local request, identical bits for every world size.
     """
     t0 = time.perf_counter()
-    table = _global_table(per_request_units, collective)
-    row_plan = plan_rows(table.units, sharing.mode, sharing.max_row_length, attention_coef)
-    computed = row_plan.rows
-    batches = batching.batches([r.length for r in computed], [r.scored for r in computed], row_plan.group_starts)
-    if sharing.mode == "prefix":
-        batches = [dataclasses.replace(b, shared=shared_prefix(computed[b.start: b.stop])) for b in batches]
-    plan = assign_batches(batches, collective.world_size, attention_coef, head_coef)
-    mine = plan.batches_of(collective.rank)
-    update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
+    me, world = collective.rank, collective.world_size
+    local = list({u.key(): u for units in per_request_units for u in units}.values())
+    flat = FlatUnits.of(local)
+    records = local_records(flat)
+    if len(np.unique(records[0]["key"], axis=0)) != len(local):
+        raise HashCollision(f"rank {me} holds two different units under one 128-bit key")
+    parts = collective.all_gather_tensor(torch.from_numpy(encode(*records)), "exchange unit records")
+    table = GlobalTable([decode(p.numpy()) for p in parts])
+    local_ids = table.ids(records[0]["key"])
+    index_of = {u.key(): int(i) for u, i in zip(local, local_ids)}
 
-    ids, unit_stats, kl_rows = [], [], []
-    for i in mine:
-        batch = batches[i]
-        scores = score_fn(computed[batch.start: batch.stop], batch.shared)
-        ids.extend(uid for row in computed[batch.start: batch.stop] for uid in row.unit_ids)
-        unit_stats.append(scores.stats)
-        if with_reference:
-            kl_rows.extend(scores.kl)
+    planned = plan_from_records(table, sharing.mode, sharing.max_row_length, attention_coef)
+    batches = batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
+    if sharing.mode == "prefix":
+        batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
+    plan = assign_batches(batches, world, attention_coef, head_coef)
+    dynamic = claiming and world > 1 and shard_size == 1
+    step = helper_step(world, local_world_size) if dynamic else 0
+    owner = np.asarray(plan.owner, dtype=np.int64)
+    ranks = np.stack([owner, [helper_of(o, world, step) for o in owner] if dynamic else np.full_like(owner, -1)], 1) \
+        if len(owner) else np.zeros((0, 2), np.int64)
+    unit_batch = np.empty(len(table), dtype=np.int64)
+    for b, batch in enumerate(batches):
+        for r in range(batch.start, batch.stop):
+            unit_batch[planned.members[r]] = b
+    available = move_tokens(collective, table, unit_batch, ranks, flat, local_ids)
+    t_plan = time.perf_counter() - t0
+    if log is not None and me == 0 and len(batches) < world:
+        log(f"{kind}: {len(batches)} batches for {world} processes: {world - len(batches)} process(es) have no batch "
+            f"(batches never depend on the number of processes; batch_size="
+            f"{max(1, len(planned.members) // world)} or smaller would give every process one)")
+
+    mine = plan.batches_of(me)
+    ward = plan.batches_of((me - step) % world) if dynamic else []
+    update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
+    claims = Claims(mine, ward, default_store() if dynamic else None, f"distperp/claims/{collective.sequence}")
+    computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
+    done: list[tuple[int, bytes]] = []
+    checks = available.check_hashes()
+    tokens_here = 0
+    for b in claims:
+        batch = batches[b]
+        rows = [_build_row(planned, r, available, sharing.mode) for r in range(batch.start, batch.stop)]
+        for r, row in zip(range(batch.start, batch.stop), rows):
+            if row.length > planned.lengths[r]:
+                raise HashCollision(f"row {r} holds {row.length} tokens where its plan allows {planned.lengths[r]}: "
+                                    "prefix hashes collided")
+        shared = shared_prefix(rows) if batch.shared else 0
+        scores = score_fn(rows, shared)
+        ids = [uid for row in rows for uid in row.unit_ids]
+        kl = scores.kl if with_reference else [None] * len(ids)
+        for j, uid in enumerate(ids):
+            computed[uid] = (scores.stats[j], checks[uid], kl[j])
+        order = np.argsort(ids)
+        done.append((b, hashlib.blake2b(scores.stats[order].tobytes(), digest_size=8).digest()))
+        computed_tokens = shared + sum(row.length - shared for row in rows)
+        tokens_here += computed_tokens
         if update:
             update(batch.padded_tokens)
-    counts = [0] * collective.world_size  # forward calls per rank: a batch with a shared prefix makes two
-    for batch, owner in zip(batches, plan.owner):
-        counts[owner] += forward_calls(batch.shared)
-    for _ in range(idle_calls(counts, collective.rank, shard_size)):
-        idle_fn()
+    if shard_size > 1:
+        counts = [0] * world  # forward calls per rank: a batch with a shared prefix makes two
+        for batch, o in zip(batches, plan.owner):
+            counts[o] += forward_calls(batch.shared)
+        for _ in range(idle_calls(counts, me, shard_size)):
+            idle_fn()
     t_score = time.perf_counter() - t0
-
-    full, kl_full = _gather_results(collective, table, ids, unit_stats, kl_rows if with_reference else None)
-    results = [_assemble(table.ids(units), full, kl_full) for units in per_request_units]
+    report = {"rank": me, "batches": len(done), "from_ward": claims.taken_from_ward, "tokens": tokens_here,
+              "seconds": round(t_score - t_plan, 4)}
+    everyone = collective.all_gather_object((done, report), "gather which batches each rank computed")
+    computer = np.full(len(batches), -1, dtype=np.int64)
+    digests: list[bytes] = [b""] * len(batches)
+    for rank, (part, _) in enumerate(everyone):
+        for b, digest in part:
+            computer[b], digests[b] = rank, digest
+    if (computer < 0).any():
+        raise RuntimeError("internal error: some batches of the plan were not computed by any rank")
+    results = return_results(collective, table, unit_batch, computer, computed, local_ids,
+                             flat.check_hashes(), N_COLUMNS, with_reference)
+    out = [_assemble([results[index_of[u.key()]] for u in units], with_reference) for units in per_request_units]
     if stats is not None:
-        stats._digest.update(full.tobytes())
-        report = balance_report(plan, attention_coef, head_coef)
-        tokens = sum(b.shared + sum(r.length - b.shared for r in computed[b.start: b.stop]) for b in batches)
-        contexts = len({u.tokens[: u.input_length - u.n_score + 1] for u in table.units})
+        call_digest = hashlib.sha256(b"".join(digests)).digest()
+        stats._digest.update(call_digest)
+        balance = balance_report(plan, attention_coef, head_coef)
+        per_rank = [r for _, r in everyone]
+        tokens = sum(r["tokens"] for r in per_rank)
+        input_tokens = int((table.units["length"].astype(np.int64) - 1).sum())
+        contexts = len(np.unique(table.units["context"]))
         stats.calls.append({
-            "kind": kind, "units": len(table), "rows": len(computed), "share_mode": sharing.mode,
-            "computed_tokens": tokens, "tokens_saved": sum(u.input_length for u in table.units) - tokens,
+            "kind": kind, "units": len(table), "rows": len(planned.members), "share_mode": sharing.mode,
+            "computed_tokens": tokens, "tokens_saved": input_tokens - tokens,
             "contexts": contexts, "computed_tokens_per_context": tokens / max(1, contexts),
-            "row_groups": len(row_plan.group_starts), "batches": len(batches),
+            "row_groups": len(planned.group_starts), "batches": len(batches),
             "batches_sharing_a_prefix": sum(1 for b in batches if b.shared),
-            "scored_tokens": int(full[:, N_TOKENS].sum()),
-            "padded_tokens_per_rank": report["padded_tokens_per_rank"],
-            "max_over_mean": report["max_over_mean"], "best_max_over_mean": report["best_max_over_mean"],
-            "scored_max_over_mean": report["scored_max_over_mean"],
-            "scoring_seconds": t_score, "total_seconds": time.perf_counter() - t0,
+            "scored_tokens": int(table.units["n_score"].astype(np.int64).sum()),
+            "padded_tokens_per_rank": balance["padded_tokens_per_rank"],
+            "max_over_mean": balance["max_over_mean"], "best_max_over_mean": balance["best_max_over_mean"],
+            "scored_max_over_mean": balance["scored_max_over_mean"],
+            "claiming": "dynamic" if dynamic else "static", "per_rank": per_rank,
+            "planning_seconds": t_plan, "scoring_seconds": t_score, "total_seconds": time.perf_counter() - t0,
         })
-    return results
+    return out
 
 
-def _global_table(per_request_units: Sequence[Sequence[Unit]], collective: Collective) -> UnitTable:
-    local = list({u.key(): u for units in per_request_units for u in units}.values())
-    lengths, n_score, flat = pack_units(local)
-    meta = collective.all_gather_tensor(torch.from_numpy(np.stack([lengths, n_score], axis=1)), "gather unit shapes")
-    tokens = collective.all_gather_tensor(torch.from_numpy(flat), "gather unit tokens")
-    everyone: list[Unit] = []
-    for m, t in zip(meta, tokens):
-        m = m.numpy()
-        everyone.extend(unpack_units(m[:, 0], m[:, 1], t.numpy()))
-    return UnitTable(everyone)
+def _build_row(planned: PlannedRows, r: int, available, mode: str) -> Row:
+    ids = planned.members[r]
+    units = [available.unit(int(i)) for i in ids]
+    if mode == "off":
+        return unit_rows(units, int(ids[0]))[0]
+    return row_of(units, ids)
 
 
-def _gather_results(collective: Collective, table: UnitTable, ids: list[int], rows: list[np.ndarray],
-                    kl_rows: list[np.ndarray] | None) -> tuple[np.ndarray, list[np.ndarray] | None]:
-    local = np.zeros((len(ids), N_COLUMNS + 1), dtype=np.float64)
-    if ids:
-        local[:, 0] = ids
-        local[:, 1:] = np.concatenate(rows, axis=0)
-    parts = collective.all_gather_tensor(torch.from_numpy(local), "gather scores")
-    full = np.full((len(table), N_COLUMNS), np.nan, dtype=np.float64)
-    kl_full: list[np.ndarray] | None = None
-    if kl_rows is not None:
-        flat = np.concatenate(kl_rows) if kl_rows else np.zeros(0, dtype=np.float64)
-        kl_parts = collective.all_gather_tensor(torch.from_numpy(flat), "gather KL values")
-        kl_full = [np.zeros(0)] * len(table)
-    for r, part in enumerate(parts):
-        part = part.numpy()
-        unit_ids = part[:, 0].astype(np.int64)
-        full[unit_ids] = part[:, 1:]
-        if kl_full is not None:
-            values = kl_parts[r].numpy()
-            offsets = np.concatenate([[0], np.cumsum(part[:, 1 + N_TOKENS].astype(np.int64))])
-            for j, uid in enumerate(unit_ids):
-                kl_full[uid] = values[offsets[j]: offsets[j + 1]]
-    if np.isnan(full[:, LL]).any():
-        raise RuntimeError("internal error: some units of the plan were not scored by any rank")
-    return full, kl_full
-
-
-def _assemble(unit_ids: list[int], full: np.ndarray, kl_full: list[np.ndarray] | None) -> RequestResult:
-    if not unit_ids:
-        return RequestResult(0.0, True, 0, 0.0 if kl_full is not None else None,
-                             0 if kl_full is not None else None,
-                             np.zeros(0) if kl_full is not None else None)
-    rows = full[unit_ids]
+def _assemble(parts: list[tuple[np.ndarray, np.ndarray | None]], with_kl: bool) -> RequestResult:
+    if not parts:
+        return RequestResult(0.0, True, 0, 0.0 if with_kl else None, 0 if with_kl else None,
+                             np.zeros(0) if with_kl else None)
+    rows = np.stack([stats for stats, _ in parts])
     result = RequestResult(
         loglikelihood=math.fsum(rows[:, LL]),
         is_greedy=bool(rows[:, GREEDY].all()),
         n_tokens=int(rows[:, N_TOKENS].sum()),
     )
-    if kl_full is None:
+    if not with_kl:
         return result
     return RequestResult(result.loglikelihood, result.is_greedy, result.n_tokens,
                          ref_loglikelihood=math.fsum(rows[:, REF_LL]), top1_agree=int(rows[:, TOP1].sum()),
-                         kl=np.concatenate([kl_full[u] for u in unit_ids]))
+                         kl=np.concatenate([kl for _, kl in parts]))

@@ -34,6 +34,7 @@ Pure Python.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -172,20 +173,7 @@ def plan_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int |
     if mode == "off":
         rows = unit_rows(units)
         return RowPlan(sorted(rows, key=_order), (0,) if rows else ())
-    classes: dict[tuple[int, ...], list[int]] = {}
-    for i, unit in enumerate(units):
-        classes.setdefault(unit.tokens[:-1], []).append(i)
-    inputs = sorted(classes)
-    leaves: list[tuple[int, ...]] = []
-    readers: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    waiting: list[tuple[int, ...]] = []  # prefixes of the next leaf in lexicographic order
-    for k, inp in enumerate(inputs):
-        if k + 1 < len(inputs) and len(inp) <= len(inputs[k + 1]) and inputs[k + 1][: len(inp)] == inp:
-            waiting.append(inp)
-            continue
-        leaves.append(inp)
-        readers[inp] = waiting
-        waiting = []
+    leaves, readers, classes = _leaves(units)
     lcps = [0] + [common_prefix_length(a, b) for a, b in zip(leaves, leaves[1:])]
     limit = max_row_length if max_row_length is not None else sum(map(len, leaves))
     packs: list[list[int]] = []
@@ -204,6 +192,43 @@ def plan_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int |
     if mode == "inputs":
         return RowPlan(sorted(rows, key=_order), (0,) if rows else ())
     return _grouped(rows, [lcps[p[0]] for p in packs[1:]])
+
+
+def _leaves(units: Sequence[Unit]) -> tuple[list[tuple[int, ...]], dict, dict]:
+    """``(leaves, readers, classes)``: the maximal distinct inputs in lexicographic order, the inputs that are a
+    prefix of each leaf (read along its path), and the unit indices of each input."""
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for i, unit in enumerate(units):
+        classes.setdefault(unit.tokens[:-1], []).append(i)
+    inputs = sorted(classes)
+    leaves: list[tuple[int, ...]] = []
+    readers: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    waiting: list[tuple[int, ...]] = []  # prefixes of the next leaf in lexicographic order
+    for k, inp in enumerate(inputs):
+        if k + 1 < len(inputs) and len(inp) <= len(inputs[k + 1]) and inputs[k + 1][: len(inp)] == inp:
+            waiting.append(inp)
+            continue
+        leaves.append(inp)
+        readers[inp] = waiting
+        waiting = []
+    return leaves, readers, classes
+
+
+def row_of(units: Sequence[Unit], ids: Sequence[int]) -> Row:
+    """The exact tree row holding ``units`` (canonical ids ``ids``, ascending): every distinct input once, inputs
+    that are a prefix of another read along its path, siblings after their common prefix. A pure function of the set
+    of units: how the rank that computes a planned row (:mod:`distperp_harness.rowplan`) builds it.
+
+    Raises:
+        ValueError: if two neighbouring inputs share no token (a row must be one tree; the plan never asks for that
+            unless its prefix hashes collided).
+    """
+    leaves, readers, classes = _leaves(units)
+    lcps = [common_prefix_length(a, b) for a, b in zip(leaves, leaves[1:])]
+    if any(d == 0 for d in lcps):
+        raise ValueError("a planned row holds inputs that share no prefix: the planner's prefix hashes collided")
+    row = _tree_row(leaves, lcps, readers, classes, units)
+    return dataclasses.replace(row, unit_ids=tuple(int(ids[i]) for i in row.unit_ids))
 
 
 def _order(row: Row) -> tuple[int, int]:
