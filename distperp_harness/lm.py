@@ -135,10 +135,10 @@ class DistPerpLM(Tokenization, TemplateLM):
                 "device": self.device_identity}
 
     def _scoring_config(self) -> dict:
-        """Everything besides the units that determines scores (the resume key); not ``shard_size``, which
-        changes where the weights live, not the bits."""
+        """Everything besides the units that determines scores (the resume key); not ``shard_size`` or ``claim``,
+        which change where the weights live and which rank computes a batch, not the bits."""
         identity = self._run_identity()
-        identity["options"] = {k: v for k, v in identity["options"].items() if k != "shard_size"}
+        identity["options"] = {k: v for k, v in identity["options"].items() if k not in ("shard_size", "claim")}
         return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode}
 
     def _check_ranks_agree(self) -> None:
@@ -251,13 +251,14 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
         refuse_generation_tasks(self.shard_size, evaluator_tasks())  # every rank sees the same tasks
+        received_before = self.collective.bytes_received
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
             attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
             with_reference=self.reference is not None, sharing=sharing,
             stats=self.stats, kind=kind, shard_size=self.shard_size, idle_fn=self._idle_forward,
-            local_world_size=local_world_size(self._world_size), log=functools.partial(log.warning,
-                                                                                       main_process_only=True),
+            claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
+            log=functools.partial(log.warning, main_process_only=True),
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['rows']} rows "
@@ -266,11 +267,12 @@ class DistPerpLM(Tokenization, TemplateLM):
                  f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
                  f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
         per_rank = self.collective.all_gather_object(
-            (peak_memory_bytes(self._device), self.store.local_counts() if self.store else None),
-            "gather peak memory and resume counts")
-        call["peak_memory_bytes_per_rank"] = [memory for memory, _ in per_rank]
+            (peak_memory_bytes(self._device), self.store.local_counts() if self.store else None,
+             self.collective.bytes_received - received_before), "gather peak memory, resume counts and traffic")
+        call["peak_memory_bytes_per_rank"] = [memory for memory, _, _ in per_rank]
+        call["bytes_received_per_rank"] = [received for _, _, received in per_rank]
         if self.store:
-            self.store.add_up([counts for _, counts in per_rank])
+            self.store.add_up([counts for _, counts, _ in per_rank])
         return results
 
     def _compare(self, requests, scores: list[Score]) -> None:

@@ -62,6 +62,8 @@ class Options:
     shard_size: int | str = 1
     # compiled decoder layers (issue 20): "false" (eager) or a torch.compile mode; compile=true is "default"
     compile: str = "false"
+    # stragglers (issue 18): ranks take batches as they go (a slow rank computes fewer); false: the static plan
+    claim: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -97,6 +99,8 @@ class Options:
             _require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
                      SHARD_SIZES,
                      "shard_size=1 (every process holds all weights) or a divisor of the processes per node")
+        _require(isinstance(self.claim, bool), "claim", self.claim, "true or false",
+                 "claim=false makes every batch's planned owner compute it (no batches taken over from slow ranks)")
         _require(self.compile == "false" or self.compile in COMPILE_MODES, "compile", self.compile,
                  f"true, false or a torch.compile mode ({', '.join(COMPILE_MODES)})",
                  "e.g. compile=true (mode default) or compile=max-autotune")
@@ -153,7 +157,7 @@ class Options:
 
 
 _INT_KEYS = {"max_length", "prefix_token_id", "max_batch_size", "group_size", "stride"}
-_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix"}
+_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix", "claim"}
 _FLOAT_KEYS = {"timeout"}
 _STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir"}
 

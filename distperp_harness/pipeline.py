@@ -132,6 +132,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     if len(np.unique(records[0]["key"], axis=0)) != len(local):
         raise HashCollision(f"rank {me} holds two different units under one 128-bit key")
     parts = collective.all_gather_tensor(torch.from_numpy(encode(*records)), "exchange unit records")
+    t_met = time.perf_counter()  # every rank has arrived: what follows is the call's own pace
     table = GlobalTable([decode(p.numpy()) for p in parts])
     local_ids = table.ids(records[0]["key"])
     index_of = {u.key(): int(i) for u, i in zip(local, local_ids)}
@@ -224,6 +225,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
             "scored_max_over_mean": balance["scored_max_over_mean"],
             "claiming": "dynamic" if dynamic else "static", "per_rank": per_rank,
             "planning_seconds": t_plan, "scoring_seconds": t_score, "total_seconds": time.perf_counter() - t0,
+            "seconds_after_arrival": time.perf_counter() - t_met,
         })
     return out
 

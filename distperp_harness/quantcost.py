@@ -312,19 +312,23 @@ def log_line(task: str, entry: Mapping[str, Any]) -> str:
 
 
 class ReferenceComparison:
-    """Records of every scoring call of one model instance, gathered from all ranks; entries on demand."""
+    """Records of every scoring call of one model instance, gathered from all ranks on rank 0; entries on demand."""
 
     def __init__(self) -> None:
         self._records: dict[tuple, Record] = {}
 
     def add(self, requests: Sequence[Any], scores: Sequence[Any], collective: Any,
             tasks: Mapping[str, Any] | None = None) -> list[str]:
-        """Gather this call's records from every rank (all ranks call this together) and keep them.
+        """Gather this call's records from every rank on rank 0 (all ranks call this together); rank 0 merges and
+        keeps them (it is the rank that reports them), the others keep nothing.
 
         Returns:
-            One :func:`log_line` per task this call touched (entries over everything kept so far), by task name.
+            On rank 0, one :func:`log_line` per task this call touched (entries over everything kept so far), by task
+            name; elsewhere nothing.
         """
-        parts = collective.all_gather_object(records_from(requests, scores, tasks), "gather reference comparisons")
+        parts = collective.gather_object(records_from(requests, scores, tasks), 0, "gather reference comparisons")
+        if parts is None:
+            return []
         merged = merge(parts)
         for record in merged:
             self._records[record.key] = record

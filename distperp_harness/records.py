@@ -165,6 +165,9 @@ class GlobalTable:
             np.empty(0, np.int32)
         order = np.lexsort((rank, units["key"][:, 1], units["key"][:, 0]))
         units, rank = units[order], rank[order]
+        repeated = np.zeros(len(units), dtype=bool)  # one rank listing a unit twice holds it once
+        repeated[1:] = (units["key"][1:] == units["key"][:-1]).all(axis=1) & (rank[1:] == rank[:-1])
+        units, rank = units[~repeated], rank[~repeated]
         new = np.ones(len(units), dtype=bool)
         new[1:] = (units["key"][1:] != units["key"][:-1]).any(axis=1)
         same = ~new

@@ -103,18 +103,3 @@ class UnitTable:
     def lengths(self) -> list[int]:
         """Model input length of every unit, in canonical order."""
         return [u.input_length for u in self.units]
-
-
-def pack_units(units: Sequence[Unit]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flatten units into ``(token_lengths int64 [n], n_score int64 [n], flat_tokens int64 [sum])``."""
-    lengths = np.fromiter((len(u.tokens) for u in units), dtype=np.int64, count=len(units))
-    n_score = np.fromiter((u.n_score for u in units), dtype=np.int64, count=len(units))
-    flat = np.fromiter((t for u in units for t in u.tokens), dtype=np.int64, count=int(lengths.sum()))
-    return lengths, n_score, flat
-
-
-def unpack_units(lengths: np.ndarray, n_score: np.ndarray, flat: np.ndarray) -> list[Unit]:
-    """Inverse of :func:`pack_units`."""
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    flat_list = flat.tolist()
-    return [Unit(tuple(flat_list[bounds[i]:bounds[i + 1]]), int(n_score[i])) for i in range(len(lengths))]

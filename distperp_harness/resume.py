@@ -48,8 +48,9 @@ from distperp_harness.testfaults import inject
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
 log = logging.getLogger(__name__)
 
-FORMAT = 2
-"""File layout version. It is part of every file's key, so files of another layout are not found (not damaged)."""
+FORMAT = 3
+"""File layout version. It is part of every file's key, so files of another layout are not found (not damaged). 3: rows
+planned from unit records (issue 18) may group units differently, so files of format 2 are recomputed, never read."""
 
 COUNTS = ("reused", "saved", "recomputed_corrupt", "save_failures")
 

@@ -64,9 +64,31 @@ def _holds(table: GlobalTable, units: np.ndarray, ranks: np.ndarray, world_size:
     return np.isin(units.astype(np.int64) * world_size + ranks, held)
 
 
+def token_routes(table: GlobalTable, unit_batch: np.ndarray, batch_ranks: np.ndarray, rank: int,
+                 world_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(send, expect)``: the unit ids ``rank`` sends to each rank and receives from each rank (ascending).
+
+    Each unit's lowest holding rank sends it to each rank of ``batch_ranks[unit_batch[unit]]`` (owner, helper; ``-1``
+    none) that does not hold it.
+    """
+    n = len(table)
+    sender = table.first_holder()
+    uid = np.repeat(np.arange(n, dtype=np.int64), batch_ranks.shape[1])
+    dest = batch_ranks[unit_batch].reshape(-1)
+    keep = dest >= 0
+    uid, dest = uid[keep], dest[keep]
+    need = ~_holds(table, uid, dest, world_size)
+    uid, dest = uid[need], dest[need]
+    out = sender[uid] == rank
+    send = _by_rank(uid[out], dest[out], world_size)
+    inc = dest == rank
+    expect = _by_rank(uid[inc], sender[uid[inc]], world_size)
+    return send, expect
+
+
 def move_tokens(collective: Collective, table: GlobalTable, unit_batch: np.ndarray, batch_ranks: np.ndarray,
                 local: FlatUnits, local_ids: np.ndarray) -> Available:
-    """Send and receive the tokens of every unit a rank may compute.
+    """Send and receive the tokens of every unit a rank may compute (:func:`token_routes`).
 
     Args:
         unit_batch: the batch of every unit of the table. batch_ranks: ``int [batches, k]``, the ranks that may compute
@@ -74,35 +96,75 @@ def move_tokens(collective: Collective, table: GlobalTable, unit_batch: np.ndarr
         local, local_ids: this rank's distinct units and their canonical ids.
     """
     me, world = collective.rank, collective.world_size
-    n = len(table)
-    sender = table.first_holder()
-    lengths = table.units["length"].astype(np.int64)
-    uid = np.repeat(np.arange(n, dtype=np.int64), batch_ranks.shape[1])
-    dest = batch_ranks[unit_batch].reshape(-1)
-    keep = dest >= 0
-    uid, dest = uid[keep], dest[keep]
-    need = ~_holds(table, uid, dest, world)
-    uid, dest = uid[need], dest[need]
-    uid, dest = np.unique(np.stack([dest, uid], 1), axis=0).T[::-1] if len(uid) else (uid, dest)
-    position = np.full(n, -1, dtype=np.int64)
+    send, expect = token_routes(table, unit_batch, batch_ranks, me, world)
+    position = np.full(len(table), -1, dtype=np.int64)
     position[local_ids] = np.arange(len(local_ids))
-    parts = []
-    for ids in _by_rank(uid[sender[uid] == me], dest[sender[uid] == me], world):
-        pos = position[ids]
-        parts.append(np.concatenate([local.tokens[local.offsets[p]: local.offsets[p + 1]] for p in pos])
-                     if len(pos) else np.zeros(0, np.int32))
-    expect = _by_rank(uid[dest == me], sender[uid[dest == me]], world)
-    received = collective.exchange(parts, [int(lengths[ids].sum()) for ids in expect],
-                                   "send tokens to the ranks that compute them")
-    ids = np.concatenate(expect).astype(np.int64)
-    flat = FlatUnits(np.concatenate(received).astype(np.int32) if received else np.zeros(0, np.int32),
-                     np.concatenate([[0], np.cumsum(lengths[ids])]).astype(np.int64),
+    parts = [_front_coded(local, position[ids], ids) for ids in send]
+    sizes = collective.exchange([np.asarray([len(p)], np.int64) for p in parts], [1] * world,
+                                "sizes of the token messages")
+    received = collective.exchange(parts, [int(x[0]) for x in sizes], "send tokens to the ranks that compute them")
+    got: dict[int, np.ndarray] = {}
+    for message in received:
+        got.update(_front_decoded(message))
+    ids = np.concatenate(expect).astype(np.int64) if expect else np.zeros(0, np.int64)
+    ids.sort()
+    if sorted(got) != ids.tolist():
+        raise RuntimeError(f"internal error: rank {me} received the tokens of other units than the plan says")
+    lengths = np.asarray([len(got[i]) for i in ids.tolist()], dtype=np.int64)
+    flat = FlatUnits(np.concatenate([got[i] for i in ids.tolist()]).astype(np.int32) if len(ids) else
+                     np.zeros(0, np.int32), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
                      table.units["n_score"][ids].astype(np.int32))
     if len(ids) and not np.array_equal(flat.keys(), table.units["key"][ids]):
         bad = int(ids[np.flatnonzero((flat.keys() != table.units["key"][ids]).any(axis=1))[0]])
-        raise HashCollision(f"rank {me} received tokens for unit {bad} from rank {int(sender[bad])} whose 128-bit key "
-                            "differs from the one in the plan: two different sequences met under one key")
+        raise HashCollision(f"rank {me} received tokens for unit {bad} from rank {int(table.first_holder()[bad])} "
+                            "whose 128-bit key differs from the one in the plan: two different sequences met under "
+                            "one key")
     return Available(local, local_ids, flat, ids)
+
+
+def _front_coded(local: FlatUnits, positions: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Units as one int32 message, in token order, each as ``[id, shared, n, n tokens]``: ``shared`` tokens of the
+    unit before it, then its own ``n`` (a few-shot block travels once per message, not once per unit)."""
+    seqs = [local.tokens[local.offsets[p]: local.offsets[p + 1]] for p in positions]
+    order = sorted(range(len(seqs)), key=lambda k: seqs[k].astype(">i4").tobytes())
+    out: list[np.ndarray] = []
+    previous = np.zeros(0, np.int32)
+    for k in order:
+        seq = seqs[k]
+        m = min(len(seq), len(previous))
+        differ = np.flatnonzero(seq[:m] != previous[:m])
+        shared = int(differ[0]) if len(differ) else m
+        out += [np.asarray([ids[k], shared, len(seq) - shared], np.int32), seq[shared:]]
+        previous = seq
+    return np.concatenate(out).astype(np.int32) if out else np.zeros(0, np.int32)
+
+
+def _front_decoded(message: np.ndarray) -> dict[int, np.ndarray]:
+    """Inverse of :func:`_front_coded`: unit id -> tokens."""
+    out: dict[int, np.ndarray] = {}
+    previous = np.zeros(0, np.int32)
+    at = 0
+    while at < len(message):
+        uid, shared, n = (int(x) for x in message[at: at + 3])
+        seq = np.concatenate([previous[:shared], message[at + 3: at + 3 + n]])
+        out[uid] = seq
+        previous = seq
+        at += 3 + n
+    return out
+
+
+def result_routes(table: GlobalTable, unit_batch: np.ndarray, computer: np.ndarray, rank: int,
+                  world_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(send, expect)``: the unit ids whose results ``rank`` sends to each rank (it computed them, that rank holds
+    them) and receives from each rank (ascending)."""
+    counts = np.diff(table.holder_ptr)
+    uid = np.repeat(np.arange(len(table), dtype=np.int64), counts)
+    holder = table.holders.astype(np.int64)
+    source = computer[unit_batch[uid]]
+    moving = source != holder
+    uid, holder, source = uid[moving], holder[moving], source[moving]
+    return (_by_rank(uid[source == rank], holder[source == rank], world_size),
+            _by_rank(uid[holder == rank], source[holder == rank], world_size))
 
 
 def return_results(collective: Collective, table: GlobalTable, unit_batch: np.ndarray, computer: np.ndarray,
@@ -118,14 +180,9 @@ def return_results(collective: Collective, table: GlobalTable, unit_batch: np.nd
     me, world = collective.rank, collective.world_size
     n_score = table.units["n_score"].astype(np.int64)
     width = n_columns + 1 + (n_score if with_kl else 0)
-    counts = np.diff(table.holder_ptr)
-    uid = np.repeat(np.arange(len(table), dtype=np.int64), counts)
-    holder = table.holders.astype(np.int64)
-    source = computer[unit_batch[uid]]
-    moving = source != holder
-    uid, holder, source = uid[moving], holder[moving], source[moving]
+    send, expect = result_routes(table, unit_batch, computer, me, world)
     parts = []
-    for ids in _by_rank(uid[source == me], holder[source == me], world):
+    for ids in send:
         blocks = []
         for i in ids.tolist():
             stats, check, kl = computed[i]
@@ -133,7 +190,6 @@ def return_results(collective: Collective, table: GlobalTable, unit_batch: np.nd
             if with_kl:
                 blocks.append(kl)
         parts.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float64))
-    expect = _by_rank(uid[holder == me], source[holder == me], world)
     sizes = width if with_kl else np.full(len(table), width, dtype=np.int64)
     received = collective.exchange(parts, [int(sizes[ids].sum()) for ids in expect], "send scores to the ranks that asked")
     checks = dict(zip(local_ids.tolist(), local_checks.tolist()))

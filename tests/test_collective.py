@@ -122,3 +122,53 @@ def test_a_failing_rank_leaves_without_waiting(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "monitored_barrier", lambda **kw: pytest.fail("must not wait"))
     coll._leave_group(1800.0, object())
+
+
+_JOB = r'''
+import json, sys
+import numpy as np, torch
+from distperp_harness.collective import Collective
+
+c = Collective(60, cpu=True)
+r, w = c.rank, c.world_size
+parts = [np.arange(r * 10 + d, dtype=np.int32) for d in range(w)]  # rank r sends r*10+d values to rank d
+got = c.exchange(parts, [s * 10 + r for s in range(w)], "test exchange")
+before = c.bytes_received
+uneven = c.all_gather_tensor(torch.full((r + 1, 2), float(r)), "test uneven gather")
+uneven_bytes = c.bytes_received - before
+before = c.bytes_received
+objects = c.gather_object({"rank": r, "pad": "x" * (1000 * r)}, 1, "test gather to one rank")
+out = {"exchange": [g.tolist() for g in got], "uneven": [u.tolist() for u in uneven],
+       "uneven_bytes": uneven_bytes, "objects": objects, "object_bytes": c.bytes_received - before}
+with open(sys.argv[1] + f".{r}", "w") as f:
+    json.dump(out, f)
+'''
+
+
+def test_exchange_uneven_gathers_and_gather_to_one_rank_move_no_padding(tmp_path):
+    """Three real gloo ranks: the all-to-all delivers exactly what was addressed, parts of different sizes travel
+    unpadded, and ``gather_object`` sends payloads to ``dst`` only."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port, offline_env
+
+    job = tmp_path / "job.py"
+    job.write_text(_JOB)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
+                           str(free_port()), str(job), str(out)], env=offline_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
+    for r, res in enumerate(results):
+        assert res["exchange"] == [list(range(s * 10 + r)) for s in range(3)]
+        assert res["uneven"] == [[[float(s)] * 2] * (s + 1) for s in range(3)]
+        others = sum((s + 1) * 2 * 4 for s in range(3) if s != r)  # float32 rows of the other ranks, unpadded
+        assert res["uneven_bytes"] == others + 8 * 2
+        if r == 1:
+            assert [o["rank"] for o in res["objects"]] == [0, 1, 2]
+            assert res["object_bytes"] > 2000
+        else:
+            assert res["objects"] is None and res["object_bytes"] == 16  # only the sizes reached this rank

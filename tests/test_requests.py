@@ -5,8 +5,7 @@ import random
 import pytest
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from distperp_harness.requests import (Unit, UnitTable, continuation_unit, pack_units, unpack_units,
-                                       window_units)
+from distperp_harness.requests import Unit, UnitTable, continuation_unit, window_units
 
 
 def _hf_rolling(tokens, prefix, max_length):
@@ -74,6 +73,9 @@ def test_table_order_depends_only_on_the_set():
     assert [a.units[i] for i in a.ids(units)] == units
 
 
-def test_pack_roundtrip():
+def test_flat_units_round_trip():
+    from distperp_harness.records import FlatUnits
+
     units = [Unit((1, 2, 3), 2), Unit((4, 5), 1)]
-    assert unpack_units(*pack_units(units)) == units
+    flat = FlatUnits.of(units)
+    assert [flat.unit(i) for i in range(len(flat))] == units and flat.tokens.dtype.name == "int32"
