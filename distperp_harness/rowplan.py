@@ -50,47 +50,41 @@ def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: 
         raise ValueError(f"share mode {mode!r} is not one of {', '.join(SHARE_MODES)}")
     units = table.units
     n = len(units)
-    input_len = units["length"].astype(np.int64) - 1
-    context_len = units["length"].astype(np.int64) - units["n_score"]
+    n_score = units["n_score"].astype(np.int64)
+    context_len = units["length"].astype(np.int64) - n_score
     if mode == "off":
-        members = [np.asarray([i]) for i in range(n)]
-        return _ordered(members, input_len.copy(), units["n_score"].astype(np.int64), context_len, mode,
-                        span=np.stack([np.arange(n), np.arange(n)], 1), lcp=np.zeros(n, np.int64))
+        ids = np.arange(n)
+        return _ordered(ids, units["length"].astype(np.int64) - 1, context_len, n_score, mode,
+                        span=np.stack([ids, ids], 1), lcp=np.zeros(n, np.int64))
     m = len(table.inputs)
-    by_input = np.argsort(table.unit_input, kind="stable")
-    bounds = np.searchsorted(table.unit_input[by_input], np.arange(m + 1))
-    own = [by_input[bounds[j]: bounds[j + 1]] for j in range(m)]
     if mode == "inputs":
         host = _context_hosts(table)
-        groups: dict[int, list[int]] = {}
-        for j in range(m):
-            groups.setdefault(int(host[j]), []).append(j)
-        members = [np.sort(np.concatenate([own[j] for j in js])) for _, js in sorted(groups.items())]
-        lengths = np.asarray([int(table.inputs["length"][h]) for h in sorted(groups)], dtype=np.int64)
-        scored = np.asarray([int(units["n_score"][mem].sum()) for mem in members], dtype=np.int64)
-        k = len(members)
-        return _ordered(members, lengths, scored, context_len, mode, span=np.stack([np.arange(k)] * 2, 1),
-                        lcp=np.zeros(k, np.int64))
+        hosts, row_of_input = np.unique(host, return_inverse=True)
+        k = len(hosts)
+        return _ordered(row_of_input[table.unit_input], table.inputs["length"].astype(np.int64)[hosts], context_len,
+                        n_score, mode, span=np.stack([np.arange(k)] * 2, 1), lcp=np.zeros(k, np.int64))
     order, lcp = _trie_order(table)
     leaf_len = table.inputs["length"].astype(np.int64)[order]
     limit = max_row_length if max_row_length is not None else int(leaf_len.sum())
-    packs: list[list[int]] = []
+    pack_of = np.empty(m, dtype=np.int64)  # per trie position
+    starts: list[int] = []
     sizes: list[int] = []
     size = 0
-    for p in range(m):
-        d, t = int(lcp[p]), int(leaf_len[p] - lcp[p])
-        if packs and size + t <= limit and _worth_merging(size, d, t, attention_coef):
-            packs[-1].append(p)
+    for p, (d, length) in enumerate(zip(lcp.tolist(), leaf_len.tolist())):
+        t = length - d
+        if starts and size + t <= limit and _worth_merging(size, d, t, attention_coef):
             size += t
             sizes[-1] = size
         else:
-            packs.append([p])
-            size = int(leaf_len[p])
+            starts.append(p)
+            size = length
             sizes.append(size)
-    members = [np.sort(np.concatenate([own[order[p]] for p in pack])) for pack in packs]
-    scored = np.asarray([int(units["n_score"][mem].sum()) for mem in members], dtype=np.int64)
-    span = np.asarray([[pack[0], pack[-1]] for pack in packs], dtype=np.int64).reshape(-1, 2)
-    return _ordered(members, np.asarray(sizes, dtype=np.int64), scored, context_len, mode, span=span, lcp=lcp)
+        pack_of[p] = len(starts) - 1
+    position = np.empty(m, dtype=np.int64)
+    position[order] = np.arange(m)
+    span = np.stack([starts, [*starts[1:], m]], 1).astype(np.int64) - [0, 1] if starts else np.zeros((0, 2), np.int64)
+    return _ordered(pack_of[position[table.unit_input]], np.asarray(sizes, dtype=np.int64), context_len, n_score,
+                    mode, span=span, lcp=lcp)
 
 
 def _trie_order(table: GlobalTable) -> tuple[np.ndarray, np.ndarray]:
@@ -148,36 +142,41 @@ def _context_hosts(table: GlobalTable) -> np.ndarray:
     return host
 
 
-def _ordered(members: list[np.ndarray], lengths: np.ndarray, scored: np.ndarray, context_len: np.ndarray,
-             mode: str, *, span: np.ndarray, lcp: np.ndarray) -> PlannedRows:
-    """Rows in plan order: ``mode="prefix"`` groups consecutive rows sharing a long prefix (rows sharing none
-    first), each group and the loose rows by (longest first, lowest unit id)."""
-    k = len(members)
-    min_context = np.asarray([int(context_len[m].min()) for m in members], dtype=np.int64)
-    first_id = np.asarray([int(m[0]) for m in members], dtype=np.int64)
-    spans: list[list[int]] = [[0]] if k else []
-    if mode == "prefix":
-        for r in range(1, k):
-            shared = min(int(lcp[span[r, 0]]), int(min_context[r - 1]), int(min_context[r]))
-            if shared >= MIN_SHARED_PREFIX:
-                spans[-1].append(r)
-            else:
-                spans.append([r])
+def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, context_len: np.ndarray, n_score: np.ndarray, mode: str,
+             *, span: np.ndarray, lcp: np.ndarray) -> PlannedRows:
+    """Rows (unit ``i`` in row ``row_of_unit[i]``) in plan order: ``mode="prefix"`` groups consecutive rows sharing a
+    long prefix (rows sharing none first), each group and the loose rows by (longest first, lowest unit id)."""
+    k = len(lengths)
+    by_row = np.argsort(row_of_unit, kind="stable")  # unit ids ascending within each row
+    bounds = np.searchsorted(row_of_unit[by_row], np.arange(k + 1))
+    members = np.split(by_row, bounds[1:-1]) if k else []
+    scored = np.bincount(row_of_unit, weights=n_score, minlength=k).astype(np.int64)
+    min_context = np.full(k, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(min_context, row_of_unit, context_len)
+    first_id = by_row[bounds[:-1]] if k else np.zeros(0, np.int64)
+    if mode == "prefix" and k:
+        shared = np.minimum(lcp[span[1:, 0]], np.minimum(min_context[:-1], min_context[1:]))
+        cut = np.flatnonzero(shared < MIN_SHARED_PREFIX) + 1
+        spans = np.split(np.arange(k), cut)
     else:
-        spans = [list(range(k))] if k else []
-    key = lambda r: (-int(lengths[r]), int(first_id[r]))  # noqa: E731
+        spans = [np.arange(k)] if k else []
+    key = np.lexsort((first_id, -lengths))  # longest first, then the lowest unit id
+    rank = np.empty(k, dtype=np.int64)
+    rank[key] = np.arange(k)
     if mode == "prefix":
-        loose = sorted((s[0] for s in spans if len(s) == 1), key=key)
-        groups = sorted((sorted(s, key=key) for s in spans if len(s) > 1), key=lambda g: key(g[0]))
+        loose = np.concatenate([s for s in spans if len(s) == 1] or [np.zeros(0, np.int64)])
+        groups = sorted((s[np.argsort(rank[s])] for s in spans if len(s) > 1), key=lambda g: rank[g[0]])
     else:
-        loose, groups = sorted(range(k), key=key), []
-    order, starts = list(loose), [0] if loose else []
+        loose, groups = np.arange(k), []
+    order, starts = [loose[np.argsort(rank[loose])]], [0] if len(loose) else []
+    at = len(loose)
     for group in groups:
-        starts.append(len(order))
-        order.extend(group)
-    idx = np.asarray(order, dtype=np.int64)
-    return PlannedRows([members[i] for i in order], lengths[idx] if k else lengths, scored[idx] if k else scored,
-                       tuple(starts), span[idx] if k else span, lcp, min_context[idx] if k else min_context)
+        starts.append(at)
+        order.append(group)
+        at += len(group)
+    idx = np.concatenate(order).astype(np.int64) if k else np.zeros(0, np.int64)
+    return PlannedRows([members[i] for i in idx.tolist()], lengths[idx], scored[idx], tuple(starts), span[idx], lcp,
+                       min_context[idx])
 
 
 def batch_shared(rows: PlannedRows, start: int, stop: int) -> int:
