@@ -21,7 +21,9 @@ and unless the task needs it — ``num_fewshot > 0`` with a sampler that is not 
    process;
 3. a rank left with no document keeps fresh copies (no responses) of the first document's instances, so lm-eval's
    ``task.instances[0]`` and its padding all-gather work; its ``doc_iterator`` yields nothing, so nothing is counted
-   twice, and distperp's plan computes identical requests once.
+   twice, and distperp's plan computes identical requests once. Such a rank then sends ``evaluate()`` no metric
+   keys for the task, and rank 0 reads every key from every rank: ``DistPerpLM.gather_object`` passes what it
+   gathers through :func:`fill_empty_ranks`, which reads a missing key of those tasks as an empty list.
 
 What was done is recorded per task in the lm's ``document_split`` dict (``config.distperp.document_split``) and logged
 once per acting task on rank 0. If lm-eval's layout differs (method or arguments missing), nothing is wrapped and
@@ -146,7 +148,8 @@ def build_split(task: Any, build: Callable[..., None], *, rank: int = 0, world_s
     is the original ``Task.build_all_requests``, ``kwargs`` its other arguments. Returns the task's record
     ``{"reason", "documents", "built_all", "kept_documents", "padded"}``; with no reason, ``build`` runs unchanged."""
     reason, documents = split_reason(task, world_size=world_size, limit=limit, samples=samples)
-    entry = {"reason": reason, "documents": documents, "built_all": False, "kept_documents": None, "padded": False}
+    entry = {"reason": reason, "documents": documents, "built_all": False, "kept_documents": None, "padded": False,
+             "empty_ranks": max(0, world_size - documents)}
     if reason is None:
         build(task, limit=limit, samples=samples, rank=rank, world_size=world_size, **kwargs)
         return entry
@@ -166,3 +169,20 @@ def build_split(task: Any, build: Callable[..., None], *, rank: int = 0, world_s
         entry["padded"] = True
     task._instances = kept  # lm-eval's Task keeps them there; its `instances` property has no setter
     return entry
+
+
+def fill_empty_ranks(gathered: list, record: dict) -> list:
+    """Every rank's ``gather_object`` payload, with a missing metric key read as ``[]`` for the tasks of ``record``
+    (the lm's ``document_split``) that left some rank without documents.
+
+    lm-eval's ``evaluate()`` gathers ``{task: {(metric, filter): [values]}}`` from every rank and reads every key of
+    rank 0's dict from each; a rank with no document of the task computed no metric, so its dict has no key. Other
+    payloads (logged samples: ``{task: [rows]}``) and other tasks pass unchanged.
+    """
+    tasks = {name for name, entry in record.get("tasks", {}).items() if entry.get("empty_ranks")}
+    if not tasks:
+        return gathered
+    from collections import defaultdict
+
+    return [{name: defaultdict(list, value) if name in tasks and isinstance(value, dict) else value
+             for name, value in payload.items()} if isinstance(payload, dict) else payload for payload in gathered]

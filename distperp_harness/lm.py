@@ -22,7 +22,7 @@ from distperp_harness.collective import Collective
 from distperp_harness.compiling import compile_models
 from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
-from distperp_harness.docsplit import install_document_split
+from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.failfast import fail_for_tests, stop_together
 from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
@@ -319,7 +319,7 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def gather_object(self, obj, dst: int = 0):
         gathered = self.collective.all_gather_object(obj, "lm-eval gather_object")
-        return gathered if self.rank == dst else None
+        return fill_empty_ranks(gathered, self.document_split) if self.rank == dst else None
 
     def barrier(self) -> None:
         self.collective.barrier("lm-eval barrier")

@@ -80,7 +80,8 @@ def test_first_n_task_with_enough_documents_runs_lm_eval_unchanged():
     task = _task("dptest_fewshot")
     assert docsplit.split_reason(task, world_size=2) == (None, 10)
     entry, mine = _split(task, rank=1, world_size=2)
-    assert entry == {"reason": None, "documents": 10, "built_all": False, "kept_documents": None, "padded": False}
+    assert entry == {"reason": None, "documents": 10, "built_all": False, "kept_documents": None, "padded": False,
+                     "empty_ranks": 0}
     assert mine == _plain(task, rank=1, world_size=2)
     assert sorted(mine) == [1, 3, 5, 7, 9]
 
@@ -97,7 +98,7 @@ def test_rank_without_documents_keeps_fresh_copies_of_the_first_documents_instan
     task = _task("dptest_mc")
     entry, kept = _split(task, rank=0, world_size=2, limit=1)
     assert entry == {"reason": "1 document(s) for 2 ranks", "documents": 1, "built_all": True,
-                     "kept_documents": 1, "padded": False}
+                     "kept_documents": 1, "padded": False, "empty_ranks": 1}
     first = list(task.instances)
     entry, padded = _split(task, rank=1, world_size=2, limit=1)
     assert entry["padded"] and entry["kept_documents"] == 0
@@ -105,6 +106,18 @@ def test_rank_without_documents_keeps_fresh_copies_of_the_first_documents_instan
     assert all(a is not b and a.resps == [] and a.filtered_resps == {} and (a.doc_id, a.idx) == (b.doc_id, b.idx)
                for a, b in zip(task.instances, first))
     assert list(task.doc_iterator(rank=1, limit=1, world_size=2)) == []  # evaluate() counts no metric for them
+
+
+def test_metrics_of_a_rank_without_documents_read_as_empty():
+    record = {"tasks": {"a": {"empty_ranks": 1}, "b": {"empty_ranks": 0}}}
+    metrics = [{"a": {("acc", "none"): [1.0]}, "b": {("acc", "none"): [0.0]}}, {"a": {}, "b": {}}]
+    filled = docsplit.fill_empty_ranks(metrics, record)
+    assert [rank["a"][("acc", "none")] for rank in filled] == [[1.0], []]
+    with pytest.raises(KeyError):
+        filled[1]["b"][("acc", "none")]  # a task whose every rank had documents: unchanged
+    samples = [{"a": [{"doc_id": 0}]}, {"a": []}, None]
+    assert docsplit.fill_empty_ranks(samples, record) == samples
+    assert docsplit.fill_empty_ranks(metrics, {"tasks": {}}) is metrics
 
 
 def test_wrapper_calls_lm_eval_unchanged_outside_an_evaluate_frame():
@@ -144,4 +157,5 @@ def test_two_processes_give_one_process_documents_prompts_and_results(tiny_model
     (row,), (base,) = load_samples(tmp_path / "limit", "dptest_mc"), load_samples(tmp_path / "1p", "dptest_mc")
     assert (row["doc_id"], row["arguments"], row["acc"], row["acc_norm"]) == \
         (base["doc_id"], base["arguments"], base["acc"], base["acc_norm"])
-    assert [r[0][0] for r in row["resps"]] == pytest.approx([r[0][0] for r in base["resps"]], rel=1e-6, abs=1e-6)
+    assert [float(r[0][0]) for r in row["resps"]] == \
+        pytest.approx([float(r[0][0]) for r in base["resps"]], rel=1e-6, abs=1e-6)
