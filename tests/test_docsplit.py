@@ -120,10 +120,64 @@ def test_metrics_of_a_rank_without_documents_read_as_empty():
     assert docsplit.fill_empty_ranks(metrics, {"tasks": {}}) is metrics
 
 
-def test_wrapper_calls_lm_eval_unchanged_outside_an_evaluate_frame():
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, line, **kwargs):
+        self.lines.append(("info", line, kwargs))
+
+    def warning(self, line, **kwargs):
+        self.lines.append(("warning", line, kwargs))
+
+
+def _as_evaluator(lm, task, **kwargs):
+    """Call ``task.build_all_requests`` from a function that looks like ``lm_eval.evaluator.evaluate``."""
+    scope = {"__name__": "lm_eval.evaluator"}
+    exec("def evaluate(lm, task, kwargs):\n    task.build_all_requests(**kwargs)", scope)
+    task.set_fewshot_seed(SEED)
+    scope["evaluate"](lm, task, kwargs)
+    return _by_doc(task.instances)
+
+
+def test_installed_wrapper_acts_only_for_a_distperp_lm_of_several_processes(monkeypatch):
+    from lm_eval.api.task import Task
+
+    from distperp_harness.lm import DistPerpLM
+
+    monkeypatch.setattr(Task, "build_all_requests", Task.build_all_requests)  # restored after the test
+    monkeypatch.setattr(docsplit, "log", _Log())
+    record = docsplit.install_document_split(2)
+    wrapped = Task.build_all_requests
+    assert record == {"installed": True, "problem": None, "tasks": {}}
+    assert docsplit.install_document_split(2)["installed"] and Task.build_all_requests is wrapped  # idempotent
+    lm = object.__new__(DistPerpLM)  # what the wrapper reads: the class, world_size and the record
+    lm._rank, lm._world_size, lm.document_split = 1, 2, record
+    task = _task("dptest_random")
+    one = _plain(task, rank=0, world_size=1)
+    assert _as_evaluator(lm, task, rank=1, world_size=2) == {d: one[d] for d in (1, 3, 5, 7, 9)}
+    assert record["tasks"]["dptest_random"]["built_all"]
+    assert [(level, kw) for level, _, kw in docsplit.log.lines] == [("info", {"main_process_only": True})]
+    lm._world_size = 1  # one process, or another model: lm-eval's own build
+    assert _as_evaluator(lm, task, rank=0, world_size=1) == one
+    assert _as_evaluator(object(), task, rank=1, world_size=2) == _plain(task, rank=1, world_size=2)
+
+
+def test_wrapper_is_not_installed_for_one_process_or_another_lm_eval_layout(monkeypatch):
+    from lm_eval.api.task import Task
+
     assert docsplit.evaluator_lm() is None
-    assert docsplit.install_document_split(1) == {"installed": False, "problem": None, "tasks": {}}
     assert docsplit.layout_problem() is None
+    before = Task.build_all_requests
+    assert docsplit.install_document_split(1) == {"installed": False, "problem": None, "tasks": {}}
+    monkeypatch.setattr(docsplit, "layout_problem", lambda: "lm_eval's Task.doc_iterator() takes no samples")
+    monkeypatch.setattr(docsplit, "log", _Log())
+    record = docsplit.install_document_split(4)
+    assert record == {"installed": False, "problem": "lm_eval's Task.doc_iterator() takes no samples", "tasks": {}}
+    assert Task.build_all_requests is before
+    ((level, line, kwargs),) = docsplit.log.lines
+    assert level == "warning" and kwargs == {"main_process_only": False}
+    assert "takes no samples" in line and "sampler: first_n" in line and "one process" in line
 
 
 # ------------------------------------------------------------------------------------------- real launches
