@@ -92,7 +92,9 @@ def install_document_split(world_size: int) -> dict:
                 return original(self, **kwargs)
             entry = build_split(self, original, **kwargs)
             name = getattr(self, "task_name", None) or type(self).__name__
-            lm.document_split["tasks"][name] = entry
+            record = getattr(lm, "document_split", None)
+            if isinstance(record, dict):
+                record.setdefault("tasks", {})[name] = entry
             if entry["reason"]:
                 log.info(f"document split: {name}: {entry['reason']}: every rank built the requests of all "
                          f"{entry['documents']} document(s) and keeps its own, as one process would "
