@@ -22,6 +22,7 @@ from distperp_harness.collective import Collective
 from distperp_harness.compiling import compile_models
 from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
+from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.failfast import fail_for_tests, stop_together
 from distperp_harness.fit import check_fits
 from distperp_harness.generate import GenerationSetup, generate
@@ -122,6 +123,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
+        self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
         self.load_seconds = time.perf_counter() - t0
 
     def _run_identity(self) -> dict:
@@ -320,7 +322,8 @@ class DistPerpLM(Tokenization, TemplateLM):
         return torch.cat(parts).to(tensor.device)
 
     def gather_object(self, obj, dst: int = 0):
-        return self.collective.gather_object(obj, dst, "lm-eval gather_object")
+        gathered = self.collective.gather_object(obj, dst, "lm-eval gather_object")
+        return fill_empty_ranks(gathered, self.document_split) if gathered is not None else None
 
     def barrier(self) -> None:
         self.collective.barrier("lm-eval barrier")
@@ -374,6 +377,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                 "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
                 "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
                 "warnings": self.warnings,
+                "document_split": self.document_split,
             },
         }
         return info
