@@ -54,7 +54,8 @@ def job(args) -> None:
     questions = build_questions("mmlupro5", ids, lambda t: lm.tokenizer.decode(t), args.questions)
     mine = requests_for(questions)[lm.rank:: lm.world_size]  # lm-eval's split, one document's options together
     lm.loglikelihood(mine, disable_tqdm=True)
-    totals = lm.collective.all_gather_object((lm.collective.bytes_received, lm.collective.bytes_sent), "traffic")
+    totals = lm.collective.all_gather_object((getattr(lm.collective, "bytes_received", 0),
+                                              getattr(lm.collective, "bytes_sent", 0)), "traffic")
     moved = loopback_bytes() - start
     if lm.rank == 0:
         call = lm.stats.calls[-1]

@@ -102,5 +102,7 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
     assert quiet["call"]["claiming"] == "dynamic" and quiet["call"]["batches"] >= 40
     ratio = slowed["call"]["seconds_after_arrival"] / quiet["call"]["seconds_after_arrival"]
     per_rank = [r["batches"] for r in slowed["call"]["per_rank"]]
+    print(f"slow node: {ratio:.2f}x the quiet call ({quiet['call']['seconds_after_arrival']:.1f} s); batches per rank "
+          f"{per_rank} (quiet {[r['batches'] for r in quiet['call']['per_rank']]})")
     assert ratio <= 1.7, (ratio, per_rank, quiet["call"]["per_rank"])
     assert per_rank[0] > per_rank[1]  # the quiet node computed more batches
