@@ -29,6 +29,8 @@ from distperp_harness.requests import Unit
 
 BLOCK = 16
 """Tokens per ladder step: the planner knows shared prefixes to within this many tokens."""
+CHUNK = 1 << 20
+"""Tokens hashed at a time (bounds the temporaries of :meth:`FlatUnits.prefix_hashes`)."""
 
 UNIT = np.dtype([("key", "<u8", (2,)), ("input", "<u8"), ("context", "<u8"), ("length", "<i4"),
                  ("n_score", "<i4")])
@@ -93,16 +95,31 @@ class FlatUnits:
         """``uint64``: the hash of the first ``length[j]`` tokens of unit ``unit[j]`` (never 0), for all ``j`` at once.
 
         Position-keyed token mixes summed with wrapping arithmetic, then mixed with the length: a function of those
-        tokens only, so equal prefixes of different units hash alike.
+        tokens only, so equal prefixes of different units hash alike. Works through the tokens in chunks of about
+        ``CHUNK`` tokens, so its temporaries stay small whatever the rank holds.
         """
-        with np.errstate(over="ignore"):
-            pos = np.arange(len(self.tokens), dtype=np.int64) - np.repeat(self.offsets[:-1], self.lengths)
-            v = _mix(self.tokens.astype(np.uint64) * _K_TOKEN + (pos.astype(np.uint64) + np.uint64(1)) * _K_POS
-                     + np.uint64(seed))
-            total = np.concatenate([[np.uint64(0)], np.cumsum(v, dtype=np.uint64)])
-            start = self.offsets[unit]
-            s = total[start + length] - total[start]
-            return _mix(s ^ (length.astype(np.uint64) * _K_LEN + np.uint64(seed))) | np.uint64(1)
+        unit, length = np.asarray(unit, dtype=np.int64), np.asarray(length, dtype=np.int64)
+        out = np.empty(len(unit), dtype=np.uint64)
+        order = np.argsort(unit, kind="stable")
+        cuts = np.searchsorted(self.offsets, np.arange(0, int(self.offsets[-1]) + CHUNK, CHUNK), side="right") - 1
+        bounds = np.unique(np.concatenate([[0], cuts.clip(0, len(self)), [len(self)]]))
+        at = np.searchsorted(unit[order], bounds)
+        for lo, hi, q0, q1 in zip(bounds[:-1], bounds[1:], at[:-1], at[1:]):
+            if q0 == q1:
+                continue
+            base = int(self.offsets[lo])
+            tokens = self.tokens[base: int(self.offsets[hi])]
+            offsets = self.offsets[lo: hi + 1] - base
+            with np.errstate(over="ignore"):
+                pos = np.arange(len(tokens), dtype=np.int64) - np.repeat(offsets[:-1], np.diff(offsets))
+                v = _mix(tokens.astype(np.uint64) * _K_TOKEN + (pos.astype(np.uint64) + np.uint64(1)) * _K_POS
+                         + np.uint64(seed))
+                total = np.concatenate([[np.uint64(0)], np.cumsum(v, dtype=np.uint64)])
+                q = order[q0:q1]
+                start = offsets[unit[q] - lo]
+                s = total[start + length[q]] - total[start]
+                out[q] = _mix(s ^ (length[q].astype(np.uint64) * _K_LEN + np.uint64(seed))) | np.uint64(1)
+        return out
 
     def check_hashes(self) -> np.ndarray:
         """A second hash of every unit's whole token sequence (independent of the key), for checks where units meet."""

@@ -125,3 +125,21 @@ def test_random_shape_llama_1b_is_llama_3_2_1b():
             "print(sum(p.numel() for p in m.parameters()), m.lm_head.weight is m.model.embed_tokens.weight)")
     proc = run_command([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=120)
     assert proc.stdout.split()[-2:] == ["1235814400", "True"]
+
+
+def test_scale_benchmark_small_configuration():
+    """``benchmarks/scale.py`` at 2 % of MMLU 5-shot and HellaSwag for 8 and 64 ranks: it runs, and what a rank
+    receives for its tokens shrinks as ranks are added while the records stay a few bytes per unit."""
+    proc = run_command([sys.executable, BENCHMARKS / "scale.py", "--fraction", "0.02", "--ranks", "8,64",
+                        "--shapes", "mmlu5,hellaswag"], cwd=REPO_ROOT, timeout=600)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("MMLU", "HellaSwag"))]
+    assert len(rows) == 4, proc.stdout
+    sys.path.insert(0, str(BENCHMARKS))
+    import scale
+
+    small = scale.dataclasses.replace(scale.SHAPES["hellaswag"], docs=1000)
+    at8, at64 = scale.simulate(small, 8, 8), scale.simulate(small, 64, 8)
+    assert at8["batches"] == at64["batches"] > 64
+    assert at64["tokens_mb"] < at8["tokens_mb"]
+    assert at64["records_mb"] * 1e6 / at64["units"] < 200  # a fixed-size record and a few prefix hashes per unit
+    assert at64["records_mb"] < 1.3 * at8["records_mb"]  # records do not grow with the number of ranks

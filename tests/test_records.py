@@ -63,3 +63,17 @@ def test_one_key_with_two_different_records_is_a_collision():
     bad[0]["length"][0] += 1  # same key, other content: what a collision looks like
     with pytest.raises(HashCollision):
         GlobalTable([good, bad])
+
+
+def test_prefix_hashes_do_not_depend_on_the_chunk_size(monkeypatch):
+    import distperp_harness.records as records
+
+    rng = np.random.default_rng(0)
+    flat = FlatUnits.of([Unit(tuple(int(t) for t in rng.integers(5, 900, int(rng.integers(2, 120)))), 1)
+                         for _ in range(200)])
+    unit = rng.integers(0, 200, 1000)
+    length = np.asarray([rng.integers(1, flat.lengths[i] + 1) for i in unit])
+    whole = flat.prefix_hashes(unit, length)
+    for chunk in (1, 7, 1000):
+        monkeypatch.setattr(records, "CHUNK", chunk)
+        assert np.array_equal(flat.prefix_hashes(unit, length), whole)
