@@ -10,8 +10,13 @@ that sees 1 computes it. Owner and helper move towards each other, so the first 
 walk in that direction.
 
 A batch is computed identically by whichever rank computes it (the ranks agreed on device identity, options and
-versions at start), so which rank took it never changes a bit. With one process, or sharded weights (every forward
-of a shard group is collective, so its ranks keep the static plan and match forward calls), nothing is claimed.
+versions at start), so which rank took it never changes a bit. With one process nothing is claimed.
+
+**Shard groups claim together** (sharded weights: every forward of a group gathers parameters from all its ranks,
+so they must make the same forward calls). A group's helper is another group (on another node when there are
+several), member for member. The group walks in steps (:class:`GroupSteps`): in each step every member takes its
+next batch as above, announces the forward calls it needs (0 when it has none left) in the store, reads its group's,
+and runs its batch and then idle forwards up to the step's largest count; the walk ends when a step needs none.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ def helper_of(owner: int, world_size: int, step: int) -> int:
     return (owner + step) % world_size
 
 
-def helper_step(world_size: int, local_world_size: int) -> int:
-    """Offset between a rank and its helper: one node's worth of processes when there are several nodes."""
-    if world_size <= 1:
+def helper_step(world_size: int, local_world_size: int, shard_size: int = 1) -> int:
+    """Offset between a rank and its helper: one node's worth of processes when there are several nodes, else one
+    shard group's (one process without sharding); 0 when there is nobody to help (one process, or one shard group)."""
+    if world_size <= shard_size:
         return 0
-    step = local_world_size if 1 < world_size // max(1, local_world_size) else 1
-    return step % world_size or 1
+    step = local_world_size if 1 < world_size // max(1, local_world_size) else shard_size
+    return step % world_size or shard_size
 
 
 class Claims:
@@ -63,3 +69,25 @@ class Claims:
         if self.store is None:
             return True
         return int(self.store.add(f"{self.prefix}/{batch}", 1)) == 1
+
+
+class GroupSteps:
+    """One shard group's lockstep over the store: :meth:`agree` announces this member's forward calls for the step
+    and returns the group's largest (every member of the group must call it the same number of times).
+
+    Args:
+        store: the process group's store; ``prefix``: unique to this scoring call, equal on every rank.
+        rank, shard_size: this rank; the group is ranks ``rank - rank % shard_size ..`` (the mesh's shard dimension).
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, shard_size: int) -> None:
+        self.store, self.prefix, self.rank = store, prefix, rank
+        first = rank - rank % shard_size
+        self.group = range(first, first + shard_size)
+        self.step = 0
+
+    def agree(self, calls: int) -> int:
+        key = f"{self.prefix}/step{self.step}"
+        self.step += 1
+        self.store.set(f"{key}/{self.rank}", str(int(calls)))
+        return max(int(self.store.get(f"{key}/{r}")) for r in self.group)  # get waits for the key

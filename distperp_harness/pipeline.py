@@ -23,12 +23,12 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from distperp_harness.claims import Claims, helper_of, helper_step
+from distperp_harness.claims import Claims, GroupSteps, helper_of, helper_step
 from distperp_harness.collective import Collective, default_store
 from distperp_harness.plan import Batch, assign_batches, balance_report, make_batches
 from distperp_harness.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
@@ -37,7 +37,6 @@ from distperp_harness.routing import move_tokens, return_results
 from distperp_harness.rowplan import PlannedRows, batch_shared, plan_from_records
 from distperp_harness.rows import Row, row_of, shared_prefix, unit_rows
 from distperp_harness.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores, forward_calls
-from distperp_harness.sharding import idle_calls
 
 
 @dataclass(frozen=True)
@@ -115,9 +114,9 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
         sharing: how units share rows; the batches hold ``batching`` rows each (``batch_size=N``: N rows).
         progress: given the number of padded tokens this rank is planned to compute, returns an update callback.
         shard_size, idle_fn: with sharded weights (``shard_size`` > 1) every forward gathers parameters from the
-            rank's whole shard group, so the plan is static and after its own batches a rank calls ``idle_fn`` (a
-            forward whose result is dropped) until it has made as many forward calls as the busiest rank of its group.
-        claiming: let ranks take batches dynamically (:mod:`distperp_harness.claims`; unsharded runs only).
+            rank's whole shard group, so the group walks in steps and a rank with fewer forward calls in a step calls
+            ``idle_fn`` (a forward whose result is dropped) until it has made as many as the busiest rank of its group.
+        claiming: let ranks (or shard groups) take batches dynamically (:mod:`distperp_harness.claims`).
         local_world_size: processes per node (the helper of a rank is on another node when there are several).
         log: where rank 0's notes about the plan go (idle ranks).
 
@@ -142,8 +141,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     if sharing.mode == "prefix":
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
     plan = assign_batches(batches, world, attention_coef, head_coef)
-    dynamic = claiming and world > 1 and shard_size == 1
-    step = helper_step(world, local_world_size) if dynamic else 0
+    step = helper_step(world, local_world_size, shard_size) if claiming else 0
+    dynamic = step > 0
     owner = np.asarray(plan.owner, dtype=np.int64)
     ranks = np.stack([owner, [helper_of(o, world, step) for o in owner] if dynamic else np.full_like(owner, -1)], 1) \
         if len(owner) else np.zeros((0, 2), np.int64)
@@ -161,19 +160,17 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     mine = plan.batches_of(me)
     ward = plan.batches_of((me - step) % world) if dynamic else []
     update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
-    claims = Claims(mine, ward, default_store() if dynamic else None, f"distperp/claims/{collective.sequence}")
+    prefix = f"distperp/claims/{collective.sequence}"
+    claims = Claims(mine, ward, default_store() if dynamic else None, prefix)
     computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
     done: list[tuple[int, bytes]] = []
     checks = available.check_hashes()
     tokens_here = 0
-    for b in claims:
+    for b in _walk(claims, batches, shard_size, prefix, me, idle_fn):
         batch = batches[b]
         rows = [_build_row(planned, r, available, sharing.mode) for r in range(batch.start, batch.stop)]
-        for r, row in zip(range(batch.start, batch.stop), rows):
-            if row.length > planned.lengths[r]:
-                raise HashCollision(f"row {r} holds {row.length} tokens where its plan allows {planned.lengths[r]}: "
-                                    "prefix hashes collided")
         shared = shared_prefix(rows) if batch.shared else 0
+        _check_against_plan(planned, batch, rows, shared, sharing.mode)
         scores = score_fn(rows, shared)
         ids = [uid for row in rows for uid in row.unit_ids]
         kl = scores.kl if with_reference else [None] * len(ids)
@@ -185,12 +182,6 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
         tokens_here += computed_tokens
         if update:
             update(batch.padded_tokens)
-    if shard_size > 1:
-        counts = [0] * world  # forward calls per rank: a batch with a shared prefix makes two
-        for batch, o in zip(batches, plan.owner):
-            counts[o] += forward_calls(batch.shared)
-        for _ in range(idle_calls(counts, me, shard_size)):
-            idle_fn()
     t_score = time.perf_counter() - t0
     report = {"rank": me, "batches": len(done), "from_ward": claims.taken_from_ward, "tokens": tokens_here,
               "seconds": round(t_score - t_plan, 4)}
@@ -228,6 +219,45 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
             "seconds_after_arrival": time.perf_counter() - t_met,
         })
     return out
+
+
+def _walk(claims: Claims, batches: Sequence[Batch], shard_size: int, prefix: str, rank: int,
+          idle_fn: Callable[[], None] | None) -> Iterator[int]:
+    """The batches this rank computes, in order. With sharded weights the shard group walks in steps
+    (:class:`~distperp_harness.claims.GroupSteps`): after this rank's batch of a step (the caller computes it when
+    the generator resumes), idle forwards up to the step's largest number of forward calls."""
+    if shard_size <= 1:
+        yield from claims
+        return
+    store = default_store()
+    if store is None:
+        raise RuntimeError("sharded weights need the process group's store to keep a shard group's forward calls "
+                           "in step, and torch.distributed did not provide it")
+    steps = GroupSteps(store, f"{prefix}/groups", rank, shard_size)
+    walk = iter(claims)
+    while True:
+        b = next(walk, None)
+        calls = forward_calls(batches[b].shared) if b is not None else 0  # a batch with a shared prefix makes two
+        peak = steps.agree(calls)
+        if peak == 0:
+            return
+        if b is not None:
+            yield b
+        for _ in range(peak - calls):
+            idle_fn()
+
+
+def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: str) -> None:
+    """The rows built from tokens are what the plan promised: no longer than planned, one path each where masks are
+    not allowed, and sharing at least the planned prefix (shard groups count forward calls from the plan). Only a
+    collision of prefix hashes breaks this; the run then stops rather than compute something else."""
+    for r, row in zip(range(batch.start, batch.stop), rows):
+        if row.length > planned.lengths[r] or (mode != "prefix" and row.packed):
+            raise HashCollision(f"row {r} holds {row.length} tokens ({len(row.runs)} runs) where its plan allows "
+                                f"{planned.lengths[r]} ({mode}): prefix hashes collided")
+    if shared < batch.shared:
+        raise HashCollision(f"the rows of a batch share {shared} tokens where the plan counted on {batch.shared}: "
+                            "prefix hashes collided")
 
 
 def _build_row(planned: PlannedRows, r: int, available, mode: str) -> Row:

@@ -13,7 +13,9 @@ model input ``tokens[:-1]`` is exactly the tokens of that path (up to its length
     mask       a token sees its run's earlier tokens and its ancestors' runs: question 2 never sees question 1,
                answer C never sees answer B; all of them see the few-shot block
 
-:func:`plan_rows` builds rows from the canonical unit table (a unit's index is its id):
+A scoring call plans which units share a row from unit records (:mod:`distperp_harness.rowplan`, the same rules
+without tokens), and the rank that computes a row builds it with :func:`row_of`. :func:`plan_rows` applies the rules
+to token sequences directly (a unit's index in ``units`` is its id), the reference the records planner follows:
 
 * units with the same model input are one *input class*, computed once; a class whose input is a prefix of another
   class's input reads along that longer path (a one-token answer after the context of multi-token ones);

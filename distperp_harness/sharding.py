@@ -15,8 +15,9 @@ head, norms) is sharded. :class:`ShardReport` says which.
 Scoring does not call the root module: it runs ``model.base_model`` and applies the output head per chunk of
 positions. :func:`gathered` therefore all-gathers the root's own group (embeddings, final norm, head) for a whole
 batch, and each decoder layer gathers and frees its shard in its own forward hooks. Every forward issues the same
-sequence of gathers, so all ranks of a group must make the same number of forward calls: a rank with fewer
-batches pads with :func:`idle_calls` forwards of a one-token batch whose results are dropped.
+sequence of gathers, so all ranks of a group must make the same number of forward calls: the group walks through
+its batches in steps (:class:`distperp_harness.claims.GroupSteps`), and a rank with fewer calls in a step pads with
+forwards of a one-token batch whose results are dropped.
 """
 
 from __future__ import annotations
@@ -68,18 +69,6 @@ def check_groups_within_hosts(hosts: Sequence[str], shard_size: int) -> None:
 def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
     """Ranks of each shard group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
     return [list(range(g, g + shard_size)) for g in range(0, world_size, shard_size)]
-
-
-def idle_calls(batches_per_rank: Sequence[int], rank: int, shard_size: int) -> int:
-    """Forward calls ``rank`` must add so that every rank of its shard group makes as many as the busiest one.
-
-    ``batches_per_rank[r]``: the number of batches rank ``r`` scores in this call (from the global plan, which
-    every rank knows). Pure; 0 when ``shard_size`` is 1.
-    """
-    if shard_size <= 1:
-        return 0
-    first = rank - rank % shard_size
-    return max(batches_per_rank[first: first + shard_size]) - batches_per_rank[rank]
 
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s: float):

@@ -54,11 +54,14 @@ def test_the_helper_is_on_another_node_when_there_are_several():
     assert helper_step(2, 2) == 1 and helper_of(1, 2, 1) == 0
     assert helper_step(16, 8) == 8 and helper_of(3, 16, 8) == 11 and helper_of(11, 16, 8) == 3
     assert helper_step(2, 1) == 1  # two single-process nodes help each other
+    assert helper_step(4, 4, 2) == 2 and helper_step(16, 8, 4) == 8  # shard groups: the same member of another group
+    assert helper_step(2, 2, 2) == 0  # one shard group: nobody to help
 
 
 def test_a_slow_node_does_not_set_the_pace(tmp_path):
     """Two single-process nodes on loopback, each on its own core; then a CPU hog on the second node's core. The
-    call takes at most 1.7x the quiet run's time (static plan: about 2x; ideal: 1.33x), with the same bits."""
+    call takes at most 1.7x the quiet run's time (static plan: about 2.2x; ideal: 1.33x), with the same bits. Run
+    alone: another process on these cores would halve a figure."""
     import json
     import os
     import subprocess
@@ -92,13 +95,21 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
             assert p.returncode == 0, output[-3000:]
         return json.loads(out.read_text())
 
-    quiet = run("quiet")
-    hog = subprocess.Popen(["taskset", "-c", str(cores[1]), sys.executable, "-c", "while True: pass"])
-    try:
-        slowed = run("slowed")
-    finally:
-        hog.kill()
-    assert slowed["fingerprint"] == quiet["fingerprint"] and slowed["scores"] == quiet["scores"]
+    def slowed_run(name):
+        hog = subprocess.Popen(["taskset", "-c", str(cores[1]), sys.executable, "-c", "while True: pass"])
+        try:
+            return run(name)
+        finally:
+            hog.kill()
+
+    quiets, slows = [], []
+    for k in range(2):  # alternate, and compare the best of each: timings on a shared machine are noisy
+        quiets.append(run(f"quiet{k}"))
+        slows.append(slowed_run(f"slowed{k}"))
+    for out in quiets[1:] + slows:
+        assert out["fingerprint"] == quiets[0]["fingerprint"] and out["scores"] == quiets[0]["scores"]
+    quiet = min(quiets, key=lambda o: o["call"]["seconds_after_arrival"])
+    slowed = min(slows, key=lambda o: o["call"]["seconds_after_arrival"])
     assert quiet["call"]["claiming"] == "dynamic" and quiet["call"]["batches"] >= 40
     ratio = slowed["call"]["seconds_after_arrival"] / quiet["call"]["seconds_after_arrival"]
     per_rank = [r["batches"] for r in slowed["call"]["per_rank"]]

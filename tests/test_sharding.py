@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from distperp_harness.sharding import (check_groups_within_hosts, idle_calls, refuse_generation,
+from distperp_harness.sharding import (check_groups_within_hosts, refuse_generation,
                                        refuse_generation_tasks, resolve_shard_size, shard_groups)
 from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
 
@@ -39,16 +39,6 @@ def test_a_group_across_hosts_is_refused_with_the_fix():
 def test_shard_groups_are_consecutive_ranks():
     assert shard_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert shard_groups(4, 1) == [[0], [1], [2], [3]]
-
-
-def test_idle_calls_bring_every_rank_of_a_group_to_the_busiest():
-    counts = [5, 3, 4, 4, 0, 2]
-    assert [idle_calls(counts, r, 2) for r in range(6)] == [0, 2, 0, 0, 2, 0]
-    assert [idle_calls(counts, r, 3) for r in range(6)] == [0, 2, 1, 0, 4, 2]
-    assert [idle_calls(counts, r, 1) for r in range(6)] == [0] * 6
-    for size in (2, 3):  # every rank of a group ends with the same number of forward calls
-        for g in range(0, 6, size):
-            assert len({counts[r] + idle_calls(counts, r, size) for r in range(g, g + size)}) == 1
 
 
 def test_generation_with_sharded_weights_is_refused_with_the_fix():
