@@ -35,6 +35,8 @@ def helper_step(world_size: int, local_world_size: int, shard_size: int = 1) -> 
     if world_size <= shard_size:
         return 0
     step = local_world_size if 1 < world_size // max(1, local_world_size) else shard_size
+    if step % shard_size:  # shard groups lie within nodes, so a node's processes are whole groups; else stay safe
+        step = shard_size
     return step % world_size or shard_size
 
 

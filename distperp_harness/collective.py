@@ -25,6 +25,7 @@ its arrival in the rendezvous store; the error names the ranks that never arrive
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import pickle
 import sys
@@ -65,7 +66,7 @@ class Collective:
         self.num_nodes: int = max(1, self.world_size // max(1, local_world))
         self.backend: str = str(getattr(self._state, "backend", None) or "none")
         self._group: Any = None
-        self._step = 0
+        self._step = 0  # the last step number this instance issued (numbers come from the process-wide _STEPS)
         if self.distributed:
             self._group = _control_group(self.rank, self.world_size, timeout_s)
             _watch_for_failure()
@@ -79,7 +80,8 @@ class Collective:
 
     @property
     def sequence(self) -> int:
-        """How many collectives this rank has issued: equal on every rank between two collectives (a key prefix)."""
+        """The number of this process's latest collective, over every ``Collective`` it created: equal on every rank
+        between two collectives, and never reused within the run (a key prefix for the store)."""
         return self._step
 
     @property
@@ -172,7 +174,7 @@ class Collective:
     def _guarded(self, name: str, op: Callable[[], Any]) -> None:
         """Issue ``op`` (which returns a work handle, or None) and wait for it; on any failure, at issue or at
         wait, raise :class:`CollectiveError` naming the ranks that never arrived."""
-        self._step += 1
+        self._step = next(_STEPS)
         store = _default_store()
         key = f"distperp/step{self._step}"
         if store is not None:
@@ -207,6 +209,9 @@ class Collective:
 
 
 _FAILED = False
+_STEPS = itertools.count(1)
+"""Collective numbers, process-wide: a second model instance in one process group (``sweep``) must not reuse the
+store keys of the first (arrival marks, claimed batches)."""
 
 
 def _watch_for_failure() -> None:

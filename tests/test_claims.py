@@ -56,6 +56,7 @@ def test_the_helper_is_on_another_node_when_there_are_several():
     assert helper_step(2, 1) == 1  # two single-process nodes help each other
     assert helper_step(4, 4, 2) == 2 and helper_step(16, 8, 4) == 8  # shard groups: the same member of another group
     assert helper_step(2, 2, 2) == 0  # one shard group: nobody to help
+    assert helper_step(4, 1, 2) == 2  # never a helper inside its own shard group
 
 
 def test_a_slow_node_does_not_set_the_pace(tmp_path):

@@ -65,7 +65,7 @@ def _score_fn(slow_rank=None, rank=None, delay=0.0):
 
 
 def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_reference=True, shard_size=1,
-          forwards=None):
+          forwards=None, batch_size=3):
     store = _Store()
     shares = [[k for k in range(len(requests)) if k % world == r] for r in range(world)]
 
@@ -81,7 +81,7 @@ def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_refer
         def idle():
             forwards[c.rank] += 1
         out = score_requests([requests[k] for k in shares[c.rank]], collective=c, score_fn=counted,
-                             batching=Batching(3), attention_coef=1e-4, with_reference=with_reference,
+                             batching=Batching(batch_size), attention_coef=1e-4, with_reference=with_reference,
                              sharing=Sharing(mode, 200), stats=stats, claiming=claiming, shard_size=shard_size,
                              idle_fn=idle)
         return out, stats
@@ -134,10 +134,11 @@ def test_shard_groups_keep_their_forward_calls_in_step(claiming):
     of a shared batch, idle forwards), every batch is computed once, and the bits are one process's; with claiming the
     other group takes over a slow group's batches."""
     requests = _requests(2)
-    one, stats1 = _call(1, requests, "prefix")
+    one, stats1 = _call(1, requests, "prefix", batch_size=1)
     forwards = [0] * 4
     many, stats = _call(4, requests, "prefix", claiming=claiming, shard_size=2, forwards=forwards,
-                        slow=0, delay=0.03)
+                        slow=0, delay=0.03, batch_size=1)  # a member takes its next batch before the step agrees,
+    # so only batches two steps ahead can go to the other group: enough of them per rank
     assert [r.loglikelihood for r in one] == [r.loglikelihood for r in many]
     assert stats[0].fingerprint == stats1[0].fingerprint
     assert forwards[0] == forwards[1] and forwards[2] == forwards[3]
