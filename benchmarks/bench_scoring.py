@@ -83,7 +83,7 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
 }
 """``--random-shape`` name → Llama config of a random-init model (``random-<name>`` in ``--models``). ``llama-1b``
 is Llama-3.2-1B's shape (1.24B parameters, tied embeddings; saved in bfloat16, which a float32 run upcasts
-exactly); ``tiny`` is the test model's (distperp_harness.tiny.TEST_SPEC), for dry runs on the CPU."""
+exactly); ``tiny`` is the test model's (distperp_harness.commands.tiny.TEST_SPEC), for dry runs on the CPU."""
 
 SCORERS: dict[str, str] = {
     "hf": "lm-eval hf",
@@ -92,7 +92,7 @@ SCORERS: dict[str, str] = {
     "int4": "distperp int4 (float32 compute)",
     "int4-bf16": "distperp int4 (bfloat16, packed)",
 }
-"""Scorer keys and their table labels. ``int4`` rows use ``quantize=int4`` (``distperp_harness.quantize``)."""
+"""Scorer keys and their table labels. ``int4`` rows use ``quantize=int4`` (``distperp_harness.model.quantize``)."""
 
 
 # ------------------------------------------------------------------------------------------------ models, data
@@ -105,7 +105,7 @@ def random_tokenizer(vocab_size: int) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(SHARED_MODEL)
         if len(tokenizer) <= vocab_size:
             return tokenizer
-    from distperp_harness.tiny import TEST_SPEC, sample_text, train_tokenizer
+    from distperp_harness.commands.tiny import TEST_SPEC, sample_text, train_tokenizer
 
     return train_tokenizer([sample_text()], min(TEST_SPEC.vocab_size, vocab_size), model_max_length=2048)
 
@@ -208,7 +208,7 @@ def bare_batches(lm: Any, docs: list[str]) -> list[Any]:
     """distperp's padded input batches for ``docs`` (same windows, canonical order and batches as its plan)."""
     import torch
 
-    from distperp_harness.requests import UnitTable, window_units
+    from distperp_harness.planning.requests import UnitTable, window_units
 
     units = [u for doc in docs for u in window_units(lm.tok_encode(doc), lm.prefix_token_id, lm.max_length,
                                                        lm.options.stride)]
@@ -238,7 +238,7 @@ def padded_tokens(lm: Any, docs: list[str], batch_size: int) -> dict[str, int]:
     ``hf`` batches the windows in document order, each batch padded to its longest window; ``distperp``
     sorts all windows longest first before batching (its plan).
     """
-    from distperp_harness.requests import UnitTable, window_units
+    from distperp_harness.planning.requests import UnitTable, window_units
 
     per_doc = [window_units(lm.tok_encode(doc), lm.prefix_token_id, lm.max_length) for doc in docs]
     in_order = [u.input_length for units in per_doc for u in units]
