@@ -12,13 +12,14 @@ Builds synthetic requests of full size (token counts and sharing structure, rand
 
 splits the documents of every subtask as lm-eval does (``docs[rank::W]``), and for each W runs, for the rank with
 the largest share (rank 0 under lm-eval's split), exactly what :func:`distperp_harness.run.pipeline.score_requests`
-runs before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every rank's real
-encoded payload, handed over by a collective that simulates the W ranks), the merge
-(:class:`~distperp_harness.planning.records.GlobalTable`), the plan (rows, batches, owners, helpers) and the routes of tokens
-and results (:func:`~distperp_harness.run.routing.token_routes`, :func:`~distperp_harness.run.routing.result_routes`).
-Printed: input tokens and the tokens the plan computes (padded, shared prefixes once; millions), and for that rank:
-bytes received (records / tokens, as its senders front-code them / results), peak traced
-memory and CPU seconds of those steps, and the number of batches against W (fewer batches than ranks: idle ranks).
+runs before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every
+rank's real encoded payload, handed over by a collective that simulates the W ranks), the merge
+(:class:`~distperp_harness.planning.records.GlobalTable`), the plan (rows, batches, owners, helpers) and the routes
+of tokens and results (:func:`~distperp_harness.run.routing.token_routes`,
+:func:`~distperp_harness.run.routing.result_routes`). Printed: input tokens and the tokens the plan computes (padded,
+shared prefixes once; millions), and for that rank: bytes received (records / tokens, as its senders front-code
+them / results), peak traced memory and CPU seconds of those steps, and the number of batches against W (fewer
+batches than ranks: idle ranks).
 
 Targets (issue 18), MMLU 5-shot: W = 64: <= 0.5 s CPU, <= 200 MB, <= 20 MB received; W = 1,024: <= 30 MB received.
 """

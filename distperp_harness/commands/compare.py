@@ -4,8 +4,8 @@ A run is one lm-eval results JSON (``results_*.json``; a folder means the newest
 row per run and task: model, quantization scheme, processes, each perplexity metric with its standard error, KL
 divergence, top-1 agreement and answer flips (with a reference: from the task's metrics where it has them, else
 from ``config.distperp.reference.tasks``, so every task shows them), scoring throughput, weight bytes and the
-fingerprint. ``--plot`` draws the panels that have data (:func:`distperp_harness.commands.plots.plot_compare`): per task,
-KL divergence, top-1 agreement, perplexity and answer flips, runs side by side; with the per-document samples
+fingerprint. ``--plot`` draws the panels that have data (:func:`distperp_harness.commands.plots.plot_compare`): per
+task, KL divergence, top-1 agreement, perplexity and answer flips, runs side by side; with the per-document samples
 written next to the results (``--log_samples``), NLL per token (and KL per token) for every document.
 """
 

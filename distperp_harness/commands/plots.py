@@ -8,10 +8,10 @@ Which panels a figure has is decided from the loaded runs alone (:func:`leaderbo
 
 **Leaderboard** (:func:`plot_leaderboard`; ``(label, Run)`` pairs, rows in leaderboard order):
 
-- ``kl_vs_weight_bytes``: KL per token pooled over all tasks (log scale, ± stderr; :func:`~distperp_harness.commands.sweep.
-  pooled_kl`) against weight bytes, one point per scheme; the unquantized reference as a dotted vertical line at its
-  weight bytes (its KL, 0, is off a log scale); the Pareto front (schemes no other scheme beats on both bytes and
-  KL) dashed, its points filled.
+- ``kl_vs_weight_bytes``: KL per token pooled over all tasks (log scale, ± stderr;
+  :func:`~distperp_harness.commands.sweep.pooled_kl`) against weight bytes, one point per scheme; the unquantized
+  reference as a dotted vertical line at its weight bytes (its KL, 0, is off a log scale); the Pareto front (schemes
+  no other scheme beats on both bytes and KL) dashed, its points filled.
 - ``delta_ppl``: Δppl % = 100·(exp(``ln_ppl_ratio``) − 1) ± delta-method stderr, for tasks without flips;
   ``flips`` (% of documents whose answer differs from the reference's) and ``delta_acc`` (paired Δ accuracy, points)
   for multiple-choice tasks. One row per scheme, one colour per task.

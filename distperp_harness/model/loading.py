@@ -181,8 +181,8 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
     the checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
     With ``mesh`` (``shard_size`` > 1) an unquantized model is read into host memory (memory-mapped where the dtype
     allows) and FSDP2 moves it to ``device`` one layer at a time as it shards it
-    (:func:`~distperp_harness.model.sharding.shard_model`); a quantized model is quantized on ``device`` while loading and
-    then sharded except for its torchao weights. Every rank must call this together when ``mesh`` is given.
+    (:func:`~distperp_harness.model.sharding.shard_model`); a quantized model is quantized on ``device`` while loading
+    and then sharded except for its torchao weights. Every rank must call this together when ``mesh`` is given.
     """
     from distperp_harness.model.memory import LoadMeter
     from distperp_harness.model.quantize import resolve_model_dtype, weight_bytes

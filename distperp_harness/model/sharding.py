@@ -181,7 +181,8 @@ def _is_distributed_failure(exc: BaseException) -> bool:
 def naming_failures(collective, active: bool) -> Iterator[None]:
     """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
     timeout), meet on the gloo control group, whose error names the ranks that never arrived
-    (:class:`~distperp_harness.distributed.collective.CollectiveError`); if everyone arrives, the original error stands."""
+    (:class:`~distperp_harness.distributed.collective.CollectiveError`); if everyone arrives, the original error
+    stands."""
     try:
         yield
     except Exception as exc:

@@ -5,16 +5,16 @@ The same rules as :func:`distperp_harness.planning.rows.plan_rows`, applied to t
 
 * ``mode="prefix"``: distinct model inputs are the leaves, ordered by their prefix-hash ladders (a trie order: inputs
   sharing ``k`` blocks are adjacent); the tokens two neighbours share are estimated to the block below, and leaves
-  are packed next-fit while sharing pays (:func:`~distperp_harness.planning.rows._worth_merging`) and the estimated row fits
-  ``max_row_length``. Rows whose roots share at least ``MIN_SHARED_PREFIX`` tokens form a group, and a batch of a
+  are packed next-fit while sharing pays (:func:`~distperp_harness.planning.rows._worth_merging`) and the estimated row
+  fits ``max_row_length``. Rows whose roots share at least ``MIN_SHARED_PREFIX`` tokens form a group, and a batch of a
   group computes its common prefix once (:func:`batch_shared`);
 * ``mode="inputs"``: one row per distinct input; an input that is the context of a longer one (a one-token answer
   after the context of multi-token answers) reads along that longer row;
 * ``mode="off"``: one row per unit.
 
 Estimates are upper bounds on row lengths and lower bounds on shared prefixes; the rank that computes a row builds
-its exact tree from the tokens (:func:`distperp_harness.planning.rows.row_of`), a pure function of the row's units. So rows,
-batches and bits depend only on the set of units, never on the world size. Pure numpy.
+its exact tree from the tokens (:func:`distperp_harness.planning.rows.row_of`), a pure function of the row's units. So
+rows, batches and bits depend only on the set of units, never on the world size. Pure numpy.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from distperp_harness.planning.rows import MIN_SHARED_PREFIX, SHARE_MODES, _wort
 @dataclass(frozen=True)
 class PlannedRows:
     """Rows in plan order: ``members[r]`` (unit ids, ascending), ``lengths[r]`` (estimated tokens, an upper bound),
-    ``scored[r]``; ``group_starts`` as in :class:`~distperp_harness.planning.rows.RowPlan`. ``span[r]`` is the range of leaf
-    positions (trie order) row ``r`` covers and ``lcp[k]`` the estimated tokens leaves ``k - 1`` and ``k`` share;
+    ``scored[r]``; ``group_starts`` as in :class:`~distperp_harness.planning.rows.RowPlan`. ``span[r]`` is the range of
+    leaf positions (trie order) row ``r`` covers and ``lcp[k]`` the estimated tokens leaves ``k - 1`` and ``k`` share;
     ``min_context[r]`` the shortest context of its units (no shared prefix reaches a scored position)."""
 
     members: list[np.ndarray]

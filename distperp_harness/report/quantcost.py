@@ -15,8 +15,8 @@ order (task, doc_id, idx): no per-rank partial sums, so every entry is the same 
 **Entry** (:func:`task_entry`), documents being the sampling unit:
 
 - ``kl_divergence``, ``top1_agreement``, ``ln_ppl_ratio``: ratios of per-document sums with delta-method standard
-  errors (:func:`distperp_harness.report.metrics.ratio_and_stderr`), the same items the ``distperp_*`` tasks aggregate, so
-  their values agree exactly on the same documents. ``kl_p99`` / ``kl_max`` over all scored tokens.
+  errors (:func:`distperp_harness.report.metrics.ratio_and_stderr`), the same items the ``distperp_*`` tasks aggregate,
+  so their values agree exactly on the same documents. ``kl_p99`` / ``kl_max`` over all scored tokens.
 - multiple-choice tasks: the model's choice is the first argmax of the choices' log-likelihoods (numpy's
   ``argmax``, as lm-eval's ``acc``); ``flips`` is the share of documents whose choice differs from the reference's,
   ``flips_norm`` the same with lm-eval's ``acc_norm`` rule (log-likelihood / length of the choice in characters,

@@ -1,7 +1,7 @@
 """Claiming batches: every rank works at its own pace, a slow one computes fewer batches, and the bits stay the same.
 
-The plan gives each batch an *owner* (:func:`distperp_harness.planning.plan.assign_batches`: costliest first, balanced by
-cost) and, when claiming is on, a *helper*: the owner's rank plus ``step`` (the number of processes per node on
+The plan gives each batch an *owner* (:func:`distperp_harness.planning.plan.assign_batches`: costliest first, balanced
+by cost) and, when claiming is on, a *helper*: the owner's rank plus ``step`` (the number of processes per node on
 several nodes, so a slow node is helped by another node; else 1), modulo the world size. The owner and its helper
 both receive the batch's tokens. A rank computes its own batches in plan order (costliest first), then its ward's
 (the rank it helps) from the cheapest end, until the two meet. Each batch is taken exactly once: before computing it

@@ -1,7 +1,7 @@
 """Moving tokens to the ranks that compute them and results back to the ranks that asked: point to point, unpadded.
 
-Both moves are one all-to-all each (:meth:`~distperp_harness.distributed.collective.Collective.exchange`) whose sizes every rank
-derives from the global table and the plan, so nothing but payload travels:
+Both moves are one all-to-all each (:meth:`~distperp_harness.distributed.collective.Collective.exchange`) whose sizes
+every rank derives from the global table and the plan, so nothing but payload travels:
 
 * :func:`move_tokens`: each unit's lowest holding rank sends its int32 tokens to each rank that may compute it (the
   batch's owner and helper) and does not hold it already. Receivers re-derive the 128-bit key of every unit they
