@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from distperp_harness.distributed.controlplane import control_group as _control_group
-from distperp_harness.distributed.failfast import start_watch
+from distperp_harness.distributed.failfast import start_watch, stop_watch
 
 T = TypeVar("T")
 
@@ -237,6 +237,7 @@ def _leave_group(timeout_s: float, group: Any) -> None:
         if _FAILED or not dist.is_initialized():
             return  # failing: leave at once, so the peers' collectives fail fast instead of waiting here
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(timeout_s, 60.0)), wait_all_ranks=True)
+        stop_watch()  # before the store goes away, and before the interpreter ends daemon threads
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass

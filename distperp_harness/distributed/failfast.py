@@ -98,8 +98,11 @@ class FailureWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Ask the thread to end; wait up to ``wait_s`` seconds until it has (it is between store calls then)."""
         self._stop.set()
+        if wait_s > 0 and self._thread.is_alive():
+            self._thread.join(wait_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -129,6 +132,14 @@ def _exit_now(message: str) -> None:
 
 
 _WATCH: list[FailureWatch] = []
+
+
+def stop_watch(wait_s: float = 5.0) -> None:
+    """End this process's watch before the interpreter shuts down: a daemon thread still inside a store call at
+    finalization is ended by ``pthread_exit`` through C++ frames, which aborts the process ("terminate called without
+    an active exception") after a run that finished well."""
+    for watch in _WATCH:
+        watch.stop(wait_s)
 
 
 def start_watch(store: Any, rank: int) -> FailureWatch | None:

@@ -32,7 +32,7 @@ class PlannedRows:
     """Rows in plan order: ``members[r]`` (unit ids, ascending), ``lengths[r]`` (estimated tokens, an upper bound),
     ``scored[r]``; ``group_starts`` as in :class:`~distperp_harness.planning.rows.RowPlan`. ``span[r]`` is the range of
     leaf positions (trie order) row ``r`` covers and ``lcp[k]`` the estimated tokens leaves ``k - 1`` and ``k`` share;
-    ``min_context[r]`` the shortest context of its units (no shared prefix reaches a scored position)."""
+    ``first_scored[r]`` the earliest input position its units score (a prefix computed once stops before it)."""
 
     members: list[np.ndarray]
     lengths: np.ndarray
@@ -40,7 +40,7 @@ class PlannedRows:
     group_starts: tuple[int, ...]
     span: np.ndarray
     lcp: np.ndarray
-    min_context: np.ndarray
+    first_scored: np.ndarray
 
 
 def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: int | None = None,
@@ -51,17 +51,17 @@ def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: 
     units = table.units
     n = len(units)
     n_score = units["n_score"].astype(np.int64)
-    context_len = units["length"].astype(np.int64) - n_score
+    first_scored = units["length"].astype(np.int64) - 1 - n_score  # input positions before it feed no target
     if mode == "off":
         ids = np.arange(n)
-        return _ordered(ids, units["length"].astype(np.int64) - 1, context_len, n_score, mode,
+        return _ordered(ids, units["length"].astype(np.int64) - 1, first_scored, n_score, mode,
                         span=np.stack([ids, ids], 1), lcp=np.zeros(n, np.int64))
     m = len(table.inputs)
     if mode == "inputs":
         host = _context_hosts(table)
         hosts, row_of_input = np.unique(host, return_inverse=True)
         k = len(hosts)
-        return _ordered(row_of_input[table.unit_input], table.inputs["length"].astype(np.int64)[hosts], context_len,
+        return _ordered(row_of_input[table.unit_input], table.inputs["length"].astype(np.int64)[hosts], first_scored,
                         n_score, mode, span=np.stack([np.arange(k)] * 2, 1), lcp=np.zeros(k, np.int64))
     order, lcp = _trie_order(table)
     leaf_len = table.inputs["length"].astype(np.int64)[order]
@@ -83,7 +83,7 @@ def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: 
     position = np.empty(m, dtype=np.int64)
     position[order] = np.arange(m)
     span = np.stack([starts, [*starts[1:], m]], 1).astype(np.int64) - [0, 1] if starts else np.zeros((0, 2), np.int64)
-    return _ordered(pack_of[position[table.unit_input]], np.asarray(sizes, dtype=np.int64), context_len, n_score,
+    return _ordered(pack_of[position[table.unit_input]], np.asarray(sizes, dtype=np.int64), first_scored, n_score,
                     mode, span=span, lcp=lcp)
 
 
@@ -142,7 +142,7 @@ def _context_hosts(table: GlobalTable) -> np.ndarray:
     return host
 
 
-def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, context_len: np.ndarray, n_score: np.ndarray, mode: str,
+def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, first_scored: np.ndarray, n_score: np.ndarray, mode: str,
              *, span: np.ndarray, lcp: np.ndarray) -> PlannedRows:
     """Rows (unit ``i`` in row ``row_of_unit[i]``) in plan order: ``mode="prefix"`` groups consecutive rows sharing a
     long prefix (rows sharing none first), each group and the loose rows by (longest first, lowest unit id)."""
@@ -151,11 +151,11 @@ def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, context_len: np.ndarr
     bounds = np.searchsorted(row_of_unit[by_row], np.arange(k + 1))
     members = np.split(by_row, bounds[1:-1]) if k else []
     scored = np.bincount(row_of_unit, weights=n_score, minlength=k).astype(np.int64)
-    min_context = np.full(k, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(min_context, row_of_unit, context_len)
+    min_scored = np.full(k, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(min_scored, row_of_unit, first_scored)
     first_id = by_row[bounds[:-1]] if k else np.zeros(0, np.int64)
     if mode == "prefix" and k:
-        shared = np.minimum(lcp[span[1:, 0]], np.minimum(min_context[:-1], min_context[1:]))
+        shared = np.minimum(lcp[span[1:, 0]], np.minimum(min_scored[:-1], min_scored[1:]))
         cut = np.flatnonzero(shared < MIN_SHARED_PREFIX) + 1
         spans = np.split(np.arange(k), cut)
     else:
@@ -176,7 +176,7 @@ def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, context_len: np.ndarr
         at += len(group)
     idx = np.concatenate(order).astype(np.int64) if k else np.zeros(0, np.int64)
     return PlannedRows([members[i] for i in idx.tolist()], lengths[idx], scored[idx], tuple(starts), span[idx], lcp,
-                       min_context[idx])
+                       min_scored[idx])
 
 
 def batch_shared(rows: PlannedRows, start: int, stop: int) -> int:
@@ -187,5 +187,5 @@ def batch_shared(rows: PlannedRows, start: int, stop: int) -> int:
         return 0
     lo, hi = int(rows.span[start:stop, 0].min()), int(rows.span[start:stop, 1].max())
     shared = int(rows.lcp[lo + 1: hi + 1].min()) if hi > lo else 0
-    shared = min(shared, int(rows.min_context[start:stop].min()))
+    shared = min(shared, int(rows.first_scored[start:stop].min()))
     return shared if shared >= MIN_SHARED_PREFIX else 0

@@ -134,3 +134,24 @@ def test_a_faked_loopback_bind_on_two_nodes_is_refused_at_start(tiny_model_dir, 
         assert p.returncode != 0
         assert "rank 1 on node1 binds to 127.0.1.1" in output and "GLOO_SOCKET_IFNAME=<interface>" in output, \
             output[-3000:]
+
+
+def test_stopping_the_watch_waits_for_its_thread():
+    import threading
+
+    class _SlowStore:
+        entered = threading.Event()
+
+        def check(self, keys):
+            self.entered.set()
+            time.sleep(0.2)  # inside a store call when asked to stop
+            return False
+
+    watch = failfast.FailureWatch(_SlowStore(), 1, poll_s=0.01).start()
+    assert _SlowStore.entered.wait(5)
+    failfast._WATCH.append(watch)
+    try:
+        failfast.stop_watch(wait_s=5)
+    finally:
+        failfast._WATCH.remove(watch)
+    assert not watch._thread.is_alive()

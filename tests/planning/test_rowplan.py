@@ -69,10 +69,17 @@ def test_few_shot_questions_share_their_block_about_as_well_as_the_token_planner
     assert ours < sum(u.input_length for u in units) / 4  # the block and each context are computed once per row
 
 
-def test_batches_share_at_most_what_their_rows_share():
-    units = _fewshot(questions=60, max_length=512)
+def _spilled(answers=24):
+    """One 60-token question with many 10-token answers: its answers fill several rows that share the question."""
+    rng = np.random.default_rng(5)
+    context = [int(t) for t in rng.integers(5, 900, 60)]
+    return [continuation_unit(context, [int(t) for t in rng.integers(5, 900, 10)], 256) for _ in range(answers)]
+
+
+@pytest.mark.parametrize("units,row_length", [(_fewshot(questions=60, max_length=512), 200), (_spilled(), 110)])
+def test_batches_share_at_most_what_their_rows_share(units, row_length):
     table = _table([units])
-    planned = plan_from_records(table, "prefix", max_row_length=200, attention_coef=1e-5)
+    planned = plan_from_records(table, "prefix", max_row_length=row_length, attention_coef=1e-5)
     rows, _, _ = _built(table, planned, units, "prefix")
     batches = make_batches(planned.lengths.tolist(), batch_size=3, group_starts=planned.group_starts)
     shared = [batch_shared(planned, b.start, b.stop) for b in batches]
