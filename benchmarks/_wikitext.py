@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distperp_harness.wikitext import split_wikitext_articles as split_articles
+from distperp_harness.report.wikitext import split_wikitext_articles as split_articles
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT_TEST = REPO_ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"

@@ -10,12 +10,12 @@ Per rank count and batch size it prints max/mean over ranks of
 
 * **tokens**: scored tokens per rank — the figure of the issue. lm-eval gives document ``i`` to rank
   ``i % world_size``; ours assigns distperp's world-size-independent batches
-  (:func:`distperp_harness.plan.make_batches` + :func:`~distperp_harness.plan.assign_batches`);
+  (:func:`distperp_harness.planning.plan.make_batches` + :func:`~distperp_harness.planning.plan.assign_batches`);
 * **compute**: the plan's cost per rank, ``padded * (1 + a * length) + h * scored`` with the model's attention
-  and head coefficients (:mod:`distperp_harness.runtime`) — what sets the wall time. For lm-eval, each document
+  and head coefficients (:mod:`distperp_harness.run.runtime`) — what sets the wall time. For lm-eval, each document
   costs its windows with the head on every position (what ``hf`` computes);
 * **bound**: the best max/mean any assignment of these whole batches can reach in compute
-  (:func:`~distperp_harness.plan.whole_batch_bound`).
+  (:func:`~distperp_harness.planning.plan.whole_batch_bound`).
 
 Targets (issue 3): ours <= 1.05 at batch size 1 for 2-64 ranks, and within 5 % of the bound for larger batches.
 Then a pure simulation: 1,024 ranks, ``--sim-tokens`` tokens of documents with log-normal lengths fitted to the
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from _wikitext import SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402
 
-from distperp_harness.plan import (Batch, assign_batches, balance_report, batch_cost,  # noqa: E402
+from distperp_harness.planning.plan import (Batch, assign_batches, balance_report, batch_cost,  # noqa: E402
                                    make_batches, round_robin_max_over_mean)
 
 
@@ -66,7 +66,7 @@ class Row:
 
 def corpus_windows(doc_tokens: Sequence[Sequence[int]], prefix: int, max_length: int) -> Windows:
     """distperp's units for rolling windows over ``doc_tokens`` (deduplicated, canonical order: the real table)."""
-    from distperp_harness.requests import UnitTable, window_units
+    from distperp_harness.planning.requests import UnitTable, window_units
 
     table = UnitTable(u for tokens in doc_tokens for u in window_units(tokens, prefix, max_length))
     return Windows(table.lengths, [u.n_score for u in table.units])
@@ -151,7 +151,7 @@ def model_coefficients(path: Path) -> tuple[float, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from distperp_harness.runtime import attention_coefficient, head_coefficient
+    from distperp_harness.run.runtime import attention_coefficient, head_coefficient
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return attention_coefficient(model), head_coefficient(model)

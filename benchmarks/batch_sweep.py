@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from distperp_harness.requests import Unit  # noqa: E402
-from distperp_harness.scoring import score_batch  # noqa: E402
+from distperp_harness.planning.requests import Unit  # noqa: E402
+from distperp_harness.run.scoring import score_batch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

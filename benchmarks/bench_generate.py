@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401  (registers --model distperp)
-    from distperp_harness.tiny import sample_text
+    from distperp_harness.commands.tiny import sample_text
 
     text = Path(args.text).read_text(encoding="utf-8") if args.text else sample_text()
     gen_kwargs = {"until": ["\n\n"], "max_gen_toks": args.max_gen_toks, "do_sample": False}

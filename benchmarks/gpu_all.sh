@@ -74,7 +74,7 @@ else
   "$PY" - "$TEST_TEXT" "$HERE/.." <<'PYEOF'
 import sys
 sys.path.insert(0, sys.argv[2])
-from distperp_harness.tiny import sample_text
+from distperp_harness.commands.tiny import sample_text
 out = []
 for i in range(24):  # each copy's articles retitled and every paragraph marked, so no two windows are equal
     for line in sample_text().splitlines():  # (distperp computes an identical window once; hf would not)

@@ -29,7 +29,7 @@ run again with ``compile=true``, its tokens/s against the same run eager (and th
 recompilations after the warm-up (must be 0) and the same first batch twice (equal bits).
 
 Default model: a random Llama-3.2-1B-shaped model (1.24B parameters, 128,256-entry head) built by
-``distperp_harness.tiny`` into ``--work``; ``--model PATH`` uses a local checkpoint instead. Exits 1 when a
+``distperp_harness.commands.tiny`` into ``--work``; ``--model PATH`` uses a local checkpoint instead. Exits 1 when a
 check fails.
 """
 
@@ -54,7 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from distperp_harness.tiny import TinySpec, build_tiny_model, sample_text  # noqa: E402
+from distperp_harness.commands.tiny import TinySpec, build_tiny_model, sample_text  # noqa: E402
 
 LLAMA_1B = TinySpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                     intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True, seed=0,
@@ -120,9 +120,9 @@ def peak_flops(device: torch.device) -> float | None:
 
 def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str], compiled: bool = False) -> dict:
     from distperp_harness.lm import DistPerpLM
-    from distperp_harness.requests import window_units
-    from distperp_harness.runtime import batching_for
-    from distperp_harness.scoring import score_batch
+    from distperp_harness.planning.requests import window_units
+    from distperp_harness.run.runtime import batching_for
+    from distperp_harness.run.scoring import score_batch
 
     cuda = args.device == "cuda"
     t0 = time.perf_counter()

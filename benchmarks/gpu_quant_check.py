@@ -2,7 +2,7 @@
 
 Default (one CUDA GPU, < 5 min on an H200): a random Llama-3.2-1B-shaped model (1.24B parameters, tied
 embeddings) in bfloat16, against itself quantized with ``int4`` (and ``int8``, ``8da4w``) by
-``distperp_harness.quantize``. Every run rebuilds the model from the same seed (checked by a weight checksum).
+``distperp_harness.model.quantize``. Every run rebuilds the model from the same seed (checked by a weight checksum).
 
     python benchmarks/gpu_quant_check.py                       # writes a markdown table and JSON to stdout
     python benchmarks/gpu_quant_check.py --device cpu --model ../shared/models/wt2-llama-5m \\
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from distperp_harness.quantize import quantize_model, resolve_model_dtype  # noqa: E402
+from distperp_harness.model.quantize import quantize_model, resolve_model_dtype  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True)

@@ -15,7 +15,7 @@ unshard/reshard run on one GPU; FSDP2 skips the all-gather itself for a group of
 instead, so NCCL is not exercised). Per run the table shows the largest per-rank peak of the load stage (CUDA
 allocator; host ``VmHWM`` on CPU), weight bytes resident per rank (model, reference), the largest per-rank peak
 of scoring, whether the fingerprint equals the unsharded one (it must), and both peaks against the memory
-estimate made at start (``distperp_harness/fit.py``; for the mesh of one plus the units FSDP copies while they
+estimate made at start (``distperp_harness/run/fit.py``; for the mesh of one plus the units FSDP copies while they
 are in use: the roots of model and reference and the largest decoder layer, once each).
 
 Default model: the random Llama-3.2-1B-shaped model of ``gpu_check.py`` (built into ``--work``); ``--model PATH``
@@ -63,7 +63,7 @@ def model_args(args: argparse.Namespace, run: str, shard_size: int) -> dict:
 def worker(args: argparse.Namespace) -> None:
     """One launched process: load, score, and (rank 0) write what the table needs."""
     from distperp_harness.lm import DistPerpLM
-    from distperp_harness.sharding import is_sharded
+    from distperp_harness.model.sharding import is_sharded
 
     lm = DistPerpLM(**model_args(args, args.run, args.shard_size), mesh_of_one=args.mesh_of_one)
     if lm.device.type == "cuda":
@@ -83,7 +83,7 @@ def copied_units(lm) -> int:
     copies each unit's parameters (once, no flat buffer) - the roots of model and reference for the whole batch,
     and the largest decoder layer of either (the model's layers are freed before the reference's forward).
     torchao-quantized weights are outside FSDP and never copied."""
-    from distperp_harness.sharding import decoder_layers
+    from distperp_harness.model.sharding import decoder_layers
 
     def parts(model) -> tuple[int, int]:
         replicated = {p for p in model.parameters() if type(p).__name__ != "DTensor"}

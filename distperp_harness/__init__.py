@@ -1,7 +1,9 @@
 """distperp: an lm-evaluation-harness backend (``--model distperp``) for exact distributed log-likelihoods.
 
 Importing this package is cheap: it imports neither torch nor lm-eval. The model class lives in
-:mod:`distperp_harness.lm` and is registered lazily with lm-eval by :mod:`distperp_harness._hook`.
+:mod:`distperp_harness.lm` and is registered lazily with lm-eval by :mod:`distperp_harness._hook`. The folders
+below are the stages it wires (README: Layout): ``planning``, ``run``, ``model``, ``distributed``, ``report``, and
+``commands`` above the face.
 """
 
 __version__ = "0.1.0"

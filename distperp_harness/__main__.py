@@ -1,5 +1,5 @@
-"""``python -m distperp_harness``: see :mod:`distperp_harness.cli`."""
+"""``python -m distperp_harness``: see :mod:`distperp_harness.commands.cli`."""
 
-from distperp_harness.cli import main
+from distperp_harness.commands.cli import main
 
 raise SystemExit(main())

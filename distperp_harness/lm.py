@@ -18,29 +18,29 @@ from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
-from distperp_harness.collective import Collective
-from distperp_harness.compiling import compile_models
-from distperp_harness.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
+from distperp_harness.distributed.collective import Collective
+from distperp_harness.run.compiling import compile_models
+from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
-from distperp_harness.failfast import fail_for_tests, stop_together
-from distperp_harness.fit import check_fits
-from distperp_harness.generate import GenerationSetup, generate
-from distperp_harness.loading import check_prefix_token, load_all
-from distperp_harness.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
+from distperp_harness.distributed.failfast import fail_for_tests, stop_together
+from distperp_harness.run.fit import check_fits
+from distperp_harness.run.generate import GenerationSetup, generate
+from distperp_harness.model.loading import check_prefix_token, load_all
+from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
-from distperp_harness.pipeline import Batching, RunStats, Sharing, score_requests
-from distperp_harness.progress import setup_logging, token_progress
-from distperp_harness.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
-from distperp_harness.quantize import weight_bytes
-from distperp_harness.requests import Unit, continuation_unit, window_units
-from distperp_harness.resume import BatchStore, fault_for_tests
-from distperp_harness.results import Score
-from distperp_harness.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
+from distperp_harness.run.pipeline import Batching, RunStats, Sharing, score_requests
+from distperp_harness.run.progress import setup_logging, token_progress
+from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
+from distperp_harness.model.quantize import weight_bytes
+from distperp_harness.planning.requests import Unit, continuation_unit, window_units
+from distperp_harness.run.resume import BatchStore, fault_for_tests
+from distperp_harness.report.results import Score
+from distperp_harness.run.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
     head_coefficient
-from distperp_harness.scoring import NonFiniteLogitsError, forward_calls, score_batch
+from distperp_harness.run.scoring import NonFiniteLogitsError, forward_calls, score_batch
 from distperp_harness.tokens import Tokenization
-from distperp_harness.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
+from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
@@ -54,7 +54,7 @@ class DistPerpLM(Tokenization, TemplateLM):
     """lm-eval model ``distperp``: exact, world-size-independent log-likelihoods for Hugging Face causal LMs.
 
     Results of ``loglikelihood`` / ``loglikelihood_rolling`` are float64 sums (returned as
-    :class:`~distperp_harness.results.Score`, a float carrying token counts) and are bit-identical for any
+    :class:`~distperp_harness.report.results.Score`, a float carrying token counts) and are bit-identical for any
     number of processes and nodes.
     """
 

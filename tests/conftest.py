@@ -21,7 +21,7 @@ for _key, _value in OFFLINE_ENV.items():  # in-process loads are offline too (se
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Directory of ``TEST_SPEC`` (random init, no training) built once per session: model + tokenizer."""
-    from distperp_harness.tiny import TEST_SPEC, build_tiny_model
+    from distperp_harness.commands.tiny import TEST_SPEC, build_tiny_model
 
     return build_tiny_model(TEST_SPEC, tmp_path_factory.mktemp("tiny_model"))
 
@@ -37,7 +37,7 @@ def tiny_tokenizer(tiny_model_dir: Path):
 @pytest.fixture(scope="session")
 def sample_text_path() -> Path:
     """The packaged WikiText-formatted sample, ``distperp_harness/data/sample_wikitext.txt``."""
-    from distperp_harness.tiny import sample_text_path as path
+    from distperp_harness.commands.tiny import sample_text_path as path
 
     return path()
 

@@ -36,7 +36,7 @@ def tasks_dir(tasks_dir, tmp_path_factory):
 
 
 def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASKS):
-    from distperp_harness.tiny import sample_text_path
+    from distperp_harness.commands.tiny import sample_text_path
 
     return ["-m", "lm_eval", "--model", "distperp", "--model_args",
             f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
@@ -119,7 +119,7 @@ def test_reference_entries_equal_the_distperp_task_metrics(runs, entry_task, met
 
 
 def test_flips_match_the_logged_samples_of_an_unquantized_run(runs):
-    """The test model flips nothing under int4 (tests/test_quantcost.py has a model that does); still counted."""
+    """The test model flips nothing under int4 (tests/report/test_quantcost.py has a model that does); still counted."""
     import numpy as np
 
     entry = load_results(runs["2p-int4"])["config"]["distperp"]["reference"]["tasks"]["dptest_mc"]
@@ -147,7 +147,7 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent("""
         import sys, time, torch
-        from distperp_harness.collective import Collective, CollectiveError
+        from distperp_harness.distributed.collective import Collective, CollectiveError
         c = Collective(timeout_s=4, cpu=True)
         sys.stdout.write(f"CONTROL {c.rank} {c.control_backend}\\n"); sys.stdout.flush()  # one write: no interleaving
         c.all_gather_tensor(torch.zeros(2))            # everyone arrives once

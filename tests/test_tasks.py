@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distperp_harness.results import Score
+from distperp_harness.report.results import Score
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 SHARED_WIKITEXT2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"

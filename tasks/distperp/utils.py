@@ -1,7 +1,7 @@
 """Data loading and per-document results for the ``distperp_*`` perplexity tasks.
 
 Loaded by lm-eval through ``!function utils.*`` in the task YAMLs. Importing it installs the small hook that lets
-lm-eval print the standard errors of our aggregations (:func:`distperp_harness.metrics.install_lm_eval_stderr_hook`).
+lm-eval print the standard errors of our aggregations (:func:`distperp_harness.report.metrics.install_lm_eval_stderr_hook`).
 
 Data sources (lm-eval passes ``--metadata`` and ``--model_args`` as keyword arguments to ``custom_dataset``):
 
@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from distperp_harness import metrics as _metrics
-from distperp_harness.results import n_tokens_of
+from distperp_harness.report import metrics as _metrics
+from distperp_harness.report.results import n_tokens_of
 
 # A child of lm-eval's logger: formatted like its own lines and following --verbosity.
 logger = logging.getLogger("lm_eval.distperp")
@@ -52,7 +52,7 @@ _FILE_SPLIT = {"test": "test", "validation": "valid", "valid": "valid", "train":
 
 
 # The article rule lives in the package, shared with the benchmarks.
-from distperp_harness.wikitext import is_article_heading, split_wikitext_articles  # noqa: E402
+from distperp_harness.report.wikitext import is_article_heading, split_wikitext_articles  # noqa: E402
 
 
 def wikitext_detokenizer(doc: dict[str, Any]) -> str:
@@ -290,9 +290,9 @@ def count_bytes(text: str) -> int:
 
 
 def process_results(doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:
-    """Per-document items for the aggregations in :mod:`distperp_harness.metrics`.
+    """Per-document items for the aggregations in :mod:`distperp_harness.report.metrics`.
 
-    ``results`` holds one rolling log-likelihood: a :class:`~distperp_harness.results.Score` from
+    ``results`` holds one rolling log-likelihood: a :class:`~distperp_harness.report.results.Score` from
     ``--model distperp`` or a plain float from other backends. Always returned: ``token_perplexity`` and
     ``n_tokens`` (token count ``None`` for a plain float), ``word_perplexity``, ``byte_perplexity``,
     ``bits_per_byte``. With a reference model also ``kl_divergence``, ``kl_p99``, ``kl_max``, ``top1_agreement``,

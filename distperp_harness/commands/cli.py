@@ -1,0 +1,51 @@
+"""Command line: ``python -m distperp_harness {demo,tasks-path,compare,sweep}`` (also the ``distperp`` script)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from distperp_harness.commands.taskdir import tasks_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distperp_harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="offline demo on a tiny model the project builds: 2 processes, fp32 vs int4")
+    demo.add_argument("--out", default=None, help="folder for results (default: a temporary folder)")
+    demo.add_argument("--processes", type=int, default=2, help="processes for the distributed runs (default 2)")
+
+    sub.add_parser("tasks-path", help="print the folder to pass to lm-eval as --include_path")
+
+    compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
+    compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
+    compare.add_argument("--plot", default=None, help="also write a PNG figure to this path")
+
+    from distperp_harness.commands.sweep import add_arguments as sweep_arguments
+
+    sweep_arguments(sub.add_parser("sweep", help="quantization leaderboard: several schemes against one reference "
+                                                 "on lm-eval tasks (works under accelerate launch)"))
+
+    args = parser.parse_args(argv)
+    if args.command == "tasks-path":
+        print(tasks_path())
+        return 0
+    if args.command == "demo":
+        from distperp_harness.commands.demo import run_demo
+
+        return run_demo(out=args.out, processes=args.processes)
+    if args.command == "compare":
+        from distperp_harness.commands.compare import run_compare
+
+        return run_compare(args.results, plot=args.plot)
+    if args.command == "sweep":
+        from distperp_harness.commands.sweep import run_sweep
+
+        return run_sweep(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""``python -m distperp_harness compare RESULTS.json [...] [--plot out.png]``: runs side by side, leaderboard-style.
+
+A run is one lm-eval results JSON (``results_*.json``; a folder means the newest one under it). The table has one
+row per run and task: model, quantization scheme, processes, each perplexity metric with its standard error, KL
+divergence, top-1 agreement and answer flips (with a reference: from the task's metrics where it has them, else
+from ``config.distperp.reference.tasks``, so every task shows them), scoring throughput, weight bytes and the
+fingerprint. ``--plot`` draws the panels that have data (:func:`distperp_harness.commands.plots.plot_compare`): per
+task, KL divergence, top-1 agreement, perplexity and answer flips, runs side by side; with the per-document samples
+written next to the results (``--log_samples``), NLL per token (and KL per token) for every document.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PPL_METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity")
+METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "kl_divergence",
+           "top1_agreement", "flips", "flips_norm")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the table and the plot need from one results JSON."""
+
+    path: Path
+    model: str
+    scheme: str
+    processes: int
+    tasks: dict[str, dict[str, Any]]
+    tokens_per_second: float | None
+    weight_bytes: int | None
+    fingerprint: str | None
+    samples: dict[str, Path] = field(default_factory=dict)
+    reference: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reference_weight_bytes: int | None = None
+    reference_dtype: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.scheme} x{self.processes}"
+
+
+def _resolve(path: str | Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.rglob("results_*.json"), key=lambda p: p.stat().st_mtime_ns)
+        if not found:
+            raise FileNotFoundError(f"no results_*.json under {path}")
+        return found[-1]
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such results file")
+    return path
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one lm-eval results JSON (or the newest under a folder)."""
+    path = _resolve(path)
+    data = json.loads(path.read_text())
+    config = data.get("config", {})
+    info = config.get("distperp") or {}
+    options = info.get("options") or {}
+    quant = info.get("quantization") or {}
+    calls = info.get("calls") or []
+    seconds = sum(c.get("total_seconds", 0.0) for c in calls)
+    tokens = sum(c.get("scored_tokens", 0) for c in calls)
+    stamp = path.stem.removeprefix("results_")
+    samples = {task: s for task in data.get("results", {})
+               for s in path.parent.glob(f"samples_{task}_{stamp}.jsonl")}
+    model = str(options.get("pretrained") or config.get("model_args") or config.get("model", "?"))
+    return Run(
+        path=path,
+        model=Path(model.split(",")[0].removeprefix("pretrained=")).name or model,
+        scheme=_scheme(options, config),
+        processes=int(info.get("world_size", 1)),
+        tasks=data.get("results", {}),
+        tokens_per_second=(tokens / seconds) if seconds > 0 else None,
+        weight_bytes=quant.get("weight_bytes_after", info.get("weight_bytes")),
+        fingerprint=info.get("fingerprint"),
+        samples=samples,
+        reference=(info.get("reference") or {}).get("tasks") or {},
+        reference_weight_bytes=(info.get("reference") or {}).get("weight_bytes"),
+        reference_dtype=(info.get("reference") or {}).get("dtype"),
+    )
+
+
+def value_and_stderr(run: Run, task: str, metric: str) -> tuple[Any, Any]:
+    """A metric of one task: lm-eval's result where the task reports it, else the reference entry's."""
+    values = run.tasks.get(task, {})
+    if f"{metric},none" in values:
+        return values[f"{metric},none"], values.get(f"{metric}_stderr,none")
+    entry = run.reference.get(task, {})
+    return entry.get(metric), entry.get(f"{metric}_stderr")
+
+
+def _scheme(options: dict[str, Any], config: dict[str, Any]) -> str:
+    """``int4:128`` (with the group size where the scheme has one), ``int8``, ``none``; lm-eval's model otherwise."""
+    quantize = options.get("quantize")
+    if quantize is None:
+        return str(config.get("model", "?"))
+    return f"{quantize}:{options['group_size']}" if quantize in ("int4", "8da4w") and "group_size" in options \
+        else str(quantize)
+
+
+def _cell(run: Run, task: str, metric: str) -> str:
+    value, stderr = value_and_stderr(run, task, metric)
+    if value is None or value == "N/A":
+        return "–"
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    if isinstance(stderr, (int, float)) and math.isfinite(stderr):
+        text += f" ± {stderr:.2g}"
+    return text
+
+
+def markdown_table(runs: list[Run]) -> str:
+    """One row per (run, task), columns for every metric present in any run."""
+    metrics = [m for m in METRICS if any(value_and_stderr(r, t, m)[0] is not None for r in runs
+                                         for t in {*r.tasks, *r.reference})]
+    head = ["model", "scheme", "procs", "task", *metrics, "tok/s", "weights MB", "fingerprint"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        for task in sorted({*run.tasks, *run.reference}):
+            row = [run.model, run.scheme, str(run.processes), task, *(_cell(run, task, m) for m in metrics),
+                   f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–",
+                   f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–", run.fingerprint or "–"]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def per_document(run: Run, task: str) -> dict[str, list[float]]:
+    """Per-document NLL per token (and mean KL per token with a reference), in document order."""
+    path = run.samples.get(task)
+    if path is None:
+        raise FileNotFoundError(f"{run.path}: no samples for {task} (run lm-eval with --log_samples)")
+    rows = sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()),
+                  key=lambda r: r["doc_id"])
+    nll, kl = [], []
+    for row in rows:
+        ll, n = row["token_perplexity"]
+        nll.append(-ll / n if n else float("nan"))
+        if "kl_divergence" in row:
+            kl_sum, n_kl = row["kl_divergence"]
+            kl.append(kl_sum / n_kl if n_kl else float("nan"))
+    return {"nll_per_token": nll, "kl_per_token": kl}
+
+
+def run_labels(runs: list[Run]) -> list[str]:
+    """:attr:`Run.label` of each run, a repeated one numbered (``(2)``, ...) so series stay apart in a figure."""
+    seen: dict[str, int] = {}
+    out = []
+    for run in runs:
+        seen[run.label] = seen.get(run.label, 0) + 1
+        out.append(run.label if seen[run.label] == 1 else f"{run.label} ({seen[run.label]})")
+    return out
+
+
+def _times(se: Any, factor: float) -> float | None:
+    return se * factor if isinstance(se, (int, float)) and math.isfinite(se) else None
+
+
+def _spread(values: dict[Any, tuple[float, Any]]) -> bool:
+    """Log scale: positive values spanning more than 20×."""
+    positive = [v for v, _ in values.values() if v > 0]
+    return len(positive) == len(values) > 0 and max(positive) / min(positive) > 20
+
+
+def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
+    """What ``compare --plot`` draws (:func:`distperp_harness.commands.plots.plot_compare`).
+
+    Returns:
+        The dot panels with data (rows: tasks, series: runs): ``kl_divergence``, ``top1_agreement``, ``perplexity``
+        (token perplexity; word or byte where a task has no token perplexity) and ``flips`` (% of documents), KL and
+        perplexity on a log scale where they span over 20×; the tasks with per-document samples; the skipped panels,
+        each with why.
+    """
+    from distperp_harness.commands.plots import make_panel
+
+    labels = run_labels(runs)
+    tasks = sorted({t for r in runs for t in (*r.tasks, *r.reference)})
+    kl, top1, ppl, flips = {}, {}, {}, {}
+    for label, run in zip(labels, runs):
+        for task in tasks:
+            for name, store, scale in (("kl_divergence", kl, 1), ("top1_agreement", top1, 1), ("flips", flips, 100)):
+                value, se = value_and_stderr(run, task, name)
+                if isinstance(value, (int, float)) and (name != "kl_divergence" or value > 0):
+                    store[(task, label)] = (scale * value, _times(se, scale))
+    for task in tasks:  # one perplexity per task: the first metric any run reports
+        metric = next((m for m in PPL_METRICS for r in runs if isinstance(value_and_stderr(r, task, m)[0], float)),
+                      None)
+        for label, run in zip(labels, runs):
+            value, se = value_and_stderr(run, task, metric) if metric else (None, None)
+            if isinstance(value, float):
+                row = task if metric == PPL_METRICS[0] else f"{task} ({metric.split('_')[0]})"
+                ppl[(row, label)] = (value, se if isinstance(se, float) else None)
+    ppl_rows = sorted({row for row, _ in ppl})
+    no_reference = "no reference= in these runs"
+    candidates = [
+        (make_panel("kl_divergence", "KL(reference ‖ model) per token", "nats / token", kl, tasks, labels,
+                    log=_spread(kl)), "kl_divergence", no_reference),
+        (make_panel("top1_agreement", "top-1 agreement with the reference", "share of tokens", top1, tasks, labels),
+         "top1_agreement", no_reference),
+        (make_panel("perplexity", "perplexity (token unless named)", "perplexity (± stderr)", ppl, ppl_rows, labels,
+                    log=_spread(ppl)), "perplexity", "no perplexity metric"),
+        (make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, tasks, labels),
+         "flips", "no multiple-choice task with reference="),
+    ]
+    sampled = sorted({t for r in runs for t in r.samples})
+    skipped = [f"{name} ({why})" for panel, name, why in candidates if panel is None]
+    if not sampled:
+        skipped.append("per-document panels (no samples: run lm-eval with --log_samples)")
+    return [p for p, _, _ in candidates if p is not None], sampled, skipped
+
+
+def plot_runs(runs: list[Run], out: str | Path) -> Path:
+    """PNG of the panels that have data (see :func:`distperp_harness.commands.plots.plot_compare`); returns its path."""
+    from distperp_harness.commands.plots import plot_compare
+
+    return plot_compare(runs, out).path
+
+
+def run_compare(paths: list[str], plot: str | None = None) -> int:
+    """CLI body: print the table; write the plot when asked, and say in one line what it drew (exit 1: no plot)."""
+    runs = [load_run(p) for p in paths]
+    print(markdown_table(runs))
+    if plot:
+        from distperp_harness.commands.plots import PlotUnavailable, plot_compare
+
+        try:
+            print(plot_compare(runs, plot).line("compare"))
+        except (PlotUnavailable, ValueError) as error:
+            print(f"compare: no plot: {error}")
+            return 1
+    return 0

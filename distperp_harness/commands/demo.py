@@ -1,0 +1,102 @@
+"""``python -m distperp_harness demo``: the main job on embedded defaults, offline, in a few minutes on 2 CPU cores.
+
+1. Build (once, cached) the demo model: a small Llama trained briefly on the packaged WikiText-format sample.
+2. ``accelerate launch`` with N processes: ``lm_eval --model distperp`` on ``distperp_wikitext2`` over the
+   sample, fp32. lm-eval prints its results table.
+3. The same with ``quantize=int4,reference=base``: perplexities, KL divergence and top-1 agreement vs fp32.
+4. One process, fp32: per-document results and the fingerprint must equal the N-process run's, bit for bit.
+5. A comparison table of the runs, and their figure (``compare.png``, when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from distperp_harness.commands.taskdir import tasks_path
+
+TASK = "distperp_wikitext2"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.setdefault(key, "1")
+    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int) -> float:
+    """Run lm-eval under ``accelerate launch``; stream its output; return wall seconds."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(port)]
+    if processes > 1:
+        launch.insert(3, "--multi_gpu")
+    cmd = [*launch, "-m", "lm_eval", "--model", "distperp", "--model_args", model_args,
+           "--tasks", TASK, "--include_path", str(tasks_path()),
+           "--metadata", json.dumps({"wikitext_path": str(sample)}),
+           "--batch_size", "4", "--log_samples", "--output_path", str(out)]
+    print(f"\n$ accelerate launch --num_processes {processes} -m lm_eval --model distperp "
+          f"--model_args {model_args} --tasks {TASK} ...", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    table = [line for line in proc.stdout.splitlines() if line.startswith(("|", "distperp ("))]
+    print("\n".join(table) if proc.returncode == 0 else proc.stdout[-4000:], flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"demo run failed (exit {proc.returncode})")
+    return wall
+
+
+def _per_doc(samples: Path) -> list:
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    # lm-eval appends the responses of its padding copies to the same request: compare the first of each.
+    return sorted((r["doc_id"], [resp[0] for resp in r["resps"]]) for r in rows)
+
+
+def run_demo(out: str | None = None, processes: int = 2) -> int:
+    """Run the demo; returns 0 when the 1-process and N-process results are identical."""
+    from distperp_harness.commands.tiny import DEMO_SPEC, cached_tiny_model, sample_text_path
+
+    t0 = time.perf_counter()
+    root = Path(out) if out else Path(tempfile.mkdtemp(prefix="distperp-demo-"))
+    print("distperp demo: building (or reusing) the demo model ...", flush=True)
+    model = cached_tiny_model(DEMO_SPEC)
+    sample = sample_text_path()
+    print(f"model: {model}\ndata:  {sample} (WikiText-format sample shipped with the package)", flush=True)
+    base = f"pretrained={model},max_length=256"
+    port = 29500 + os.getpid() % 1000
+    configs = {
+        f"fp32, {processes} processes": (processes, base),
+        f"int4 vs fp32, {processes} processes": (processes, f"{base},quantize=int4,reference=base"),
+        "fp32, 1 process": (1, base),
+    }
+    folders = {}
+    for i, (name, (n, args)) in enumerate(configs.items()):
+        folders[name] = root / f"run{i}"
+        _launch(n, args, folders[name], sample, port + i)
+
+    from distperp_harness.commands.compare import load_run, markdown_table
+
+    runs = {name: load_run(folder) for name, folder in folders.items()}
+    many, one = runs[f"fp32, {processes} processes"], runs["fp32, 1 process"]
+    fingerprints = [many.fingerprint, one.fingerprint]
+    identical = _per_doc(many.samples[TASK]) == _per_doc(one.samples[TASK]) and fingerprints[0] == fingerprints[1]
+    print("\n" + markdown_table(list(runs.values())))
+    print(f"\n1 process vs {processes} processes: per-document log-likelihoods and fingerprint "
+          f"{'IDENTICAL' if identical else 'DIFFERENT'} ({fingerprints[0]} / {fingerprints[1]})")
+    from distperp_harness.commands.plots import PlotUnavailable, plot_compare
+
+    try:
+        print(plot_compare(list(runs.values()), root / "compare.png").line("demo"))
+    except PlotUnavailable as error:
+        print(f"demo: no figure: {error}")
+    print(f"results in {root}; demo took {time.perf_counter() - t0:.0f} s")
+    return 0 if identical else 1

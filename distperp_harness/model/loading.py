@@ -1,0 +1,235 @@
+"""Builders: tokenizer and model from :class:`~distperp_harness.options.Options`.
+
+Plain functions (torchtune's builder style). The model is any Hugging Face causal LM, from a hub id or a local
+folder; hub loading is the real code path users run (it needs network access, which tests do not have).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.logging import get_logger
+
+from distperp_harness.options import Options
+
+log = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """``"auto"`` (the checkpoint's dtype) or a torch dtype."""
+    return "auto" if name == "auto" else _DTYPES[name]
+
+
+def _check_source(name: str, what: str) -> None:
+    """Fail early and clearly on a path that looks local but does not exist."""
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if os.path.isdir(os.path.expanduser(name)):
+        return
+    if looks_local or os.path.exists(name):
+        raise ValueError(f"{what}={name!r}: no such model folder (expected a directory with config.json); "
+                         "give an existing local folder or a Hugging Face hub id like 'org/name'")
+
+
+def load_tokenizer(options: Options):
+    """The tokenizer of ``options.tokenizer`` or ``options.pretrained``, with a pad token."""
+    import transformers
+
+    source = options.tokenizer or options.pretrained
+    _check_source(source, "tokenizer" if options.tokenizer else "pretrained")
+    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code}
+    if options.add_bos_token is not None:
+        kwargs["add_bos_token"] = options.add_bos_token
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.expanduser(source), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from {source!r}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def load_model(options: Options, device: torch.device, dtype: torch.dtype | str, source: str | None = None,
+               key: str = "pretrained", quantization_config: Any = None):
+    """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode.
+
+    ``key``: the ``--model_args`` key that named ``source``, for error messages. With ``quantization_config``
+    (a ``transformers.TorchAoConfig``) the checkpoint is read tensor by tensor straight onto ``device``
+    (``device_map``) and each selected Linear weight is quantized as soon as it is loaded.
+    """
+    import transformers
+
+    source = source or options.pretrained
+    _check_source(source, key)
+    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code, "dtype": dtype}
+    if options.attn_implementation:
+        kwargs["attn_implementation"] = options.attn_implementation
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": str(device)})
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.expanduser(source), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+    if quantization_config is None:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def model_max_length(options: Options, model, tokenizer) -> int:
+    """``options.max_length`` or the model's context length, resolved as lm-eval's ``hf`` model does."""
+    if options.max_length:
+        return options.max_length
+    from lm_eval.models.utils import DEFAULT_MAX_LENGTH, resolve_max_length
+
+    return resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)
+
+
+def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = None, key: str = "pretrained"):
+    """The model's modules and parameter shapes on the ``meta`` device (no memory, no weights read), in ``dtype``
+    (``"auto"``: the checkpoint's, as its config records it)."""
+    import transformers
+
+    source = source or options.pretrained
+    _check_source(source, key)
+    try:
+        config = transformers.AutoConfig.from_pretrained(os.path.expanduser(source), revision=options.revision,
+                                                         trust_remote_code=options.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        extra = {"attn_implementation": options.attn_implementation} if options.attn_implementation else {}
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                             trust_remote_code=options.trust_remote_code, **extra)
+
+
+def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):
+    """The model with ``options.quantize`` applied *while loading*, and its
+    :class:`~distperp_harness.model.quantize.QuantReport`.
+
+    The layer choice (:func:`~distperp_harness.model.quantize.select_layers`) is made on a ``meta`` skeleton, then
+    transformers' ``TorchAoConfig`` path loads the checkpoint tensor by tensor onto ``device``, quantizing each
+    chosen Linear weight with the same torchao config as soon as it arrives (``modules_to_not_convert``: exactly
+    the skipped layers). The unquantized model is never whole on any device; the quantized weights are the same
+    bits as quantizing after loading (tests/model/test_loading.py). A tied output embedding that ``quantize_lm_head``
+    asks to quantize takes the quantize-after-load path (untying happens there), and a note says so.
+    """
+    import transformers
+
+    from distperp_harness.model.quantize import (SCHEMES, _import_torchao, finish_report, quantize_model,
+                                           select_layers)
+
+    scheme = options.quantize
+    plan = SCHEMES[scheme].plan(dtype, options.group_size, device)
+    meta = skeleton(options, dtype)
+    selected, skipped, notes = select_layers(meta, plan, options.quantize_lm_head)
+    if notes:  # quantizing a tied head unties it, which transformers' loader does not do
+        model = load_model(options, device, dtype)
+        report = quantize_model(model, scheme, group_size=options.group_size,
+                                include_lm_head=options.quantize_lm_head)
+        return model, dataclasses.replace(report, notes=report.notes + (
+            "Quantized after loading (a tied output embedding is quantized by untying it).",))
+    _import_torchao()
+    start = time.perf_counter()
+    config = transformers.TorchAoConfig(quant_type=plan.config,
+                                        modules_to_not_convert=[re.escape(name) for name in skipped])
+    model = load_model(options, device, dtype, quantization_config=config)
+    common = dict(scheme=scheme, storage=plan.storage, note=plan.note, device_type=device.type,
+                  model_dtype=str(dtype).removeprefix("torch."), include_lm_head=options.quantize_lm_head,
+                  weight_bytes_before=sum(p.numel() * p.element_size() for p in meta.parameters()))
+    notes.append("Quantized while loading (transformers TorchAoConfig, tensor by tensor); seconds include loading.")
+    return model, finish_report(model, scheme, plan, options.group_size, selected, skipped, notes, common,
+                                time.perf_counter() - start)
+
+
+@dataclass
+class Loaded:
+    """Everything the load stage builds: tokenizer, (quantized) model, optional reference, and facts about them.
+
+    ``weight_bytes`` / ``reference_weight_bytes``: stored bytes of one whole copy (unsharded). ``sharding``: the
+    :class:`~distperp_harness.model.sharding.ShardReport` of each sharded model (``model``, ``reference``).
+    ``load_memory``: this rank's :meth:`~distperp_harness.model.memory.LoadMeter.stop` report of the load stage.
+    """
+
+    device: torch.device
+    tokenizer: Any
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    quant_report: Any | None
+    weight_bytes: int
+    max_length: int
+    reference_weight_bytes: int | None = None
+    sharding: dict[str, Any] = field(default_factory=dict)
+    load_memory: dict[str, Any] = field(default_factory=dict)
+
+
+def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded:
+    """Tokenizer → model on ``device`` (quantized while loading) → reference; with ``mesh``, both sharded.
+
+    The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
+    the checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
+    With ``mesh`` (``shard_size`` > 1) an unquantized model is read into host memory (memory-mapped where the dtype
+    allows) and FSDP2 moves it to ``device`` one layer at a time as it shards it
+    (:func:`~distperp_harness.model.sharding.shard_model`); a quantized model is quantized on ``device`` while loading
+    and then sharded except for its torchao weights. Every rank must call this together when ``mesh`` is given.
+    """
+    from distperp_harness.model.memory import LoadMeter
+    from distperp_harness.model.quantize import resolve_model_dtype, weight_bytes
+    from distperp_harness.model.sharding import shard_model
+
+    meter = LoadMeter(device)
+    tokenizer = load_tokenizer(options)
+    asked = torch_dtype(options.dtype)
+    if options.reference == "base" and options.quantize == "none":
+        raise ValueError("reference=base compares against the unquantized checkpoint, but quantize=none. "
+                         "Fix: add quantize=int4 (or int8, 8da4w), or give reference=<other model path>.")
+    staging = device if mesh is None else torch.device("cpu")  # FSDP2 moves each unit to the device as it shards
+    report = None
+    if options.quantize != "none":
+        dtype, note = resolve_model_dtype(options.quantize, options.dtype, device)
+        log.info(note, main_process_only=True)
+        model, report = load_quantized(options, device, asked if dtype is None else dtype)
+        log.info(report.summary(), main_process_only=True)
+    else:
+        model = load_model(options, staging, asked)
+    sharding: dict[str, Any] = {}
+    model_bytes = weight_bytes(model)
+    if mesh is not None:
+        sharding["model"] = shard_model(model, mesh, what="model")
+    reference, reference_bytes = None, None
+    if options.reference is not None:
+        source, key = (None, "pretrained") if options.reference == "base" else (options.reference, "reference")
+        reference = load_model(options, staging, asked, source=source, key=key)
+        reference_bytes = weight_bytes(reference)
+        if mesh is not None:
+            sharding["reference"] = shard_model(reference, mesh, what="reference")
+    for shard_report in sharding.values():
+        log.info(shard_report.note, main_process_only=True)
+    max_length = model_max_length(options, model, tokenizer)
+    if options.stride is not None and options.stride > max_length:
+        raise ValueError(f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
+                         "Fix: lower stride or set max_length.")
+    return Loaded(device, tokenizer, model, reference, report, model_bytes, max_length,
+                  reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop())
+
+
+def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:
+    """``token`` (the prefix token id: ``given`` in ``--model_args``, or the tokenizer's BOS/EOS) must index every
+    model's embeddings: else it would load, then fail at the first batch (an ``IndexError``; a device-side assert on
+    CUDA). Raises ``ValueError`` naming the fix."""
+    rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
+    if not 0 <= token < rows:
+        what = "prefix_token_id" if given else "the tokenizer's BOS/EOS id"
+        raise ValueError(f"{what}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
+                         f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")

@@ -1,0 +1,229 @@
+"""Sharded weights (``shard_size=N|node``): N processes hold one copy of a model through torch's FSDP2.
+
+The world is a 2D :class:`~torch.distributed.device_mesh.DeviceMesh` ``(replicate, shard)`` of shape
+``(world_size // N, N)`` on the default process group's backend (gloo on CPU, nccl on GPU): ranks ``g*N .. g*N+N-1``
+form shard group ``g`` and, as global ranks are numbered node by node and ``N`` divides the processes per node,
+every group lies within one node. Each decoder layer and then the whole model get ``fully_shard`` (HSDP on the 2D
+mesh) with no :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` and nothing else: parameters are stored as
+row shards and all-gathered in their own dtype before use, never reduced, so a sharded forward multiplies exactly
+the same numbers as an unsharded one and gives the same bits.
+
+torchao's quantized weights (tensor subclasses without FSDP's all-gather extension points) cannot be sharded: they
+are passed as ``ignored_params`` and stay replicated on every rank; the rest of that model (embeddings, output
+head, norms) is sharded. :class:`ShardReport` says which.
+
+Scoring does not call the root module: it runs ``model.base_model`` and applies the output head per chunk of
+positions. :func:`gathered` therefore all-gathers the root's own group (embeddings, final norm, head) for a whole
+batch, and each decoder layer gathers and frees its shard in its own forward hooks. Every forward issues the same
+sequence of gathers, so all ranks of a group must make the same number of forward calls: the group walks through
+its batches in steps (:class:`distperp_harness.run.claims.GroupSteps`), and a rank with fewer calls in a step pads with
+forwards of a one-token batch whose results are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from distperp_harness.model.quantize import is_tensor_subclass
+
+
+def resolve_shard_size(option: int | str, world_size: int, local_world_size: int) -> int:
+    """The shard group size for ``shard_size=option``: an int, or ``"node"`` (= ``local_world_size``).
+
+    Raises:
+        ValueError: when the size does not divide the processes per node (groups must not span nodes; every rank
+        must belong to exactly one group) — with the value, what is allowed and the fix.
+    """
+    size = local_world_size if option == "node" else int(option)
+    if size == 1:
+        return 1
+    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
+    if local_world_size % size or world_size % size:
+        raise ValueError(
+            f"shard_size={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
+            f"shard_size must divide the processes per node, so that each group of processes sharing one copy of "
+            f"the weights lies within one node; allowed here: {', '.join(map(str, divisors))} or 'node'. Fix: "
+            f"shard_size=node, or launch a multiple of {size} processes per node.")
+    return size
+
+
+def check_groups_within_hosts(hosts: Sequence[str], shard_size: int) -> None:
+    """``ValueError`` when a shard group would span machines (``hosts[r]``: rank ``r``'s host name), e.g. when a
+    launcher did not set ``LOCAL_WORLD_SIZE`` and ``node`` was taken to mean the whole world."""
+    for group in shard_groups(len(hosts), shard_size):
+        names = sorted({hosts[r] for r in group})
+        if len(names) > 1:
+            raise ValueError(
+                f"shard_size={shard_size}: the shard group of ranks {group[0]}..{group[-1]} spans the hosts "
+                f"{', '.join(names)}; a group must lie within one node (its gathers run at every forward). Fix: "
+                f"launch with accelerate launch or torchrun (they set LOCAL_WORLD_SIZE), or give shard_size=<a "
+                f"divisor of the processes per node>.")
+
+
+def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
+    """Ranks of each shard group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
+    return [list(range(g, g + shard_size)) for g in range(0, world_size, shard_size)]
+
+
+def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s: float):
+    """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by
+    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`naming_failures`).
+    Every rank must call this together (it creates process groups)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = dist.get_backend()
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)  # DeviceMesh passes it on as new_group's timeout
+    return init_device_mesh(device.type, (world_size // shard_size, shard_size),
+                            mesh_dim_names=("replicate", "shard"),
+                            backend_override={"replicate": (backend, options), "shard": (backend, options)})
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks: the longest ``nn.ModuleList`` of the model (``model.layers`` of Llama and friends)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else []
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """How a model was laid out: ``shard_size``; ``replicated``: names of parameters every rank holds whole
+    (torchao-quantized weights FSDP cannot shard); ``note``: one sentence for the log and results."""
+
+    shard_size: int
+    replicated: tuple[str, ...]
+    note: str
+
+
+def shard_model(model: nn.Module, mesh, *, what: str = "model") -> ShardReport:
+    """Apply FSDP2 to ``model`` in place on ``mesh``: each decoder layer, then the root (embeddings, norm, head).
+
+    Parameters are moved to the mesh's device one FSDP unit at a time (a layer's unsharded weights at most, then
+    its shard), so a model loaded on the CPU never sits whole on the device. Ends with one forward of a one-token
+    input through the root, which every rank of the world runs together: it makes the root the FSDP root
+    (lazy initialisation) before scoring calls its submodules directly.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    ignored = {p for p in model.parameters() if is_tensor_subclass(p)}
+    replicated = tuple(n for n, p in model.named_parameters() if p in ignored)
+    shard_size = int(mesh.size(-1))
+    for layer in decoder_layers(model):
+        mine = {p for p in layer.parameters() if p in ignored}
+        if any(p not in mine for p in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=mine or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    if replicated:
+        note = (f"{what}: {len(replicated)} torchao-quantized weight tensor(s) stay replicated on every rank "
+                f"(FSDP2 cannot shard torchao's quantized tensors); its other weights are sharded over "
+                f"{shard_size} processes")
+    else:
+        note = f"{what}: all weights sharded over {shard_size} processes (FSDP2, gathered in their own dtype)"
+    return ShardReport(shard_size, replicated, note)
+
+
+def is_sharded(model: nn.Module | None) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(*models: nn.Module | None) -> Iterator[None]:
+    """Within the block, the root FSDP group of each sharded model (embeddings, final norm, output head) is
+    all-gathered; decoder layers gather themselves in their forward. A no-op for unsharded models (and None)."""
+    roots = [m for m in models if is_sharded(m)]
+    for m in roots:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in roots:
+            m.reshard()
+
+
+def regather(*models: nn.Module | None) -> None:
+    """Reshard, then gather again, the root group of each sharded model: inside :func:`gathered`, what ends one
+    forward call and begins the next exactly as two ``gathered`` blocks would (same collectives, same order)."""
+    roots = [m for m in models if is_sharded(m)]
+    for m in roots:
+        m.reshard()
+    for m in roots:
+        m.unshard()
+
+
+def _is_distributed_failure(exc: BaseException) -> bool:
+    """A broken collective (gloo/NCCL error, peer gone, timeout), as opposed to an error of this rank's own."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "timed out",
+                                                                     "timeout", "peer"))
+
+
+@contextlib.contextmanager
+def naming_failures(collective, active: bool) -> Iterator[None]:
+    """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
+    timeout), meet on the gloo control group, whose error names the ranks that never arrived
+    (:class:`~distperp_harness.distributed.collective.CollectiveError`); if everyone arrives, the original error
+    stands."""
+    try:
+        yield
+    except Exception as exc:
+        if active and collective.distributed and _is_distributed_failure(exc):
+            collective.barrier("check which ranks are alive after a failed gather of sharded weights")
+        raise
+
+
+def refuse_generation(shard_size: int) -> None:
+    """``generate_until`` with sharded weights is refused: decoding runs a different number of forward steps per
+    prompt, and every step would have to be matched by every rank of the shard group."""
+    if shard_size > 1:
+        raise ValueError(
+            f"generate_until (generation tasks) is not supported with shard_size={shard_size}: with sharded weights "
+            "every forward pass gathers parameters from all processes of a group, and generation makes a different "
+            "number of decoding steps per prompt. Fix: run generation tasks in a separate run with shard_size=1 "
+            "(quantize=int4 makes most models fit one device), or drop them from --tasks.")
+
+
+def refuse_generation_tasks(shard_size: int, tasks: Mapping[str, Any] | None) -> None:
+    """:func:`refuse_generation` before any scoring when the evaluation's tasks (``tasks``: name → lm-eval task, as
+    :func:`distperp_harness.report.quantcost.evaluator_tasks` reads them) include a generation task, so a sharded run
+    does not score its log-likelihood tasks first and fail only when lm-eval reaches ``generate_until``."""
+    if shard_size > 1 and any(getattr(task, "OUTPUT_TYPE", None) == "generate_until" for task in (tasks or {}).values()):
+        refuse_generation(shard_size)
+
+
+def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int) -> dict:
+    """``config.distperp.sharding``: the layout and the weight bytes each rank holds.
+
+    ``model_bytes_per_rank`` / ``reference_bytes_per_rank``: stored weight bytes resident on each rank, in rank
+    order (local shards plus replicated weights; parameters gathered only during a forward are not counted;
+    ``None`` without a reference). ``replicated``: weights every rank holds whole, per model.
+    """
+    return {
+        "shard_size": shard_size,
+        "engine": "torch FSDP2 fully_shard, no mixed precision" if shard_size > 1 else None,
+        "mesh": [world_size // shard_size, shard_size] if shard_size > 1 else None,
+        "groups": shard_groups(world_size, shard_size) if shard_size > 1 else None,
+        "model_bytes_per_rank": [r["model_bytes"] for r in per_rank],
+        "reference_bytes_per_rank": [r["reference_bytes"] for r in per_rank],
+        "replicated": {what: list(r.replicated) for what, r in reports.items()},
+        "notes": [r.note for r in reports.values()],
+    }

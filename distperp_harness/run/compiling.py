@@ -1,0 +1,290 @@
+"""``compile=``: the decoder layers of the model (and of the reference) compiled once after loading, with the same
+graphs and the same kernels on every process.
+
+**What is compiled, and why.** Every forward distperp makes — scoring's ``model.base_model(...)`` for plain-head
+models and ``model(...)`` for the others, the reference pass, the prefix and row forwards of a batch whose rows
+share a prefix, generation — goes through the model's stack of decoder layers, and that is where nearly all of the
+work besides the output head (which scoring computes itself, in chunks) happens: norms, rotary embedding,
+attention, MLP, residuals. So each decoder layer's ``forward`` is compiled (regional compilation), not the whole
+model: one graph serves every layer (same code, parameters as inputs), it compiles in seconds where a whole model
+takes far longer, and no call path can miss it. Calls that carry a key/value cache (both forwards of a batch whose
+rows share a prefix, and generation) run eager: a cache update specializes on the layer index and the cache
+length, which would compile one graph per layer and per length; they are counted (``eager_calls``).
+
+**Shapes.** ``dynamic=True`` without duck sizing: rows and length are symbolic, so one graph serves batches of
+every shape. The graphs are compiled at load time by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from
+``max_length`` and the batching rule, never from the requests or the world size), without and (``share_prefix``
+with tree rows) with the tree-row mask. After the warm-up nothing compiles again
+(``torch.compiler.set_stance("fail_on_recompile")``): a call the warm-up graphs do not cover (a one-row batch when
+full-length batches hold several rows, rows of one token) runs eager and is counted. So which kernels compute a batch
+depends on its shape alone, on every rank: inductor's size-dependent choices come from the warm-up's sizes (the same
+everywhere) and never from timing (``torch._inductor.config.deterministic`` while compiling).
+
+**Failures.** When compiling fails on any rank (a model, attention implementation, quantized weights or torch build
+that dynamo/inductor cannot handle) rank 0 says why, once, and every rank runs eager: one rank's failure turns
+compiling off for all, so every rank computes with the same kernels. The evaluation itself never fails for it.
+
+**Caches.** Inductor's on-disk FX graph cache (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``)
+keeps compiled kernels across runs; each node's local rank 0 compiles first and the node's other ranks then load
+its kernels from that cache (a warm rerun still traces with dynamo: seconds, not minutes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from accelerate.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class CompileState:
+    """What ``compile=`` did: recorded in ``config.distperp.compile``. Counters keep running during the run."""
+
+    mode: str | None
+    active: bool = False
+    reason: str | None = None
+    seconds: float = 0.0
+    layers: int = 0
+    warmup: list[str] = field(default_factory=list)
+    graphs: int = 0
+    compiled_calls: int = 0
+    eager_calls: dict[str, int] = field(default_factory=lambda: {"kv_cache": 0, "not_covered": 0})
+    cache: dict[str, Any] = field(default_factory=dict)
+    not_covered_example: str | None = None
+    _graphs_at_ready: int = field(default=0, repr=False)
+    _warming: bool = field(default=False, repr=False)
+    _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def active_mode(self) -> str | None:
+        """The mode the run computes with (None: eager); part of the resume key."""
+        return self.mode if self.active else None
+
+    def recompilations(self) -> int:
+        """Graphs compiled since the warm-up ended (0 by construction; counted from dynamo's own counter)."""
+        return max(0, _unique_graphs() - self._graphs_at_ready) if self.active else 0
+
+    def restore(self) -> None:
+        """Put every layer's eager ``forward`` back."""
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+        self.active, self.layers, self.graphs = False, 0, 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "active": self.active, "reason": self.reason,
+                "compile_seconds": round(self.seconds, 3), "layers": self.layers, "warmup": self.warmup,
+                "graphs": self.graphs, "recompilations": self.recompilations(),
+                "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls),
+                "not_covered_example": self.not_covered_example, "cache": self.cache}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's stack of decoder layers: the base model's ``ModuleList`` of ``num_hidden_layers`` modules of one
+    type (``model.layers`` for Llama-like models, ``transformer.h`` for GPT-2); [] when there is none."""
+    base = getattr(model, "base_model", model)
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for child in base.children():
+        if (isinstance(child, torch.nn.ModuleList) and len(child) and (depth is None or len(child) == depth)
+                and len({type(m) for m in child}) == 1):
+            return list(child)
+    return []
+
+
+def warmup_shapes(rows_for: Callable[[int], int], max_length: int) -> list[tuple[int, int]]:
+    """``(rows, length)`` of the warm-up forwards, functions of ``max_length`` and the batching rule only: its
+    full-length batch. Dynamo keeps batches of one row apart (a graph where rows are 1); that graph is compiled
+    too only when the full-length batch is one row (then also two rows of half the length, for the shorter
+    batches that hold more rows). Otherwise the odd one-row batch (the end of a plan) runs eager."""
+    rows = rows_for(max_length)
+    if rows >= 2:
+        return [(rows, max_length)]
+    return [(1, max_length), (2, max(2, max_length // 2))]
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _carries_cache(args: tuple, kwargs: dict) -> bool:
+    from transformers.cache_utils import Cache
+
+    return any(isinstance(v, Cache) for v in (*args, *kwargs.values()))
+
+
+def _is_recompile(exc: BaseException) -> bool:
+    return "fail_on_recompile" in str(exc)
+
+
+def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Callable:
+    """A layer's ``forward``: the compiled graph when it covers the call, else eager (counted)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not state.active or _carries_cache(args, kwargs):
+            state.eager_calls["kv_cache"] += 1
+            return eager(*args, **kwargs)
+        if state._warming:
+            return compiled(*args, **kwargs)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = compiled(*args, **kwargs)
+        except RuntimeError as exc:
+            if not _is_recompile(exc):
+                raise
+            state.eager_calls["not_covered"] += 1
+            if state.not_covered_example is None:  # dynamo's guard failures, for config.distperp.compile
+                state.not_covered_example = " ".join(str(exc).split("triggered by")[-1].split())[:400]
+            return eager(*args, **kwargs)
+        state.compiled_calls += 1
+        return out
+
+    return forward
+
+
+def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
+    """Route every decoder layer of ``model`` through a compiled ``forward``; returns how many."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise RuntimeError(f"{type(model).__name__} has no stack of decoder layers to compile")
+    for layer in layers:
+        before = layer.__dict__.get("forward")  # an instance attribute (a hook's wrapper, or an earlier run's patch)
+        eager = getattr(layer.forward, "distperp_eager", layer.forward)  # a model compiled by an earlier run
+        compiled = torch.compile(eager, dynamic=True, mode=mode)
+        layer.forward = _dispatch(state, eager, compiled)
+        layer.forward.distperp_eager = eager
+
+        def undo(layer=layer, before=before) -> None:
+            if before is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = before
+
+        state._restore.append(undo)
+    return len(layers)
+
+
+@torch.no_grad()
+def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], packed: bool, pad_token_id: int,
+             device: torch.device) -> list[str]:
+    """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, and with
+    ``packed`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring._Packing` hands them)."""
+    from distperp_harness.run.scoring import _Packing
+
+    done = []
+    for rows, length in shapes:
+        ids = torch.full((rows, length), pad_token_id, dtype=torch.long, device=device)
+        model.base_model(input_ids=ids, use_cache=False)
+        done.append(f"{rows}x{length}")
+        if packed:
+            allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril().repeat(rows, 1, 1, 1)
+            positions = torch.arange(length, device=device).repeat(rows, 1)
+            model.base_model(input_ids=ids, use_cache=False, **_Packing(allowed, positions).kwargs(model))
+            done.append(f"{rows}x{length} tree mask")
+    return done
+
+
+def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Sequence[tuple[int, int]],
+             packed: bool, pad_token_id: int, device: torch.device) -> None:
+    """Patch and warm up every model (raises on any failure; the caller restores)."""
+    from torch._dynamo.utils import counters
+
+    fail_for_tests()
+    before = (_unique_graphs(), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+    t0 = time.perf_counter()
+    state.active, state._warming = True, True
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        # use_duck_shape=False: a warm-up size equal to a weight's (hidden size, heads) must not fix rows or length.
+        with torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)), \
+                torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)), \
+                fx_config.patch(_known(fx_config, use_duck_shape=False)):
+            for model in models:
+                state.layers += _patch(state, model, state.mode)
+                state.warmup = _warm_up(model, shapes, packed, pad_token_id, device)
+    finally:
+        state._warming = False
+    state.seconds = time.perf_counter() - t0
+    state.graphs = _unique_graphs() - before[0]
+    state._graphs_at_ready = _unique_graphs()
+    state.cache = {"fx_graph_cache": bool(torch._inductor.config.fx_graph_cache), "dir": _cache_dir(),
+                   "hits": counters["inductor"]["fxgraph_cache_hit"] - before[1],
+                   "misses": counters["inductor"]["fxgraph_cache_miss"] - before[2]}
+
+
+def _known(config: Any, **values: Any) -> dict[str, Any]:
+    """The ``values`` this torch build's ``config`` module has (older builds lack some)."""
+    return {k: v for k, v in values.items() if hasattr(config, k)}
+
+
+def _cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # noqa: BLE001 - only reported
+        return None
+
+
+def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | None:
+    """Why these models are not compiled at all (None: try)."""
+    if not hasattr(torch.compiler, "set_stance"):
+        return f"torch {torch.__version__} has no torch.compiler.set_stance (needs torch >= 2.6)"
+    if shard_size > 1:
+        return ("sharded weights (shard_size > 1) are gathered by FSDP hooks around each layer; compiling them is "
+                "not supported here")
+    for model in models:
+        if not decoder_layers(model):
+            return f"{type(model).__name__} has no stack of decoder layers to compile"
+    return None
+
+
+def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *, collective: Any,
+                   rows_for: Callable[[int], int], max_length: int, packed: bool, pad_token_id: int,
+                   device: torch.device, shard_size: int = 1) -> CompileState:
+    """Compile the decoder layers of ``models`` (None entries skipped) with ``mode`` (None: nothing to do) and warm
+    them up; every rank must call this together. Returns the :class:`CompileState` (``active`` False, with a
+    ``reason``, when any rank could not compile: all ranks then run eager)."""
+    state = CompileState(mode)
+    if mode is None:
+        return state
+    present = [m for m in models if m is not None]
+    reason = unsupported(present, shard_size)
+    shapes = warmup_shapes(rows_for, max_length)
+    if collective.local_rank != 0:  # the node's first rank fills the on-disk cache; the others read it
+        collective.barrier("wait for local rank 0 to compile")
+    if reason is None:
+        try:
+            _compile(state, present, shapes, packed, pad_token_id, device)
+        except Exception as exc:  # noqa: BLE001 - any compile failure means: run eager (never fail the run)
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    if collective.local_rank == 0:
+        collective.barrier("local rank 0 compiled")
+    reasons = collective.all_gather_object(reason, "agree on compiling")
+    failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
+    if failed is not None:
+        state.restore()
+        where = f" (rank {failed[0]})" if len(reasons) > 1 else ""
+        state.reason = f"{failed[1]}{where}"
+        log.warning(f"compile={mode}: not compiled, running eager: {state.reason}", main_process_only=True)
+    else:
+        log.info(f"compile={mode}: {state.layers} decoder layers compiled in {state.seconds:.1f} s "
+                 f"({state.graphs} graphs; warm-up {', '.join(state.warmup)}; on-disk cache hits "
+                 f"{state.cache.get('hits')}, misses {state.cache.get('misses')})", main_process_only=True)
+    return state
+
+
+def fail_for_tests() -> None:
+    """Tests fake a compile failure by setting ``DISTPERP_TEST_COMPILE_FAILURE`` (its value is the message)."""
+    import os
+
+    message = os.environ.get("DISTPERP_TEST_COMPILE_FAILURE")
+    if message:
+        raise RuntimeError(message)

@@ -1,0 +1,134 @@
+"""The tree attention mask of a batch of rows (:mod:`distperp_harness.planning.rows`), for each attention implementation.
+
+One rule, three forms. Query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k``'s run is ``q``'s run or
+one of its ancestors (:meth:`Row.ancestors`); a padding query sees every earlier column of its row (padding comes
+last, so no real position sees it). With a shared prefix of ``p`` tokens (computed once, its key/value cache reused
+by every row) the queries are the columns from ``p`` on and the keys every column: query ``q`` is column ``q + p``.
+
+* ``sdpa``: a dense boolean ``[rows, 1, length - p, length]`` mask (True: attend); ``eager``: the same as an additive
+  float mask (0 or the dtype's minimum). Both cost a mask element per (query, key): the memory estimate counts it
+  (:func:`distperp_harness.model.memory.tree_mask_bytes_per_token`), and a dense mask keeps sdpa off the flash kernels.
+* ``flex_attention``: a ``BlockMask`` from :func:`torch.nn.attention.flex_attention.create_block_mask` over a
+  ``mask_mod`` that evaluates the same rule from two small tables (each column's run, the runs' ancestor matrix):
+  per 128 x 128 block of (queries, keys) only whether it is empty, full or partial is stored, and the kernel skips
+  empty blocks. Built with ``torch.compile`` on CUDA (no dense intermediate); on other devices uncompiled (it
+  evaluates the rule densely once per batch, as ``sdpa``'s mask does).
+
+transformers (5.x ``masking_utils``) passes any 4D mask, a ``BlockMask`` included, through unchanged
+(``_preprocess_mask_arguments``); positions come from ``position_ids`` (each run continues its parent's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from distperp_harness.planning.rows import Row
+
+FLEX_BLOCK = 128
+"""Block size of flex attention's sparse block mask (torch's default); the run table is padded past it."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Tree mask tables and position ids of a batch holding tree rows, and the prefix it computes once.
+
+    ``run[b, c]``: the batch-wide run id of column ``c`` of row ``b`` (each row's padding is a run of its own, and
+    the table continues past the row with that padding run up to a multiple of :data:`FLEX_BLOCK` plus one block, so
+    a ``mask_mod`` never indexes out of it); ``ancestors[r, s]``: run ``s`` is ``r`` or one of its ancestors (block
+    diagonal over the rows; a padding run sees all of its row). ``shared``: tokens of the prefix in ``prefix_ids``
+    (``[1, shared]``, or None); ``length``: the padded row length, prefix included.
+    """
+
+    run: torch.Tensor
+    ancestors: torch.Tensor
+    position_ids: torch.Tensor
+    length: int
+    shared: int = 0
+    prefix_ids: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch_rows: Sequence[Row], padded: int, device: torch.device, shared: int = 0) -> "Packing":
+        n = len(batch_rows)
+        width = -(-padded // FLEX_BLOCK) * FLEX_BLOCK + FLEX_BLOCK
+        run = torch.zeros(n, width, dtype=torch.long)
+        pos = torch.arange(padded).repeat(n, 1)
+        blocks = []
+        base = 0
+        for i, row in enumerate(batch_rows):
+            run[i, : row.length] = torch.tensor(row.run_ids()) + base
+            run[i, row.length:] = base + len(row.runs)  # this row's padding: a run that sees all of the row
+            pos[i, : row.length] = torch.tensor(row.position_ids())
+            anc = torch.ones(len(row.runs) + 1, len(row.runs) + 1, dtype=torch.bool)
+            anc[: len(row.runs), : len(row.runs)] = torch.from_numpy(row.ancestors())
+            anc[: len(row.runs), len(row.runs)] = False
+            blocks.append(anc)
+            base += len(row.runs) + 1
+        prefix = batch_rows[0].tokens()[:shared] if shared else None
+        return cls(run.to(device), torch.block_diag(*blocks).to(device), pos[:, shared:].to(device), padded, shared,
+                   None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device))
+
+    @functools.cached_property
+    def allowed(self) -> torch.Tensor:
+        """Dense ``bool [rows, 1, length - shared, length]``: True where the query sees the key."""
+        run = self.run[:, : self.length]
+        q = run[:, self.shared:]
+        causal = torch.ones(self.length, self.length, dtype=torch.bool, device=run.device).tril()[self.shared:]
+        return (self.ancestors[q[:, :, None], run[:, None, :]] & causal)[:, None]
+
+    def mask_mod(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Flex attention's form of :attr:`allowed`: ``mask_mod(b, h, q, k) == allowed[b, 0, q, k]``, from the run
+        and ancestor tables alone."""
+        run, ancestors = self.run, self.ancestors
+        # A tensor, not a Python int: a compiled flex kernel then reads it as data (inductor's CPU template, torch
+        # 2.13, generates C++ that does not compile when the offset becomes a symbolic int on a recompile).
+        shared = torch.tensor(self.shared, device=run.device)
+
+        def tree_mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            column = q + shared
+            return (k <= column) & ancestors[run[b, column], run[b, k]]
+
+        return tree_mask
+
+    @functools.cached_property
+    def block_mask(self):
+        """The ``BlockMask`` of :meth:`mask_mod` over ``length - shared`` queries and ``length`` keys (through
+        ``torch.compile`` on CUDA, so no dense ``[rows, queries, keys]`` intermediate exists there)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        device = self.run.device
+        build = torch.compile(create_block_mask) if device.type == "cuda" else create_block_mask
+        return build(self.mask_mod(), self.run.shape[0], None, self.length - self.shared, self.length, device,
+                     FLEX_BLOCK)
+
+    def kwargs(self, model: torch.nn.Module) -> dict:
+        """``attention_mask`` (in the form ``model``'s attention implementation takes) and ``position_ids``."""
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl == "flex_attention":
+            mask = self.block_mask
+        elif impl == "sdpa":
+            mask = self.allowed
+        else:
+            dtype = model.get_input_embeddings().weight.dtype
+            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)
+        return {"attention_mask": mask, "position_ids": self.position_ids}
+
+
+def flex_shapes(device: torch.device, models: Sequence[torch.nn.Module]) -> contextlib.AbstractContextManager:
+    """Where forwards of ``models`` run: on CPU with flex attention, compiled for static shapes only.
+
+    transformers compiles ``flex_attention`` once and torch recompiles it for each new shape; from the second shape
+    on, torch 2.13 makes sizes symbolic, and inductor's CPU flex template then emits C++ that does not compile
+    (``'cur_kvSplitSize0' was not declared``) when a mask reads a symbolic size (transformers' own causal mask and
+    offsets do). Static shapes recompile per shape instead (then, past torch's recompile limit, run uncompiled:
+    slower, same rule). CUDA keeps torch's defaults.
+    """
+    if device.type == "cpu" and any(getattr(getattr(m, "config", None), "_attn_implementation", None)
+                                    == "flex_attention" for m in models):
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    return contextlib.nullcontext()

@@ -1,0 +1,370 @@
+"""Forward passes and exact log-probabilities for one batch of rows (each holding one or more units).
+
+The model reads each row (:mod:`distperp_harness.planning.rows`; right-padded within the batch, causal attention keeps
+padding from touching real positions; packed rows add a prefix-sharing mask and position ids, so each unit sees
+exactly its own ``tokens[:-1]``), and only the last ``n_score`` positions of each unit are turned into logits — in
+chunks of positions, through the output head, so no ``[batch, length, vocab]`` float32 log-softmax is held. Per
+position: ``log p(target) = logit[target] - logsumexp(logits)`` with the log-sum-exp in float32 (or better)
+and the subtraction and all sums in float64; the greedy flag is ``argmax == target``. With a reference model
+the same positions also give KL(reference || model) (float64), the reference's log-prob and top-1 agreement.
+
+Memory per chunk of logits (what :func:`chunk_bytes` counts and the memory estimate uses): the head's output in
+the model dtype plus its float32 copy when that dtype is narrower; with a reference the same for the reference's
+head, plus the KL's float64 work space, two buffers of half a chunk's rows each: one float64 per logit of the chunk
+(:func:`_kl_`). With a reference the chunk holds half the positions.
+
+Results depend only on the batch's content, never on which process computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from distperp_harness.run.masks import Packing as _Packing, flex_shapes
+from distperp_harness.run.kvcache import cache_argument, prefix_cache
+from distperp_harness.planning.requests import Unit
+from distperp_harness.planning.rows import Row, unit_rows
+
+# Columns of the per-unit statistics table (float64), gathered across ranks as one tensor.
+LL, GREEDY, N_TOKENS, REF_LL, TOP1 = range(5)
+N_COLUMNS = 5
+
+# Model types whose logits are exactly ``get_output_embeddings()(base_model(...).last_hidden_state)``; for
+# them only scored positions go through the head. Others (soft-capping, logit scaling, ...) use full logits.
+_PLAIN_HEAD_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo",
+    "olmo2", "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3", "ministral",
+})
+# Logits per chunk of scored positions. CPU: 64 MiB of float32, cache-friendly (measured, benchmarks/README.md).
+# CUDA: 256 MiB, so a 128k vocabulary still gets ~500 positions per chunk (fewer, larger kernels).
+_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
+
+
+# Devices where reading a value back costs nothing (no queue to wait for): the greedy check may take shortcuts.
+_HOST_DEVICE_TYPES = ("cpu",)
+
+
+def chunk_elements(device_type: str, with_reference: bool = False) -> int:
+    """Logits computed at once per chunk on a device of ``device_type`` (half as many with a reference: each
+    position then also holds the reference's logits and the KL's float64 work space)."""
+    return _CHUNK_ELEMENTS.get(device_type, _CHUNK_ELEMENTS["cpu"]) // (2 if with_reference else 1)
+
+
+def _logit_bytes(dtype: torch.dtype) -> int:
+    """Bytes per logit of a head computing in ``dtype``: its output, plus the float32 copy when narrower."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return size + (4 if size < 4 else 0)
+
+
+def chunk_bytes(device_type: str, dtype: torch.dtype, reference_dtype: torch.dtype | None = None, *,
+                positions: int | None = None, vocab: int | None = None) -> int:
+    """Bytes the chunk loop of :func:`score_batch` holds at its peak, besides the features (module doc):
+    ``elements * (logit bytes of the model [+ of the reference + 8 for the KL])``, with ``elements`` a whole
+    chunk, or fewer when a batch scores only ``positions`` positions of a ``vocab``-sized vocabulary."""
+    per_logit = _logit_bytes(dtype)
+    if reference_dtype is not None:
+        per_logit += _logit_bytes(reference_dtype) + 8
+    elements = chunk_elements(device_type, reference_dtype is not None)
+    if positions is not None and vocab:
+        elements = min(elements, max(1, elements // vocab) * vocab, positions * vocab)
+    return elements * per_logit
+
+
+class NonFiniteLogitsError(ValueError):
+    """Raised when a model produced NaN/inf logits; ``rows`` are the offending rows of the batch."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"non-finite (NaN or inf) logits in batch rows {rows}")
+        self.rows = rows
+
+
+@dataclass(frozen=True)
+class BatchScores:
+    """Scores of one batch: ``stats`` float64 ``[rows, N_COLUMNS]``; ``kl`` per-row float64 arrays or None."""
+
+    stats: np.ndarray
+    kl: list[np.ndarray] | None
+
+
+def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+              chunk_rows: int, packing: "_Packing | None" = None, cache=None
+              ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
+    float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
+    ``packing``: the attention mask and position ids of a batch with tree rows (None: plain causal rows);
+    ``cache``: the key/value cache of the batch's shared prefix (:func:`~distperp_harness.run.kvcache.prefix_cache`), which ``input_ids`` follow."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    extra = packing.kwargs(model) if packing is not None else {}
+    if cache is not None:
+        extra[cache_argument(model)] = cache
+        extra["use_cache"] = True
+    else:
+        extra["use_cache"] = False
+    if head is not None and model_type in _PLAIN_HEAD_TYPES:
+        hidden = model.base_model(input_ids=input_ids, **extra).last_hidden_state
+        feats = hidden[rows, cols]
+        if _ReusedHead.applies(head, feats):
+            return feats, _ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
+        return feats, lambda chunk: _at_least_float32(head(chunk))
+    logits = model(input_ids=input_ids, **extra).logits
+    return logits[rows, cols], _at_least_float32
+
+
+class _ReusedHead:
+    """``head(chunk)`` for a plain ``nn.Linear`` head, written into one logits buffer that every chunk of a batch
+    reuses (as float32 when the model computes in a narrower dtype).
+
+    Same kernels and bits as ``nn.Linear`` (``mm`` / ``addmm`` with the transposed weight), without allocating
+    fresh ``[chunk, vocab]`` memory per chunk: on CPU a new chunk-sized allocation is fresh pages from the kernel,
+    and faulting them in costs about a third of the head's matmul (measured; see ``benchmarks/README.md``).
+    """
+
+    def __init__(self, head: torch.nn.Linear, rows: int) -> None:
+        weight = head.weight
+        self.weight_t = weight.t()
+        self.bias = head.bias
+        self.out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        self.wide = (None if weight.dtype in (torch.float32, torch.float64)
+                     else torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device))
+
+    @staticmethod
+    def applies(head: torch.nn.Module, feats: torch.Tensor) -> bool:
+        """True for an exact ``nn.Linear`` with plain dense floating-point parameters of the features' dtype."""
+        params = [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
+        return (type(head) is torch.nn.Linear and feats.dim() == 2
+                and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided
+                        and p.dtype == feats.dtype and p.device == feats.device and p.is_floating_point()
+                        for p in params))
+
+    def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
+        out = self.out[: chunk.shape[0]]
+        if self.bias is None:
+            torch.mm(chunk, self.weight_t, out=out)
+        else:
+            torch.addmm(self.bias, chunk, self.weight_t, out=out)
+        return out if self.wide is None else self.wide[: chunk.shape[0]].copy_(out)
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _logsumexp_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(logits, -1)`` (bit for bit, for rows with a finite max ``top``), computed in place.
+
+    The same operations as ATen's composite ``logsumexp`` (``log(sum(exp(x - max))) + max``) with the
+    subtraction and exponential done in ``logits``' own storage: no ``[positions, vocab]`` temporary, and ``top``
+    (``logits.amax(-1)``) is shared with the greedy check. ``logits`` is overwritten.
+    """
+    return logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(top)
+
+
+def _is_first_argmax(logits: torch.Tensor, target_logit: torch.Tensor, top: torch.Tensor, targets: torch.Tensor,
+                     argmax: torch.Tensor | None) -> torch.Tensor:
+    """``logits.argmax(-1) == targets`` (first index of the maximum, as lm-eval's greedy check), per row.
+
+    Without a precomputed ``argmax``, only rows whose target logit equals the row maximum ``top`` can be greedy;
+    the argmax runs on those rows alone (a max-with-index pass costs about four plain max passes on CPU).
+    """
+    if argmax is not None:
+        return argmax == targets
+    greedy = torch.zeros_like(targets, dtype=torch.bool)
+    hit = (target_logit == top).nonzero().flatten()
+    if hit.numel():
+        greedy[hit] = logits.index_select(0, hit).argmax(dim=-1) == targets[hit]
+    return greedy
+
+
+def _chunks(n: int, vocab: int, device_type: str = "cpu", with_reference: bool = False) -> list[tuple[int, int]]:
+    step = max(1, chunk_elements(device_type, with_reference) // max(1, vocab))
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _lse64_(x: torch.Tensor) -> torch.Tensor:
+    """Float64 log-sum-exp of each row of the float64 ``x``, computed in place (``x`` is overwritten)."""
+    top = x.amax(dim=-1, keepdim=True)
+    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+
+
+def _kl_(ref_logits: torch.Tensor, logits: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """KL(reference || model) per row, float64: ``E_ref[r - m] + lse(m) - lse(r)`` with ``r``, ``m`` the rows'
+    logits, every step in float64. ``work``: two float64 buffers of ``[block, vocab]``; rows go through in blocks
+    of ``block``, so the KL needs no memory beyond them (``work`` is overwritten)."""
+    a_buf, b_buf = work
+    n, step = ref_logits.shape[0], a_buf.shape[0]
+    out = torch.empty(n, dtype=torch.float64, device=ref_logits.device)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        a, b = a_buf[: j - i], b_buf[: j - i]
+        lse_m = _lse64_(b.copy_(logits[i:j]))
+        top_r = a.copy_(ref_logits[i:j]).amax(dim=-1, keepdim=True)
+        weights = a.sub_(top_r).exp_()  # exp(r - max r): the reference's probabilities times its partition sum
+        total = weights.sum(dim=-1)
+        lse_r = total.log() + top_r.squeeze(-1)  # as _lse64_ does it: a model against itself gives exactly 0
+        mean_r = torch.bmm(weights.unsqueeze(1), b.copy_(ref_logits[i:j]).unsqueeze(2)).view(-1)
+        mean_m = torch.bmm(weights.unsqueeze(1), b.copy_(logits[i:j]).unsqueeze(2)).view(-1)
+        out[i:j] = (mean_r - mean_m) / total + lse_m - lse_r
+    return out
+
+
+@torch.no_grad()
+def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *, device: torch.device,
+                pad_token_id: int, reference: torch.nn.Module | None = None, shared: int = 0,
+                between_forwards: Callable[[], None] | None = None) -> BatchScores:
+    """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded batch.
+
+    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (:mod:`~distperp_harness.run.masks`;
+    the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
+    exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the
+    first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
+    cache (:func:`forward_calls`: two forward calls, model then reference each time); ``between_forwards`` runs
+    between the two (sharded weights re-gather there, so the batch makes the gathers of two plain batches).
+
+    Returns:
+        ``BatchScores`` over the batch's units in row order, with ``stats[i] = (log-likelihood, greedy 0/1, n scored
+        tokens, reference log-likelihood or 0, top-1 agreements or 0)`` and, with ``reference``, per-token KL arrays.
+
+    Raises:
+        NonFiniteLogitsError: if any scored position has NaN/inf logits (``rows`` index the batch's rows).
+    """
+    batch_rows = list(batch) if batch and isinstance(batch[0], Row) else unit_rows(batch)
+    units = [u for r in batch_rows for u in r.units]
+    ids, rows, cols, targets, packing = _layout(batch_rows, pad_token_id, device, shared)
+
+    n = len(targets)
+    chunks = _chunks(n, _vocab_size(model), device.type, reference is not None)
+    chunk_rows = max(b - a for a, b in chunks) if chunks else 1
+    models = [m for m in (model, reference) if m is not None]
+    # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
+    # plain forwards, so the sharded weights' gathers match across a shard group.
+    with flex_shapes(device, models):
+        caches = ([prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
+                  if packing is not None and packing.prefix_ids is not None else [None] * len(models))
+        if caches[0] is not None and between_forwards is not None:
+            between_forwards()
+        feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
+        ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
+                                    if reference is not None else (None, None))
+    del caches
+
+    logprob = torch.empty(n, dtype=torch.float64, device=device)
+    greedy = torch.empty(n, dtype=torch.bool, device=device)
+    finite = torch.empty(n, dtype=torch.bool, device=device)
+    # On CUDA nothing in the loop waits for the GPU: the non-finite check is read once after it, and the greedy
+    # check takes a plain argmax (the CPU's shortcut needs a data-dependent index, i.e. a sync per chunk).
+    full_argmax = reference is not None or device.type not in _HOST_DEVICE_TYPES
+    if reference is not None:
+        ref_logprob = torch.empty(n, dtype=torch.float64, device=device)
+        kl = torch.empty(n, dtype=torch.float64, device=device)
+        top1 = torch.empty(n, dtype=torch.bool, device=device)
+        block = (chunk_rows + 1) // 2  # two float64 buffers of half a chunk: one float64 per logit
+        work = tuple(torch.empty(block, _vocab_size(reference), dtype=torch.float64, device=device) for _ in "ab")
+    for a, b in chunks:
+        logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: _logsumexp_ overwrites it
+        tgt = targets[a:b].unsqueeze(-1)
+        top = logits.amax(dim=-1)
+        finite[a:b] = torch.isfinite(top)  # NaN propagates to the max; +-inf maxima make the lse non-finite
+        target_logit = logits.gather(-1, tgt).squeeze(-1)
+        argmax = logits.argmax(dim=-1) if full_argmax else None
+        greedy[a:b] = _is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
+        if reference is not None:
+            ref_logits = ref_to_logits(ref_feats[a:b])
+            kl[a:b] = _kl_(ref_logits, logits, work)
+            top1[a:b] = ref_logits.argmax(dim=-1) == argmax
+            # Same recipe as the model's log-prob (float32 log-sum-exp, float64 difference): comparable sums.
+            # In place, last: it overwrites ref_logits (bit for bit torch.logsumexp, see _logsumexp_).
+            ref_target = ref_logits.gather(-1, tgt).squeeze(-1).double()
+            ref_logprob[a:b] = ref_target - _logsumexp_(ref_logits, ref_logits.amax(dim=-1)).double()
+        logprob[a:b] = target_logit.double() - _logsumexp_(logits, top).double()
+    if n and not bool(finite.all()):
+        bad = (~finite).nonzero().flatten()
+        raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
+
+    counts = [u.n_score for u in units]
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    stats = np.zeros((len(units), N_COLUMNS), dtype=np.float64)
+    stats[:, LL] = np.add.reduceat(logprob.cpu().numpy(), offsets)
+    greedy_np = greedy.cpu().numpy()
+    stats[:, GREEDY] = [float(greedy_np[o:o + c].all()) for o, c in zip(offsets, counts)]
+    stats[:, N_TOKENS] = counts
+    kl_rows = None
+    if reference is not None:
+        stats[:, REF_LL] = np.add.reduceat(ref_logprob.cpu().numpy(), offsets)
+        stats[:, TOP1] = np.add.reduceat(top1.cpu().numpy().astype(np.float64), offsets)
+        kl_np = kl.cpu().numpy()
+        kl_rows = [kl_np[o:o + c].copy() for o, c in zip(offsets, counts)]
+    return BatchScores(stats, kl_rows)
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "out_features", None):
+        return int(head.out_features)
+    return int(getattr(getattr(model, "config", None), "vocab_size", 32000))
+
+
+def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, shared: int = 0):
+    """``(input ids [rows, padded - shared], row and column of every scored position, its target, packing or
+    None)``; with ``shared`` > 0 the first ``shared`` columns (equal in every row) go to ``packing.prefix_ids``."""
+    padded = max(r.length for r in batch_rows)
+    ids = torch.full((len(batch_rows), padded), pad_token_id, dtype=torch.long)
+    row_list, col_list, target_list = [], [], []
+    for i, row in enumerate(batch_rows):
+        ids[i, : row.length] = torch.tensor(row.tokens(), dtype=torch.long)
+        for k, unit in enumerate(row.units):
+            row_list.extend([i] * unit.n_score)
+            col_list.extend(row.columns(k))
+            target_list.extend(unit.tokens[-unit.n_score:])
+    if shared:
+        if len(batch_rows) < 2 or (ids[:, :shared] != ids[:1, :shared]).any() or min(col_list) < shared:
+            raise ValueError(f"internal error: these rows do not share their first {shared} tokens unscored")
+        col_list = [c - shared for c in col_list]
+    packing = (_Packing.of(batch_rows, padded, device, shared) if shared or any(r.packed for r in batch_rows)
+               else None)
+    return (ids[:, shared:].to(device), torch.tensor(row_list, device=device), torch.tensor(col_list, device=device),
+            torch.tensor(target_list, device=device), packing)
+
+
+def forward_calls(shared: int) -> int:
+    """Forward calls of each model for a batch whose rows share ``shared`` tokens computed once."""
+    return 2 if shared else 1
+
+
+# Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
+# (each checked against unshared rows, with sdpa and eager, in tests/run/test_scoring.py).
+_MASKABLE_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo", "olmo2",
+    "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3",
+})
+
+
+def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
+    """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
+
+    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
+    where transformers implements it for the model (``_supports_flex_attn``; a block mask, :mod:`distperp_harness.run.masks`)
+    — flash attention takes no custom mask —, no attention-logit soft capping, and no sliding window shorter than
+    ``max_length`` (a custom mask replaces the window; rows are at most ``max_length`` tokens, so a longer window
+    never applies).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MASKABLE_TYPES:
+        return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        return f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"
+    if impl not in ("sdpa", "eager", "flex_attention"):
+        return (f"attention implementation {impl!r} does not take a custom attention mask (sdpa and eager take a "
+                f"dense one, flex_attention a block mask)")
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logits are soft-capped"
+    window = getattr(config, "sliding_window", None)
+    if window and window < max_length:  # None or 0: no window (configs that do not use theirs clear it)
+        return f"sliding-window attention (window {window} < max_length {max_length})"
+    return None

@@ -1,0 +1,146 @@
+"""compare: the table carries the numbers of the results JSON; the plot is a valid PNG."""
+
+import json
+import sys
+
+import pytest
+
+from distperp_harness.commands.compare import load_run, markdown_table, per_document, plot_runs
+from helpers import REPO_ROOT, load_results, run_command
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    from distperp_harness.commands.tiny import sample_text_path
+
+    root = tmp_path_factory.mktemp("compare")
+    outs = []
+    for name, extra in [("base", ""), ("int8", ",quantize=int8,reference=base")]:
+        out = root / name
+        run_command([sys.executable, "-m", "lm_eval", "--model", "distperp", "--model_args",
+                     f"pretrained={tiny_model_dir},max_length=64{extra}", "--tasks", "distperp_wikitext2",
+                     "--include_path", str(REPO_ROOT / "tasks"), "--metadata",
+                     json.dumps({"wikitext_path": str(sample_text_path())}), "--limit", "4", "--log_samples",
+                     "--output_path", str(out)], cwd=root)
+        outs.append(out)
+    return outs
+
+
+def test_table_rows_carry_the_results(runs):
+    loaded = [load_run(p) for p in runs]
+    table = markdown_table(loaded).splitlines()
+    assert len(table) == 2 + 2
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert {"token_perplexity", "word_perplexity", "kl_divergence", "top1_agreement", "tok/s"} <= set(header)
+    for line, out in zip(table[2:], runs):
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+        results = load_results(out)
+        values = results["results"]["distperp_wikitext2"]
+        value, stderr = values["token_perplexity,none"], values["token_perplexity_stderr,none"]
+        assert cells["token_perplexity"] == f"{value:.4g} ± {stderr:.2g}"
+        assert cells["procs"] == "1" and cells["fingerprint"] == results["config"]["distperp"]["fingerprint"]
+    base, int8 = (dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in table[2:])
+    assert base["scheme"] == "none" and base["kl_divergence"] == "–"
+    assert int8["scheme"] == "int8" and int8["kl_divergence"] != "–"
+    assert float(int8["weights MB"]) < float(base["weights MB"])
+
+
+def test_per_document_values(runs):
+    run = load_run(runs[1])
+    docs = per_document(run, "distperp_wikitext2")
+    assert len(docs["nll_per_token"]) == 4 and len(docs["kl_per_token"]) == 4
+    assert all(v > 0 for v in docs["nll_per_token"]) and all(v >= 0 for v in docs["kl_per_token"])
+
+
+def test_plot_is_a_png(runs, tmp_path):
+    out = plot_runs([load_run(p) for p in runs], tmp_path / "cmp.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    from PIL import Image
+
+    with Image.open(out) as image:
+        image.verify()
+        assert image.size[0] > 600
+
+
+def test_cli(runs, tmp_path):
+    proc = run_command([sys.executable, "-m", "distperp_harness", "compare", *map(str, runs), "--plot",
+                        str(tmp_path / "p.png")], cwd=tmp_path)
+    assert proc.stdout.startswith("| model | scheme | procs |") and (tmp_path / "p.png").exists()
+
+
+# --- compare --plot from fixed results JSONs ------------------------------------------------------------------------
+
+
+def _fixed(root, with_reference=True, perplexity=True):
+    """A base run and an int8 run (reference= on a perplexity task and a multiple-choice task, when asked)."""
+    from helpers import mc_entry, rolling_entry, write_results_json
+
+    results = {"wiki": {"token_perplexity,none": 42.0, "token_perplexity_stderr,none": 3.0} if perplexity else {},
+               "mc": {"acc,none": 0.45, "acc_stderr,none": 0.1}}
+    base = write_results_json(root / "base", results=results)
+    reference = {"wiki": rolling_entry(1e-4, 6000), "mc": mc_entry(2e-4, 0.05, 0.0)} if with_reference else None
+    int8 = write_results_json(root / "int8", quantize="int8", weight_bytes=2_700_000, reference=reference,
+                              results={"wiki": {"token_perplexity,none": 41.9, "token_perplexity_stderr,none": 3.0},
+                                       "mc": results["mc"]} if perplexity else results)
+    return [load_run(base), load_run(int8)]
+
+
+@pytest.mark.parametrize("with_reference, panels, skipped", [
+    (True, ["kl_divergence", "top1_agreement", "perplexity", "flips"], []),
+    (False, ["perplexity"], ["kl_divergence", "top1_agreement", "flips"])])
+def test_plot_draws_the_panels_that_have_data(with_reference, panels, skipped, tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from distperp_harness.commands.compare import compare_panels
+    from distperp_harness.commands.plots import compare_figure, plot_compare, text_overlaps
+
+    runs = _fixed(tmp_path, with_reference)
+    fig, names, skips = compare_figure(runs)
+    assert names == panels and [ax.get_gid() for ax in fig.axes] == panels
+    assert [s.split(" ")[0] for s in skips] == [*skipped, "per-document"]
+    fig.canvas.draw()
+    assert text_overlaps(fig) == []
+    drawn = plot_compare(runs, tmp_path / "c.png")
+    with Image.open(drawn.path) as image:
+        assert image.text["Description"] == "panels: " + ", ".join(panels)
+    dots = {p.name: p for p in compare_panels(runs)[0]}
+    assert dots["perplexity"].values[("wiki", runs[0].label)] == (42.0, 3.0)
+    if with_reference:  # only the int8 run has a reference; flips only on the multiple-choice task
+        assert dots["kl_divergence"].series == (runs[1].label,) and dots["flips"].rows == ("mc",)
+        assert dots["flips"].values[("mc", runs[1].label)] == (5.0, 5.0)
+
+
+def test_plot_cli_says_in_one_line_what_it_drew(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import sys
+
+    from distperp_harness.commands.compare import run_compare
+
+    _fixed(tmp_path)
+    assert run_compare([str(tmp_path / "base"), str(tmp_path / "int8")], plot=str(tmp_path / "p.png")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| model | scheme |") and (tmp_path / "p.png").exists()
+    assert out[-1] == (f"compare: figure {tmp_path / 'p.png'}: drew KL divergence, top-1 agreement, perplexity, "
+                       "flips; skipped per-document panels (no samples: run lm-eval with --log_samples)")
+    _fixed(tmp_path / "bare", with_reference=False, perplexity=False)
+    assert run_compare([str(tmp_path / "bare" / "base")], plot=str(tmp_path / "q.png")) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("compare: no plot: nothing to plot")
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert run_compare([str(tmp_path / "int8")], plot=str(tmp_path / "r.png")) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| model |") and out[-1].startswith("compare: no plot: matplotlib is not installed")
+
+
+def test_plot_with_samples_adds_per_document_panels(runs):
+    pytest.importorskip("matplotlib")
+    from distperp_harness.commands.plots import compare_figure, text_overlaps
+
+    fig, names, skipped = compare_figure([load_run(p) for p in runs])
+    assert names == ["kl_divergence", "top1_agreement", "perplexity", "nll_per_document:distperp_wikitext2",
+                     "kl_per_document:distperp_wikitext2"]
+    assert skipped == ["flips (no multiple-choice task with reference=)"]
+    fig.canvas.draw()
+    assert text_overlaps(fig) == []

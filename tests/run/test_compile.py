@@ -1,0 +1,132 @@
+"""``compile=``: options, accuracy of the compiled layers against float64 eager, no recompilation, the eager fallback
+and the resume key. One compile of the tiny model (a module fixture) serves every test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distperp_harness.run import compiling
+from distperp_harness.options import COMPILE_MODES, Options
+from distperp_harness.planning.requests import Unit, window_units
+from distperp_harness.run.scoring import LL, score_batch
+from helpers import make_lm, score_rolling
+
+ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4,share_prefix=false"
+TEXTS = ["The tower is 324 metres tall, about the same height as an 81-storey building.",
+         "It was the first structure to reach a height of 300 metres. " * 4,
+         "Short."]
+
+
+@pytest.mark.parametrize("given, expected", [(True, "default"), ("true", "default"), (False, "false"),
+                                             ("false", "false"), ("max-autotune", "max-autotune"),
+                                             ("Reduce-Overhead", "reduce-overhead")])
+def test_options_accept_true_false_and_modes(given, expected):
+    opts = Options.from_kwargs(pretrained="m", compile=given)
+    assert opts.compile == expected
+    assert opts.compile_mode == (None if expected == "false" else expected)
+    assert opts.to_dict()["compile"] == expected
+
+
+def test_options_reject_unknown_mode():
+    with pytest.raises(ValueError, match=r"compile='fast'.*" + ".*".join(COMPILE_MODES)):
+        Options.from_kwargs(pretrained="m", compile="fast")
+
+
+@pytest.fixture(scope="module")
+def compiled_lm(tiny_model_dir):
+    return make_lm(tiny_model_dir, ARGS + ",compile=true")
+
+
+@pytest.fixture(scope="module")
+def eager_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _float64_ll(model, tokens: list[int], n_score: int) -> float:
+    """Float64 log-softmax of the eager model's logits of the unpadded sequence, summed with fsum."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    first = len(tokens) - 1 - n_score
+    return math.fsum(float(logp[p, tokens[p + 1]]) for p in range(first, len(tokens) - 1))
+
+
+def test_compiled_and_warmed_up_at_load(compiled_lm):
+    state = compiled_lm.compiled
+    assert state.active and state.reason is None and state.mode == "default"
+    assert state.layers == 2 and state.graphs >= 1 and state.seconds > 0
+    info = compiled_lm.get_model_info()["distperp"]["compile"]
+    assert info["active"] and info["recompilations"] == 0 and info["warmup"]
+
+
+def test_compiled_rolling_matches_float64_eager(compiled_lm, eager_model):
+    before = compiled_lm.compiled.compiled_calls
+    scores = score_rolling(compiled_lm, TEXTS)
+    assert compiled_lm.compiled.compiled_calls > before  # the compiled layers computed them
+    for text, score in zip(TEXTS, scores):
+        units = window_units(compiled_lm.tok_encode(text), compiled_lm.prefix_token_id, compiled_lm.max_length)
+        expected = math.fsum(_float64_ll(eager_model, list(u.tokens), u.n_score) for u in units)
+        assert abs(float(score) - expected) <= max(1e-5, 5e-6 * abs(expected)), (text, float(score), expected)
+
+
+def test_no_recompilation_across_batches_of_other_shapes(compiled_lm, eager_model):
+    state = compiled_lm.compiled
+    graphs, eager_before, compiled_before = state.recompilations(), dict(state.eager_calls), state.compiled_calls
+    batches = [[Unit(tuple(range(5, 5 + n)), n - 1) for n in (33, 20, 9)],  # 3 rows x 32
+               [Unit(tuple(range(7, 7 + n)), n - 1) for n in (50, 12)]]  # 2 rows x 49
+    for units in batches:
+        out = score_batch(compiled_lm.model, units, device=torch.device("cpu"), pad_token_id=0)
+        for unit, row in zip(units, out.stats):
+            expected = _float64_ll(eager_model, list(unit.tokens), unit.n_score)
+            assert abs(row[LL] - expected) <= max(1e-5, 5e-6 * abs(expected))
+    assert state.recompilations() == graphs == 0
+    assert state.eager_calls == eager_before  # every layer call ran compiled
+    assert state.compiled_calls == compiled_before + 2 * len(batches)
+
+
+def test_compile_is_in_the_run_identity_and_resume_key(compiled_lm):
+    assert compiled_lm._run_identity()["options"]["compile"] == "default"
+    assert compiled_lm._scoring_config()["compiled"] == "default"
+    assert compiled_lm._scoring_config()["options"]["compile"] == "default"
+
+
+def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatch, caplog):
+    monkeypatch.setenv("DISTPERP_TEST_COMPILE_FAILURE", "inductor says no")
+    lm = make_lm(tiny_model_dir, ARGS + ",compile=true")
+    state = lm.compiled
+    assert not state.active and "inductor says no" in state.reason
+    assert all("forward" not in layer.__dict__ for layer in compiling.decoder_layers(lm.model))  # eager again
+    assert lm._scoring_config()["compiled"] is None  # eager bits: not the compiled run's resume key
+    assert lm.get_model_info()["distperp"]["compile"]["reason"] == state.reason
+    eager = make_lm(tiny_model_dir, ARGS)
+    assert [float(s) for s in score_rolling(lm, TEXTS)] == [float(s) for s in score_rolling(eager, TEXTS)]
+
+
+def test_warmup_shapes_come_from_max_length_and_batching():
+    assert compiling.warmup_shapes(lambda length: 4096 // length, 1024) == [(4, 1024)]
+    assert compiling.warmup_shapes(lambda length: max(1, 4096 // length), 8192) == [(1, 8192), (2, 4096)]
+
+
+@pytest.mark.distributed
+def test_two_processes_give_the_bits_of_one(compiled_lm, tiny_model_dir, tasks_dir, tmp_path):
+    """``accelerate launch`` with 2 processes and compile=true on one tiny rolling task: every document's
+    log-likelihood equals the in-process (1 process) compiled run's, bit for bit (rank 1 waits for rank 0's compile
+    and loads its kernels from the on-disk cache)."""
+    from helpers import accelerate_launch_prefix, load_results, load_samples, run_command
+
+    out = tmp_path / "2p"
+    run_command([*accelerate_launch_prefix(2), "-m", "lm_eval", "--model", "distperp", "--model_args",
+                 f"pretrained={tiny_model_dir}{ARGS.replace(',batch_size=4', '')},compile=true",
+                 "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--batch_size", "4",
+                 "--log_samples", "--output_path", str(out)], cwd=tmp_path)
+    info = load_results(out)["config"]["distperp"]
+    assert info["world_size"] == 2 and info["compile"]["active"] and info["compile"]["recompilations"] == 0
+    assert info["compile"]["compiled_calls"] > 0
+    samples = load_samples(out, "dptest_rolling")
+    one = score_rolling(compiled_lm, [s["doc"]["text"] for s in samples])
+    assert [float(s["resps"][0][0]) for s in samples] == [float(x) for x in one]

@@ -1,0 +1,173 @@
+"""generate.py: greedy generation from a shared prefix's KV cache equals the left-padded path (sdpa and eager);
+sampled requests are seeded by lm-eval's seed and their own content, not by batch, order, rank or world size,
+and leave the global RNG alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import accelerate_launch_prefix, load_samples, run_command, sharpened_model
+
+from distperp_harness.run.generate import MIN_SHARED_TOKENS, GenerationSetup, generate, shared_prefix_length
+
+NO_SHARING = 10**9
+SAMPLED = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
+GREEDY = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
+
+
+@pytest.fixture(scope="module")
+def peaked_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with peaked distributions, so greedy choices are far from ties."""
+    return sharpened_model(tiny_model_dir, tmp_path_factory.mktemp("peaked"), scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def collective():
+    from distperp_harness.distributed.collective import Collective
+
+    return Collective(60, cpu=True)
+
+
+def _load(model_dir, attn="sdpa"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def _setup(model, tokenizer, collective, rows=4, **kw):
+    return GenerationSetup(model=model, tokenizer=tokenizer, collective=collective, device=torch.device("cpu"),
+                           max_length=128, max_gen_toks=12, add_bos_token=None, rows_for=lambda length: rows, **kw)
+
+
+def _fewshot_prompts(sample_text_path, count=6):
+    """A fixed few-shot block (~45 tokens) and ``count`` questions of different lengths after it (< 100 tokens)."""
+    words = sample_text_path.read_text(encoding="utf-8").split()
+    prefix = "Examples:\n" + " ".join(words[:16]) + "\nQ: " + " ".join(words[16:20]) + "\nA:"
+    return [prefix + " " + " ".join(words[100 + 13 * i: 100 + 13 * i + 2 + 2 * i]) for i in range(count)]
+
+
+def test_shared_prefix_length_is_the_common_prefix_leaving_each_prompt_a_token():
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6]], 2) == 3
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]], 2) == 2  # the shorter prompt keeps its last token
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5]], 4) == 0  # under the minimum
+    assert shared_prefix_length([[1, 2, 3, 4]], 1) == 0  # one row: nothing to share
+    assert shared_prefix_length([[1, 2], [9, 2]], 1) == 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_from_a_shared_prefix_equals_left_padding(peaked_dir, collective, sample_text_path, attn):
+    model, tokenizer = _load(peaked_dir, attn)
+    prompts = _fewshot_prompts(sample_text_path)
+    lengths = [len(tokenizer.encode(p)) for p in prompts]
+    assert len(set(lengths)) > 2  # pads between the prefix and the suffixes
+    assert min(lengths) - 1 > MIN_SHARED_TOKENS and max(lengths) <= 128 - 12
+    args = [(p, dict(GREEDY)) for p in prompts]
+    shared_calls, alone_calls = [], []
+    shared = generate(_setup(model, tokenizer, collective), args, calls=shared_calls)
+    alone = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args, calls=alone_calls)
+    assert shared == alone and len(set(shared)) > 1 and all(shared)
+    call, plain = shared_calls[0], alone_calls[0]
+    assert call["shared_batches"] == call["generation_batches"] == 2 and plain["shared_batches"] == 0
+    assert call["shared_tokens_min_max"][0] > MIN_SHARED_TOKENS
+    assert call["prompt_tokens"] == plain["prompt_tokens"] == sum(lengths)
+    assert call["computed_prompt_tokens"] < 0.6 * plain["computed_prompt_tokens"]  # two batches, two prefixes
+
+
+def test_sampling_ignores_batch_size_and_order_and_follows_the_seed(tiny_model_dir, collective, sample_text_path):
+    model, tokenizer = _load(tiny_model_dir)
+    prompts = _fewshot_prompts(sample_text_path) + ["The river", "Once upon a time"]
+    args = [(p, dict(SAMPLED)) for p in prompts]
+    ids = [("task", i, 0) for i in range(len(args))]
+    state = torch.get_rng_state()
+    batched = generate(_setup(model, tokenizer, collective, rows=4, seed=0), args, ids)
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG is untouched
+    single = generate(_setup(model, tokenizer, collective, rows=1, seed=0), args, ids)
+    order = list(reversed(range(len(args))))
+    reordered = generate(_setup(model, tokenizer, collective, rows=3, seed=0), [args[i] for i in order],
+                         [ids[i] for i in order])
+    assert batched == single == [reordered[order.index(i)] for i in range(len(args))]
+    other_seed = generate(_setup(model, tokenizer, collective, rows=4, seed=1), args, ids)
+    assert sum(a != b for a, b in zip(batched, other_seed)) >= len(args) - 1
+    greedy = generate(_setup(model, tokenizer, collective), [(p, dict(GREEDY)) for p in prompts])
+    assert batched != greedy
+
+
+def test_repeats_and_documents_sample_independently(tiny_model_dir, collective):
+    model, tokenizer = _load(tiny_model_dir)
+    arg = ("Once upon a time", dict(SAMPLED))
+    # lm-eval repeats one Instance `repeats` times; two documents may hold the same prompt
+    first, second, other_doc = generate(_setup(model, tokenizer, collective, seed=3), [arg, arg, arg],
+                                        [("t", 0, 0), ("t", 0, 0), ("t", 1, 0)])
+    assert len({first, second, other_doc}) == 3
+    again = generate(_setup(model, tokenizer, collective, rows=1, seed=3), [arg], [("t", 0, 0)])
+    assert again == [first]
+
+
+def test_sampling_without_a_temperature_uses_the_models_and_says_so(tiny_model_dir, collective, caplog):
+    import logging
+
+    model, tokenizer = _load(tiny_model_dir)
+    kwargs = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": True}
+    with caplog.at_level(logging.INFO, logger="distperp_harness"):
+        logging.getLogger("distperp_harness").addHandler(caplog.handler)
+        out = generate(_setup(model, tokenizer, collective, seed=0), [("The river", kwargs)], [("t", 0, 0)])
+        logging.getLogger("distperp_harness").removeHandler(caplog.handler)
+    at_one = generate(_setup(model, tokenizer, collective, seed=0),
+                      [("The river", kwargs)], [("t", 0, 0)])
+    assert out == at_one and any("without a temperature" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        generate(_setup(model, tokenizer, collective), [("The river", dict(kwargs, temperature=0.0))])
+
+
+@pytest.mark.distributed
+def test_sampled_task_gives_the_same_samples_on_two_processes(tiny_model_dir, tasks_dir, tmp_path):
+    outputs = {}
+    for n in (1, 2):
+        out = tmp_path / f"{n}p"
+        run_command([*accelerate_launch_prefix(n), "-m", "lm_eval", "--model", "distperp", "--model_args",
+                     f"pretrained={tiny_model_dir},max_length=128", "--tasks", "dptest_gen", "--include_path",
+                     str(tasks_dir), "--batch_size", "3", "--gen_kwargs", "do_sample=True,temperature=1.0",
+                     "--seed", "5", "--log_samples", "--output_path", str(out)], cwd=tmp_path)
+        outputs[n] = [(r["doc_id"], r["resps"][0]) for r in load_samples(out, "dptest_gen")]
+    assert outputs[1] == outputs[2] and len(outputs[1]) == 10
+    assert len({json.dumps(r) for _, r in outputs[1]}) > 5  # samples, not one repeated text
+
+
+def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir):
+    from lm_eval.api.instance import Instance
+
+    from helpers import make_lm
+
+    lm = make_lm(tiny_model_dir, ",max_length=128", {"batch_size": 4})
+    inst = Instance("generate_until", {}, ("Once upon a time", dict(SAMPLED)), 0, metadata=("t", 0, 2))
+    with torch.random.fork_rng(devices=[]):
+        runs = {}
+        for seed in (5, 5, 6):
+            torch.manual_seed(seed)  # as lm-eval's --seed does before the run
+            runs.setdefault(seed, []).append(lm.generate_until([inst, inst], disable_tqdm=True))
+    (a, b), (c,) = runs[5], runs[6]
+    assert a == b and a[0] != a[1] and c != a
+    record = lm.stats.calls[-1]
+    assert record["kind"] == "generate_until" and record["seed"] == 6 and record["jobs"] == 2
+
+
+def test_a_cache_that_cannot_be_repeated_computes_batches_whole(peaked_dir, collective, sample_text_path,
+                                                                 monkeypatch):
+    from transformers import DynamicCache
+
+    from distperp_harness.run import generate as gen
+
+    model, tokenizer = _load(peaked_dir)
+    args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]
+    expected = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args)
+    owner = next(c for c in DynamicCache.__mro__ if "batch_repeat_interleave" in vars(c))
+    monkeypatch.delattr(owner, "batch_repeat_interleave")
+    monkeypatch.setattr(gen, "_UNSHAREABLE", [])
+    calls = []
+    assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected  # middle pads, no cache
+    assert calls[0]["shared_batches"] == 0 and gen._UNSHAREABLE == ["DynamicCache"]

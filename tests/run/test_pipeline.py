@@ -1,0 +1,149 @@
+"""One scoring call across ranks (threads with a real all-to-all): the same results, batch by batch, for every world
+size, whichever rank computes a batch; a slow rank's batches are taken over."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from distperp_harness.run.pipeline import Batching, RunStats, Sharing, score_requests
+from distperp_harness.planning.requests import continuation_unit, window_units
+from distperp_harness.run.scoring import N_COLUMNS, BatchScores
+from tests.run.test_routing import _run
+
+
+class _Store:
+    """The store's add, set and (blocking) get, for threads."""
+
+    def __init__(self):
+        self.values, self.lock = {}, threading.Condition()
+
+    def add(self, key, amount):
+        with self.lock:
+            self.values[key] = int(self.values.get(key, 0)) + amount
+            return self.values[key]
+
+    def set(self, key, value):
+        with self.lock:
+            self.values[key] = value
+            self.lock.notify_all()
+
+    def get(self, key):
+        with self.lock:
+            assert self.lock.wait_for(lambda: key in self.values, timeout=20), key
+            return str(self.values[key]).encode()
+
+
+def _requests(seed=0):
+    rng = np.random.default_rng(seed)
+    block = [int(t) for t in rng.integers(5, 900, 60)]
+    out = []
+    for q in range(16):
+        context = block + [int(t) for t in rng.integers(5, 900, int(rng.integers(3, 20)))]
+        out += [[continuation_unit(context, [1000 + a] * (1 + a % 2), 256)] for a in range(4)]
+    text = [int(t) for t in rng.integers(5, 900, 300)]
+    out.append(window_units(text, 1, 64, 32))  # a request of several units
+    out.append([])  # an empty continuation
+    return out
+
+
+def _score_fn(slow_rank=None, rank=None, delay=0.0):
+    def score(rows, shared):
+        if rank == slow_rank:
+            time.sleep(delay)
+        stats, kl = [], []
+        for row in rows:  # a number that depends on the unit and on the batch it is computed in
+            for u in row.units:
+                v = np.zeros(N_COLUMNS)
+                v[0] = -sum(u.tokens) / 1e3 - 1e-6 * len(rows) - 1e-9 * shared - 1e-12 * row.length
+                v[1], v[2] = 1.0, u.n_score
+                stats.append(v)
+                kl.append(np.full(u.n_score, 0.25) + 1e-3 * len(rows))
+        return BatchScores(np.stack(stats), kl)
+    return score
+
+
+def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_reference=True, shard_size=1,
+          forwards=None, batch_size=3):
+    store = _Store()
+    shares = [[k for k in range(len(requests)) if k % world == r] for r in range(world)]
+
+    def body(c):
+        stats = RunStats()
+        score = _score_fn(slow, c.rank, delay)
+
+        def counted(rows, shared):
+            if forwards is not None:
+                forwards[c.rank] += 2 if shared else 1
+            return score(rows, shared)
+
+        def idle():
+            forwards[c.rank] += 1
+        out = score_requests([requests[k] for k in shares[c.rank]], collective=c, score_fn=counted,
+                             batching=Batching(batch_size), attention_coef=1e-4, with_reference=with_reference,
+                             sharing=Sharing(mode, 200), stats=stats, claiming=claiming, shard_size=shard_size,
+                             idle_fn=idle)
+        return out, stats
+
+    import distperp_harness.run.pipeline as pipeline
+
+    original, pipeline.default_store = pipeline.default_store, lambda: store
+    try:
+        results = _run(world, body)
+    finally:
+        pipeline.default_store = original
+    merged = [None] * len(requests)
+    for r, (out, _) in enumerate(results):
+        for k, res in zip(shares[r], out):
+            merged[k] = res
+    return merged, [stats for _, stats in results]
+
+
+@pytest.mark.parametrize("mode", ["off", "inputs", "prefix"])
+def test_the_same_bits_on_one_two_and_three_ranks(mode):
+    requests = _requests()
+    one, stats1 = _call(1, requests, mode)
+    for world in (2, 3):
+        many, stats = _call(world, requests, mode)
+        for a, b in zip(one, many):
+            assert a.loglikelihood == b.loglikelihood and a.n_tokens == b.n_tokens and a.is_greedy == b.is_greedy
+            assert a.kl.tolist() == b.kl.tolist()
+        assert {s.fingerprint for s in stats} == {stats1[0].fingerprint}
+        call = stats[0].calls[-1]
+        assert call["claiming"] == "dynamic" and sum(r["batches"] for r in call["per_rank"]) == call["batches"]
+    assert one[-1].n_tokens == 0 and one[-1].loglikelihood == 0.0
+    expected = -sum(requests[0][0].tokens) / 1e3
+    assert abs(one[0].loglikelihood - expected) < 1e-3  # the unit's own number came back to its request
+
+
+def test_a_slow_rank_computes_fewer_batches_and_changes_no_bit():
+    requests = _requests(1)
+    quiet, stats = _call(2, requests, "prefix", claiming=False)
+    slowed, slow_stats = _call(2, requests, "prefix", slow=1, delay=0.05)
+    assert [r.loglikelihood for r in quiet] == [r.loglikelihood for r in slowed]
+    assert slow_stats[0].fingerprint == stats[0].fingerprint
+    per_rank = slow_stats[0].calls[-1]["per_rank"]
+    assert per_rank[0]["batches"] > per_rank[1]["batches"] and per_rank[0]["from_ward"] > 0
+    assert stats[0].calls[-1]["claiming"] == "static"
+
+
+@pytest.mark.parametrize("claiming", [True, False])
+def test_shard_groups_keep_their_forward_calls_in_step(claiming):
+    """Two shard groups of two ranks: every rank of a group makes the same forward calls (batches, the prefix forward
+    of a shared batch, idle forwards), every batch is computed once, and the bits are one process's; with claiming the
+    other group takes over a slow group's batches."""
+    requests = _requests(2)
+    one, stats1 = _call(1, requests, "prefix", batch_size=1)
+    forwards = [0] * 4
+    many, stats = _call(4, requests, "prefix", claiming=claiming, shard_size=2, forwards=forwards,
+                        slow=0, delay=0.03, batch_size=1)  # a member takes its next batch before the step agrees,
+    # so only batches two steps ahead can go to the other group: enough of them per rank
+    assert [r.loglikelihood for r in one] == [r.loglikelihood for r in many]
+    assert stats[0].fingerprint == stats1[0].fingerprint
+    assert forwards[0] == forwards[1] and forwards[2] == forwards[3]
+    call = stats[0].calls[-1]
+    assert sum(r["batches"] for r in call["per_rank"]) == call["batches"]
+    assert call["claiming"] == ("dynamic" if claiming else "static")
+    if claiming:
+        assert call["per_rank"][2]["from_ward"] + call["per_rank"][3]["from_ward"] > 0

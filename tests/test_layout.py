@@ -1,0 +1,147 @@
+"""The package's folders are its stages, and imports walk down them (README: Layout).
+
+Every ``distperp_harness`` import between modules — at module level or inside a function — is an arrow. Between
+folders every arrow points down :data:`LAYERS`; peers on one layer do not import each other; nothing but the
+commands imports the lm-eval face (``lm``, ``docsplit``, ``tokens``). Module-level imports have no circle at all; a
+function-local import may close a circle only inside one folder.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "distperp_harness"
+
+TOP_LEVEL: dict[str, str] = {
+    # the modules left at the top of the package, and the unit each belongs to
+    "__init__": "base", "options": "base",  # leaves every layer may use: constants and the validated model_args
+    "lm": "face", "docsplit": "face", "tokens": "face",  # the lm-eval face
+    "__main__": "entry", "_hook": "entry",  # ``python -m distperp_harness`` and the .pth registration hook
+}
+LAYERS: dict[str, int] = {
+    # unit (a folder, or a group of top-level modules) -> layer; an arrow between units only reaches a lower layer
+    "base": 0,
+    "planning": 1, "distributed": 1, "model": 1, "report": 1,  # independent of each other
+    "run": 2,
+    "face": 3,
+    "commands": 4,  # above the face: ``sweep`` builds DistPerpLM itself
+    "entry": 5,
+}
+FOLDERS = set(LAYERS) - set(TOP_LEVEL.values())
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "base"
+    return TOP_LEVEL.get(parts[1], parts[1]) if len(parts) == 2 else parts[1]
+
+
+def _is_package(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def import_edges() -> list[tuple[str, str, bool]]:
+    """``(importer, imported, at_module_level)`` for every import of a ``distperp_harness`` module."""
+    edges = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f) if n is not f}
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:  # `from pkg import module` names a module; `from module import x` does not
+                    full = f"{base}.{alias.name}"
+                    candidate = PACKAGE.parent / full.replace(".", "/")
+                    targets.append(full if candidate.with_suffix(".py").exists() or candidate.is_dir() else base)
+            for target in targets:
+                if target == "distperp_harness" or target.startswith("distperp_harness."):
+                    if _is_package(target) and target != "distperp_harness":
+                        continue  # a subpackage's __init__ only documents it
+                    edges.append((module, target, id(node) not in local))
+    return edges
+
+
+def test_every_module_has_a_layer():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert top <= set(TOP_LEVEL), f"place {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL (and the README's Layout)"
+    assert folders == FOLDERS, f"folders {sorted(folders)} differ from LAYERS' {sorted(FOLDERS)}"
+
+
+def test_arrows_between_folders_point_down():
+    upward = [(a, b) for a, b, _ in import_edges() if _unit(a) != _unit(b) and LAYERS[_unit(b)] >= LAYERS[_unit(a)]]
+    assert upward == []
+
+
+def test_only_commands_reach_the_face():
+    into_face = [(a, b) for a, b, _ in import_edges()
+                 if _unit(b) == "face" and LAYERS[_unit(a)] < LAYERS["face"]]
+    assert into_face == []
+
+
+def _cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_circle_at_import_time():
+    assert _cycles([(a, b) for a, b, top in import_edges() if top and a != b]) == []
+
+
+def test_circles_stay_inside_one_folder():
+    crossing = [c for c in _cycles([(a, b) for a, b, _ in import_edges() if a != b]) if len({_unit(m) for m in c}) > 1]
+    assert crossing == []
+
+
+def test_the_check_sees_arrows():
+    edges = {(a, b) for a, b, _ in import_edges()}
+    assert ("distperp_harness.run.pipeline", "distperp_harness.planning.plan") in edges
+    assert ("distperp_harness.commands.sweep", "distperp_harness.lm") in edges  # function-local
+    assert ("distperp_harness.model.quantize", "distperp_harness.options") in edges
+    assert _cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
