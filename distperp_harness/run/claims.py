@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
+from distperp_harness.distributed.collective import CollectiveError
+
 
 def helper_of(owner: int, world_size: int, step: int) -> int:
     """The rank that helps ``owner`` (receives its batches' tokens and may take the cheapest of them)."""
@@ -89,7 +91,24 @@ class GroupSteps:
         self.step = 0
 
     def agree(self, calls: int) -> int:
+        """Raises:
+            CollectiveError: a member did not announce its step within the store's timeout (the run's ``timeout=``),
+                naming the members that never arrived."""
         key = f"{self.prefix}/step{self.step}"
         self.step += 1
-        self.store.set(f"{key}/{self.rank}", str(int(calls)))
-        return max(int(self.store.get(f"{key}/{r}")) for r in self.group)  # get waits for the key
+        try:
+            self.store.set(f"{key}/{self.rank}", str(int(calls)))
+            return max(int(self.store.get(f"{key}/{r}")) for r in self.group)  # get waits for the key
+        except Exception as exc:  # noqa: BLE001 - the store raises DistStoreError variants (timeout, host gone)
+            raise CollectiveError(self._explain(key, exc)) from exc
+
+    def _explain(self, key: str, exc: Exception) -> str:
+        try:
+            missing = [r for r in self.group if not self.store.check([f"{key}/{r}"])]
+        except Exception:  # noqa: BLE001 - store host gone
+            missing = []
+        who = (f"rank(s) {missing} never arrived (died, hung, or were killed)" if missing else
+               "the store that keeps the group in step is unreachable (rank 0 died or was killed)")
+        return (f"distperp: the step of shard group {list(self.group)} before its next gather of sharded weights "
+                f"failed on rank {self.rank}: {who}. The evaluation is incomplete and no results were written. "
+                f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

@@ -118,3 +118,26 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
           f"{per_rank} (quiet {[r['batches'] for r in quiet['call']['per_rank']]})")
     assert ratio <= 1.7, (ratio, per_rank, quiet["call"]["per_rank"])
     assert per_rank[0] > per_rank[1]  # the quiet node computed more batches
+
+
+def test_a_shard_group_member_that_never_arrives_is_named():
+    from distperp_harness.distributed.collective import CollectiveError
+    from distperp_harness.run.claims import GroupSteps
+
+    class _Store:
+        values = {}
+
+        def set(self, key, value):
+            self.values[key] = value
+
+        def get(self, key):
+            if key not in self.values:
+                raise RuntimeError("wait timeout after 15000ms, keys: " + key)
+            return self.values[key]
+
+        def check(self, keys):
+            return all(k in self.values for k in keys)
+
+    with pytest.raises(CollectiveError) as info:
+        GroupSteps(_Store(), "call", 0, 2).agree(1)
+    assert "rank(s) [1] never arrived" in str(info.value) and "gather of sharded weights" in str(info.value)
