@@ -164,7 +164,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     claims = Claims(mine, ward, default_store() if dynamic else None, prefix)
     computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
     done: list[tuple[int, bytes]] = []
-    checks = available.check_hashes()
+    local_checks = flat.check_hashes()
+    checks = available.check_hashes(local_checks)
     tokens_here = 0
     for b in _walk(claims, batches, shard_size, prefix, me, idle_fn):
         batch = batches[b]
@@ -194,7 +195,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     if (computer < 0).any():
         raise RuntimeError("internal error: some batches of the plan were not computed by any rank")
     results = return_results(collective, table, unit_batch, computer, computed, local_ids,
-                             flat.check_hashes(), N_COLUMNS, with_reference)
+                             local_checks, N_COLUMNS, with_reference)
     out = [_assemble([results[index_of[u.key()]] for u in units], with_reference) for units in per_request_units]
     if stats is not None:
         call_digest = hashlib.sha256(b"".join(digests)).digest()

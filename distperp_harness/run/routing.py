@@ -44,8 +44,9 @@ class Available:
             raise RuntimeError(f"internal error: unit {uid} was planned here but its tokens never arrived") from None
         return source.unit(k)
 
-    def check_hashes(self) -> dict[int, int]:
-        out = dict(zip(self.local_ids.tolist(), self.local.check_hashes().tolist()))
+    def check_hashes(self, local_checks: np.ndarray) -> dict[int, int]:
+        """Unit id -> check hash of its tokens, for every unit here (``local_checks``: the local units', computed once)."""
+        out = dict(zip(self.local_ids.tolist(), local_checks.tolist()))
         out.update(zip(self.received_ids.tolist(), self.received.check_hashes().tolist()))
         return out
 
