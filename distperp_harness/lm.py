@@ -19,7 +19,7 @@ from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
 from distperp_harness.distributed.collective import Collective
-from distperp_harness.run.compiling import compile_models
+from distperp_harness.run.compiling import compile_extra_bytes, compile_models
 from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
@@ -105,7 +105,8 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.batching: Batching = agree_on_batching(
             self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
             pad_token_id=self.tokenizer.pad_token_id,
-            unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0))
+            unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0) + compile_extra_bytes(
+                self.options.compile_mode, [self._model, self.reference], self._device, self.shard_size))
         # fail now, not mid-run, if there is no (valid) token to condition on
         check_prefix_token(self.prefix_token_id, [m for m in (self._model, self.reference) if m is not None],
                            given=self.options.prefix_token_id is not None)

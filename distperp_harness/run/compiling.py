@@ -11,6 +11,10 @@ takes far longer, and no call path can miss it. Calls that carry a key/value cac
 rows share a prefix, and generation) run eager: a cache update specializes on the layer index and the cache
 length, which would compile one graph per layer and per length; they are counted (``eager_calls``).
 
+**CPU weights.** On CPU the layers' linear layers also compute from oneDNN-packed weights
+(:mod:`~distperp_harness.run.prepack`: what inductor's freezing does, without a graph per layer); measured, that is
+most of what compiling gains on CPU.
+
 **Shapes.** ``dynamic=True`` without duck sizing: rows and length are symbolic, so one graph serves batches of
 every shape. The graphs are compiled at load time by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from
 ``max_length`` and the batching rule, never from the requests or the world size), without and (``share_prefix``
@@ -38,6 +42,8 @@ from typing import Any, Callable, Sequence
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.run.prepack import Prepacked, packable_bytes, prepack
+
 log = get_logger(__name__)
 
 
@@ -56,6 +62,7 @@ class CompileState:
     eager_calls: dict[str, int] = field(default_factory=lambda: {"kv_cache": 0, "not_covered": 0})
     cache: dict[str, Any] = field(default_factory=dict)
     not_covered_example: str | None = None
+    prepacked: Prepacked = field(default_factory=Prepacked)
     _graphs_at_ready: int = field(default=0, repr=False)
     _warming: bool = field(default=False, repr=False)
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -74,6 +81,7 @@ class CompileState:
         for undo in reversed(self._restore):
             undo()
         self._restore.clear()
+        self.prepacked.restore()
         self.active, self.layers, self.graphs = False, 0, 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,7 +89,9 @@ class CompileState:
                 "compile_seconds": round(self.seconds, 3), "layers": self.layers, "warmup": self.warmup,
                 "graphs": self.graphs, "recompilations": self.recompilations(),
                 "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls),
-                "not_covered_example": self.not_covered_example, "cache": self.cache}
+                "not_covered_example": self.not_covered_example, "cache": self.cache,
+                "prepacked": {"linears": self.prepacked.linears, "bytes": self.prepacked.packed_bytes,
+                              "rows_hint": self.prepacked.hint}}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -174,8 +184,8 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
 def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], packed: bool, pad_token_id: int,
              device: torch.device) -> list[str]:
     """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, and with
-    ``packed`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring._Packing` hands them)."""
-    from distperp_harness.run.scoring import _Packing
+    ``packed`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.masks.Packing` hands them)."""
+    from distperp_harness.run.masks import Packing
 
     done = []
     for rows, length in shapes:
@@ -183,9 +193,7 @@ def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], packed: 
         model.base_model(input_ids=ids, use_cache=False)
         done.append(f"{rows}x{length}")
         if packed:
-            allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril().repeat(rows, 1, 1, 1)
-            positions = torch.arange(length, device=device).repeat(rows, 1)
-            model.base_model(input_ids=ids, use_cache=False, **_Packing(allowed, positions).kwargs(model))
+            model.base_model(input_ids=ids, use_cache=False, **Packing.causal(rows, length, device).kwargs(model))
             done.append(f"{rows}x{length} tree mask")
     return done
 
@@ -195,7 +203,6 @@ def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Seq
     """Patch and warm up every model (raises on any failure; the caller restores)."""
     from torch._dynamo.utils import counters
 
-    fail_for_tests()
     before = (_unique_graphs(), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
     t0 = time.perf_counter()
     state.active, state._warming = True, True
@@ -207,7 +214,10 @@ def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Seq
                 torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)), \
                 fx_config.patch(_known(fx_config, use_duck_shape=False)):
             for model in models:
+                prepack(decoder_layers(model), device, shapes[0][0] * shapes[0][1], state.prepacked)
                 state.layers += _patch(state, model, state.mode)
+            fail_for_tests()  # where inductor fails: at the warm-up's first compiled call, after patching
+            for model in models:
                 state.warmup = _warm_up(model, shapes, packed, pad_token_id, device)
     finally:
         state._warming = False
@@ -246,6 +256,15 @@ def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | Non
     return None
 
 
+def compile_extra_bytes(mode: str | None, models: Sequence[torch.nn.Module | None], device: torch.device,
+                        shard_size: int = 1) -> int:
+    """Bytes that compiling ``models`` with ``mode`` will hold besides their weights: the packed copies of their
+    decoder layers' linear weights on CPU (:mod:`~distperp_harness.run.prepack`); 0 when nothing is compiled."""
+    if mode is None or shard_size > 1:
+        return 0
+    return sum(packable_bytes(decoder_layers(m), device) for m in models if m is not None)
+
+
 def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *, collective: Any,
                    rows_for: Callable[[int], int], max_length: int, packed: bool, pad_token_id: int,
                    device: torch.device, shard_size: int = 1) -> CompileState:
@@ -267,7 +286,11 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
             reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     if collective.local_rank == 0:
         collective.barrier("local rank 0 compiled")
-    reasons = collective.all_gather_object(reason, "agree on compiling")
+    agreed = collective.all_gather_object((reason, state.prepacked.linears), "agree on compiling")
+    reasons = [why for why, _ in agreed]
+    packed = [n for why, n in agreed if why is None]
+    if reason is None and len(set(packed)) > 1:  # one kernel choice for all: else one rank's bits would differ
+        reasons[0] = f"processes packed different numbers of linear weights for oneDNN: {packed}"
     failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
     if failed is not None:
         state.restore()

@@ -72,6 +72,17 @@ class Packing:
         return cls(run.to(device), torch.block_diag(*blocks).to(device), pos[:, shared:].to(device), padded, shared,
                    None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device))
 
+    @classmethod
+    def causal(cls, rows: int, length: int, device: torch.device) -> "Packing":
+        """``rows`` rows of one ``length``-token run each: plain causal rows in tree form (the shapes, dtypes and
+        mask form of a tree-row batch, for compile warm-ups)."""
+        width = -(-length // FLEX_BLOCK) * FLEX_BLOCK + FLEX_BLOCK
+        run = (2 * torch.arange(rows)).repeat_interleave(width).view(rows, width)
+        run[:, length:] += 1  # each row's padding run
+        block = torch.ones(2, 2, dtype=torch.bool).tril()
+        return cls(run.to(device), torch.block_diag(*[block] * rows).to(device),
+                   torch.arange(length).repeat(rows, 1).to(device), length)
+
     @functools.cached_property
     def allowed(self) -> torch.Tensor:
         """Dense ``bool [rows, 1, length - shared, length]``: True where the query sees the key."""

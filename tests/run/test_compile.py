@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from lm_eval.api.instance import Instance
 
 from distperp_harness.run import compiling
 from distperp_harness.options import COMPILE_MODES, Options
@@ -64,6 +65,16 @@ def test_compiled_and_warmed_up_at_load(compiled_lm):
     assert info["active"] and info["recompilations"] == 0 and info["warmup"]
 
 
+def test_cpu_linears_compute_from_packed_weights(compiled_lm):
+    linears = [m for layer in compiling.decoder_layers(compiled_lm.model) for m in layer.modules()
+               if isinstance(m, torch.nn.Linear)]
+    packed = compiled_lm.get_model_info()["distperp"]["compile"]["prepacked"]
+    assert packed["linears"] == len(linears) > 0 and all("forward" in m.__dict__ for m in linears)
+    assert packed["bytes"] == sum(m.weight.numel() * 4 for m in linears)
+    rows, length = (int(v) for v in compiled_lm.compiled.warmup[0].split("x"))
+    assert packed["rows_hint"] == rows * length  # from the warm-up shape: the same on every process
+
+
 def test_compiled_rolling_matches_float64_eager(compiled_lm, eager_model):
     before = compiled_lm.compiled.compiled_calls
     scores = score_rolling(compiled_lm, TEXTS)
@@ -95,12 +106,37 @@ def test_compile_is_in_the_run_identity_and_resume_key(compiled_lm):
     assert compiled_lm._scoring_config()["options"]["compile"] == "default"
 
 
+QUESTIONS = [("The tower is 324 metres tall, about the same height as", [" an 81-storey building.", " a tree.",
+                                                                        " nothing at all, really", " the moon"]),
+             ("It was the first structure to reach", [" a height of 300 metres.", " Paris"])]
+
+
+def test_tree_rows_compile_and_match_float64_eager(tiny_model_dir, eager_model):
+    """With prefix sharing (the default) the warm-up also compiles the tree-mask graph, and multiple-choice
+    answers scored in tree rows match a float64 log-softmax of the eager model on each answer alone."""
+    lm = make_lm(tiny_model_dir, ARGS.replace(",share_prefix=false", "") + ",compile=true")
+    state = lm.compiled
+    assert lm.sharing.mode == "prefix" and state.active, state.reason
+    assert any(w.endswith("tree mask") for w in state.warmup)
+    pairs = [(c, x) for c, answers in QUESTIONS for x in answers]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    before = state.compiled_calls
+    results = lm.loglikelihood(requests, disable_tqdm=True)
+    assert state.compiled_calls > before and state.recompilations() == 0
+    for pair, (ll, _) in zip(pairs, results):
+        context, continuation = lm._encode_pair(*pair)
+        expected = _float64_ll(eager_model, context + continuation, len(continuation))
+        assert abs(ll - expected) <= max(1e-5, 5e-6 * abs(expected)), (pair, ll, expected)
+
+
 def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatch, caplog):
     monkeypatch.setenv("DISTPERP_TEST_COMPILE_FAILURE", "inductor says no")
     lm = make_lm(tiny_model_dir, ARGS + ",compile=true")
     state = lm.compiled
     assert not state.active and "inductor says no" in state.reason
-    assert all("forward" not in layer.__dict__ for layer in compiling.decoder_layers(lm.model))  # eager again
+    assert all("forward" not in m.__dict__ for layer in compiling.decoder_layers(lm.model)
+               for m in layer.modules())  # eager again: layers and their linears (no packed weights)
+    assert lm.get_model_info()["distperp"]["compile"]["prepacked"]["linears"] == 0
     assert lm._scoring_config()["compiled"] is None  # eager bits: not the compiled run's resume key
     assert lm.get_model_info()["distperp"]["compile"]["reason"] == state.reason
     eager = make_lm(tiny_model_dir, ARGS)
