@@ -262,6 +262,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             stats=self.stats, kind=kind, shard_size=self.shard_size, idle_fn=self._idle_forward,
             claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
             log=functools.partial(log.warning, main_process_only=True),
+            prepare=functools.partial(self.compiled.prepare, self.collective),
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
         log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['rows']} rows "

@@ -16,9 +16,11 @@ length, which would compile one graph per layer and per length; they are counted
 most of what compiling gains on CPU.
 
 **Shapes.** ``dynamic=True`` without duck sizing: rows and length are symbolic, so one graph serves batches of
-every shape. The graphs are compiled at load time by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from
-``max_length`` and the batching rule, never from the requests or the world size), without and (``share_prefix``
-with tree rows) with the tree-row mask. After the warm-up nothing compiles again
+every shape. The graphs are compiled by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from ``max_length``
+and the batching rule, never from the requests or the world size): plain rows at load time, and (``share_prefix``
+with tree rows) the tree-row mask's graph when the first global plan with tree rows needs it
+(:meth:`CompileState.prepare`, every rank together), so a run of rolling windows never pays for it. After a warm-up
+nothing compiles again
 (``torch.compiler.set_stance("fail_on_recompile")``): a call the warm-up graphs do not cover (a one-row batch when
 full-length batches hold several rows, rows of one token) runs eager and is counted. So which kernels compute a batch
 depends on its shape alone, on every rank: inductor's size-dependent choices come from the warm-up's sizes (the same
@@ -26,7 +28,8 @@ everywhere) and never from timing (``torch._inductor.config.deterministic`` whil
 
 **Failures.** When compiling fails on any rank (a model, attention implementation, quantized weights or torch build
 that dynamo/inductor cannot handle) rank 0 says why, once, and every rank runs eager: one rank's failure turns
-compiling off for all, so every rank computes with the same kernels. The evaluation itself never fails for it.
+compiling off for all, so every rank computes with the same kernels (a failure of the later tree-mask graph: rows
+with a tree mask run eager on every rank). The evaluation itself never fails for it.
 
 **Caches.** Inductor's on-disk FX graph cache (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``)
 keeps compiled kernels across runs; each node's local rank 0 compiles first and the node's other ranks then load
@@ -35,6 +38,8 @@ its kernels from that cache (a warm rerun still traces with dynamo: seconds, not
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -63,6 +68,9 @@ class CompileState:
     cache: dict[str, Any] = field(default_factory=dict)
     not_covered_example: str | None = None
     prepacked: Prepacked = field(default_factory=Prepacked)
+    tree_mask: str | None = None
+    _tree: Callable[..., list[str]] | None = field(default=None, repr=False)
+    _models: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _graphs_at_ready: int = field(default=0, repr=False)
     _warming: bool = field(default=False, repr=False)
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -83,11 +91,41 @@ class CompileState:
         self._restore.clear()
         self.prepacked.restore()
         self.active, self.layers, self.graphs = False, 0, 0
+        self.tree_mask, self._tree, self._models = None, None, []
+
+    def prepare(self, collective: Any, tree_rows: bool) -> None:
+        """Before a scoring call whose global plan has ``tree_rows``: compile the tree-mask graph at its fixed warm-up
+        shapes if that has not happened yet (every rank calls this together; the node's local rank 0 first, the
+        others then load its kernels). If that fails on any rank, calls with a tree mask run eager on every rank."""
+        if not (tree_rows and self.active and self._tree is not None):
+            return  # the same on every rank: activity is agreed and the plan is global
+        warm_up, models, self._tree, self._models = self._tree, self._models, None, []
+        if collective.local_rank != 0:
+            collective.barrier("wait for local rank 0 to compile the tree-mask graph")
+        reason = None
+        try:
+            with _warming(self):
+                fail_for_tests("DISTPERP_TEST_TREE_MASK_FAILURE")
+                for model in models:
+                    self.warmup += warm_up(model)
+        except Exception as exc:  # noqa: BLE001 - never fail the evaluation for compiling
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if collective.local_rank == 0:
+            collective.barrier("local rank 0 compiled the tree-mask graph")
+        reasons = collective.all_gather_object(reason, "agree on the tree-mask graph")
+        failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
+        if failed is None:
+            self.tree_mask = "compiled"
+            return
+        self.tree_mask = f"eager: {failed[1]}" + (f" (rank {failed[0]})" if len(reasons) > 1 else "")
+        log.warning(f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: "
+                    f"{self.tree_mask[len('eager: '):]}", main_process_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "active": self.active, "reason": self.reason,
                 "compile_seconds": round(self.seconds, 3), "layers": self.layers, "warmup": self.warmup,
                 "graphs": self.graphs, "recompilations": self.recompilations(),
+                "tree_mask": self.tree_mask,
                 "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls),
                 "not_covered_example": self.not_covered_example, "cache": self.cache,
                 "prepacked": {"linears": self.prepacked.linears, "bytes": self.prepacked.packed_bytes,
@@ -142,6 +180,10 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
             return eager(*args, **kwargs)
         if state._warming:
             return compiled(*args, **kwargs)
+        if state.tree_mask is not None and state.tree_mask.startswith("eager") \
+                and kwargs.get("attention_mask") is not None:
+            state.eager_calls["not_covered"] += 1  # the tree-mask graph failed on some rank: eager on all
+            return eager(*args, **kwargs)
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = compiled(*args, **kwargs)
@@ -181,52 +223,64 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
 
 
 @torch.no_grad()
-def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], packed: bool, pad_token_id: int,
+def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int,
              device: torch.device) -> list[str]:
-    """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, and with
-    ``packed`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.masks.Packing` hands them)."""
+    """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with
+    ``tree`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.masks.Packing` hands them)."""
     from distperp_harness.run.masks import Packing
 
     done = []
     for rows, length in shapes:
         ids = torch.full((rows, length), pad_token_id, dtype=torch.long, device=device)
-        model.base_model(input_ids=ids, use_cache=False)
-        done.append(f"{rows}x{length}")
-        if packed:
-            model.base_model(input_ids=ids, use_cache=False, **Packing.causal(rows, length, device).kwargs(model))
-            done.append(f"{rows}x{length} tree mask")
+        extra = Packing.causal(rows, length, device).kwargs(model) if tree else {}
+        model.base_model(input_ids=ids, use_cache=False, **extra)
+        done.append(f"{rows}x{length}" + (" tree mask" if tree else ""))
     return done
 
 
-def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Sequence[tuple[int, int]],
-             packed: bool, pad_token_id: int, device: torch.device) -> None:
-    """Patch and warm up every model (raises on any failure; the caller restores)."""
+@contextlib.contextmanager
+def _warming(state: CompileState):
+    """Compile settings for warm-ups (deterministic kernels, no duck sizing); adds the seconds, graphs and cache
+    hits and misses of the block to ``state``, and restarts the recompilation count after it."""
     from torch._dynamo.utils import counters
+    import torch.fx.experimental._config as fx_config
 
     before = (_unique_graphs(), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
     t0 = time.perf_counter()
-    state.active, state._warming = True, True
+    state._warming = True
     try:
-        import torch.fx.experimental._config as fx_config
-
         # use_duck_shape=False: a warm-up size equal to a weight's (hidden size, heads) must not fix rows or length.
         with torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)), \
                 torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)), \
                 fx_config.patch(_known(fx_config, use_duck_shape=False)):
-            for model in models:
-                prepack(decoder_layers(model), device, shapes[0][0] * shapes[0][1], state.prepacked)
-                state.layers += _patch(state, model, state.mode)
-            fail_for_tests()  # where inductor fails: at the warm-up's first compiled call, after patching
-            for model in models:
-                state.warmup = _warm_up(model, shapes, packed, pad_token_id, device)
+            yield
     finally:
         state._warming = False
-    state.seconds = time.perf_counter() - t0
-    state.graphs = _unique_graphs() - before[0]
-    state._graphs_at_ready = _unique_graphs()
-    state.cache = {"fx_graph_cache": bool(torch._inductor.config.fx_graph_cache), "dir": _cache_dir(),
-                   "hits": counters["inductor"]["fxgraph_cache_hit"] - before[1],
-                   "misses": counters["inductor"]["fxgraph_cache_miss"] - before[2]}
+        state.seconds += time.perf_counter() - t0
+        state.graphs += _unique_graphs() - before[0]
+        state._graphs_at_ready = _unique_graphs()
+        state.cache = {"fx_graph_cache": bool(torch._inductor.config.fx_graph_cache), "dir": _cache_dir(),
+                       "hits": state.cache.get("hits", 0) + counters["inductor"]["fxgraph_cache_hit"] - before[1],
+                       "misses": (state.cache.get("misses", 0) + counters["inductor"]["fxgraph_cache_miss"]
+                                  - before[2])}
+
+
+def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Sequence[tuple[int, int]],
+             packed: bool, pad_token_id: int, device: torch.device) -> None:
+    """Patch and warm up every model for plain rows (raises on any failure; the caller restores); with ``packed``,
+    the tree-mask warm-up waits for the first plan that has tree rows (:meth:`CompileState.prepare`)."""
+    state.active = True
+    with _warming(state):
+        for model in models:
+            prepack(decoder_layers(model), device, shapes[0][0] * shapes[0][1], state.prepacked)
+            state.layers += _patch(state, model, state.mode)
+        fail_for_tests()  # where inductor fails: at the warm-up's first compiled call, after patching
+        for model in models:
+            state.warmup = _warm_up(model, shapes, False, pad_token_id, device)
+    if packed:
+        state.tree_mask = "not needed yet"
+        state._tree = functools.partial(_warm_up, shapes=shapes, tree=True, pad_token_id=pad_token_id, device=device)
+        state._models = list(models)
 
 
 def _known(config: Any, **values: Any) -> dict[str, Any]:
@@ -300,14 +354,18 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
     else:
         log.info(f"compile={mode}: {state.layers} decoder layers compiled in {state.seconds:.1f} s "
                  f"({state.graphs} graphs; warm-up {', '.join(state.warmup)}; on-disk cache hits "
-                 f"{state.cache.get('hits')}, misses {state.cache.get('misses')})", main_process_only=True)
+                 f"{state.cache.get('hits')}, misses {state.cache.get('misses')}; "
+                 f"{state.prepacked.linears} linear weights packed for oneDNN"
+                 + ("; tree-mask graph when a plan has tree rows" if state.tree_mask else "") + ")",
+                 main_process_only=True)
     return state
 
 
-def fail_for_tests() -> None:
-    """Tests fake a compile failure by setting ``DISTPERP_TEST_COMPILE_FAILURE`` (its value is the message)."""
+def fail_for_tests(variable: str = "DISTPERP_TEST_COMPILE_FAILURE") -> None:
+    """Tests fake a compile failure by setting ``variable`` (its value is the message):
+    ``DISTPERP_TEST_COMPILE_FAILURE`` at load, ``DISTPERP_TEST_TREE_MASK_FAILURE`` for the tree-mask graph."""
     import os
 
-    message = os.environ.get("DISTPERP_TEST_COMPILE_FAILURE")
+    message = os.environ.get(variable)
     if message:
         raise RuntimeError(message)

@@ -104,7 +104,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
                    stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
                    kind: str = "score", shard_size: int = 1,
                    idle_fn: Callable[[], None] | None = None, claiming: bool = True,
-                   local_world_size: int = 1, log: Callable[[str], None] | None = None) -> list[RequestResult]:
+                   local_world_size: int = 1, log: Callable[[str], None] | None = None,
+                   prepare: Callable[[bool], None] | None = None) -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
     Args:
@@ -119,6 +120,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
         claiming: let ranks (or shard groups) take batches dynamically (:mod:`distperp_harness.run.claims`).
         local_world_size: processes per node (the helper of a rank is on another node when there are several).
         log: where rank 0's notes about the plan go (idle ranks).
+        prepare: called on every rank, together, once the global plan is known, with whether any batch computed
+            without a shared prefix cache has a row of several units (tree rows; compiling warms their graph then).
 
     Returns:
         One :class:`RequestResult` per local request, identical bits for every world size.
@@ -140,6 +143,9 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     batches = batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
     if sharing.mode == "prefix":
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
+    if prepare is not None:
+        prepare(sharing.mode == "prefix" and any(len(planned.members[r]) > 1 for b in batches if not b.shared
+                                                 for r in range(b.start, b.stop)))
     plan = assign_batches(batches, world, attention_coef, head_coef)
     step = helper_step(world, local_world_size, shard_size) if claiming else 0
     dynamic = step > 0

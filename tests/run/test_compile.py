@@ -111,22 +111,61 @@ QUESTIONS = [("The tower is 324 metres tall, about the same height as", [" an 81
              ("It was the first structure to reach", [" a height of 300 metres.", " Paris"])]
 
 
-def test_tree_rows_compile_and_match_float64_eager(tiny_model_dir, eager_model):
-    """With prefix sharing (the default) the warm-up also compiles the tree-mask graph, and multiple-choice
-    answers scored in tree rows match a float64 log-softmax of the eager model on each answer alone."""
-    lm = make_lm(tiny_model_dir, ARGS.replace(",share_prefix=false", "") + ",compile=true")
-    state = lm.compiled
-    assert lm.sharing.mode == "prefix" and state.active, state.reason
-    assert any(w.endswith("tree mask") for w in state.warmup)
+def _mc_requests():
     pairs = [(c, x) for c, answers in QUESTIONS for x in answers]
-    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
-    before = state.compiled_calls
-    results = lm.loglikelihood(requests, disable_tqdm=True)
-    assert state.compiled_calls > before and state.recompilations() == 0
+    return pairs, [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+
+def _check_mc(lm, eager_model, pairs, results):
     for pair, (ll, _) in zip(pairs, results):
         context, continuation = lm._encode_pair(*pair)
         expected = _float64_ll(eager_model, context + continuation, len(continuation))
         assert abs(ll - expected) <= max(1e-5, 5e-6 * abs(expected)), (pair, ll, expected)
+
+
+@pytest.fixture(scope="module")
+def compiled_tree_lm(tiny_model_dir):
+    return make_lm(tiny_model_dir, ARGS.replace(",share_prefix=false", "") + ",compile=true")
+
+
+def test_tree_mask_graph_waits_for_a_plan_with_tree_rows(compiled_tree_lm):
+    """Rolling windows (one unit per row) never need the tree-mask graph: it is not compiled for them."""
+    lm = compiled_tree_lm
+    assert lm.sharing.mode == "prefix" and lm.compiled.active, lm.compiled.reason
+    graphs = lm.compiled.graphs
+    if lm.compiled.tree_mask == "not needed yet":  # this module's tests may run in any order
+        score_rolling(lm, TEXTS)
+        assert lm.compiled.tree_mask == "not needed yet" and lm.compiled.graphs == graphs
+        assert not any(w.endswith("tree mask") for w in lm.compiled.warmup)
+
+
+def test_tree_rows_compile_and_match_float64_eager(compiled_tree_lm, eager_model):
+    """With prefix sharing (the default) the first plan with tree rows compiles the tree-mask graph (at its fixed
+    warm-up shape), and multiple-choice answers scored in tree rows match a float64 log-softmax of the eager
+    model on each answer alone."""
+    lm = compiled_tree_lm
+    state = lm.compiled
+    pairs, requests = _mc_requests()
+    before = state.compiled_calls
+    results = lm.loglikelihood(requests, disable_tqdm=True)
+    assert state.tree_mask == "compiled" and any(w.endswith("tree mask") for w in state.warmup)
+    assert state.compiled_calls > before and state.recompilations() == 0
+    assert lm.get_model_info()["distperp"]["compile"]["tree_mask"] == "compiled"
+    _check_mc(lm, eager_model, pairs, results)
+
+
+def test_tree_mask_failure_runs_tree_rows_eager(tiny_model_dir, eager_model, monkeypatch):
+    monkeypatch.setenv("DISTPERP_TEST_TREE_MASK_FAILURE", "no tree today")
+    lm = make_lm(tiny_model_dir, ARGS.replace(",share_prefix=false", "") + ",compile=true")
+    pairs, requests = _mc_requests()
+    results = lm.loglikelihood(requests, disable_tqdm=True)
+    state = lm.compiled
+    assert state.active and state.tree_mask.startswith("eager") and "no tree today" in state.tree_mask
+    assert state.eager_calls["not_covered"] > 0
+    _check_mc(lm, eager_model, pairs, results)
+    compiled_before = state.compiled_calls
+    score_rolling(lm, TEXTS)  # plain rows still run compiled
+    assert state.compiled_calls > compiled_before
 
 
 def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatch, caplog):
@@ -149,20 +188,26 @@ def test_warmup_shapes_come_from_max_length_and_batching():
 
 
 @pytest.mark.distributed
-def test_two_processes_give_the_bits_of_one(compiled_lm, tiny_model_dir, tasks_dir, tmp_path):
-    """``accelerate launch`` with 2 processes and compile=true on one tiny rolling task: every document's
-    log-likelihood equals the in-process (1 process) compiled run's, bit for bit (rank 1 waits for rank 0's compile
-    and loads its kernels from the on-disk cache)."""
+def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, tasks_dir, tmp_path):
+    """``accelerate launch`` with 2 processes and compile=true (prefix sharing on) on a tiny rolling task and a
+    multiple-choice task: every log-likelihood equals the in-process (1 process) compiled run's, bit for bit
+    (rank 1 waits for rank 0's compiles, the tree-mask graph's included, and loads its kernels from the cache)."""
     from helpers import accelerate_launch_prefix, load_results, load_samples, run_command
 
+    args = ARGS.replace(",batch_size=4", "").replace(",share_prefix=false", "")
     out = tmp_path / "2p"
     run_command([*accelerate_launch_prefix(2), "-m", "lm_eval", "--model", "distperp", "--model_args",
-                 f"pretrained={tiny_model_dir}{ARGS.replace(',batch_size=4', '')},compile=true",
-                 "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--batch_size", "4",
+                 f"pretrained={tiny_model_dir}{args},compile=true",
+                 "--tasks", "dptest_rolling,dptest_mc", "--include_path", str(tasks_dir), "--batch_size", "4",
                  "--log_samples", "--output_path", str(out)], cwd=tmp_path)
     info = load_results(out)["config"]["distperp"]
     assert info["world_size"] == 2 and info["compile"]["active"] and info["compile"]["recompilations"] == 0
-    assert info["compile"]["compiled_calls"] > 0
+    assert info["compile"]["compiled_calls"] > 0 and info["compile"]["tree_mask"] == "compiled"
     samples = load_samples(out, "dptest_rolling")
-    one = score_rolling(compiled_lm, [s["doc"]["text"] for s in samples])
+    one = score_rolling(compiled_tree_lm, [s["doc"]["text"] for s in samples])
     assert [float(s["resps"][0][0]) for s in samples] == [float(x) for x in one]
+    mc = load_samples(out, "dptest_mc")
+    pairs = [(a["arg_0"], a["arg_1"]) for s in mc for a in s["arguments"].values()]  # lm-eval's sample layout
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    one_mc = compiled_tree_lm.loglikelihood(requests, disable_tqdm=True)
+    assert [float(r[0][0]) for s in mc for r in s["resps"]] == [float(ll) for ll, _ in one_mc]
