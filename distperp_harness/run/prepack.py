@@ -1,9 +1,9 @@
 """CPU weight prepacking for ``compile=``: the decoder layers' linear layers compute from oneDNN-packed weights.
 
-On CPU, what makes inductor's compiled inference faster than eager is mostly not fusion but its *freezing* pass:
-weights become constants and every ``linear`` turns into oneDNN's ``_linear_pointwise`` on a weight reordered once
-(``mkldnn._reorder_linear_weight``) into the blocked layout its GEMM kernels read, instead of ``mm`` repacking the
-weight on every call. Freezing compiles one graph per layer, though (the weights are baked in), which multiplies
+On CPU, much of what makes inductor's compiled inference faster than eager is not fusion but its *freezing* pass
+(measured: ``benchmarks/README.md``, "Compiling"): weights become constants and every ``linear`` turns into oneDNN's
+``_linear_pointwise`` on a weight reordered once (``mkldnn._reorder_linear_weight``) into the blocked layout its
+GEMM kernels read, instead of a plain ``mm`` on the row-major weight. Freezing compiles one graph per layer, though (the weights are baked in), which multiplies
 compile time by the depth of the model, and its graphs are keyed by the weights' values. This module gives the
 regional graph of :mod:`~distperp_harness.run.compiling` the same kernels while one graph still serves every layer:
 each plain ``nn.Linear`` of a decoder layer calls the custom op ``distperp::packed_linear(x, weight, bias)``, which

@@ -39,6 +39,21 @@ def test_packed_linears_match_float64_and_restore_gives_eager_back():
     assert all(torch.equal(layer(x), e) for layer, e in zip(layers, eager))  # the eager kernels' bits again
 
 
+def test_bfloat16_weights_are_packed_too():
+    torch.manual_seed(2)
+    layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(32, 48)).to(torch.bfloat16)])
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    state = prepack.prepack(layers, torch.device("cpu"), hint=10)
+    try:
+        assert state.linears == 1 and state.packed_bytes == 32 * 48 * 2
+        with torch.no_grad():
+            out = layers[0](x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), _float64(layers[0], x), atol=0.05, rtol=0.02)  # bf16 rounding
+    finally:
+        state.restore()
+
+
 def test_one_compiled_graph_serves_layers_with_their_own_weights():
     from torch._dynamo.utils import counters
 
