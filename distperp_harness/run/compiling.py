@@ -39,7 +39,6 @@ its kernels from that cache (a warm rerun still traces with dynamo: seconds, not
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -69,8 +68,7 @@ class CompileState:
     not_covered_example: str | None = None
     prepacked: Prepacked = field(default_factory=Prepacked)
     tree_mask: str | None = None
-    _tree: Callable[..., list[str]] | None = field(default=None, repr=False)
-    _models: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    _tree: Callable[[], list[str]] | None = field(default=None, repr=False)
     _graphs_at_ready: int = field(default=0, repr=False)
     _warming: bool = field(default=False, repr=False)
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -91,7 +89,7 @@ class CompileState:
         self._restore.clear()
         self.prepacked.restore()
         self.active, self.layers, self.graphs = False, 0, 0
-        self.tree_mask, self._tree, self._models = None, None, []
+        self.tree_mask, self._tree = None, None
 
     def prepare(self, collective: Any, tree_rows: bool) -> None:
         """Before a scoring call whose global plan has ``tree_rows``: compile the tree-mask graph at its fixed warm-up
@@ -99,27 +97,18 @@ class CompileState:
         others then load its kernels). If that fails on any rank, calls with a tree mask run eager on every rank."""
         if not (tree_rows and self.active and self._tree is not None):
             return  # the same on every rank: activity is agreed and the plan is global
-        warm_up, models, self._tree, self._models = self._tree, self._models, None, []
-        if collective.local_rank != 0:
-            collective.barrier("wait for local rank 0 to compile the tree-mask graph")
-        reason = None
-        try:
+        warm_up, self._tree = self._tree, None
+
+        def attempt() -> None:
             with _warming(self):
                 fail_for_tests("DISTPERP_TEST_TREE_MASK_FAILURE")
-                for model in models:
-                    self.warmup += warm_up(model)
-        except Exception as exc:  # noqa: BLE001 - never fail the evaluation for compiling
-            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        if collective.local_rank == 0:
-            collective.barrier("local rank 0 compiled the tree-mask graph")
-        reasons = collective.all_gather_object(reason, "agree on the tree-mask graph")
-        failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
-        if failed is None:
-            self.tree_mask = "compiled"
-            return
-        self.tree_mask = f"eager: {failed[1]}" + (f" (rank {failed[0]})" if len(reasons) > 1 else "")
-        log.warning(f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: "
-                    f"{self.tree_mask[len('eager: '):]}", main_process_only=True)
+                self.warmup += warm_up()
+
+        failure = _first_failure([why for why, _ in _in_turn(collective, "the tree-mask graph", attempt)])
+        self.tree_mask = "compiled" if failure is None else f"eager: {failure}"
+        if failure is not None:
+            log.warning(f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: "
+                        f"{failure}", main_process_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "active": self.active, "reason": self.reason,
@@ -279,8 +268,7 @@ def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Seq
             state.warmup = _warm_up(model, shapes, False, pad_token_id, device)
     if packed:
         state.tree_mask = "not needed yet"
-        state._tree = functools.partial(_warm_up, shapes=shapes, tree=True, pad_token_id=pad_token_id, device=device)
-        state._models = list(models)
+        state._tree = lambda: [done for model in models for done in _warm_up(model, shapes, True, pad_token_id, device)]
 
 
 def _known(config: Any, **values: Any) -> dict[str, Any]:
@@ -331,25 +319,19 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
     present = [m for m in models if m is not None]
     reason = unsupported(present, shard_size)
     shapes = warmup_shapes(rows_for, max_length)
-    if collective.local_rank != 0:  # the node's first rank fills the on-disk cache; the others read it
-        collective.barrier("wait for local rank 0 to compile")
-    if reason is None:
-        try:
-            _compile(state, present, shapes, packed, pad_token_id, device)
-        except Exception as exc:  # noqa: BLE001 - any compile failure means: run eager (never fail the run)
-            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    if collective.local_rank == 0:
-        collective.barrier("local rank 0 compiled")
-    agreed = collective.all_gather_object((reason, state.prepacked.linears), "agree on compiling")
+
+    def attempt() -> int:
+        _compile(state, present, shapes, packed, pad_token_id, device)
+        return state.prepacked.linears
+
+    agreed = _in_turn(collective, "the decoder layers", attempt, reason)
     reasons = [why for why, _ in agreed]
-    packed = [n for why, n in agreed if why is None]
-    if reason is None and len(set(packed)) > 1:  # one kernel choice for all: else one rank's bits would differ
-        reasons[0] = f"processes packed different numbers of linear weights for oneDNN: {packed}"
-    failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
-    if failed is not None:
+    linears = [n for why, n in agreed if why is None]
+    if not any(reasons) and len(set(linears)) > 1:  # one kernel choice for all: else one rank's bits would differ
+        reasons[0] = f"processes packed different numbers of linear weights for oneDNN: {linears}"
+    state.reason = _first_failure(reasons)
+    if state.reason is not None:
         state.restore()
-        where = f" (rank {failed[0]})" if len(reasons) > 1 else ""
-        state.reason = f"{failed[1]}{where}"
         log.warning(f"compile={mode}: not compiled, running eager: {state.reason}", main_process_only=True)
     else:
         log.info(f"compile={mode}: {state.layers} decoder layers compiled in {state.seconds:.1f} s "
@@ -359,6 +341,32 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
                  + ("; tree-mask graph when a plan has tree rows" if state.tree_mask else "") + ")",
                  main_process_only=True)
     return state
+
+
+def _in_turn(collective: Any, what: str, attempt: Callable[[], Any], reason: str | None = None
+             ) -> list[tuple[str | None, Any]]:
+    """``attempt()`` on every rank (skipped where ``reason`` already says why not), the node's local rank 0 first: it
+    fills inductor's on-disk cache and the node's other ranks then load its kernels. Returns every rank's ``(failure
+    reason or None, what attempt returned)``; a failure never escapes (the evaluation runs eager instead)."""
+    if collective.local_rank != 0:
+        collective.barrier(f"wait for local rank 0 to compile {what}")
+    result = None
+    if reason is None:
+        try:
+            result = attempt()
+        except Exception as exc:  # noqa: BLE001 - any compile failure means: run eager (never fail the run)
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    if collective.local_rank == 0:
+        collective.barrier(f"local rank 0 compiled {what}")
+    return collective.all_gather_object((reason, result), f"agree on compiling {what}")
+
+
+def _first_failure(reasons: Sequence[str | None]) -> str | None:
+    """The lowest rank's failure reason (with its rank when there are several), or None."""
+    failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
+    if failed is None:
+        return None
+    return failed[1] + (f" (rank {failed[0]})" if len(reasons) > 1 else "")
 
 
 def fail_for_tests(variable: str = "DISTPERP_TEST_COMPILE_FAILURE") -> None:
