@@ -25,12 +25,12 @@ from distperp_harness.model.devices import device_identity, find_disagreement, f
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, stop_together
 from distperp_harness.run.fit import check_fits
-from distperp_harness.run.generate import GenerationSetup, generate
+from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
 from distperp_harness.model.loading import check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
 from distperp_harness.run.pipeline import Batching, RunStats, Sharing, score_requests
-from distperp_harness.run.progress import setup_logging, token_progress
+from distperp_harness.run.progress import generation_progress, setup_logging, token_progress
 from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.model.quantize import weight_bytes
 from distperp_harness.planning.requests import Unit, continuation_unit, window_units
@@ -206,7 +206,10 @@ class DistPerpLM(Tokenization, TemplateLM):
             rows_for=functools.partial(generation_rows, self.batching,
                                        activation_bytes=activation_bytes_per_token(self._model, self.max_length),
                                        kv_bytes=kv_cache_bytes_per_token(self._model)),
-            seed=torch.initial_seed())  # lm-eval's --seed (its torch value) seeds sampled requests
+            seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
+            min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
+            store=self.store, claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
+            progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main))
         outputs = generate(setup, [req.args for req in requests], calls=self.stats.calls,
                            identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
         for req, text in zip(requests, outputs):

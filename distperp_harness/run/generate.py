@@ -1,29 +1,33 @@
-"""``generate_until`` under the global plan: greedy or sampled generations, cut at stop sequences.
+"""``generate_until`` under the global plan: lanes of continuously batched slots, claimed, resumable.
 
-Like scoring, generation first learns the global request list, deduplicates greedy requests, groups them by
-generation arguments, sorts by prompt length and packs batches by a rule that ignores the world size; whole
-batches go to ranks by cost. A batch's layout is therefore the same on any number of processes, so greedy
-generations are identical for every world size.
+Every rank tokenizes its own prompts and learns the global job list (greedy requests with equal arguments are one
+job). Jobs are ordered canonically and cut into lanes by a rule that ignores the world size
+(:mod:`distperp_harness.run.lanes`); whole lanes go to ranks by cost (prompt plus ``max_gen_toks`` tokens per
+job) and are claimed like scoring batches (:mod:`distperp_harness.run.claims`: a slow rank generates fewer). A lane
+is decoded by continuous batching (:mod:`distperp_harness.run.slots`): each row stops on its own and its slot is
+refilled at once; the lane's schedule depends only on its jobs, so texts are identical for every world size and
+whichever rank computes a lane. A lane whose arguments slots do not serve runs as ``model.generate`` batches
+(:mod:`distperp_harness.run.batchgen`). Finished lanes are saved to ``resume_dir`` and reused by a rerun on any
+world size.
 
-**Shared prefix.** When a batch's prompts share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
-fixed examples: lm-eval's ``first_n`` sampler), the shared prefix is computed once (batch 1), its KV cache is repeated
-to the batch's rows, and every row continues from it. Rows are laid out ``[prefix][pad...][own suffix]`` with zeros in
-the attention mask on the pads; ``generate`` derives position ids from the mask's cumulative sum, so each suffix
-continues its prefix's positions exactly as a left-padded row would. The decision reads only the batch's tokens.
+**Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
+fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
+once per rank (:class:`~distperp_harness.run.slots.PrefixCache`).
 
 **Sampling.** A sampled request draws from its own ``torch.Generator`` seeded from lm-eval's torch seed (``--seed``,
 third value; read as ``torch.initial_seed()``) and the request's content: prompt, generation arguments, lm-eval's
-``(task, doc_id, idx)`` and its repeat index. Never its rank, batch or position: a sample is the same on any world
-size and batch size (up to a draw that lands within float rounding of a boundary, since padding moves logits by
-~1e-7), changes with ``--seed``, and the global RNG is left as it was.
+``(task, doc_id, idx)`` and its repeat index. Never its rank or lane: a sample is the same on any world size
+(up to a draw that lands within float rounding of a boundary, when the batch size changes), changes with
+``--seed``, and the global RNG is left as it was.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import json
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -32,33 +36,53 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, \
     postprocess_generated_text
-from lm_eval.models.utils_hf import stop_sequences_criteria
-from transformers import LogitsProcessor
 
-from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.collective import Collective, default_store
+from distperp_harness.distributed.failfast import fail_for_tests, stop_together
 from distperp_harness.model.memory import peak_memory_bytes
-from distperp_harness.run.kvcache import CacheNotShareable, cache_argument, prefix_cache
-from distperp_harness.planning.plan import Batch, assign_batches
-from distperp_harness.planning.rows import MIN_SHARED_PREFIX, common_prefix_length
+from distperp_harness.planning.plan import assign_batches
+from distperp_harness.planning.rows import MIN_SHARED_PREFIX
+from distperp_harness.run.batchgen import generate_batch
+from distperp_harness.run.claims import Claims, helper_step
+from distperp_harness.run.kvcache import CacheNotShareable
+from distperp_harness.run.lanes import LanePlan, common_prefix, plan_lanes
+from distperp_harness.run.sampling import SAMPLING_KEYS, warpers_for
+from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, decode_lane
 
 log = get_logger(__name__)
 
 MIN_SHARED_TOKENS = MIN_SHARED_PREFIX
-"""Shortest common prefix a batch starts from a shared KV cache (the rule scoring's batches follow too): the saved
+"""Shortest common prefix a lane starts from a shared KV cache (the rule scoring's batches follow too): the saved
 prefill is ``(rows - 1) * prefix`` tokens against one extra forward call."""
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
-"""Generation arguments applied by the distribution warpers (transformers' sampling-only logits processors)."""
+NO_SHARING = 1 << 62
+"""``min_shared_tokens`` that turns prefix sharing off (``share_prefix=false``)."""
+
+SLOT_KEYS = frozenset({"do_sample", "num_beams", "num_return_sequences", *SAMPLING_KEYS})
+"""Normalized generation arguments (besides ``until`` and ``max_gen_toks``) that slots decode; any other key sends
+the lane to ``model.generate`` batches."""
+
+_NEUTRAL_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                       "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                       "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                       "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False}
+"""``generation_config`` fields that make ``generate`` add a logits processor, with their neutral values."""
 
 
 @dataclass(frozen=True)
 class GenerationSetup:
     """What generation needs from the loaded run (the lm face builds it; nothing here reads the LM object).
 
-    ``rows_for(length)`` is the number of rows a batch may hold when each row grows to ``length`` tokens
+    ``rows_for(length)`` is the number of slots a lane may hold when each row grows to ``length`` tokens
     (:func:`distperp_harness.run.runtime.generation_rows`: the batching rule, capped by KV-cache bytes).
+    ``max_gen_toks``: the default for requests that set none (each request's own limit sizes its lane).
     ``seed``: lm-eval's torch seed (``None``: ``torch.initial_seed()`` at the call); rank 0's is used by all.
     ``min_shared_tokens``: see :data:`MIN_SHARED_TOKENS` (a huge value turns sharing off).
+    ``store``: ``resume_dir``'s store (finished lanes saved and reused); ``claiming``: lanes taken dynamically;
+    ``local_world_size``: processes per node (a rank's helper is on another node when there are several).
+    ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
+    ``stop_allowed(tokens)``: whether a stop string may end a row now (``None``: always).
+    ``finish(text, until)``: a row's decoded new text to the answer lm-eval scores.
     """
 
     model: torch.nn.Module
@@ -71,6 +95,12 @@ class GenerationSetup:
     rows_for: Callable[[int], int]
     seed: int | None = None
     min_shared_tokens: int = MIN_SHARED_TOKENS
+    store: Any = None
+    claiming: bool = True
+    local_world_size: int = 1
+    progress: Callable[[int], Callable[[int, int], None]] | None = None
+    stop_allowed: Callable[[list[int]], bool] | None = None
+    finish: Callable[[str, list[str]], str] = lambda text, until: postprocess_generated_text(text, until, None)
 
 
 @dataclass(frozen=True)
@@ -126,214 +156,199 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
 
     ``identities``: one JSON-able identity per request (the lm face passes lm-eval's ``(task, doc_id, idx)``); it
     seeds sampled requests, so two documents with equal prompts sample independently. ``calls``: when given, one
-    record of this call is appended (jobs, batches, shared prefixes, prompt tokens computed, seed).
+    record of this call is appended (jobs, lanes, slots, shared prefixes, tokens computed, seed, per-rank work).
     """
     start_time = time.perf_counter()
     collective = setup.collective
     local_keys = _job_keys(args, identities)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
-    everyone = collective.all_gather_object(
-        (seed, [(key, kwargs_key, sampled, ctx, kw)
-                for (key, kwargs_key, sampled), (ctx, kw) in zip(local_keys, args)]),
-        "gather prompts")
+    mine_jobs = {}
+    for (key, kwargs_key, sampled), (ctx, kw) in zip(local_keys, args):
+        if key not in mine_jobs:  # each rank tokenizes its own prompts only
+            mine_jobs[key] = (kwargs_key, sampled, tuple(_encode(setup, ctx)), kw)
+    everyone = collective.all_gather_object((seed, mine_jobs), "gather prompts")
     seed = everyone[0][0]  # rank 0's, so every rank seeds alike
     jobs: dict[str, Job] = {}
     for _, part in everyone:
-        for key, kwargs_key, sampled, ctx, kw in part:
+        for key, (kwargs_key, sampled, tokens, kw) in part.items():
             if key not in jobs:
-                job_seed = int(_sha([seed, key])[:15], 16) if sampled else None
-                jobs[key] = Job(key, tuple(_encode(setup, ctx)), kwargs_key, kw, job_seed)
-    ordered = sorted(jobs.values(), key=lambda j: (j.kwargs_key, -len(j.tokens), j.tokens, j.key))
-    batches = _batches(ordered, setup.rows_for, setup.max_gen_toks)
-    plan = assign_batches(batches, collective.world_size)
-    mine, stats = {}, []
-    for b in plan.batches_of(collective.rank):
-        batch = batches[b]
-        texts, batch_stats = _generate_batch(setup, ordered[batch.start: batch.stop])
-        mine.update(texts)
-        stats.append(batch_stats)
-    texts: dict[str, str] = {}
-    all_stats, peaks = [], []
-    for part, part_stats, peak in collective.all_gather_object((mine, stats, peak_memory_bytes(setup.device)),
-                                                               "gather generations"):
-        texts.update(part)
-        all_stats += part_stats
-        peaks.append(peak)
-    record = _record(all_stats, peaks, requests=sum(len(part) for _, part in everyone), jobs=ordered, seed=seed,
-                     min_shared_tokens=setup.min_shared_tokens, world_size=collective.world_size,
-                     seconds=time.perf_counter() - start_time)
-    log.info(f"generate_until: {record['requests']} requests, {record['jobs']} generations "
-             f"({record['sampled_jobs']} sampled{f', seed {seed}' if record['sampled_jobs'] else ''}) in "
-             f"{record['generation_batches']} batches; "
-             f"{record['shared_batches']} started from a shared prefix (>= {setup.min_shared_tokens} tokens); "
-             f"prompt tokens computed {record['computed_prompt_tokens']} of {record['prompt_tokens']} "
-             f"({record['computed_prompt_tokens_per_job']:.0f} per generation) in {record['seconds']:.1f} s",
-             main_process_only=True)
+                jobs[key] = Job(key, tokens, kwargs_key, kw, int(_sha([seed, key])[:15], 16) if sampled else None)
+    ordered = sorted(jobs.values(), key=lambda j: (j.kwargs_key, j.tokens, j.key))
+    prepared = [_prepare(setup, job) for job in ordered]
+    lanes = plan_lanes([p.prompt for p in prepared], [j.kwargs_key for j in ordered],
+                       [p.max_new for p in prepared], setup.rows_for, setup.min_shared_tokens)
+    plan = assign_batches([lane.as_batch() for lane in lanes], collective.world_size)
+    me, world = collective.rank, collective.world_size
+    step = helper_step(world, setup.local_world_size) if setup.claiming else 0
+    own = plan.batches_of(me)
+    claims = Claims(own, plan.batches_of((me - step) % world) if step else [],
+                    default_store() if step else None, f"distperp/lanes/{collective.sequence}")
+    bar = setup.progress(sum(lanes[i].jobs for i in own)) if setup.progress else None
+    texts, stats, prefixes = {}, [], PrefixCache()
+    for i in claims:
+        lane = lanes[i]
+        part = [(ordered[j], prepared[j]) for j in range(lane.start, lane.stop)]
+        key = _lane_key(part, lane) if setup.store is not None else None
+        saved = setup.store.load_lane(key, lane.jobs) if key is not None else None
+        if saved is None:
+            with stop_together(collective, setup.device):  # an error here stops every rank, naming this one
+                fail_for_tests(me)
+                saved, lane_stats = _run_lane(setup, part, lane, prefixes, bar)
+            if setup.store is not None:
+                setup.store.save_lane(key, saved)
+            stats.append({"lane": i, **lane_stats})
+        elif bar is not None:
+            bar(lane.jobs, 0)
+        texts.update({job.key: text for (job, _), text in zip(part, saved)})
+    report = {"rank": me, "lanes": len(stats), "from_ward": claims.taken_from_ward,
+              "seconds": round(time.perf_counter() - start_time, 4)}
+    resume = setup.store.local_counts() if setup.store is not None else None
+    gathered = collective.all_gather_object((texts, stats, report, peak_memory_bytes(setup.device), resume),
+                                            "gather generations")
+    all_texts: dict[str, str] = {}
+    for part, *_ in gathered:
+        all_texts.update(part)
+    if setup.store is not None:
+        setup.store.add_up([g[4] for g in gathered])
+    record = _record([s for g in gathered for s in g[1]], gathered, lanes, ordered, seed=seed, setup=setup,
+                     claiming="dynamic" if step else "static", seconds=time.perf_counter() - start_time)
+    log.info(f"generate_until: {record['jobs']} generations ({record['sampled_jobs']} sampled"
+             f"{f', seed {seed}' if record['sampled_jobs'] else ''}) in {record['lanes']} lanes of up to "
+             f"{record['slots_max']} slots; {record['shared_lanes']} started from a shared prefix; prompt tokens "
+             f"computed {record['prefill_positions']} of {record['prompt_tokens']}; {record['generated']} new tokens, "
+             f"{record['decode_positions_per_generated']:.3f} decode positions per new token; "
+             f"{record['seconds']:.1f} s", main_process_only=True)
     if calls is not None:
         calls.append(record)
-    return [texts[key] for key, _, _ in local_keys]
+    return [all_texts[key] for key, _, _ in local_keys]
 
 
-def _record(stats: list[dict], peaks: list[int], *, requests: int, jobs: Sequence[Job], seed: int,
-            min_shared_tokens: int, world_size: int, seconds: float) -> dict:
-    """The call's record for ``config.distperp.calls`` (``seconds``, not ``total_seconds``: compare.py divides the
-    scoring calls' scored tokens by their total_seconds; ``generation_batches``, not ``batches``: resume counts
-    those). Computed prompt tokens count every position run through the model, pads included."""
-    shared = sorted(s["shared_tokens"] for s in stats if s["shared_tokens"])
-    computed = sum(s["computed_prompt_tokens"] for s in stats)
-    return {"kind": "generate_until", "requests": requests, "jobs": len(jobs),
-            "sampled_jobs": sum(j.seed is not None for j in jobs), "seed": seed, "generation_batches": len(stats),
-            "shared_batches": len(shared), "min_shared_tokens": min_shared_tokens,
-            "shared_tokens_min_max": [shared[0], shared[-1]] if shared else None,
-            "prompt_tokens": sum(s["prompt_tokens"] for s in stats), "computed_prompt_tokens": computed,
-            "computed_prompt_tokens_per_job": computed / max(1, len(jobs)), "world_size": world_size,
-            "seconds": seconds, "peak_memory_bytes_per_rank": peaks}
+@dataclass(frozen=True)
+class _Prepared:
+    """A job ready to decode: prompt cut to ``max_length - max_new``, stop strings, normalized arguments."""
+
+    prompt: tuple[int, ...]
+    max_new: int
+    until: tuple[str, ...]
+    kwargs: dict
 
 
-def _batches(ordered: Sequence[Job], rows_for: Callable[[int], int], max_gen_toks: int) -> list[Batch]:
-    """Consecutive jobs with equal generation arguments; ``rows_for(longest prompt + max_gen_toks)`` rows each
-    (a token budget gives short prompts more rows)."""
-    batches, start = [], 0
-    while start < len(ordered):
-        rows = rows_for(len(ordered[start].tokens) + max_gen_toks)
-        stop = start + 1
-        while stop < len(ordered) and stop - start < rows and ordered[stop].kwargs_key == ordered[start].kwargs_key:
-            stop += 1
-        batches.append(Batch(start, stop, len(ordered[start].tokens)))
-        start = stop
-    return batches
-
-
-def shared_prefix_length(prompts: Sequence[Sequence[int]], min_tokens: int) -> int:
-    """Tokens a batch computes once: the prompts' longest common prefix, leaving every prompt at least one token
-    of its own (the last prompt token predicts the first generated one); 0 when that is under ``min_tokens`` or
-    the batch has one row. A pure function of the batch's tokens."""
-    if len(prompts) < 2:
-        return 0
-    limit = min(len(p) for p in prompts) - 1
-    n = min([limit] + [common_prefix_length(prompts[0], p) for p in prompts[1:]])
-    return n if n >= max(1, min_tokens) else 0
-
-
-def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
-    """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows; ``None`` (logged once) when the
-    model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, which
-    the ``[prefix][pad...][suffix]`` layout allows as it stands."""
-    try:
-        return prefix_cache(model, prefix, rows)
-    except CacheNotShareable as exc:
-        if not _UNSHAREABLE:
-            _UNSHAREABLE.append(str(exc))
-            log.info(f"generation: the model's {exc} cannot start rows from a shared prefix; batches are computed "
-                     "whole", main_process_only=True)
-        return None
-
-
-_UNSHAREABLE: list[str] = []
-
-
-@torch.no_grad()
-def _generate_batch(setup: GenerationSetup, jobs: Sequence[Job]) -> tuple[dict[str, str], dict]:
-    tokenizer = setup.tokenizer
-    kwargs: dict[str, Any] = normalize_gen_kwargs(jobs[0].gen_kwargs, setup.max_gen_toks)
-    eot = tokenizer.eos_token_id
-    eos = tokenizer.decode([eot], skip_special_tokens=False) if eot is not None else None
+def _prepare(setup: GenerationSetup, job: Job) -> _Prepared:
+    kwargs: dict[str, Any] = normalize_gen_kwargs(job.gen_kwargs, setup.max_gen_toks)
+    eot = setup.tokenizer.eos_token_id
+    eos = setup.tokenizer.decode([eot], skip_special_tokens=False) if eot is not None else None
     until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-    max_gen_toks = kwargs.pop("max_gen_toks")
-    max_ctx = setup.max_length - max_gen_toks
+    max_new = int(kwargs.pop("max_gen_toks"))
+    max_ctx = setup.max_length - max_new
     if max_ctx <= 0:
-        raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for a prompt with max_length="
-                         f"{setup.max_length}; raise max_length or lower max_gen_toks in the task's generation_kwargs")
-    prompts = [list(j.tokens[-max_ctx:]) for j in jobs]
-    shared = shared_prefix_length(prompts, setup.min_shared_tokens)
-    suffixes = [p[shared:] for p in prompts]
-    suffix_width = max(len(s) for s in suffixes)
-    width = shared + suffix_width
-    pad = tokenizer.pad_token_id
-    # [prefix][pad...][own suffix]; with no shared prefix this is plain left padding.
-    ids = torch.tensor([prompts[0][:shared] + [pad] * (suffix_width - len(s)) + s for s in suffixes],
-                       dtype=torch.long, device=setup.device)
-    mask = torch.tensor([[1] * shared + [0] * (suffix_width - len(s)) + [1] * len(s) for s in suffixes],
-                        dtype=torch.long, device=setup.device)
-    if kwargs.get("do_sample") is False and kwargs.get("temperature", 0.0) == 0.0:
-        kwargs.pop("temperature", None)
-    extra: dict[str, Any] = {}
-    if kwargs.get("do_sample"):
-        extra["logits_processor"] = _seeded_sampler(setup.model, kwargs, [j.seed for j in jobs])
-        kwargs["do_sample"] = False  # the sampler leaves one finite logit per row: the drawn token
-    max_length = kwargs.pop("max_length", width + max_gen_toks)
+        raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt with max_length={setup.max_length}; "
+                         "raise max_length or lower max_gen_toks in the task's generation_kwargs")
+    return _Prepared(job.tokens[-max_ctx:], max_new, tuple(until), kwargs)
+
+
+def _lane_key(part: Sequence[tuple[Job, _Prepared]], lane: LanePlan) -> bytes:
+    """What determines a lane's texts besides the run's configuration: its jobs (keys, prompt tokens, seeds) and
+    its layout (slots, shared prefix)."""
+    digest = hashlib.sha256(json.dumps([lane.slots, lane.shared, lane.donor, lane.max_new]).encode())
+    for job, prepared in part:
+        digest.update(json.dumps([job.key, job.seed, list(prepared.until)]).encode())
+        digest.update(bytes(memoryview(array("q", prepared.prompt))))
+    return digest.digest()
+
+
+def _slots_serve(model: torch.nn.Module, kwargs: dict) -> str | None:
+    """Why slots cannot decode a lane with these arguments (``None``: they can)."""
+    extra = sorted(k for k in kwargs if k not in SLOT_KEYS)
+    if extra:
+        return f"generation arguments {extra}"
+    if int(kwargs.get("num_beams", 1) or 1) > 1 or int(kwargs.get("num_return_sequences", 1) or 1) > 1:
+        return "beam search or several sequences per request"
+    config = getattr(model, "generation_config", None)
+    added = [name for name, neutral in _NEUTRAL_PROCESSORS.items()
+             if config is not None and getattr(config, name, neutral) not in (neutral, None)]
+    return f"the model's generation_config sets {added}" if added else None
+
+
+def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,
+              prefixes: PrefixCache, bar) -> tuple[list[str], dict]:
+    """Texts of one lane, in lane order, and its statistics: slots where they serve, else ``model.generate``
+    batches of ``lane.slots`` rows (same lane, same bits on any rank either way)."""
+    first = part[0][1]
+    kwargs = dict(first.kwargs)
+    sampled = bool(kwargs.get("do_sample"))
+    seeds = [job.seed for job, _ in part] if sampled else None
+    prompts = [p.prompt for _, p in part]
+    reason = _slots_serve(setup.model, kwargs)
     forked = [setup.device] if setup.device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
-        cache = _prefix_cache(setup.model, ids[:1, :shared], len(jobs)) if shared else None
-        if cache is not None:
-            extra[cache_argument(setup.model)] = cache
-        out = setup.model.generate(
-            input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
-            stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(jobs)),
-            pad_token_id=pad, **kwargs, **extra)
-    texts = {job.key: postprocess_generated_text(tokenizer.decode(row[width:].tolist(), skip_special_tokens=True),
-                                                 until, None)
-             for job, row in zip(jobs, out)}
-    shared = shared if cache is not None else 0
-    stats = {"rows": len(jobs), "shared_tokens": shared, "prompt_tokens": sum(len(p) for p in prompts),
-             "computed_prompt_tokens": shared + len(jobs) * suffix_width if shared else len(jobs) * width}
-    return texts, stats
+        if reason is None:
+            warpers = warpers_for(setup.model, dict(kwargs)) if sampled else None
+            rule = StopRule.of(setup.tokenizer, first.until, _eos_ids(setup), first.max_new,
+                               allowed=setup.stop_allowed)
+            on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
+            try:
+                prefix = tuple(prompts[lane.donor][:lane.shared])
+                tokens, stats = decode_lane(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
+                                            tokenizer=setup.tokenizer, device=setup.device, prefixes=prefixes,
+                                            warpers=warpers, on_done=on_done)
+                texts = [setup.finish(setup.tokenizer.decode(t, skip_special_tokens=True), list(first.until))
+                         for t in tokens]
+                return texts, {**dataclasses.asdict(stats), "engine": "slots", "slots": lane.slots}
+            except CacheNotShareable as exc:
+                reason = f"its {exc} cache cannot be edited row by row"
+        _note_fallback(reason)
+        texts, total = [], LaneStats()
+        for b in range(0, len(prompts), lane.slots):
+            chunk = slice(b, b + lane.slots)
+            out, batch_stats = generate_batch(setup.model, setup.tokenizer, setup.device, prompts[chunk],
+                                              common_prefix(prompts[chunk], setup.min_shared_tokens), kwargs,
+                                              list(first.until), first.max_new, seeds[chunk] if seeds else None)
+            texts += out
+            total.add(LaneStats(**{k: v for k, v in batch_stats.items() if k != "shared_tokens"}))
+            if bar is not None:
+                bar(len(out), batch_stats["generated"])
+        return texts, {**dataclasses.asdict(total), "engine": "generate", "slots": lane.slots}
 
 
-class _SeededDraw(LogitsProcessor):
-    """The last logits processor of a sampled batch: applies the sampling warpers, then draws each row's token
-    from its own generator and leaves only that token finite (so greedy selection takes it)."""
-
-    def __init__(self, warpers, seeds: Sequence[int], device: torch.device) -> None:
-        self.warpers = warpers
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if len(self.generators) != scores.shape[0]:
-            raise ValueError(f"{scores.shape[0]} rows of scores for {len(self.generators)} seeded generators; "
-                             "sampled generation takes one sequence per request (num_return_sequences=1)")
-        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
-        picks = torch.stack([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
-        return torch.full_like(scores, float("-inf")).scatter_(1, picks, 0.0)
+_FALLBACKS: set[str] = set()
 
 
-def _seeded_sampler(model: torch.nn.Module, kwargs: dict, seeds: Sequence[int]):
-    """The logits processors of a sampled batch; removes the sampling arguments from ``kwargs``.
+def _note_fallback(reason: str) -> None:
+    if reason not in _FALLBACKS:
+        _FALLBACKS.add(reason)
+        log.info(f"generation: {reason}: lanes run as model.generate batches (every row waits for the batch's "
+                 "last; no refill)", main_process_only=True)
 
-    The warpers are transformers' own, in ``generate``'s order (temperature, top-k, top-p, min-p, typical, epsilon,
-    eta), from the model's ``generation_config`` updated with the request's arguments, as ``generate`` does.
-    ``do_sample=true`` without a temperature samples at the model's ``generation_config`` temperature (1.0 when it
-    sets none), as transformers does; lm-eval's ``hf`` passes 0.0 there and fails.
-    """
-    from transformers import LogitsProcessorList
-    from transformers.generation import logits_process as lp
 
-    if int(kwargs.get("num_beams", 1) or 1) > 1:
-        raise ValueError(f"do_sample=True with num_beams={kwargs['num_beams']} (beam sampling) is not supported; "
-                         "use num_beams=1 or do_sample=False in the task's generation_kwargs")
-    config = copy.deepcopy(model.generation_config)
-    asked = {k: kwargs.pop(k) for k in SAMPLING_KEYS if k in kwargs}
-    if "temperature" not in asked:
-        log.info(f"do_sample=true without a temperature: sampling at the model's generation_config temperature "
-                 f"({config.temperature if config.temperature is not None else 1.0})", main_process_only=True)
-    elif not float(asked["temperature"]) > 0:
-        raise ValueError(f"do_sample=True with temperature={asked['temperature']}: sampling needs a temperature > 0; "
-                         "set do_sample=False for greedy decoding or a positive temperature")
-    config.update(**asked)
-    warpers = LogitsProcessorList()
-    if config.temperature is not None and float(config.temperature) != 1.0:
-        warpers.append(lp.TemperatureLogitsWarper(float(config.temperature)))
-    if config.top_k is not None and config.top_k != 0:
-        warpers.append(lp.TopKLogitsWarper(top_k=int(config.top_k), min_tokens_to_keep=1))
-    if config.top_p is not None and config.top_p < 1.0:
-        warpers.append(lp.TopPLogitsWarper(top_p=float(config.top_p), min_tokens_to_keep=1))
-    if config.min_p is not None:
-        warpers.append(lp.MinPLogitsWarper(min_p=float(config.min_p), min_tokens_to_keep=1))
-    if config.typical_p is not None and config.typical_p < 1.0:
-        warpers.append(lp.TypicalLogitsWarper(mass=float(config.typical_p), min_tokens_to_keep=1))
-    if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
-        warpers.append(lp.EpsilonLogitsWarper(epsilon=float(config.epsilon_cutoff), min_tokens_to_keep=1))
-    if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
-        warpers.append(lp.EtaLogitsWarper(epsilon=float(config.eta_cutoff), min_tokens_to_keep=1,
-                                          device=model.device))
-    return LogitsProcessorList([_SeededDraw(warpers, seeds, model.device)])
+def _eos_ids(setup: GenerationSetup) -> list[int]:
+    """The tokenizer's EOS and the model's ``generation_config`` EOS ids (what ``generate`` stops at)."""
+    ids = [setup.tokenizer.eos_token_id]
+    configured = getattr(getattr(setup.model, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, (list, tuple)) else [configured]
+    return [int(i) for i in ids if i is not None]
+
+
+def _record(stats: list[dict], gathered: list, lanes: Sequence[LanePlan], jobs: Sequence[Job], *, seed: int,
+            setup: GenerationSetup, claiming: str, seconds: float) -> dict:
+    """The call's record for ``config.distperp.calls`` (``seconds``, not ``total_seconds``: compare.py divides the
+    scoring calls' scored tokens by their total_seconds; ``lanes``, not ``batches``: resume counts those).
+    Positions count every position run through the model, pads included."""
+    total = LaneStats()
+    for s in stats:
+        total.add(LaneStats(**{k: v for k, v in s.items() if k in LaneStats.__dataclass_fields__
+                               and k not in ("shared_tokens", "prefix_computed")}))
+    shared = sorted(lane.shared for lane in lanes if lane.shared)
+    return {"kind": "generate_until", "jobs": len(jobs), "sampled_jobs": sum(j.seed is not None for j in jobs),
+            "seed": seed, "lanes": len(lanes), "lanes_computed": len(stats),
+            "slots_max": max((lane.slots for lane in lanes), default=0),
+            "engines": sorted({s["engine"] for s in stats}), "shared_lanes": len(shared),
+            "min_shared_tokens": setup.min_shared_tokens,
+            "shared_tokens_min_max": [shared[0], shared[-1]] if shared else None,
+            "prefixes_computed": sum(bool(s.get("prefix_computed")) for s in stats),
+            "prompt_tokens": total.prompt_tokens, "prefill_positions": total.prefill_positions,
+            "prefill_forwards": total.prefill_forwards, "decode_forwards": total.decode_forwards,
+            "decode_positions": total.decode_positions, "generated": total.generated,
+            "decode_positions_per_generated": total.decode_positions / max(1, total.generated),
+            "peak_cache_positions": total.peak_cache_positions,
+            "claiming": claiming, "per_rank": [g[2] for g in gathered], "world_size": setup.collective.world_size,
+            "seconds": seconds, "peak_memory_bytes_per_rank": [g[3] for g in gathered]}

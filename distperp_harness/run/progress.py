@@ -40,3 +40,30 @@ def setup_logging() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def generation_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int, int], None]]:
+    """Factory for :class:`~distperp_harness.run.generate.GenerationSetup`'s ``progress``: rank 0's bar counts
+    the prompts of its planned lanes as they finish, with generated tokens/s beside it (and tqdm's ETA)."""
+
+    def start(total_prompts: int) -> Callable[[int, int], None]:
+        if not is_main:
+            return lambda prompts, tokens: None
+        import time
+
+        from accelerate.utils import tqdm
+
+        bar = tqdm(total=total_prompts, desc=desc, unit="prompt", main_process_only=True, dynamic_ncols=True,
+                   leave=False)
+        began, generated = time.perf_counter(), [0]
+
+        def update(prompts: int, tokens: int) -> None:
+            generated[0] += tokens
+            bar.set_postfix_str(f"{generated[0] / max(1e-9, time.perf_counter() - began):.1f} tok/s", refresh=False)
+            bar.update(prompts)
+            if bar.n >= total_prompts:
+                bar.close()
+
+        return update
+
+    return start

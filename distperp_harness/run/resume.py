@@ -107,9 +107,7 @@ class BatchStore:
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - the bytes are untrusted: any failure to read them means "recompute"
-            self.counts["recomputed_corrupt"] += 1
-            self._damage_note = f"{path.name}: {type(exc).__name__}: {str(exc)[:160]}"
-            return None
+            return self._damaged(path, exc)
         self.counts["reused"] += 1
         return scores
 
@@ -159,6 +157,51 @@ class BatchStore:
             self.counts["saved"] += 1
         finally:
             self._discard_in_flight()
+
+    # ------------------------------------------------------------------------------------------ generations
+    def load_lane(self, lane_key: bytes, jobs: int) -> list[str] | None:
+        """The saved texts of a generation lane (``lane_key``: everything that determines them, see
+        :func:`distperp_harness.run.generate`), or ``None``. Like batches, a file is never trusted: it is reused only
+        if it is JSON with this configuration's key, ``jobs`` strings and their sha256; else recomputed (counted)."""
+        key = hashlib.sha256(self._config_key + b"lane" + lane_key).digest()
+        path = self.folder / f"{self._prefix}{key.hex()[:40]}.lane.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - untrusted bytes: recompute
+            return self._damaged(path, exc)
+        texts = data.get("texts") if isinstance(data, dict) else None
+        if (not isinstance(texts, list) or len(texts) != jobs or not all(isinstance(t, str) for t in texts)
+                or data.get("key") != key.hex() or data.get("sha256") != _text_sha(texts)):
+            return self._damaged(path, DamagedFile("not this lane's texts, or they changed after saving"))
+        self.counts["reused"] += 1
+        return texts
+
+    def save_lane(self, lane_key: bytes, texts: Sequence[str]) -> None:
+        """Write a finished lane's texts atomically; never raises ``OSError`` (as :meth:`save`)."""
+        if self.save_error is not None:
+            return
+        key = hashlib.sha256(self._config_key + b"lane" + lane_key).digest()
+        path = self.folder / f"{self._prefix}{key.hex()[:40]}.lane.json"
+        body = json.dumps({"key": key.hex(), "texts": list(texts), "sha256": _text_sha(texts)})
+        try:
+            fd, self._in_flight = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(body)
+            os.replace(self._in_flight, path)
+            self._in_flight = None
+        except OSError as exc:
+            self._stop_saving(path, exc)
+        else:
+            self.counts["saved"] += 1
+        finally:
+            self._discard_in_flight()
+
+    def _damaged(self, path: Path, exc: Exception) -> None:
+        self.counts["recomputed_corrupt"] += 1
+        self._damage_note = f"{path.name}: {type(exc).__name__}: {str(exc)[:160]}"
+        return None
 
     def _stop_saving(self, path: Path, exc: OSError) -> None:
         self.counts["save_failures"] += 1
@@ -210,7 +253,7 @@ class BatchStore:
     def saved_batches(self) -> int | None:
         """Files of this configuration in the folder (any run, any rank), or ``None`` if it cannot be listed."""
         try:
-            return sum(1 for _ in self.folder.glob(f"{self._prefix}*.npz"))
+            return sum(1 for path in self.folder.glob(f"{self._prefix}*") if path.suffix in (".npz", ".json"))
         except OSError:
             return None
 
@@ -223,6 +266,10 @@ class BatchStore:
 
     def _path(self, key: bytes) -> Path:
         return self.folder / f"{self._prefix}{key.hex()[:40]}.npz"
+
+
+def _text_sha(texts: Sequence[str]) -> str:
+    return hashlib.sha256(json.dumps(list(texts)).encode()).hexdigest()
 
 
 def _units_of(rows: Sequence[Row]) -> list[Unit]:

@@ -1,6 +1,7 @@
-"""generate.py: greedy generation from a shared prefix's KV cache equals the left-padded path (sdpa and eager);
-sampled requests are seeded by lm-eval's seed and their own content, not by batch, order, rank or world size,
-and leave the global RNG alone.
+"""generate.py: greedy generation from a shared prefix's KV cache equals generation without it (sdpa and eager)
+and lm-eval ``hf``'s texts; sampled requests are seeded by lm-eval's seed and their own content, not by slots,
+order, rank or world size, and leave the global RNG alone; lanes are resumable; ``batch_size=auto`` sizes slots
+for the task's ``max_gen_toks``; lanes that slots cannot serve run as ``model.generate`` batches.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import torch
 
 from helpers import accelerate_launch_prefix, load_samples, run_command, sharpened_model
 
-from distperp_harness.run.generate import MIN_SHARED_TOKENS, GenerationSetup, generate, shared_prefix_length
-
-NO_SHARING = 10**9
+from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
 SAMPLED = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
 GREEDY = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
 
@@ -51,14 +50,6 @@ def _fewshot_prompts(sample_text_path, count=6):
     return [prefix + " " + " ".join(words[100 + 13 * i: 100 + 13 * i + 2 + 2 * i]) for i in range(count)]
 
 
-def test_shared_prefix_length_is_the_common_prefix_leaving_each_prompt_a_token():
-    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6]], 2) == 3
-    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]], 2) == 2  # the shorter prompt keeps its last token
-    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5]], 4) == 0  # under the minimum
-    assert shared_prefix_length([[1, 2, 3, 4]], 1) == 0  # one row: nothing to share
-    assert shared_prefix_length([[1, 2], [9, 2]], 1) == 0
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_greedy_from_a_shared_prefix_equals_left_padding(peaked_dir, collective, sample_text_path, attn):
     model, tokenizer = _load(peaked_dir, attn)
@@ -72,10 +63,10 @@ def test_greedy_from_a_shared_prefix_equals_left_padding(peaked_dir, collective,
     alone = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args, calls=alone_calls)
     assert shared == alone and len(set(shared)) > 1 and all(shared)
     call, plain = shared_calls[0], alone_calls[0]
-    assert call["shared_batches"] == call["generation_batches"] == 2 and plain["shared_batches"] == 0
-    assert call["shared_tokens_min_max"][0] > MIN_SHARED_TOKENS
+    assert call["shared_lanes"] == call["lanes"] == 1 and plain["shared_lanes"] == 0
+    assert call["shared_tokens_min_max"][0] > MIN_SHARED_TOKENS and call["prefixes_computed"] == 1
     assert call["prompt_tokens"] == plain["prompt_tokens"] == sum(lengths)
-    assert call["computed_prompt_tokens"] < 0.6 * plain["computed_prompt_tokens"]  # two batches, two prefixes
+    assert call["prefill_positions"] < 0.6 * plain["prefill_positions"]  # the block once, not once per row
 
 
 def test_sampling_ignores_batch_size_and_order_and_follows_the_seed(tiny_model_dir, collective, sample_text_path):
@@ -156,18 +147,110 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
     assert record["kind"] == "generate_until" and record["seed"] == 6 and record["jobs"] == 2
 
 
-def test_a_cache_that_cannot_be_repeated_computes_batches_whole(peaked_dir, collective, sample_text_path,
-                                                                 monkeypatch):
-    from transformers import DynamicCache
-
-    from distperp_harness.run import generate as gen
+def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path,
+                                                               monkeypatch):
+    from distperp_harness.run import slots
+    from distperp_harness.run.kvcache import CacheNotShareable
 
     model, tokenizer = _load(peaked_dir)
     args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]
-    expected = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args)
-    owner = next(c for c in DynamicCache.__mro__ if "batch_repeat_interleave" in vars(c))
-    monkeypatch.delattr(owner, "batch_repeat_interleave")
-    monkeypatch.setattr(gen, "_UNSHAREABLE", [])
     calls = []
-    assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected  # middle pads, no cache
-    assert calls[0]["shared_batches"] == 0 and gen._UNSHAREABLE == ["DynamicCache"]
+    expected = generate(_setup(model, tokenizer, collective), args, calls=calls)
+    assert calls[0]["engines"] == ["slots"]
+
+    def sliding(cache):
+        raise CacheNotShareable("DynamicSlidingWindowLayer")
+
+    monkeypatch.setattr(slots, "_plain_layers", sliding)
+    assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected
+    assert calls[1]["engines"] == ["generate"] and calls[1]["decode_positions"] >= calls[0]["decode_positions"]
+
+
+def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collective, sample_text_path):
+    model, tokenizer = _load(peaked_dir)
+    prompts = _fewshot_prompts(sample_text_path, 3)
+    calls = []
+    penalized = generate(_setup(model, tokenizer, collective), [(p, dict(GREEDY, repetition_penalty=1.3))
+                                                                 for p in prompts], calls=calls)
+    assert calls[0]["engines"] == ["generate"] and all(penalized)
+
+
+def test_texts_equal_lm_evals_hf(peaked_dir):
+    """Greedy texts of ``--model distperp`` and ``--model hf`` on the same prompts, arguments and batch size (the
+    peaked model keeps greedy choices far from ties); each row stops at its own stop string or EOS."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from helpers import make_lm
+
+    words = ("the river flows into the sea and the lighthouse keeper lit the lamps while the old mill turned "
+             "slowly in the wind").split()
+    prompts = [" ".join(words[i: i + 3 + i % 7]) for i in range(14)]
+    kwargs = {"until": ["e", "\n"], "max_gen_toks": 12, "do_sample": False}
+    requests = [Instance("generate_until", {}, (p, dict(kwargs)), i) for i, p in enumerate(prompts)]
+    hf = HFLM(pretrained=str(peaked_dir), batch_size=3, device="cpu", max_length=128)
+    expected = hf.generate_until(requests, disable_tqdm=True)
+    lm = make_lm(peaked_dir, ",max_length=128", {"batch_size": 3})
+    assert lm.generate_until(requests, disable_tqdm=True) == expected
+    call = lm.stats.calls[-1]
+    assert call["engines"] == ["slots"] and call["decode_positions"] == call["generated"] - len(prompts)
+
+
+def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sample_text_path):
+    from lm_eval.api.instance import Instance
+
+    from helpers import make_lm
+
+    prompts = _fewshot_prompts(sample_text_path, 6) + ["The river", "Once upon a time"]
+    requests = [Instance("generate_until", {}, (p, dict(GREEDY)), i) for i, p in enumerate(prompts)]
+    args = f",max_length=128,resume_dir={tmp_path}"
+    first = make_lm(peaked_dir, args, {"batch_size": 1})  # 1 slot: lanes of 4 jobs, so several files
+    texts = first.generate_until(requests, disable_tqdm=True)
+    lanes = first.stats.calls[-1]["lanes"]
+    assert lanes == 2 and first.store.report()["saved"] == lanes
+    files = sorted(tmp_path.glob("*.lane.json"))
+    assert len(files) == lanes
+    files[0].write_text(files[0].read_text().replace('"texts": ["', '"texts": ["x'))  # changed after saving
+    again = make_lm(peaked_dir, args, {"batch_size": 1})
+    assert again.generate_until(requests, disable_tqdm=True) == texts
+    report = again.store.report()
+    assert report["reused"] == lanes - 1 and report["recomputed_corrupt"] == 1 and report["saved"] == 1
+    assert again.stats.calls[-1]["lanes_computed"] == 1
+
+
+def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
+    """``batch_size=auto``: a task asking for 1,280 new tokens gets the slots whose KV caches fit the room the
+    budget was sized for, fewer than a task asking for 16; the cache never held more than that."""
+    from lm_eval.api.instance import Instance
+
+    from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
+    from distperp_harness.run.runtime import generation_rows
+    from helpers import make_lm
+
+    lm = make_lm(tiny_model_dir, ",max_length=1400,max_batch_size=64", {"batch_size": "auto"})
+    act, kv = activation_bytes_per_token(lm.model, lm.max_length), kv_cache_bytes_per_token(lm.model)
+    prompt = "Once upon a time"
+    length = len(lm.tok_encode(prompt)) + 1280
+    slots = generation_rows(lm.batching, length, activation_bytes=act, kv_bytes=kv)
+    assert slots < generation_rows(lm.batching, length - 1280 + 16, activation_bytes=act, kv_bytes=kv)
+    kwargs = {"until": ["never stops here"], "max_gen_toks": 1280, "do_sample": False}
+    requests = [Instance("generate_until", {}, (f"{prompt} {i}", dict(kwargs)), i) for i in range(slots + 1)]
+    lm.generate_until(requests, disable_tqdm=True)
+    call = lm.stats.calls[-1]
+    assert call["slots_max"] == slots and call["generated"] >= 1280
+    # every row's cache spans at most its prompt and its new tokens, so the slots' caches fit the room
+    assert 0 < call["peak_cache_positions"] * kv <= lm.batching.token_budget * act
+
+
+def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, sample_text_path):
+    from lm_eval.api.instance import Instance
+
+    from helpers import make_lm
+
+    requests = [Instance("generate_until", {}, (p, dict(GREEDY)), i)
+                for i, p in enumerate(_fewshot_prompts(sample_text_path, 4))]
+    on = make_lm(peaked_dir, ",max_length=128", {"batch_size": 4})
+    off = make_lm(peaked_dir, ",max_length=128,share_prefix=false,claim=false", {"batch_size": 4})
+    assert on.generate_until(requests, disable_tqdm=True) == off.generate_until(requests, disable_tqdm=True)
+    assert on.stats.calls[-1]["shared_lanes"] == 1 and off.stats.calls[-1]["shared_lanes"] == 0
+    assert off.stats.calls[-1]["claiming"] == "static"

@@ -1,0 +1,80 @@
+"""Generation in ``model.generate`` batches: the path for what slots (:mod:`distperp_harness.run.slots`) do not
+serve — generation arguments beyond the sampling warpers (beam search, repetition penalties, ...), a model
+``generation_config`` that adds logits processors, or a cache that cannot be edited row by row.
+
+A batch's rows are laid out ``[prefix][pad...][own suffix]`` with zeros in the attention mask on the pads;
+``generate`` derives position ids from the mask's cumulative sum, so each suffix continues its prefix's positions
+exactly as a left-padded row would. The batch runs until every row has stopped (lm-eval's criteria).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from accelerate.logging import get_logger
+from lm_eval.models.utils import postprocess_generated_text
+from lm_eval.models.utils_hf import stop_sequences_criteria
+
+from distperp_harness.run.kvcache import CacheNotShareable, cache_argument, prefix_cache
+from distperp_harness.run.sampling import SeededDraw, warpers_for
+
+log = get_logger(__name__)
+
+_UNSHAREABLE: list[str] = []
+
+
+def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
+    """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows; ``None`` (logged once) when the
+    model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, which
+    the ``[prefix][pad...][suffix]`` layout allows as it stands."""
+    try:
+        return prefix_cache(model, prefix, rows)
+    except CacheNotShareable as exc:
+        if not _UNSHAREABLE:
+            _UNSHAREABLE.append(str(exc))
+            log.info(f"generation: the model's {exc} cannot start rows from a shared prefix; batches are computed "
+                     "whole", main_process_only=True)
+        return None
+
+
+@torch.no_grad()
+def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prompts: Sequence[Sequence[int]],
+                   shared: int, kwargs: dict, until: list[str], max_new: int, seeds: Sequence[int] | None
+                   ) -> tuple[list[str], dict]:
+    """Texts of one batch (``kwargs``: the normalized generation arguments less ``until`` and ``max_gen_toks``;
+    ``seeds``: one per row for a sampled batch) and its statistics (the keys of
+    :class:`~distperp_harness.run.slots.LaneStats`)."""
+    kwargs = dict(kwargs)
+    suffixes = [list(p[shared:]) for p in prompts]
+    suffix_width = max(len(s) for s in suffixes)
+    width = shared + suffix_width
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([list(prompts[0][:shared]) + [pad] * (suffix_width - len(s)) + s for s in suffixes],
+                       dtype=torch.long, device=device)
+    mask = torch.tensor([[1] * shared + [0] * (suffix_width - len(s)) + [1] * len(s) for s in suffixes],
+                        dtype=torch.long, device=device)
+    if kwargs.get("do_sample") is False and kwargs.get("temperature", 0.0) == 0.0:
+        kwargs.pop("temperature", None)
+    extra: dict[str, Any] = {}
+    if kwargs.get("do_sample"):
+        extra["logits_processor"] = [SeededDraw(warpers_for(model, kwargs), seeds, device)]
+        kwargs["do_sample"] = False  # the draw leaves one finite logit per row: the drawn token
+    max_length = kwargs.pop("max_length", width + max_new)
+    cache = _prefix_cache(model, ids[:1, :shared], len(prompts)) if shared else None
+    if cache is not None:
+        extra[cache_argument(model)] = cache
+    out = model.generate(input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
+                         stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(prompts)),
+                         pad_token_id=pad, **kwargs, **extra)
+    new = out[:, width:]
+    texts = [postprocess_generated_text(tokenizer.decode(row.tolist(), skip_special_tokens=True), until, None)
+             for row in new]
+    shared = shared if cache is not None else 0
+    steps = new.shape[1]
+    stats = {"prompts": len(prompts), "prompt_tokens": sum(len(p) for p in prompts), "shared_tokens": shared,
+             "prefill_forwards": 1 + bool(shared),
+             "prefill_positions": shared + len(prompts) * suffix_width if shared else len(prompts) * width,
+             "decode_forwards": max(0, steps - 1), "decode_positions": len(prompts) * max(0, steps - 1),
+             "generated": int((new != pad).sum()) if pad is not None else int(new.numel())}
+    return texts, stats
