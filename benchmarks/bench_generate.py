@@ -1,131 +1,187 @@
-"""Greedy ``generate_until``: lm-eval's ``hf`` model vs ``distperp`` on the same checkpoint, prompts and batch size.
+"""Greedy ``generate_until`` on leaderboard shapes: lm-eval's ``hf`` model vs ``distperp``, in one process.
 
-    python benchmarks/bench_generate.py --model ../shared/models/wt2-llama-5m \\
-        --text ../shared/data/wikitext-2/valid.txt --prompts 64 --batch-size 8
+    python benchmarks/bench_generate.py --model ~/.cache/distperp/smollm2-135m-instruct --batch-size 8
 
-    python benchmarks/bench_generate.py --case fewshot --model ../shared/models/wt2-llama-5m \\
-        --text ../shared/data/wikitext-2/valid.txt --prompts 32 --batch-size 8 --max-length 1024 --max-gen-toks 32
+Shapes (``--shapes``, comma-separated):
 
-Cases:
+* ``instruct``: instruction following as IFEval runs it: the model's chat template (SmolLM2's adds its default
+  system prompt: a shared prefix), stop at EOS only, ``--instruct-new`` new tokens at most (IFEval: 1,280).
+* ``gsm8k_cot``: lm-eval's own ``gsm8k_cot`` task YAML (its 8 fixed exemplars, ``first_n``; stop at ``Q:``; 256
+  new tokens), on local problems in GSM8K's schema (``question``, ``answer``) that this script writes.
+* ``gsm8k``: lm-eval's own ``gsm8k`` YAML (5 exemplars drawn at random from the train split per question: no
+  shared prefix; stop at ``Question:``), on the same local problems.
 
-* ``paragraphs`` (default): the first ``--prompt-words`` words of the first ``--prompts`` paragraphs of ``--text``
-  (default: the packaged sample), each generating up to ``--max-gen-toks`` tokens, stopping at a blank line.
-* ``fewshot``: a fixed block of ``--shots`` solved examples (``Text: <--shot-words words>\\nNext: <8 words>``,
-  separated by blank lines, as lm-eval's ``first_n`` sampler gives every question) before each question
-  (``Text: <--prompt-words words>\\nNext:``), the leaderboard shape of MATH 4-shot or GSM8K: distperp computes the
-  shared block once per batch and starts every row from its KV cache.
-
-Both models are built in-process from lm-eval's registry and called with the same ``Instance`` objects, alternating
-per repeat (rotated order). Prints the median and best wall time, the median process CPU time (steadier on a
-shared machine), generated tokens/s, prompt tokens (total and shared by all prompts), the prompt tokens distperp
-computed per generation, and how many generations are identical between the two.
+Both models are built in-process from lm-eval's registry and called with the same ``Instance``s, alternating per
+repeat (rotated order), median of ``--repeats``. Every forward of the decoder (``base_model``) is counted on both
+sides: *decode positions* (rows of forwards of one new token), *prefill positions* (everything else, pads
+included). *Useful tokens*: new tokens up to and including the one that ends each row (distperp's count; a row
+of ``hf`` computes those too before its batch may stop). For every text that differs, the first differing token
+and the top-2 logit gap of the model there (a near-tie, or not) are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
-                     "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}.items():
+for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                     "TQDM_DISABLE": "1", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}.items():
     os.environ.setdefault(_key, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-
-def prompts_from(text: str, count: int, words: int) -> list[str]:
-    paragraphs = [p.strip() for p in text.split("\n") if len(p.split()) > words and not p.strip().startswith("=")]
-    if len(paragraphs) < count:
-        raise SystemExit(f"the text has {len(paragraphs)} paragraphs of more than {words} words; need {count}")
-    return [" ".join(p.split()[:words]) for p in paragraphs[:count]]
-
-
-def fewshot_prompts(text: str, count: int, shots: int, shot_words: int, words: int) -> list[str]:
-    """``count`` questions after the same ``shots`` solved examples (paragraphs of ``text``, in order)."""
-    paragraphs = [p.split() for p in text.split("\n") if len(p.split()) > max(shot_words, words) + 8
-                  and not p.strip().startswith("=")]
-    if len(paragraphs) < shots + count:
-        raise SystemExit(f"the text has {len(paragraphs)} long enough paragraphs; need {shots + count}")
-    block = "".join(f"Text: {' '.join(p[:shot_words])}\nNext: {' '.join(p[shot_words:shot_words + 8])}\n\n"
-                    for p in paragraphs[:shots])
-    return [f"{block}Text: {' '.join(p[:words])}\nNext:" for p in paragraphs[shots: shots + count]]
+TOPICS = ["the sea", "a mountain village", "autumn leaves", "a busy train station", "the moon", "an old library",
+          "a thunderstorm", "a bicycle ride", "the first snow", "a lighthouse", "a market at dawn", "a quiet river",
+          "city lights", "a desert road", "a garden in spring", "a winter night", "the harbour", "a forest path",
+          "a kitchen in the morning", "a school bell", "a long journey", "a paper boat", "the stars", "a rainy day"]
+ASKS = ["Write a short poem about {}.", "Describe {} in three sentences.", "Give three facts about {}.",
+        "Write a two-line story about {}."]
 
 
-def common_prefix(sequences: list[list[int]]) -> int:
-    n = 0
-    while all(len(s) > n and s[n] == sequences[0][n] for s in sequences):
-        n += 1
-    return n
+def instruct_prompts(lm, count: int) -> list[str]:
+    """Chat-formatted instructions (a plain ``User:/Assistant:`` frame for a model without a chat template)."""
+    asks = [ASKS[i % len(ASKS)].format(TOPICS[i % len(TOPICS)]) for i in range(count)]
+    if getattr(lm.tokenizer, "chat_template", None) is None:
+        return [f"System: You are a helpful assistant.\nUser: {ask}\nAssistant:" for ask in asks]
+    return [lm.apply_chat_template([{"role": "user", "content": ask}]) for ask in asks]
+
+
+def gsm8k_rows(count: int) -> list[dict]:
+    """Arithmetic word problems in GSM8K's schema (this script's own text, answers after ``####``)."""
+    names, things = ["Tom", "Ana", "Lee", "Mia", "Sam", "Ivy", "Raj", "Zoe"], ["apples", "books", "coins", "stamps"]
+    rows = []
+    for i in range(count):
+        a, b, c = 12 + 7 * i % 40, 3 + i % 9, 2 + i % 4
+        name, thing = names[i % len(names)], things[i % len(things)]
+        rows.append({"question": f"{name} has {a} {thing}. {name} buys {b} more {thing} and then gives away "
+                                 f"{c} {thing} to each of 2 friends. How many {thing} does {name} have now?",
+                     "answer": f"{name} starts with {a} {thing}. After buying {b} more, {name} has {a} + {b} = "
+                               f"{a + b}. Giving {c} to each of 2 friends is {2 * c}. {a + b} - {2 * c} = "
+                               f"{a + b - 2 * c}.\n#### {a + b - 2 * c}"})
+    return rows
+
+
+def task_requests(name: str, count: int, folder: Path):
+    """``count`` requests of lm-eval's own task ``name`` (its YAML as shipped), on local data in its schema."""
+    import lm_eval
+    import yaml
+    from lm_eval.api.task import ConfigurableTask
+
+    path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / {"gsm8k_cot": "gsm8k-cot.yaml", "gsm8k": "gsm8k.yaml"}[name]
+    config = yaml.safe_load(path.read_text())
+    data = {split: folder / f"{split}.jsonl" for split in ("train", "test")}
+    for split, rows in (("train", gsm8k_rows(40)), ("test", gsm8k_rows(count + 40)[40:])):
+        data[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {k: str(v) for k, v in data.items()}})
+    config.pop("tag", None)
+    task = ConfigurableTask(config=config)
+    task.build_all_requests(limit=count, rank=0, world_size=1)
+    return [inst for inst in task.instances]
+
+
+class Counter:
+    """Positions through the decoder, by kind (a forward pre-hook on ``base_model``)."""
+
+    def __init__(self, model) -> None:
+        self.decode = self.prefill = 0
+        model.base_model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+        shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
+        if shape[1] == 1:
+            self.decode += int(shape[0])
+        else:
+            self.prefill += int(shape[0] * shape[1])
+
+
+def first_difference(lm, context: str, a: str, b: str) -> str:
+    """Where two texts' tokens first differ and the model's top-2 logit gap after the common part."""
+    import torch
+
+    ta, tb = lm.tok_encode(a), lm.tok_encode(b)
+    n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+    ids = torch.tensor([lm.tok_encode(context) + ta[:n]])
+    with torch.no_grad():
+        top = lm.model(ids).logits[0, -1].float().topk(2).values
+    return f"token {n}: top-2 logit gap {float(top[0] - top[1]):.2e}"
+
+
+def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict:
+    if shape == "instruct":
+        kwargs = {"until": [], "max_gen_toks": args.instruct_new, "do_sample": False}
+        from lm_eval.api.instance import Instance
+
+        requests = [Instance("generate_until", {}, (p, dict(kwargs)), i)
+                    for i, p in enumerate(instruct_prompts(lms["distperp"], args.prompts))]
+    else:
+        requests = task_requests(shape, args.prompts, folder)
+    seconds: dict[str, list[float]] = {name: [] for name in lms}
+    work: dict[str, tuple[int, int]] = {}
+    outputs: dict[str, list[str]] = {}
+    names = list(lms)
+    for repeat in range(args.repeats):
+        for name in names[repeat % 2:] + names[: repeat % 2]:
+            counters[name].decode = counters[name].prefill = 0
+            start = time.perf_counter()
+            outputs[name] = lms[name].generate_until(requests, disable_tqdm=True)
+            seconds[name].append(time.perf_counter() - start)
+            work[name] = (counters[name].decode, counters[name].prefill)
+    call = lms["distperp"].stats.calls[-1]
+    useful = call["generated"]
+    rows = {name: {"median_s": statistics.median(t), "decode_per_useful": work[name][0] / max(1, useful),
+                   "prefill": work[name][1], "tok_s": useful / statistics.median(t)} for name, t in seconds.items()}
+    diffs = [(i, first_difference(lms["distperp"], r.args[0], outputs["hf"][i], outputs["distperp"][i]))
+             for i, r in enumerate(requests) if outputs["hf"][i] != outputs["distperp"][i]]
+    return {"shape": shape, "requests": len(requests), "useful": useful, "rows": rows, "diffs": diffs,
+            "same": len(requests) - len(diffs), "lanes": call["lanes"], "slots": call["slots_max"],
+            "shared_lanes": call["shared_lanes"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--text", default=None, help="default: the packaged sample")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--prompt-words", type=int, default=40)
-    parser.add_argument("--max-gen-toks", type=int, default=64)
+    parser.add_argument("--shapes", default="instruct,gsm8k_cot,gsm8k")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--instruct-new", type=int, default=192, help="instruct: max_gen_toks")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--case", choices=("paragraphs", "fewshot"), default="paragraphs")
-    parser.add_argument("--shots", type=int, default=6, help="fewshot: solved examples in the shared block")
-    parser.add_argument("--shot-words", type=int, default=58, help="fewshot: words of each example's text")
     args = parser.parse_args(argv)
-    if args.case == "fewshot" and args.prompt_words == parser.get_default("prompt_words"):
-        args.prompt_words = 12
 
-    from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401  (registers --model distperp)
-    from distperp_harness.commands.tiny import sample_text
 
-    text = Path(args.text).read_text(encoding="utf-8") if args.text else sample_text()
-    gen_kwargs = {"until": ["\n\n"], "max_gen_toks": args.max_gen_toks, "do_sample": False}
-    prompts = (fewshot_prompts(text, args.prompts, args.shots, args.shot_words, args.prompt_words)
-               if args.case == "fewshot" else prompts_from(text, args.prompts, args.prompt_words))
-    requests = [Instance("generate_until", {}, (p, dict(gen_kwargs)), i) for i, p in enumerate(prompts)]
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
     lms = {name: get_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
            for name in ("hf", "distperp")}
-    seconds: dict[str, list[float]] = {name: [] for name in lms}
-    cpu: dict[str, list[float]] = {name: [] for name in lms}  # process CPU time: less hurt by a busy machine
-    outputs: dict[str, list[str]] = {}
-    names = list(lms)
-    for repeat in range(args.repeats):
-        for name in names[repeat % 2:] + names[: repeat % 2]:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            outputs[name] = lms[name].generate_until(requests, disable_tqdm=True)
-            seconds[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - cpu_start)
-    median = {name: statistics.median(t) for name, t in seconds.items()}
-    cpu_median = {name: statistics.median(t) for name, t in cpu.items()}
-    tokenizer = lms["distperp"].tokenizer
-    generated = sum(len(tokenizer.encode(o)) for o in outputs["distperp"])
-    same = sum(a == b for a, b in zip(outputs["hf"], outputs["distperp"]))
-    encoded = [tokenizer.encode(p) for p in prompts]
-    call = lms["distperp"].stats.calls[-1]
-    print(f"{args.case}: {len(requests)} greedy prompts of {min(map(len, encoded))}-{max(map(len, encoded))} "
-          f"tokens ({common_prefix(encoded)} shared by all), batch {args.batch_size}, max_length {args.max_length}, "
-          f"up to {args.max_gen_toks} new tokens, {generated} generated tokens; {args.repeats} alternating repeats\n")
-    print("| model | median s | best s | generated tokens/s (median) | vs hf (median) | median CPU s | vs hf (CPU) |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
-    for name in names:
-        print(f"| {name} | {median[name]:.2f} | {min(seconds[name]):.2f} | {generated / median[name]:.0f} | "
-              f"{median['hf'] / median[name]:.2f}x | {cpu_median[name]:.2f} | "
-              f"{cpu_median['hf'] / cpu_median[name]:.2f}x |")
-    print(f"\nidentical generations: {same}/{len(requests)}")
-    print(f"distperp prompt tokens computed per generation: {call['computed_prompt_tokens_per_job']:.0f} "
-          f"(of {call['prompt_tokens'] / max(1, call['jobs']):.0f}); "
-          f"{call['shared_batches']}/{call['generation_batches']} "
-          f"batches from a shared prefix")
-    for i, (a, b) in enumerate(zip(outputs["hf"], outputs["distperp"])):
-        if a != b:
-            print(f"  differs at prompt {i}: hf {a[:60]!r} vs distperp {b[:60]!r}")
+    counters = {name: Counter(lm.model) for name, lm in lms.items()}
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes.split(","):
+            results.append(run_shape(shape, lms, counters, args, Path(tmp)))
+    print(f"model {args.model}, batch {args.batch_size}, 1 process, CPU float32, {args.repeats} alternating "
+          f"repeats (median)\n")
+    print("| shape | backend | decode positions per useful token | prefill positions | useful tokens/s | "
+          "median s | vs hf | texts equal |\n|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        for name in ("hf", "distperp"):
+            row = r["rows"][name]
+            print(f"| {r['shape']} ({r['requests']} prompts, {r['useful']} useful tokens) | {name} | "
+                  f"{row['decode_per_useful']:.2f} | {row['prefill']:,} | {row['tok_s']:.1f} | "
+                  f"{row['median_s']:.1f} | {r['rows']['hf']['median_s'] / row['median_s']:.2f}x | "
+                  f"{r['same']}/{r['requests']} |")
+    for r in results:
+        print(f"\n{r['shape']}: distperp {r['lanes']} lane(s) of {r['slots']} slots, {r['shared_lanes']} from a "
+              "shared prefix")
+        for i, where in r["diffs"]:
+            print(f"  prompt {i} differs at {where}")
     return 0
 
 

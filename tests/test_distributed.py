@@ -18,12 +18,12 @@ from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_result
 
 pytestmark = pytest.mark.distributed
 
-TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,distperp_wikitext2"
+TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,dptest_chain,distperp_wikitext2"
 INT4_TASKS = "distperp_wikitext2,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_rolling,distperp_local_docs"
 ROLLING_DOCS = REPO_ROOT / "tests" / "tasks" / "dptest_rolling.jsonl"  # distperp_local_docs on dptest_rolling's texts
 EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_mmlu": ["acc,none"],
                  "dptest_fewshot": ["acc,none", "acc_norm,none"],
-                 "dptest_gen": ["exact_match,none"]}
+                 "dptest_gen": ["exact_match,none"], "dptest_chain": ["exact_match,none"]}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +141,10 @@ def test_work_is_shared_across_ranks(runs):
     assert rolling["max_over_mean"] >= 1.0
     choice = [c for c in info["calls"] if c["kind"] == "loglikelihood"][0]  # multiple choice in shared rows
     assert choice["share_mode"] == "prefix" and choice["rows"] < choice["units"] and choice["tokens_saved"] > 0
+    generation = [c for c in info["calls"] if c["kind"] == "generate_until"][0]  # lanes planned once, claimed
+    assert generation["claiming"] == "dynamic" and generation["lanes"] >= 3 and generation["shared_lanes"] >= 2
+    assert sum(r["lanes"] for r in generation["per_rank"]) == generation["lanes_computed"] == generation["lanes"]
+    assert all(r["lanes"] > 0 for r in generation["per_rank"])
 
 
 def test_collective_timeout_names_the_missing_rank(tmp_path):
