@@ -214,7 +214,20 @@ class DistPerpLM(Tokenization, TemplateLM):
                            identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
         for req, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", req.args, text)
+        if self.comparison is not None:
+            self._compare_generations(requests, outputs)
         return outputs
+
+    def _compare_generations(self, requests, texts: list[str]) -> None:
+        """What the quantized model's own outputs cost: its answers scored as continuations of their prompts by
+        both models (one teacher-forced pass, the scoring path), recorded per task like log-likelihood tasks'
+        (per-token KL and top-1 agreement of the reference along what the model said). Every rank calls this."""
+        pairs = [self._encode_pair(req.args[0], text) if text else ([], []) for req, text in zip(requests, texts)]
+        units = [[continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
+                 for ctx, cont in pairs]
+        scores = [self._as_score(r) for r in self._score(units, "generate_until_reference", True, self.sharing)]
+        kept = [(req, score) for req, score in zip(requests, scores) if score.n_tokens]
+        self._compare([req for req, _ in kept], [score for _, score in kept])
 
     def _score_batch(self, rows, shared: int = 0):
         """Scores of one batch of rows of the plan (sharing their first ``shared`` tokens): from ``resume_dir`` when

@@ -254,3 +254,32 @@ def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, samp
     assert on.generate_until(requests, disable_tqdm=True) == off.generate_until(requests, disable_tqdm=True)
     assert on.stats.calls[-1]["shared_lanes"] == 1 and off.stats.calls[-1]["shared_lanes"] == 0
     assert off.stats.calls[-1]["claiming"] == "static"
+
+
+def test_reference_measures_the_quantized_models_own_generations(peaked_dir):
+    """``reference=base`` on a generation task: the int8 model's answers scored by both models; the recorded KL
+    and top-1 agreement equal a float64 computation along the same tokens."""
+    from lm_eval.api.instance import Instance
+
+    from helpers import make_lm
+
+    lm = make_lm(peaked_dir, ",max_length=128,dtype=float32,quantize=int8,reference=base", {"batch_size": 2})
+    prompts = ["The river flows into the", "Once upon a time there", "A B C D E", "The lighthouse keeper lit"]
+    kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    requests = [Instance("generate_until", {}, (p, dict(kwargs)), 0, metadata=("gen_task", i, 1))
+                for i, p in enumerate(prompts)]
+    texts = lm.generate_until(requests, disable_tqdm=True)
+    entry = lm.comparison.entries()["gen_task"]
+    kl_sum, agree, count = 0.0, 0, 0
+    for prompt, text in zip(prompts, texts):
+        ctx, cont = lm._encode_pair(prompt, text)
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logp = torch.log_softmax(lm.model(ids).logits[0].double(), -1)[len(ctx) - 1: -1]
+            ref = torch.log_softmax(lm.reference(ids).logits[0].double(), -1)[len(ctx) - 1: -1]
+        kl_sum += float((ref.exp() * (ref - logp)).sum())
+        agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+        count += len(cont)
+    assert entry["n_docs"] == len(prompts) and entry["n_tokens"] == count > 0
+    assert entry["kl_divergence"] == pytest.approx(kl_sum / count, rel=1e-4, abs=1e-6)
+    assert entry["top1_agreement"] == pytest.approx(agree / count)
