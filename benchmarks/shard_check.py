@@ -83,7 +83,7 @@ def copied_units(lm) -> int:
     copies each unit's parameters (once, no flat buffer) - the roots of model and reference for the whole batch,
     and the largest decoder layer of either (the model's layers are freed before the reference's forward).
     torchao-quantized weights are outside FSDP and never copied."""
-    from distperp_harness.model.sharding import decoder_layers
+    from distperp_harness.model.layers import decoder_layers
 
     def parts(model) -> tuple[int, int]:
         replicated = {p for p in model.parameters() if type(p).__name__ != "DTensor"}

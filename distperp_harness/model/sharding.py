@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from distperp_harness.model.layers import decoder_layers
 from distperp_harness.model.quantize import is_tensor_subclass
 
 
@@ -87,12 +88,6 @@ def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s:
     return init_device_mesh(device.type, (world_size // shard_size, shard_size),
                             mesh_dim_names=("replicate", "shard"),
                             backend_override={"replicate": (backend, options), "shard": (backend, options)})
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder blocks: the longest ``nn.ModuleList`` of the model (``model.layers`` of Llama and friends)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=len) if lists else []
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ from typing import Any, Callable, Sequence
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.model.layers import decoder_layers  # noqa: F401 - tests reach it here too
+
 from distperp_harness.run.prepack import Prepacked, packable_bytes, prepack
 
 log = get_logger(__name__)
@@ -119,18 +121,6 @@ class CompileState:
                 "not_covered_example": self.not_covered_example, "cache": self.cache,
                 "prepacked": {"linears": self.prepacked.linears, "bytes": self.prepacked.packed_bytes,
                               "rows_hint": self.prepacked.hint}}
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's stack of decoder layers: the base model's ``ModuleList`` of ``num_hidden_layers`` modules of one
-    type (``model.layers`` for Llama-like models, ``transformer.h`` for GPT-2); [] when there is none."""
-    base = getattr(model, "base_model", model)
-    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    for child in base.children():
-        if (isinstance(child, torch.nn.ModuleList) and len(child) and (depth is None or len(child) == depth)
-                and len({type(m) for m in child}) == 1):
-            return list(child)
-    return []
 
 
 def warmup_shapes(rows_for: Callable[[int], int], max_length: int) -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from distperp_harness.model.memory import activation_bytes_per_token, free_memory_bytes
 from distperp_harness.options import Options
-from distperp_harness.model.sharding import decoder_layers
+from distperp_harness.model.layers import decoder_layers
 
 if TYPE_CHECKING:
     from distperp_harness.distributed.collective import Collective
