@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from distperp_harness.distributed.store import is_distributed_failure
 from distperp_harness.model.quantize import is_tensor_subclass
 
 
@@ -166,27 +167,16 @@ def regather(*models: nn.Module | None) -> None:
         m.unshard()
 
 
-def _is_distributed_failure(exc: BaseException) -> bool:
-    """A broken collective (gloo/NCCL error, peer gone, timeout), as opposed to an error of this rank's own."""
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "timed out",
-                                                                     "timeout", "peer"))
-
-
 @contextlib.contextmanager
 def naming_failures(collective, active: bool) -> Iterator[None]:
     """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
     timeout), meet on the gloo control group, whose error names the ranks that never arrived
-    (:class:`~distperp_harness.distributed.collective.CollectiveError`); if everyone arrives, the original error
+    (:class:`~distperp_harness.distributed.store.CollectiveError`); if everyone arrives, the original error
     stands."""
     try:
         yield
     except Exception as exc:
-        if active and collective.distributed and _is_distributed_failure(exc):
+        if active and collective.distributed and is_distributed_failure(exc):
             collective.barrier("check which ranks are alive after a failed gather of sharded weights")
         raise
 
