@@ -18,7 +18,7 @@ from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
-from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.collective import Collective, naming_failures
 from distperp_harness.run.compiling import compile_extra_bytes, compile_models
 from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
@@ -40,7 +40,7 @@ from distperp_harness.run.runtime import agree_on_batching, attention_coefficien
     head_coefficient
 from distperp_harness.run.scoring import NonFiniteLogitsError, forward_calls, score_batch
 from distperp_harness.tokens import Tokenization
-from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
+from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, regather, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)

@@ -26,12 +26,13 @@ the store host (node 0) when the store itself is gone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import pickle
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ import torch
 from distperp_harness.distributed import failfast
 from distperp_harness.distributed.controlplane import control_group as _control_group
 from distperp_harness.distributed.failfast import start_watch, stop_watch
-from distperp_harness.distributed.store import CollectiveError, default_store, store_gone
+from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, store_gone
 
 __all__ = ["Collective", "CollectiveError", "default_store"]
 
@@ -207,6 +208,20 @@ class Collective:
             who = "every rank arrived, so a peer failed during the exchange"
         return (f"{head}: {who}. The evaluation is incomplete and no results were written. "
                 f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+@contextlib.contextmanager
+def naming_failures(collective, active: bool) -> Iterator[None]:
+    """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
+    timeout), meet on the gloo control group, whose error names the ranks that never arrived
+    (:class:`~distperp_harness.distributed.store.CollectiveError`); if everyone arrives, the original error
+    stands."""
+    try:
+        yield
+    except Exception as exc:
+        if active and collective.distributed and is_distributed_failure(exc):
+            collective.barrier("check which ranks are alive after a failed gather of sharded weights")
+        raise
 
 
 _FAILED = False

@@ -30,7 +30,6 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from distperp_harness.distributed.store import is_distributed_failure
 from distperp_harness.model.quantize import is_tensor_subclass
 
 
@@ -74,7 +73,7 @@ def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s: float):
     """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by
-    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`naming_failures`).
+    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`distperp_harness.distributed.collective.naming_failures`).
     Every rank must call this together (it creates process groups)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -165,20 +164,6 @@ def regather(*models: nn.Module | None) -> None:
         m.reshard()
     for m in roots:
         m.unshard()
-
-
-@contextlib.contextmanager
-def naming_failures(collective, active: bool) -> Iterator[None]:
-    """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
-    timeout), meet on the gloo control group, whose error names the ranks that never arrived
-    (:class:`~distperp_harness.distributed.store.CollectiveError`); if everyone arrives, the original error
-    stands."""
-    try:
-        yield
-    except Exception as exc:
-        if active and collective.distributed and is_distributed_failure(exc):
-            collective.barrier("check which ranks are alive after a failed gather of sharded weights")
-        raise
 
 
 def refuse_generation(shard_size: int) -> None:
