@@ -282,8 +282,8 @@ def uncaught(exc: BaseException) -> None:
         os._exit(1)  # at once, before the peers (which wait EXIT_GRACE_S): the launcher then names this rank first
 
 
-_POINTS = {"forward": "DISTPERP_TEST_FAIL", "after forward": "DISTPERP_TEST_FAIL_AFTER",
-           "planning": "DISTPERP_TEST_FAIL_PLANNING", "generation": "DISTPERP_TEST_FAIL_GENERATION"}
+_POINTS = {"forward": "DISTPERP_TEST_FAIL", "planning": "DISTPERP_TEST_FAIL_PLANNING",
+           "generation": "DISTPERP_TEST_FAIL_GENERATION"}
 
 
 def fail_for_tests(rank: int, point: str = "forward") -> None:
@@ -291,8 +291,6 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     at its n-th call of ``point`` as an error of its own would:
 
     * ``DISTPERP_TEST_FAIL`` (``forward``): before a forward's first gather (real or idle forward);
-    * ``DISTPERP_TEST_FAIL_AFTER`` (``after forward``): after a real forward's gathers, where the NaN/inf check
-      raises (the shard group's peers then go on to agree on the next step in the store);
     * ``DISTPERP_TEST_FAIL_PLANNING`` (``planning``): at the start of a scoring call, before the exchange of units;
     * ``DISTPERP_TEST_FAIL_GENERATION`` (``generation``): at the start of a ``generate_until`` call.
     """

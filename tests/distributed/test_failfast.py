@@ -12,7 +12,7 @@ import time
 import pytest
 
 from distperp_harness.distributed import controlplane, failfast
-from helpers import accelerate_launch_prefix, free_port, offline_env, start_two_nodes
+from helpers import TASKS_DIR, accelerate_launch_prefix, free_port, offline_env, start_two_nodes
 
 
 class _Store:
@@ -240,18 +240,14 @@ def _assert_named(text, *, peer, failing, stage, host="", device="cpu", failing_
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("variable, failing, n", [
-    ("DISTPERP_TEST_FAIL", 1, 3),  # rank 1 before its 3rd forward: its peer waits in the forward's first gather
-    ("DISTPERP_TEST_FAIL_AFTER", 0, 1),  # rank 0 where the NaN check raises: its peer waits in the store for a step
-])
 def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named(tiny_model_dir, tasks_dir,
-                                                                                 tmp_path, variable, failing, n):
-    """``shard_size=2,timeout=600``: only failfast can end the peer in seconds. Rank 0 failing after a forward is
-    the case a watch sharing the main thread's store connection missed (the peer's main thread waits in the
-    store's ``get`` for rank 0's step; the watch queued behind it and the launcher killed the peer unnamed)."""
+                                                                                 tmp_path):
+    """Rank 1 of a ``shard_size=2`` group raises before its 3rd forward (its peer waits in the forward's first
+    gather); with ``timeout=600`` only failfast can end the peer: it does within seconds, naming rank 1."""
+    failing = 1
     out = tmp_path / "out"
     run = _one_node(_lm_eval(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600"), tmp_path,
-                    {variable: f"{failing}:{n}"})
+                    {"DISTPERP_TEST_FAIL": "1:3"})
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
@@ -261,6 +257,58 @@ def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named
     assert f"rank      : {failing} (local_rank: {failing})" in root_cause, root_cause
     assert not list(out.rglob("results_*.json"))
     assert ended - failed_at < 30  # far below the 600 s any gather or store call would wait
+
+
+_NAN_DOCS = ["Zyzzyva quokka marmoset. Zyzzyva quokka marmoset. Zyzzyva quokka marmoset.",  # its batch: rank 0's
+             "The river was high after the rain."]
+
+
+def _nan_model_and_task(model_dir, tmp_path):
+    """A copy of the test model whose input embedding row of one token of ``_NAN_DOCS[0]`` (not in the other) is
+    NaN, and a rolling task of the two documents (one window, one batch each with ``batch_size=1``)."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    poisoned = sorted(set(tokenizer(_NAN_DOCS[0])["input_ids"][:-1]) - set(tokenizer(_NAN_DOCS[1])["input_ids"]))[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[poisoned] = float("nan")
+    model.save_pretrained(tmp_path / "nan_model")
+    tokenizer.save_pretrained(tmp_path / "nan_model")
+    tasks = shutil.copytree(TASKS_DIR, tmp_path / "tasks")
+    (tasks / "dptest_nan.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _NAN_DOCS))
+    (tasks / "dptest_nan.yaml").write_text((tasks / "dptest_rolling.yaml").read_text().replace(
+        "task: dptest_rolling", "task: dptest_nan").replace("dptest_rolling.jsonl", "dptest_nan.jsonl"))
+    return tmp_path / "nan_model", tasks
+
+
+@pytest.mark.distributed
+def test_nan_logits_on_rank_0_only_are_named_by_rank_1(tiny_model_dir, tmp_path):
+    """The run of issue 29: ``shard_size=2,timeout=600``, only rank 0's window gives non-finite logits. Rank 0's
+    error stays as clear as in one process (the window's text); rank 1, which then waits in the store's ``get``
+    for the group's next step, names rank 0 within seconds. (With the watch on the main thread's store client, as
+    before, its poll queued behind that ``get``: rank 1 died of the launcher's SIGTERM, unnamed.)"""
+    model, tasks = _nan_model_and_task(tiny_model_dir, tmp_path)
+    out = tmp_path / "out"
+    args = ["-m", "lm_eval", "--model", "distperp", "--model_args",
+            f"pretrained={model},max_length=128,shard_size=2,timeout=600", "--tasks", "dptest_nan", "--include_path",
+            str(tasks), "--batch_size", "1", "--output_path", str(out)]
+    run = _one_node(args, tmp_path, {})
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    assert "distperp: rank 1 stops because rank 0 (" in text, text[-4000:]
+    assert "failed while scoring: ValueError: the model produced NaN/inf logits while scoring the window " \
+           "'Zyzzyva" in text
+    assert "Try dtype=float32, or check the checkpoint." in text  # rank 0's own traceback, as in one process
+    assert "rank      : 0 (local_rank: 0)" in text[text.index("Root Cause"):]  # rank 0 exited first
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30
 
 
 @pytest.mark.distributed
