@@ -225,7 +225,7 @@ def fail_here(exc: BaseException, rank: int, world_size: int, device: Any, stage
     record = record_of(rank, describe(exc), where=where(device), stage=stage)
     print(f"distperp: {record}. Telling the other ranks, which stop now.", file=sys.stderr, flush=True)
     if store is not None:
-        publish(store, rank, world_size, describe(exc), where=where(device), stage=stage)
+        publish(store, rank, world_size, describe(exc), ack_wait_s=ACK_WAIT_S, where=where(device), stage=stage)
 
 
 @contextlib.contextmanager

@@ -90,7 +90,7 @@ def test_the_watch_is_not_queued_behind_a_store_call_of_the_main_thread():
     from torch.distributed import PrefixStore, TCPStore
 
     server = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    client = PrefixStore("default_pg", TCPStore("127.0.0.1", server.port, 2, False, timedelta(seconds=6)))
+    client = PrefixStore("default_pg", TCPStore("127.0.0.1", server.port, 2, False, timedelta(seconds=3)))
     blocked = threading.Thread(target=lambda: pytest.raises(Exception, client.get, "a step never announced"))
     blocked.start()
     time.sleep(0.3)
