@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
 
+from distperp_harness.distributed.controlplane import host_name
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, \
     private_client, store_gone
 from distperp_harness.distributed.testfaults import inject
@@ -65,7 +65,7 @@ def describe(exc: BaseException) -> str:
 
 def where(device: Any = None) -> str:
     """``host, device`` of this process (``host`` alone without a device)."""
-    host = os.environ.get("DISTPERP_TEST_HOSTNAME") or socket.gethostname()
+    host = host_name()
     return f"{host}, {device}" if device is not None else host
 
 
@@ -234,7 +234,11 @@ def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -
     step): on an error of this rank's own, tell every rank (:func:`fail_here`: printed, recorded, acknowledged)
     before re-raising it. A broken collective (a peer's failure seen from here) is re-raised as it is, or as a
     :class:`~distperp_harness.distributed.store.CollectiveError` naming the peer's record when there is one.
-    Nests; with one process, or without a store, it only re-raises."""
+    Nests (the innermost block names the stage); with one process, or without a store, it only re-raises.
+
+    Cheap enough for every generation lane or decode step, real or idle: entering costs a ``try``; the store is
+    touched only when an error leaves the block. Errors the caller recovers from (an out-of-memory retry with a
+    smaller batch) must be caught inside the block, since whatever leaves it stops the run."""
     try:
         yield
     except Exception as exc:
