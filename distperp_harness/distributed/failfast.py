@@ -76,18 +76,19 @@ def record_of(rank: int, cause: str, *, where: str = "", stage: str = "scoring")
 def publish(store: Any, rank: int, world_size: int, cause: str, *, ack_wait_s: float = ACK_WAIT_S,
             where: str = "", stage: str = "scoring") -> bool:
     """Record that ``rank`` failed (``cause``, while ``stage``), then wait until the other ranks acknowledged (at
-    most ``ack_wait_s``). The first record stays (a later one from another rank is dropped: the first cause is the
-    one to name; a later failing rank waits for one acknowledgement fewer, the first one's). Returns True when every
-    peer acknowledged in time, False on timeout or when the store cannot be reached."""
+    most ``ack_wait_s``). The first record stays: a later failing rank (the same error on every rank, say) leaves
+    the first cause to be named, acknowledges it as a watch would, and returns at once, so that the first never
+    waits for ranks that fail themselves. Returns True when every peer acknowledged in time, False on timeout or
+    when the store cannot be reached."""
     record = record_of(rank, cause, where=where, stage=stage)
     try:
-        first = store.add(f"{FAILURE_KEY}/count", 1) == 1
-        if first:
-            store.set(FAILURE_KEY, record.encode())
-        needed = world_size - 1 if first else world_size - 2
+        if store.add(f"{FAILURE_KEY}/count", 1) != 1:
+            store.add(ACK_KEY, 1)
+            return True
+        store.set(FAILURE_KEY, record.encode())
         deadline = time.monotonic() + ack_wait_s
         while time.monotonic() < deadline:
-            if store.add(ACK_KEY, 0) >= needed:
+            if store.add(ACK_KEY, 0) >= world_size - 1:
                 return True
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store host is gone: nobody can be told, the error still stands

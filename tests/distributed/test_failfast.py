@@ -55,7 +55,8 @@ def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatc
     with pytest.raises(ValueError, match="NaN"):
         with failfast.stop_together(_Collective(), "cuda:1"):
             raise ValueError("the model produced NaN/inf logits")
-    failfast.publish(store, 2, 3, "RuntimeError: later", ack_wait_s=0)  # a second failure does not replace it
+    failfast.publish(store, 2, 3, "RuntimeError: later", ack_wait_s=0)  # a second failure does not replace it,
+    assert int(store.get(failfast.ACK_KEY)) == 1  # and acknowledges the first: nobody waits for a failing rank
     record = failfast.read(store)
     assert record.startswith("rank 1 (") and "cuda:1" in record and "ValueError: the model produced NaN" in record
     for w in watches:
@@ -65,7 +66,7 @@ def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatc
         time.sleep(0.01)
     assert sorted(stopped) == sorted(failfast.stop_message(r, record) for r in (0, 2))
     assert "rank 0 stops because rank 1 (" in stopped[0] + stopped[1] and "no results were written" in stopped[0]
-    assert int(store.get(failfast.ACK_KEY)) == 2  # the failing rank waits for these before it exits
+    assert int(store.get(failfast.ACK_KEY)) == 3  # the first failing rank waits for world_size - 1 of these
 
 
 def test_a_broken_collective_is_not_recorded_as_a_failure_of_this_rank(monkeypatch):
