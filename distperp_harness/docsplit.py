@@ -10,8 +10,8 @@ for ``docs[r::n]`` only. That breaks two promises of a world-size-independent ba
 
 Contract of the wrapper installed by :func:`install_document_split` (``DistPerpLM`` installs it when
 ``world_size > 1``, once per process). On every call of ``Task.build_all_requests`` it reads ``lm`` from the calling
-``lm_eval.evaluator.evaluate`` frame (read-only). Unless that ``lm`` is a ``DistPerpLM`` with more than one process,
-and unless the task needs it — ``num_fewshot > 0`` with a sampler that is not ``first_n``, or fewer documents after
+``lm_eval.evaluator.evaluate`` frame (read-only). Unless that ``lm`` carries an installed ``document_split`` record
+(what :func:`install_document_split` returned to it: a ``DistPerpLM``) and has more than one process, and unless the task needs it — ``num_fewshot > 0`` with a sampler that is not ``first_n``, or fewer documents after
 ``limit``/``samples`` than ranks — the original runs unchanged. When it acts (:func:`build_split`):
 
 1. the original runs with ``rank=0, world_size=1``: the sampler's generator advances exactly as in one process, and
@@ -38,6 +38,8 @@ import sys
 from typing import Any, Callable
 
 from accelerate.logging import get_logger
+
+from distperp_harness.distributed.failfast import stop_together
 
 log = get_logger(__name__)
 
@@ -86,15 +88,14 @@ def install_document_split(world_size: int) -> dict:
         @functools.wraps(original)
         def build_all_requests(self, **kwargs):
             lm = evaluator_lm()
-            from distperp_harness.lm import DistPerpLM
-
-            if not isinstance(lm, DistPerpLM) or lm.world_size <= 1:
-                return original(self, **kwargs)
-            entry = build_split(self, original, **kwargs)
-            name = getattr(self, "task_name", None) or type(self).__name__
             record = getattr(lm, "document_split", None)
-            if isinstance(record, dict):
-                record.setdefault("tasks", {})[name] = entry
+            if not (isinstance(record, dict) and record.get("installed")) or getattr(lm, "world_size", 1) <= 1:
+                return original(self, **kwargs)
+            with stop_together(getattr(lm, "collective", None), getattr(lm, "device", None),
+                               "building requests (document split)"):
+                entry = build_split(self, original, **kwargs)
+            name = getattr(self, "task_name", None) or type(self).__name__
+            record.setdefault("tasks", {})[name] = entry
             if entry["reason"]:
                 log.info(f"document split: {name}: {entry['reason']}: every rank built the requests of all "
                          f"{entry['documents']} document(s) and keeps its own, as one process would "

@@ -18,12 +18,12 @@ from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
-from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.collective import Collective, naming_failures
 from distperp_harness.run.compiling import compile_extra_bytes, compile_models
 from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
-from distperp_harness.distributed.failfast import fail_for_tests, stop_together
+from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
 from distperp_harness.model.loading import check_prefix_token, load_all
@@ -40,7 +40,7 @@ from distperp_harness.run.runtime import agree_on_batching, attention_coefficien
     head_coefficient
 from distperp_harness.run.scoring import NonFiniteLogitsError, forward_calls, score_batch
 from distperp_harness.tokens import Tokenization
-from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, naming_failures, regather, \
+from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, regather, \
     refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
@@ -78,6 +78,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.collective = Collective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
+        set_device(self._device)  # a failure anywhere in this process is recorded as this rank's, on this device
         self.device_identity = device_identity(self._device)
         self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
                                              local_world_size(self._world_size))
@@ -160,10 +161,11 @@ class DistPerpLM(Tokenization, TemplateLM):
         shared by several answers is tokenized once (TemplateLM encodes it again for every answer)."""
         self._encoded = {}
         try:
-            answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+            with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood requests"):
+                answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+                self._compare(requests, [score for score, _ in answers])
         finally:
             self._encoded = None
-        self._compare(requests, [score for score, _ in answers])
         return answers
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[Score, bool]]:
@@ -186,20 +188,31 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[Score]:
         """Log-likelihood of each whole text (``Instance.args == (text,)``), conditioned on the prefix token."""
-        units = [window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
-                 for (text,) in (req.args for req in requests)]
-        results = self._score(units, "loglikelihood_rolling", disable_tqdm)
-        out = []
-        for req, r in zip(requests, results):
-            score = self._as_score(r)
-            self.cache_hook.add_partial("loglikelihood_rolling", req.args, score)
-            out.append(score)
-        self._compare(requests, out)
+        with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood_rolling requests"):
+            units = [window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
+                     for (text,) in (req.args for req in requests)]
+            results = self._score(units, "loglikelihood_rolling", disable_tqdm)
+            out = []
+            for req, r in zip(requests, results):
+                score = self._as_score(r)
+                self.cache_hook.add_partial("loglikelihood_rolling", req.args, score)
+                out.append(score)
+            self._compare(requests, out)
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
         refuse_generation(self.shard_size)
+        with stop_together(self.collective, self._device, "generating"):  # an error stops every rank at once
+            fail_for_tests(self.rank, "generation")
+            outputs = self._generate(requests, disable_tqdm)
+            if self.comparison is not None:
+                self._compare_generations(requests, outputs)
+        for req, text in zip(requests, outputs):
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return outputs
+
+    def _generate(self, requests, disable_tqdm: bool) -> list[str]:
         setup = GenerationSetup(
             model=self._model, tokenizer=self.tokenizer, collective=self.collective, device=self._device,
             max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
@@ -210,13 +223,8 @@ class DistPerpLM(Tokenization, TemplateLM):
             min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
             store=self.store, claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
             progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main))
-        outputs = generate(setup, [req.args for req in requests], calls=self.stats.calls,
-                           identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
-        for req, text in zip(requests, outputs):
-            self.cache_hook.add_partial("generate_until", req.args, text)
-        if self.comparison is not None:
-            self._compare_generations(requests, outputs)
-        return outputs
+        return generate(setup, [req.args for req in requests], calls=self.stats.calls,
+                        identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
 
     def _compare_generations(self, requests, texts: list[str]) -> None:
         """What the quantized model's own outputs cost: its answers scored as continuations of their prompts by
@@ -269,6 +277,13 @@ class DistPerpLM(Tokenization, TemplateLM):
                             reference=self.reference)
 
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
+        """:meth:`_score_planned` inside the failure channel: an error while exchanging, planning, routing or
+        returning results stops every rank at once, naming this one (a forward's error is named as scoring)."""
+        with stop_together(self.collective, self._device, f"planning, exchanging or gathering {kind}"):
+            fail_for_tests(self.rank, "planning")
+            return self._score_planned(per_request_units, kind, disable_tqdm, sharing)
+
+    def _score_planned(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing):
         refuse_generation_tasks(self.shard_size, evaluator_tasks())  # every rank sees the same tasks
         received_before = self.collective.bytes_received
         results = score_requests(
@@ -336,15 +351,19 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 (a 0-d tensor counts as one element)."""
-        parts = self.collective.all_gather_tensor(tensor.reshape(1) if tensor.dim() == 0 else tensor, "lm-eval all_gather")
-        return torch.cat(parts).to(tensor.device)
+        with stop_together(self.collective, self._device, "taking part in lm-eval's all_gather"):
+            parts = self.collective.all_gather_tensor(tensor.reshape(1) if tensor.dim() == 0 else tensor,
+                                                      "lm-eval all_gather")
+            return torch.cat(parts).to(tensor.device)
 
     def gather_object(self, obj, dst: int = 0):
-        gathered = self.collective.gather_object(obj, dst, "lm-eval gather_object")
-        return fill_empty_ranks(gathered, self.document_split) if gathered is not None else None
+        with stop_together(self.collective, self._device, "taking part in lm-eval's gather_object"):
+            gathered = self.collective.gather_object(obj, dst, "lm-eval gather_object")
+            return fill_empty_ranks(gathered, self.document_split) if gathered is not None else None
 
     def barrier(self) -> None:
-        self.collective.barrier("lm-eval barrier")
+        with stop_together(self.collective, self._device, "taking part in lm-eval's barrier"):
+            self.collective.barrier("lm-eval barrier")
 
     def set_cache_hook(self, cache_hook) -> None:
         if self.world_size > 1 and getattr(cache_hook, "dbdict", None) is not None:

@@ -112,18 +112,27 @@ def accelerate_launch_prefix(num_processes: int, port: int | None = None) -> lis
     ]  # fmt: skip
 
 
-def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1,
-                  timeout: float = 600) -> None:
-    """Run ``python -m accelerate.commands.launch ... <args>`` as two "nodes" on loopback (two launchers,
-    ``--machine_rank 0`` and ``1``, ``per_node`` processes each); fail the test if either exits non-zero."""
+def start_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1,
+                    envs: Sequence[Mapping[str, str]] = ({}, {}), outputs: Sequence[Any] | None = None,
+                    ) -> list[subprocess.Popen]:
+    """Start ``python -m accelerate.commands.launch ... <args>`` as two "nodes" on loopback (two launchers,
+    ``--machine_rank 0`` and ``1``, ``per_node`` processes each, each in its own session so that a test can kill a
+    whole "node" with ``os.killpg``). ``envs[m]``: extra environment of node ``m``; ``outputs[m]``: an open file for
+    its combined output (default: a text pipe)."""
     port = free_port()
-    procs = [subprocess.Popen(
+    return [subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
          "--machine_rank", str(rank), "--num_processes", str(2 * per_node), "--main_process_ip", "127.0.0.1",
          "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", *map(str, args)],
-        cwd=cwd, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=cwd, env=offline_env(envs[rank]), stdout=outputs[rank] if outputs else subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for rank in (0, 1)]
-    for p in procs:
+
+
+def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1,
+                  timeout: float = 600) -> None:
+    """Run :func:`start_two_nodes`; fail the test if either node exits non-zero."""
+    for p in start_two_nodes(args, cwd=cwd, per_node=per_node):
         output, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, output[-3000:]
 

@@ -141,9 +141,9 @@ def _as_evaluator(lm, task, **kwargs):
 
 
 def test_installed_wrapper_acts_only_for_a_distperp_lm_of_several_processes(monkeypatch):
-    from lm_eval.api.task import Task
+    from types import SimpleNamespace
 
-    from distperp_harness.lm import DistPerpLM
+    from lm_eval.api.task import Task
 
     monkeypatch.setattr(Task, "build_all_requests", Task.build_all_requests)  # restored after the test
     monkeypatch.setattr(docsplit, "log", _Log())
@@ -151,14 +151,13 @@ def test_installed_wrapper_acts_only_for_a_distperp_lm_of_several_processes(monk
     wrapped = Task.build_all_requests
     assert record == {"installed": True, "problem": None, "tasks": {}}
     assert docsplit.install_document_split(2)["installed"] and Task.build_all_requests is wrapped  # idempotent
-    lm = object.__new__(DistPerpLM)  # what the wrapper reads: the class, world_size and the record
-    lm._rank, lm._world_size, lm.document_split = 1, 2, record
+    lm = SimpleNamespace(world_size=2, document_split=record)  # what the wrapper reads: the record, world_size
     task = _task("dptest_random")
     one = _plain(task, rank=0, world_size=1)
     assert _as_evaluator(lm, task, rank=1, world_size=2) == {d: one[d] for d in (1, 3, 5, 7, 9)}
     assert record["tasks"]["dptest_random"]["built_all"]
     assert [(level, kw) for level, _, kw in docsplit.log.lines] == [("info", {"main_process_only": True})]
-    lm._world_size = 1  # one process, or another model: lm-eval's own build
+    lm.world_size = 1  # one process, or another model (no installed record): lm-eval's own build
     assert _as_evaluator(lm, task, rank=0, world_size=1) == one
     assert _as_evaluator(object(), task, rank=1, world_size=2) == _plain(task, rank=1, world_size=2)
 

@@ -18,31 +18,33 @@ runs alike (one code path, tested on CPU). Why not the NCCL group with ``TORCH_N
   float64 per unit back to the ranks that asked), negligible next to scoring.
 
 Every collective is issued with ``async_op=True`` and waited on *inside* the guard, so an error from any
-backend, also one raised at wait time, becomes a :class:`CollectiveError`. Before each collective a rank marks
-its arrival in the rendezvous store; the error names the ranks that never arrived.
+backend, also one raised at wait time, becomes a :class:`~distperp_harness.distributed.store.CollectiveError`. Before
+each collective a rank marks its arrival in the rendezvous store; the error names the ranks that never arrived, or
+the store host (node 0) when the store itself is gone.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import pickle
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
 
+from distperp_harness.distributed import failfast
 from distperp_harness.distributed.controlplane import control_group as _control_group
 from distperp_harness.distributed.failfast import start_watch, stop_watch
+from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, store_gone
+
+__all__ = ["Collective", "CollectiveError", "default_store"]
 
 T = TypeVar("T")
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed: a rank died, hung past the timeout, or the group broke."""
 
 
 class Collective:
@@ -70,7 +72,7 @@ class Collective:
         if self.distributed:
             self._group = _control_group(self.rank, self.world_size, timeout_s)
             _watch_for_failure()
-            start_watch(_default_store(), self.rank)  # a failing peer stops this rank within seconds (failfast)
+            start_watch(default_store(), self.rank, self.world_size)  # a failing peer stops this rank (failfast)
             atexit.register(_leave_group, timeout_s, self._group)
 
     @property
@@ -175,7 +177,7 @@ class Collective:
         """Issue ``op`` (which returns a work handle, or None) and wait for it; on any failure, at issue or at
         wait, raise :class:`CollectiveError` naming the ranks that never arrived."""
         self._step = next(_STEPS)
-        store = _default_store()
+        store = default_store()
         key = f"distperp/step{self._step}"
         if store is not None:
             try:
@@ -196,16 +198,30 @@ class Collective:
         if store is not None:
             try:
                 missing = [r for r in range(self.world_size) if not store.check([f"{key}/rank{r}"])]
-            except Exception:  # noqa: BLE001
-                missing = None
+            except Exception:  # noqa: BLE001 - the store went away during the collective
+                store = None
         if missing:
             who = f"rank(s) {missing} never arrived (died, hung, or were killed)"
-        elif store is None and self.rank != 0:
-            who = "rank 0, which hosts the rendezvous store, is unreachable (died or was killed)"
+        elif store is None:
+            who = store_gone(self.rank)
         else:
             who = "every rank arrived, so a peer failed during the exchange"
         return (f"{head}: {who}. The evaluation is incomplete and no results were written. "
                 f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+@contextlib.contextmanager
+def naming_failures(collective, active: bool) -> Iterator[None]:
+    """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
+    timeout), meet on the gloo control group, whose error names the ranks that never arrived
+    (:class:`~distperp_harness.distributed.store.CollectiveError`); if everyone arrives, the original error
+    stands."""
+    try:
+        yield
+    except Exception as exc:
+        if active and collective.distributed and is_distributed_failure(exc):
+            collective.barrier("check which ranks are alive after a failed gather of sharded weights")
+        raise
 
 
 _FAILED = False
@@ -215,7 +231,8 @@ store keys of the first (arrival marks, claimed batches)."""
 
 
 def _watch_for_failure() -> None:
-    """Note an uncaught exception (it runs before ``atexit``), so a failing rank does not wait at exit."""
+    """Note an uncaught exception (it runs before ``atexit``), so a failing rank does not wait at exit; after its
+    traceback, tell the other ranks (:func:`~distperp_harness.distributed.failfast.uncaught`)."""
     if getattr(sys.excepthook, "_distperp", False):
         return
     previous = sys.excepthook
@@ -224,6 +241,7 @@ def _watch_for_failure() -> None:
         global _FAILED
         _FAILED = True
         previous(kind, value, traceback)
+        failfast.uncaught(value)
 
     hook._distperp = True  # type: ignore[attr-defined]
     sys.excepthook = hook
@@ -238,28 +256,16 @@ def _leave_group(timeout_s: float, group: Any) -> None:
     fail at once, a hung one is bounded by ``min(timeout, 60 s)``; then the rank leaves anyway.
     """
     dist = torch.distributed
+    failfast.closing()  # from here on, node 0 (the store host) may leave before this rank: that is no failure
     try:
         if _FAILED or not dist.is_initialized():
+            stop_watch(wait_s=2.0)  # the watch thread must not be inside a store call at finalization
             return  # failing: leave at once, so the peers' collectives fail fast instead of waiting here
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(timeout_s, 60.0)), wait_all_ranks=True)
         stop_watch()  # before the store goes away, and before the interpreter ends daemon threads
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
-
-
-def default_store() -> Any:
-    """The process group's rendezvous store (``None`` without a process group)."""
-    return _default_store()
-
-
-def _default_store() -> Any:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # noqa: BLE001 - private API; the error message is then less specific
-        return None
 
 
 def _pickled(obj: Any) -> np.ndarray:

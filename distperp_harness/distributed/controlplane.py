@@ -21,6 +21,8 @@ import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
+from distperp_harness.distributed.store import default_store
+
 VARIABLE = "GLOO_SOCKET_IFNAME"
 _HOW_TO_FIX = (f"Fix: set {VARIABLE}=<interface> on every node, the interface through which the nodes reach each "
                f"other (usually the same as NCCL_SOCKET_IFNAME; `ip -brief addr` lists the interfaces, pick the one "
@@ -97,10 +99,8 @@ def control_group(rank: int, world_size: int, timeout_s: float) -> Any:
     found nothing; a failure to create it names this rank's bind address and the fix."""
     import torch.distributed as dist
 
-    from distperp_harness.distributed.collective import _default_store
-
     address, how = bound_address()
-    store = _default_store()
+    store = default_store()
     if store is not None:
         problem = binding_problem(exchange(store, rank, world_size, (host_name(), address, how)))
         if problem:

@@ -1,61 +1,91 @@
 """One failing rank stops the whole run within seconds, and every rank's last words name it and the cause.
 
 Why a separate channel: with sharded weights (``shard_size``) every forward is collective. A rank that fails
-(non-finite logits, out of memory, any exception) leaves its group's other ranks waiting in an FSDP gather; on
-NCCL they block on the host at the first device→host read and nothing but the NCCL watchdog (``timeout``) would
-end them, with a SIGABRT that names nobody. Without sharding, the other ranks would compute all their batches
-before meeting the failure at the next gather of results.
+(non-finite logits, out of memory, any exception) leaves its group's other ranks waiting in an FSDP gather or in
+the store; on NCCL they block on the host and nothing but the watchdog (``timeout``) would end them, with a SIGABRT
+that names nobody. Without sharding, the other ranks would compute (or generate) all their share before meeting
+the failure at the next gather.
 
-The rendezvous store (the TCP key-value store every process group is built from, hosted by rank 0) is the channel:
+The rendezvous store (:mod:`~distperp_harness.distributed.store`) is the channel, whichever rank or launcher hosts it:
 
-* **The failing rank** (:func:`stop_together`, around every forward, real or idle) writes one record,
-  ``rank R (host, device) failed while scoring: <error>``, to the key :data:`FAILURE_KEY`, waits up to
-  :data:`ACK_WAIT_S` seconds until every other rank has acknowledged it (so that the store, and the launcher,
-  outlive the message), and re-raises its error.
-* **Every rank** runs a :class:`FailureWatch` daemon thread that polls that key every :data:`POLL_S` seconds. When a
-  peer's record appears it prints ``distperp: rank r stops because rank R ... failed ...`` to stderr, acknowledges,
-  and ends the process at once with exit code 1 (``os._exit``: its main thread may be blocked in a collective
-  that will never complete, which no Python exception could interrupt). Nothing is written: lm-eval writes results
-  only after the last gather, which no rank reaches.
+* **The failing rank** — around every stage (:func:`stop_together`: forwards, planning, generation, the document
+  split, lm-eval's gathers) and, for errors anywhere else, from the interpreter's last-chance hook
+  (:func:`uncaught`) — prints its record to stderr, writes it to :data:`FAILURE_KEY`
+  (``rank R (host, device) failed while <stage>: <error>``), and waits up to :data:`ACK_WAIT_S` seconds until every
+  other rank has acknowledged it. That wait keeps the store alive (it lives in node 0's launcher, or in rank 0's
+  process, and a launcher ends its other ranks as soon as one exits) until the peers have printed; only then does
+  the error propagate (and the traceback print). After the traceback, :data:`DONE_KEY` lets the peers go.
+* **Every rank** runs a :class:`FailureWatch` daemon thread, on **its own store connection** (a store client
+  serializes its calls: a watch sharing the main thread's client waited behind the main thread's blocking ``get``
+  of a shard group's step, up to ``timeout``, so it never saw rank 0's record; see the README, "Faults"). It polls
+  every :data:`POLL_S` seconds. A peer's record: print ``distperp: rank r stops because rank R ... failed ...``,
+  acknowledge, wait up to :data:`DONE_WAIT_S` for the failing rank's traceback and :data:`EXIT_GRACE_S` more (so
+  that the failing rank exits first and its launcher reports it as the first failure), ``os._exit(1)``. The store
+  unreachable for :data:`GONE_AFTER` polls in a row: rank 0 / node 0 is gone
+  (:func:`~distperp_harness.distributed.store.store_gone`); print that and ``os._exit(1)``. Once this process is
+  leaving normally (:func:`closing`) a vanished store is no failure.
 
-A rank blocked in a gather therefore ends within about ``POLL_S``, whatever the backend and the ``timeout``; a rank
-that is computing ends at its next poll too. The mesh groups' own timeout (``timeout=``, see
-:func:`~distperp_harness.model.sharding.make_mesh`) remains the bound for a rank that hangs without failing.
+``os._exit``: the main thread may be blocked in a collective or store call that will never complete, which no
+Python exception could interrupt. Nothing is written: lm-eval writes results only after the last gather.
+
+**Generation and other loops** wrap each unit of work (a lane, a decode step, real or idle) in
+``with stop_together(collective, device, "generating"):``; it costs nothing until an error is raised, nests (the
+innermost block publishes, outer ones re-raise), and is safe to enter per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
 
+from distperp_harness.distributed.controlplane import host_name
+from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, \
+    private_client, store_gone
 from distperp_harness.distributed.testfaults import inject
 
 FAILURE_KEY = "distperp/failure"
 ACK_KEY = "distperp/failure_acks"
+DONE_KEY = "distperp/failure_done"
 POLL_S = 1.0
 ACK_WAIT_S = 10.0
+DONE_WAIT_S = 3.0
+EXIT_GRACE_S = 1.0
+GONE_AFTER = 2
 
 
 def describe(exc: BaseException) -> str:
-    """First line of an error, with its type (at most 400 characters)."""
+    """First line of an error, with its type (at most 1,000 characters: a NaN error names up to three windows)."""
     text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:400]
+    return f"{type(exc).__name__}: {text}"[:1000]
+
+
+def where(device: Any = None) -> str:
+    """``host, device`` of this process (``host`` alone without a device)."""
+    host = host_name()
+    return f"{host}, {device}" if device is not None else host
+
+
+def record_of(rank: int, cause: str, *, where: str = "", stage: str = "scoring") -> str:
+    return f"rank {rank}{f' ({where})' if where else ''} failed while {stage}: {cause}"
 
 
 def publish(store: Any, rank: int, world_size: int, cause: str, *, ack_wait_s: float = ACK_WAIT_S,
-            where: str = "") -> bool:
-    """Record that ``rank`` failed (``cause``), then wait until the other ``world_size - 1`` ranks acknowledged
-    (at most ``ack_wait_s``). The first record stays (a later one from another rank is dropped: the first cause is
-    the one to name). Returns True when every peer acknowledged in time."""
-    record = f"rank {rank}{f' ({where})' if where else ''} failed while scoring: {cause}"
+            where: str = "", stage: str = "scoring") -> bool:
+    """Record that ``rank`` failed (``cause``, while ``stage``), then wait until the other ranks acknowledged (at
+    most ``ack_wait_s``). The first record stays: a later failing rank (the same error on every rank, say) leaves
+    the first cause to be named, acknowledges it as a watch would, and returns at once, so that the first never
+    waits for ranks that fail themselves. Returns True when every peer acknowledged in time, False on timeout or
+    when the store cannot be reached."""
+    record = record_of(rank, cause, where=where, stage=stage)
     try:
-        if store.add(f"{FAILURE_KEY}/count", 1) == 1:
-            store.set(FAILURE_KEY, record.encode())
+        if store.add(f"{FAILURE_KEY}/count", 1) != 1:
+            store.add(ACK_KEY, 1)
+            return True
+        store.set(FAILURE_KEY, record.encode())
         deadline = time.monotonic() + ack_wait_s
         while time.monotonic() < deadline:
             if store.add(ACK_KEY, 0) >= world_size - 1:
@@ -82,15 +112,16 @@ def stop_message(rank: int, record: str) -> str:
 
 
 class FailureWatch:
-    """Daemon thread: when a peer's failure record appears in ``store``, print it, acknowledge, ``on_failure``
-    (default: ``os._exit(1)``). Stops quietly when the store goes away (rank 0 exited: the next collective then
-    fails and says so)."""
+    """Daemon thread on a private connection to ``store``: when a peer's failure record appears, print it,
+    acknowledge, ``on_failure(message)`` (default: wait for the failing rank's traceback, then ``os._exit(1)``);
+    when the store is unreachable for ``gone_after`` polls in a row, ``on_failure`` with the store-gone message."""
 
-    def __init__(self, store: Any, rank: int, *, poll_s: float = POLL_S,
+    def __init__(self, store: Any, rank: int, *, poll_s: float = POLL_S, gone_after: int = GONE_AFTER,
                  on_failure: Callable[[str], None] | None = None) -> None:
-        self.store, self.rank, self.poll_s = store, rank, poll_s
-        self.on_failure = on_failure or _exit_now
-        self.own_failure = False  # set by this rank's own stop_together: it raises instead
+        self.store, self.rank, self.poll_s, self.gone_after = private_client(store), rank, poll_s, gone_after
+        self.on_failure = on_failure or self._exit_now
+        self.own_failure = False  # set when this rank failed: it raises (and names itself) instead
+        self.closing = False  # set when this process leaves normally: a store that goes away is no failure then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distperp-failure-watch", daemon=True)
 
@@ -105,15 +136,26 @@ class FailureWatch:
             self._thread.join(wait_s)
 
     def _run(self) -> None:
+        misses = 0
         while not self._stop.wait(self.poll_s):
             try:
                 present = self.store.check([FAILURE_KEY])
                 record = self.store.get(FAILURE_KEY).decode() if present else None
-            except Exception:  # noqa: BLE001 - store host gone
-                return
+                misses = 0
+            except Exception:  # noqa: BLE001 - store host gone (or one poll lost): gone after `gone_after` in a row
+                misses += 1
+                if self.own_failure or self.closing:
+                    return
+                if misses >= self.gone_after:
+                    message = stop_message(self.rank, store_gone(self.rank))
+                    print(message, file=sys.stderr, flush=True)
+                    self.on_failure(message)
+                    return
+                continue
             if record is None or self.own_failure:
                 continue
             message = stop_message(self.rank, record)
+            print(message, file=sys.stderr, flush=True)  # before the acknowledgement: the failing rank then exits
             try:
                 self.store.add(ACK_KEY, 1)
             except Exception:  # noqa: BLE001
@@ -121,17 +163,26 @@ class FailureWatch:
             self.on_failure(message)
             return
 
-
-def _exit_now(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    os._exit(1)
+    def _exit_now(self, message: str) -> None:
+        """The default ``on_failure`` (the message is printed already): after a peer's record, wait up to
+        :data:`DONE_WAIT_S` until its traceback printed; then end the process, exit code 1."""
+        try:
+            if self.store.check([FAILURE_KEY]):
+                deadline = time.monotonic() + DONE_WAIT_S
+                while time.monotonic() < deadline and not self.store.check([DONE_KEY]):
+                    time.sleep(0.05)
+                time.sleep(EXIT_GRACE_S)  # let the failing rank exit first: its launcher then names it as the cause
+        except Exception:  # noqa: BLE001 - the store went away meanwhile (or was never there): go now
+            pass
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)
 
 
 _WATCH: list[FailureWatch] = []
+_PLACE: dict[str, Any] = {"rank": 0, "world_size": 1, "device": None, "published": False}
 
 
 def stop_watch(wait_s: float = 5.0) -> None:
@@ -142,63 +193,115 @@ def stop_watch(wait_s: float = 5.0) -> None:
         watch.stop(wait_s)
 
 
-def start_watch(store: Any, rank: int) -> FailureWatch | None:
-    """Start this process's :class:`FailureWatch` once (None without a store)."""
+def closing() -> None:
+    """This process is leaving normally (its last collective is behind it): the store host may go first."""
+    for watch in _WATCH:
+        watch.closing = True
+
+
+def start_watch(store: Any, rank: int, world_size: int | None = None) -> FailureWatch | None:
+    """Start this process's :class:`FailureWatch` once (None without a store); remember the rank for
+    :func:`uncaught`."""
     if store is None:
         return None
+    _PLACE.update(rank=rank, world_size=world_size or _PLACE["world_size"])
     if not _WATCH:
         _WATCH.append(FailureWatch(store, rank).start())
     return _WATCH[0]
 
 
+def set_device(device: Any) -> None:
+    """The device this process computes on, for the records of :func:`uncaught`."""
+    _PLACE["device"] = device
+
+
+def fail_here(exc: BaseException, rank: int, world_size: int, device: Any, stage: str, store: Any = None) -> None:
+    """This rank failed with ``exc`` while ``stage``: tell every rank (once per process; later calls return)."""
+    for watch in _WATCH:
+        watch.own_failure = True
+    if _PLACE["published"]:
+        return
+    _PLACE["published"] = True
+    store = store if store is not None else default_store()
+    record = record_of(rank, describe(exc), where=where(device), stage=stage)
+    print(f"distperp: {record}. Telling the other ranks, which stop now.", file=sys.stderr, flush=True)
+    if store is not None:
+        publish(store, rank, world_size, describe(exc), ack_wait_s=ACK_WAIT_S, where=where(device), stage=stage)
+
+
 @contextlib.contextmanager
-def stop_together(collective: Any, device: Any = None) -> Iterator[None]:
-    """Around one forward of a multi-process run: on an error of this rank's own, tell every rank
-    (:func:`publish`) before re-raising it. A broken collective (a peer's failure seen from here) is re-raised
-    as it is, naming the peer's record when there is one."""
+def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -> Iterator[None]:
+    """Around one stage or unit of work of a multi-process run (a forward, planning, a generation lane or decode
+    step): on an error of this rank's own, tell every rank (:func:`fail_here`: printed, recorded, acknowledged)
+    before re-raising it. A broken collective (a peer's failure seen from here) is re-raised as it is, or as a
+    :class:`~distperp_harness.distributed.store.CollectiveError` naming the peer's record when there is one.
+    Nests (the innermost block names the stage); with one process, or without a store, it only re-raises.
+
+    Cheap enough for every generation lane or decode step, real or idle: entering costs a ``try``; the store is
+    touched only when an error leaves the block. Errors the caller recovers from (an out-of-memory retry with a
+    smaller batch) must be caught inside the block, since whatever leaves it stops the run."""
     try:
         yield
     except Exception as exc:
         if not getattr(collective, "distributed", False):
             raise
-        from distperp_harness.distributed.collective import _default_store
-
-        store = _default_store()
+        store = default_store()
         if store is None:
             raise
-        if _is_distributed_failure(exc):
+        if is_distributed_failure(exc):
             record = read(store)
-            if record is not None and not record.startswith(f"rank {collective.rank} "):
-                raise RuntimeError(stop_message(collective.rank, record)) from exc
+            if record is not None and not record.startswith(f"rank {collective.rank} ") \
+                    and f"rank {collective.rank} stops because" not in str(exc):
+                raise CollectiveError(stop_message(collective.rank, record)) from exc
             raise
-        for watch in _WATCH:
-            watch.own_failure = True
-        publish(store, collective.rank, collective.world_size, describe(exc),
-                where=f"{socket.gethostname()}, {device}" if device is not None else socket.gethostname())
+        fail_here(exc, collective.rank, collective.world_size, device, stage, store)
         raise
 
 
-def _is_distributed_failure(exc: BaseException) -> bool:
-    """A broken collective (gloo/NCCL error, peer gone, timeout), as opposed to an error of this rank's own."""
-    import torch.distributed as dist
+def uncaught(exc: BaseException) -> None:
+    """From the interpreter's last-chance hook, after the traceback printed: an error of this rank's own raised
+    outside every :func:`stop_together` (lm-eval's code, loading) is published like one inside; then the peers,
+    which waited for the traceback, may go, and this process ends at once with exit code 1 (``os._exit``, as on
+    SIGTERM with ``resume_dir``: nothing is left to write, and the exit barrier must not wait for peers that are
+    stopping). KeyboardInterrupt and broken collectives publish nothing and exit as usual."""
+    store = default_store()
+    if not _WATCH or store is None:
+        return
+    if not isinstance(exc, Exception):
+        closing()  # Ctrl-C: every rank was interrupted, and the store host may go first
+        return
+    for watch in _WATCH:
+        watch.own_failure = True
+    if not is_distributed_failure(exc):
+        fail_here(exc, _PLACE["rank"], _PLACE["world_size"], _PLACE["device"], "running the evaluation", store)
+    if _PLACE["published"]:
+        try:
+            store.set(DONE_KEY, b"1")
+        except Exception:  # noqa: BLE001 - store host gone
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(1)  # at once, before the peers (which wait EXIT_GRACE_S): the launcher then names this rank first
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    from distperp_harness.distributed.collective import CollectiveError
 
-    if isinstance(exc, CollectiveError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "timed out",
-                                                                     "timeout", "peer"))
+_POINTS = {"forward": "DISTPERP_TEST_FAIL", "planning": "DISTPERP_TEST_FAIL_PLANNING",
+           "generation": "DISTPERP_TEST_FAIL_GENERATION", "lane": "DISTPERP_TEST_FAIL_LANE"}
 
 
-def fail_for_tests(rank: int) -> None:
-    """Fault injection before each forward of the failure tests; unset in normal runs.
-    ``DISTPERP_TEST_FAIL=<rank>:<forward>`` makes that rank raise at its n-th forward (real or idle), before the
-    forward's first gather, as an error of its own would."""
-    inject("forward", rank, {"DISTPERP_TEST_FAIL": _raise_injected})
+def fail_for_tests(rank: int, point: str = "forward") -> None:
+    """Fault injection for the failure tests; unset in normal runs. ``<VARIABLE>=<rank>:<n>`` makes that rank raise
+    at its n-th call of ``point`` as an error of its own would:
+
+    * ``DISTPERP_TEST_FAIL`` (``forward``): before a forward's first gather (real or idle forward);
+    * ``DISTPERP_TEST_FAIL_PLANNING`` (``planning``): at the start of a scoring call, before the exchange of units;
+    * ``DISTPERP_TEST_FAIL_GENERATION`` (``generation``): at the start of a ``generate_until`` call;
+    * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane).
+    """
+    inject(point, rank, {_POINTS[point]: _raise_injected})
 
 
 def _raise_injected(spec: str) -> None:
-    raise RuntimeError(f"injected failure for tests (DISTPERP_TEST_FAIL={spec})")
+    raise RuntimeError(f"injected failure for tests ({spec})")

@@ -21,4 +21,4 @@ def inject(point: str, rank: int, actions: Mapping[str, Callable[[str], None]]) 
         if spec:
             fault_rank, after = (int(x) for x in spec.split(":"))
             if rank == fault_rank and _calls[point] == after:
-                act(spec)
+                act(f"{name}={spec}")

@@ -74,7 +74,7 @@ def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s: float):
     """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by
-    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`naming_failures`).
+    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`distperp_harness.distributed.collective.naming_failures`).
     Every rank must call this together (it creates process groups)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -159,31 +159,6 @@ def regather(*models: nn.Module | None) -> None:
         m.reshard()
     for m in roots:
         m.unshard()
-
-
-def _is_distributed_failure(exc: BaseException) -> bool:
-    """A broken collective (gloo/NCCL error, peer gone, timeout), as opposed to an error of this rank's own."""
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "timed out",
-                                                                     "timeout", "peer"))
-
-
-@contextlib.contextmanager
-def naming_failures(collective, active: bool) -> Iterator[None]:
-    """Around a sharded forward: when one of FSDP's gathers fails (a rank of the group died or hung past the
-    timeout), meet on the gloo control group, whose error names the ranks that never arrived
-    (:class:`~distperp_harness.distributed.collective.CollectiveError`); if everyone arrives, the original error
-    stands."""
-    try:
-        yield
-    except Exception as exc:
-        if active and collective.distributed and _is_distributed_failure(exc):
-            collective.barrier("check which ranks are alive after a failed gather of sharded weights")
-        raise
 
 
 def refuse_generation(shard_size: int) -> None:

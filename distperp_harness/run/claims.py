@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from distperp_harness.distributed.collective import CollectiveError
+from distperp_harness.distributed.store import CollectiveError
 
 
 def helper_of(owner: int, world_size: int, step: int) -> int:

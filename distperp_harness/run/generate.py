@@ -191,8 +191,8 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
         key = _lane_key(part, lane) if setup.store is not None else None
         saved = setup.store.load_lane(key, lane.jobs) if key is not None else None
         if saved is None:
-            with stop_together(collective, setup.device):  # an error here stops every rank, naming this one
-                fail_for_tests(me)
+            with stop_together(collective, setup.device, f"generating (lane {i}, {lane.jobs} prompts)"):
+                fail_for_tests(me, "lane")  # an error here stops every rank at once, naming this one
                 saved, lane_stats = _run_lane(setup, part, lane, prefixes, bar)
             if setup.store is not None:
                 setup.store.save_lane(key, saved)

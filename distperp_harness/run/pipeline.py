@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from distperp_harness.run.claims import Claims, GroupSteps, helper_of, helper_step
-from distperp_harness.distributed.collective import Collective, default_store
+from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.store import default_store
 from distperp_harness.planning.plan import Batch, assign_batches, balance_report, make_batches
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
 from distperp_harness.planning.requests import Unit

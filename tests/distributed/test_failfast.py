@@ -1,14 +1,18 @@
 """A failing rank stops every rank within seconds, named (failfast), and the control plane across nodes
 (controlplane): the rules with fakes, then real ``accelerate launch`` runs on gloo."""
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from distperp_harness.distributed import controlplane, failfast
-from helpers import accelerate_launch_prefix, free_port, offline_env, run_command
+from helpers import TASKS_DIR, accelerate_launch_prefix, free_port, offline_env, start_two_nodes
 
 
 class _Store:
@@ -35,16 +39,24 @@ class _Collective:
     distributed, rank, world_size = True, 1, 3
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process_record(monkeypatch):
+    """Each test is a fresh process as far as failfast knows: nothing published yet, no watch."""
+    monkeypatch.setitem(failfast._PLACE, "published", False)
+    monkeypatch.setattr(failfast, "_WATCH", [])
+
+
 def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatch):
     store = _Store()
-    monkeypatch.setattr("distperp_harness.distributed.collective._default_store", lambda: store)
+    monkeypatch.setattr(failfast, "default_store", lambda: store)
     monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
     stopped = []
     watches = [failfast.FailureWatch(store, r, poll_s=0.01, on_failure=stopped.append) for r in (0, 2)]
     with pytest.raises(ValueError, match="NaN"):
         with failfast.stop_together(_Collective(), "cuda:1"):
             raise ValueError("the model produced NaN/inf logits")
-    failfast.publish(store, 2, 3, "RuntimeError: later", ack_wait_s=0)  # a second failure does not replace it
+    failfast.publish(store, 2, 3, "RuntimeError: later", ack_wait_s=0)  # a second failure does not replace it,
+    assert int(store.get(failfast.ACK_KEY)) == 1  # and acknowledges the first: nobody waits for a failing rank
     record = failfast.read(store)
     assert record.startswith("rank 1 (") and "cuda:1" in record and "ValueError: the model produced NaN" in record
     for w in watches:
@@ -54,12 +66,12 @@ def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatc
         time.sleep(0.01)
     assert sorted(stopped) == sorted(failfast.stop_message(r, record) for r in (0, 2))
     assert "rank 0 stops because rank 1 (" in stopped[0] + stopped[1] and "no results were written" in stopped[0]
-    assert int(store.get(failfast.ACK_KEY)) == 2  # the failing rank waits for these before it exits
+    assert int(store.get(failfast.ACK_KEY)) == 3  # the first failing rank waits for world_size - 1 of these
 
 
 def test_a_broken_collective_is_not_recorded_as_a_failure_of_this_rank(monkeypatch):
     store = _Store()
-    monkeypatch.setattr("distperp_harness.distributed.collective._default_store", lambda: store)
+    monkeypatch.setattr(failfast, "default_store", lambda: store)
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         with failfast.stop_together(_Collective(), None):
             raise RuntimeError("[gloo] Connection closed by peer")
@@ -68,6 +80,72 @@ def test_a_broken_collective_is_not_recorded_as_a_failure_of_this_rank(monkeypat
     with pytest.raises(RuntimeError, match=r"rank 1 stops because rank 0 failed while scoring: torch.OutOfMemory"):
         with failfast.stop_together(_Collective(), None):
             raise RuntimeError("[gloo] Connection closed by peer")
+
+
+def test_the_watch_is_not_queued_behind_a_store_call_of_the_main_thread():
+    """The cause of issue 29: one store client serializes its calls, so a watch sharing the main thread's client
+    waited behind its blocking ``get`` (a shard group's step that a failed rank 0 never announces). The watch polls
+    on a clone: it sees the record while the main thread still waits."""
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    server = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    client = PrefixStore("default_pg", TCPStore("127.0.0.1", server.port, 2, False, timedelta(seconds=3)))
+    blocked = threading.Thread(target=lambda: pytest.raises(Exception, client.get, "a step never announced"))
+    blocked.start()
+    time.sleep(0.3)
+    stopped = []
+    watch = failfast.FailureWatch(client, 1, poll_s=0.05, on_failure=stopped.append).start()
+    t0 = time.monotonic()
+    failfast.publish(client.clone(), 0, 2, "ValueError: the model produced NaN/inf logits", ack_wait_s=3)
+    assert stopped and "rank 1 stops because rank 0 failed while scoring: ValueError" in stopped[0]
+    assert time.monotonic() - t0 < 2 and blocked.is_alive()  # acknowledged while the main thread still waits
+    watch.stop(1)
+    blocked.join()
+
+
+def test_a_store_that_goes_away_is_read_as_rank_0_gone_unless_this_process_is_leaving():
+    class _GoneStore:
+        def check(self, keys):
+            raise RuntimeError("Connection reset by peer")
+
+    stopped = []
+    failfast.FailureWatch(_GoneStore(), 1, poll_s=0.01, on_failure=stopped.append).start()._thread.join(5)
+    assert len(stopped) == 1 and stopped[0].startswith("distperp: rank 1 stops because the rendezvous store, served")
+    assert "unreachable from rank 1: rank 0 or node 0 (its launcher, its host)" in stopped[0]
+    leaving = failfast.FailureWatch(_GoneStore(), 1, poll_s=0.01, on_failure=stopped.append)
+    leaving.closing = True
+    leaving.start()._thread.join(5)
+    assert len(stopped) == 1
+
+
+def test_one_classifier_of_broken_collectives():
+    from distperp_harness.distributed.store import CollectiveError, is_distributed_failure
+
+    assert is_distributed_failure(CollectiveError("anything"))
+    assert is_distributed_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert not is_distributed_failure(ValueError("the model produced NaN/inf logits while scoring the window"))
+    assert not is_distributed_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(monkeypatch):
+    store = _Store()
+    monkeypatch.setattr(failfast, "default_store", lambda: store)
+    monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
+    monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, 2)])  # not started
+    monkeypatch.setitem(failfast._PLACE, "rank", 2)
+    monkeypatch.setitem(failfast._PLACE, "world_size", 3)
+    monkeypatch.setitem(failfast._PLACE, "device", "cuda:2")
+    exits = []
+    monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    failfast.uncaught(KeyError("doc_to_text"))
+    record = failfast.read(store)
+    assert record.startswith("rank 2 (") and "cuda:2) failed while running the evaluation: KeyError" in record
+    assert store.check([failfast.DONE_KEY]) and exits == [1]  # peers may go; this rank leaves first
+    failfast._PLACE["published"] = False
+    failfast.uncaught(KeyboardInterrupt())  # Ctrl-C: nothing to publish, and the store host may leave first
+    assert failfast._WATCH[0].closing and exits == [1]
 
 
 # -------------------------------------------------------------------------------------- control plane rules
@@ -93,27 +171,207 @@ def test_bound_address_follows_the_variable_then_the_host_name(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ real launches
+def _lm_eval(model_dir, tasks_dir, out, model_args="", tasks="dptest_rolling,dptest_mc"):
+    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
+            f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir),
+            "--batch_size", "3", "--output_path", str(out)]
+
+
+class _Outputs:
+    """Every launcher's combined output, read as it comes (progress bars end lines with \\r, not \\n), and the
+    moment a text first appeared in it."""
+
+    def __init__(self, procs):
+        self.procs, self.texts, self.first_seen = procs, ["" for _ in procs], {}
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._pump, args=(i,), daemon=True) for i in range(len(procs))]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, i):
+        fd = self.procs[i].stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            with self._lock:
+                self.texts[i] += chunk.decode("utf-8", errors="replace")
+
+    def wait_for(self, text, timeout):
+        """The moment ``text`` appeared in some output (fails the test after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if any(text in t for t in self.texts):
+                    return self.first_seen.setdefault(text, time.monotonic())
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"{text!r} never appeared:\n" + "\n".join(t[-3000:] for t in self.texts))
+
+    def wait_all(self, timeout):
+        """Wait until every launcher exited; return the moment the last one did."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail("a launcher did not exit in time:\n" + "\n".join(t[-3000:] for t in self.texts))
+        end = time.monotonic()
+        for t in self._threads:
+            t.join(10)
+        return end
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _one_node(args, tmp_path, env):
+    return _Outputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path, env=offline_env(env),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)])
+
+
+def _assert_named(text, *, peer, failing, stage, host="", device="cpu", failing_text=None):
+    """The peer's last words (in ``text``) name the failing rank, its host and device, the stage and the cause; the
+    failing rank (in ``failing_text``, default ``text``) said it failed."""
+    where = f"{host}, {device}" if host else ""
+    assert f"distperp: rank {peer} stops because rank {failing} ({where}" in text, text[-4000:]
+    assert f"failed while {stage}: RuntimeError: injected failure for tests" in text, text[-4000:]
+    failing_text = text if failing_text is None else failing_text
+    assert f"distperp: rank {failing} (" in failing_text and "Telling the other ranks, which stop now." in failing_text
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("forward", [1, 3])
 def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named(tiny_model_dir, tasks_dir,
-                                                                                 tmp_path, forward):
-    """Rank 1 of a ``shard_size=2`` group raises before its n-th forward (its peer waits in the forward's first
+                                                                                 tmp_path):
+    """Rank 1 of a ``shard_size=2`` group raises before its 3rd forward (its peer waits in the forward's first
     gather); with ``timeout=600`` only failfast can end the peer: it does within seconds, naming rank 1."""
+    failing = 1
+    out = tmp_path / "out"
+    run = _one_node(_lm_eval(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600"), tmp_path,
+                    {"DISTPERP_TEST_FAIL": "1:3"})
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    _assert_named(text, peer=1 - failing, failing=failing, stage="scoring")
+    root_cause = text[text.index("Root Cause"):]  # the failing rank exited first: its launcher names it
+    assert f"rank      : {failing} (local_rank: {failing})" in root_cause, root_cause
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30  # far below the 600 s any gather or store call would wait
+
+
+_NAN_DOCS = ["Zyzzyva quokka marmoset. Zyzzyva quokka marmoset. Zyzzyva quokka marmoset.",  # its batch: rank 0's
+             "The river was high after the rain."]
+
+
+def _nan_model_and_task(model_dir, tmp_path):
+    """A copy of the test model whose input embedding row of one token of ``_NAN_DOCS[0]`` (not in the other) is
+    NaN, and a rolling task of the two documents (one window, one batch each with ``batch_size=1``)."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    poisoned = sorted(set(tokenizer(_NAN_DOCS[0])["input_ids"][:-1]) - set(tokenizer(_NAN_DOCS[1])["input_ids"]))[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[poisoned] = float("nan")
+    model.save_pretrained(tmp_path / "nan_model")
+    tokenizer.save_pretrained(tmp_path / "nan_model")
+    tasks = shutil.copytree(TASKS_DIR, tmp_path / "tasks")
+    (tasks / "dptest_nan.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _NAN_DOCS))
+    (tasks / "dptest_nan.yaml").write_text((tasks / "dptest_rolling.yaml").read_text().replace(
+        "task: dptest_rolling", "task: dptest_nan").replace("dptest_rolling.jsonl", "dptest_nan.jsonl"))
+    return tmp_path / "nan_model", tasks
+
+
+@pytest.mark.distributed
+def test_nan_logits_on_rank_0_only_are_named_by_rank_1(tiny_model_dir, tmp_path):
+    """The run of issue 29: ``shard_size=2,timeout=600``, only rank 0's window gives non-finite logits. Rank 0's
+    error stays as clear as in one process (the window's text); rank 1, which then waits in the store's ``get``
+    for the group's next step, names rank 0 within seconds. (With the watch on the main thread's store client, as
+    before, its poll queued behind that ``get``: rank 1 died of the launcher's SIGTERM, unnamed.)"""
+    model, tasks = _nan_model_and_task(tiny_model_dir, tmp_path)
     out = tmp_path / "out"
     args = ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={tiny_model_dir},max_length=128,shard_size=2,timeout=600",
-            "--tasks", "dptest_rolling,dptest_mc", "--include_path", str(tasks_dir), "--batch_size", "3",
-            "--output_path", str(out)]
-    t0 = time.monotonic()
-    proc = run_command([*accelerate_launch_prefix(2), *args], cwd=tmp_path, check=False, timeout=300,
-                       env={"DISTPERP_TEST_FAIL": f"1:{forward}"})
-    elapsed = time.monotonic() - t0
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "rank 0 stops because rank 1 (" in text and "failed while scoring: RuntimeError: injected failure" in text, \
-        text[-3000:]
+            f"pretrained={model},max_length=128,shard_size=2,timeout=600", "--tasks", "dptest_nan", "--include_path",
+            str(tasks), "--batch_size", "1", "--output_path", str(out)]
+    run = _one_node(args, tmp_path, {})
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    assert "distperp: rank 1 stops because rank 0 (" in text, text[-4000:]
+    assert "failed while scoring: ValueError: the model produced NaN/inf logits while scoring the window " \
+           "'Zyzzyva" in text
+    assert "Try dtype=float32, or check the checkpoint." in text  # rank 0's own traceback, as in one process
+    assert "rank      : 0 (local_rank: 0)" in text[text.index("Root Cause"):]  # rank 0 exited first
     assert not list(out.rglob("results_*.json"))
-    assert elapsed < 200  # loading and planning included; far below the 600 s timeout any gather would wait
+    assert ended - failed_at < 30
+
+
+@pytest.mark.distributed
+def test_rank_0_failing_while_planning_on_two_nodes_is_named_on_the_other_node(tiny_model_dir, tasks_dir, tmp_path):
+    """Rank 0 (node 0: the store's host) raises at the start of a scoring call while rank 1, on another node with
+    no launcher that saw it, waits in the exchange of units (``timeout=600``)."""
+    out = tmp_path / "out"
+    env = {"DISTPERP_TEST_FAIL_PLANNING": "0:1"}
+    run = _Outputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
+                                   cwd=tmp_path, envs=[env, env],
+                                   outputs=[subprocess.PIPE, subprocess.PIPE]))
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    assert [p.returncode != 0 for p in run.procs] == [True, True]
+    _assert_named(run.texts[1], peer=1, failing=0, host=socket.gethostname(), failing_text=run.texts[0],
+                  stage="planning, exchanging or gathering loglikelihood")
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("failing, variable, stage", [(0, "DISTPERP_TEST_FAIL_GENERATION", "generating"),
+                                                      (1, "DISTPERP_TEST_FAIL_LANE", "generating (lane ")])
+def test_a_rank_failing_in_generation_stops_its_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing, variable,
+                                                           stage):
+    """``generate_until`` runs inside the channel, and so does every lane: the peer (generating its share, or
+    waiting in generation's gathers) ends within seconds, naming the failing rank, rank 0 (the store's node)
+    included, and the lane it was generating."""
+    out = tmp_path / "out"
+    run = _one_node(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"), tmp_path,
+                    {variable: f"{failing}:1"})
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    assert run.procs[0].returncode != 0
+    text = run.texts[0]
+    if stage.endswith("("):  # the lane's number and size follow
+        assert f"failed while {stage}" in text and "prompts): RuntimeError: injected failure for tests" in text
+        stage = text.split("failed while ", 1)[1].split("): RuntimeError", 1)[0] + ")"
+    _assert_named(text, peer=1 - failing, failing=failing, stage=stage)
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30
+
+
+@pytest.mark.distributed
+def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir, tasks_dir, tmp_path):
+    """Node 0's launcher (the store's host) and rank 0 die with SIGKILL while rank 0 scores (it holds after its
+    first batch); rank 1, alone on node 1, must end within ``timeout=20`` saying node 0 / rank 0 is gone."""
+    out = tmp_path / "out"
+    run = _Outputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=20"), cwd=tmp_path,
+                                   envs=[{"DISTPERP_TEST_HOLD": "0:1"}, {}],
+                                   outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run.wait_for("distperp loglikelihood", timeout=240)  # rank 0's progress bar: scoring has begun
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.killpg(run.procs[0].pid, signal.SIGKILL)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[1]
+    assert run.procs[1].returncode != 0, text[-4000:]
+    assert "the rendezvous store, served by the launcher of node 0 (with rank 0), at 127.0.0.1:" in text, text[-4000:]
+    assert "is unreachable from rank 1: rank 0 or node 0" in text
+    assert not list(out.rglob("results_*.json"))
+    assert ended - killed_at < 20 + 5  # within the timeout (the watch sees the store gone in about 2 s)
 
 
 @pytest.mark.distributed
@@ -150,8 +408,5 @@ def test_stopping_the_watch_waits_for_its_thread():
     watch = failfast.FailureWatch(_SlowStore(), 1, poll_s=0.01).start()
     assert _SlowStore.entered.wait(5)
     failfast._WATCH.append(watch)
-    try:
-        failfast.stop_watch(wait_s=5)
-    finally:
-        failfast._WATCH.remove(watch)
+    failfast.stop_watch(wait_s=5)
     assert not watch._thread.is_alive()
