@@ -345,7 +345,7 @@ def test_a_rank_failing_in_generation_stops_its_peer_named(tiny_model_dir, tasks
     ended = run.wait_all(timeout=60)
     assert run.procs[0].returncode != 0
     text = run.texts[0]
-    if stage.endswith("("):  # the lane's number and size follow
+    if stage.endswith("(lane "):  # the lane's number and size follow
         assert f"failed while {stage}" in text and "prompts): RuntimeError: injected failure for tests" in text
         stage = text.split("failed while ", 1)[1].split("): RuntimeError", 1)[0] + ")"
     _assert_named(text, peer=1 - failing, failing=failing, stage=stage)
