@@ -121,6 +121,9 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
                     for i, p in enumerate(instruct_prompts(lms["distperp"], args.prompts))]
     else:
         requests = task_requests(shape, args.prompts, folder)
+        if args.task_new is not None:  # smoke tests only: the YAML's limit otherwise
+            for request in requests:
+                request.args[1]["max_gen_toks"] = args.task_new
     seconds: dict[str, list[float]] = {name: [] for name in lms}
     work: dict[str, tuple[int, int]] = {}
     outputs: dict[str, list[str]] = {}
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="instruct,gsm8k_cot,gsm8k")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--instruct-new", type=int, default=192, help="instruct: max_gen_toks")
+    parser.add_argument("--task-new", type=int, default=None, help="gsm8k shapes: max_gen_toks (default: the YAML's)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)

@@ -143,3 +143,13 @@ def test_scale_benchmark_small_configuration():
     assert at64["tokens_mb"] < at8["tokens_mb"]
     assert at64["records_mb"] * 1e6 / at64["units"] < 200  # a fixed-size record and a few prefix hashes per unit
     assert at64["records_mb"] < 1.3 * at8["records_mb"]  # records do not grow with the number of ranks
+
+
+def test_bench_generate_runs_end_to_end(tiny_model_dir):
+    proc = run_command([sys.executable, BENCHMARKS / "bench_generate.py", "--model", tiny_model_dir, "--prompts", "3",
+                        "--repeats", "1", "--instruct-new", "6", "--task-new", "6", "--max-length", "512", "--batch-size", "2",
+                        "--shapes", "instruct,gsm8k"], cwd=REPO_ROOT, timeout=600)
+    out = proc.stdout
+    assert "| shape | backend | decode positions per useful token |" in out
+    for shape in ("instruct", "gsm8k"):
+        assert f"| {shape} (3 prompts" in out and f"\n{shape}: distperp " in out, out
