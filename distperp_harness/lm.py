@@ -7,6 +7,7 @@ gather → results. Each stage lives in its own module; this class only connects
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -41,7 +42,7 @@ from distperp_harness.run.runtime import agree_on_batching, attention_coefficien
 from distperp_harness.run.scoring import NonFiniteLogitsError, forward_calls, score_batch
 from distperp_harness.tokens import Tokenization
 from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, regather, \
-    refuse_generation, refuse_generation_tasks, resolve_shard_size, sharding_report
+    resolve_shard_size, sharding_report
 
 log = get_logger(__name__)
 
@@ -202,7 +203,6 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
-        refuse_generation(self.shard_size)
         with stop_together(self.collective, self._device, "generating"):  # an error stops every rank at once
             fail_for_tests(self.rank, "generation")
             outputs = self._generate(requests, disable_tqdm)
@@ -222,9 +222,26 @@ class DistPerpLM(Tokenization, TemplateLM):
             seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
             min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
             store=self.store, claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
-            progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main))
+            progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main),
+            shard_size=self.shard_size, idle_forward=self._idle_generation_forward,
+            gather=self._gathered_for_one_forward)
         return generate(setup, [req.args for req in requests], calls=self.stats.calls,
                         identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
+
+    @contextlib.contextmanager
+    def _gathered_for_one_forward(self):
+        """A forward of the model alone in a shard group (generation): its root weights gathered, named failures."""
+        with naming_failures(self.collective, True), gathered(self._model):
+            yield
+
+    def _idle_generation_forward(self) -> None:
+        """A one-token forward of the model alone, result dropped: what a shard group's member with no lane left
+        runs while the others decode (the same root forward and gathers as a decode step)."""
+        with stop_together(self.collective, self._device, "generating (idle forward)"), torch.no_grad():
+            fail_for_tests(self.rank)
+            with self._gathered_for_one_forward():
+                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+                self._model(input_ids=torch.tensor([[pad]], device=self._device), use_cache=False, logits_to_keep=1)
 
     def _compare_generations(self, requests, texts: list[str]) -> None:
         """What the quantized model's own outputs cost: its answers scored as continuations of their prompts by
@@ -284,7 +301,6 @@ class DistPerpLM(Tokenization, TemplateLM):
             return self._score_planned(per_request_units, kind, disable_tqdm, sharing)
 
     def _score_planned(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing):
-        refuse_generation_tasks(self.shard_size, evaluator_tasks())  # every rank sees the same tasks
         received_before = self.collective.bytes_received
         results = score_requests(
             per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,

@@ -161,25 +161,6 @@ def regather(*models: nn.Module | None) -> None:
         m.unshard()
 
 
-def refuse_generation(shard_size: int) -> None:
-    """``generate_until`` with sharded weights is refused: decoding runs a different number of forward steps per
-    prompt, and every step would have to be matched by every rank of the shard group."""
-    if shard_size > 1:
-        raise ValueError(
-            f"generate_until (generation tasks) is not supported with shard_size={shard_size}: with sharded weights "
-            "every forward pass gathers parameters from all processes of a group, and generation makes a different "
-            "number of decoding steps per prompt. Fix: run generation tasks in a separate run with shard_size=1 "
-            "(quantize=int4 makes most models fit one device), or drop them from --tasks.")
-
-
-def refuse_generation_tasks(shard_size: int, tasks: Mapping[str, Any] | None) -> None:
-    """:func:`refuse_generation` before any scoring when the evaluation's tasks (``tasks``: name → lm-eval task, as
-    :func:`distperp_harness.report.quantcost.evaluator_tasks` reads them) include a generation task, so a sharded run
-    does not score its log-likelihood tasks first and fail only when lm-eval reaches ``generate_until``."""
-    if shard_size > 1 and any(getattr(task, "OUTPUT_TYPE", None) == "generate_until" for task in (tasks or {}).values()):
-        refuse_generation(shard_size)
-
-
 def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int) -> dict:
     """``config.distperp.sharding``: the layout and the weight bytes each rank holds.
 

@@ -23,14 +23,16 @@ third value; read as ``torch.initial_seed()``) and the request's content: prompt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import time
 from array import array
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from accelerate.logging import get_logger
@@ -43,7 +45,7 @@ from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.batchgen import generate_batch
-from distperp_harness.run.claims import Claims, helper_step
+from distperp_harness.run.claims import Claims, GroupSteps, helper_step
 from distperp_harness.run.kvcache import CacheNotShareable
 from distperp_harness.run.lanes import LanePlan, common_prefix, plan_lanes
 from distperp_harness.run.sampling import SAMPLING_KEYS, warpers_for
@@ -83,6 +85,9 @@ class GenerationSetup:
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
     ``stop_allowed(tokens)``: whether a stop string may end a row now (``None``: always).
     ``finish(text, until)``: a row's decoded new text to the answer lm-eval scores.
+    ``shard_size``: with sharded weights (> 1) a shard group makes its forwards in step (every member one per
+    step: its own, or ``idle_forward()`` once it has no lane left), each inside ``gather()`` (the model's root
+    weights gathered for one forward).
     """
 
     model: torch.nn.Module
@@ -101,6 +106,9 @@ class GenerationSetup:
     progress: Callable[[int], Callable[[int, int], None]] | None = None
     stop_allowed: Callable[[list[int]], bool] | None = None
     finish: Callable[[str, list[str]], str] = lambda text, until: postprocess_generated_text(text, until, None)
+    shard_size: int = 1
+    idle_forward: Callable[[], None] | None = None
+    gather: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 @dataclass(frozen=True)
@@ -179,10 +187,13 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
                        [p.max_new for p in prepared], setup.rows_for, setup.min_shared_tokens)
     plan = assign_batches([lane.as_batch() for lane in lanes], collective.world_size)
     me, world = collective.rank, collective.world_size
-    step = helper_step(world, setup.local_world_size) if setup.claiming else 0
+    step = helper_step(world, setup.local_world_size, setup.shard_size) if setup.claiming else 0
     own = plan.batches_of(me)
-    claims = Claims(own, plan.batches_of((me - step) % world) if step else [],
-                    default_store() if step else None, f"distperp/lanes/{collective.sequence}")
+    prefix = f"distperp/lanes/{collective.sequence}"
+    claims = Claims(own, plan.batches_of((me - step) % world) if step else [], default_store() if step else None,
+                    prefix)
+    group = GroupSteps(default_store(), f"{prefix}/groups", me, setup.shard_size) if setup.shard_size > 1 else None
+    around = functools.partial(_in_step, group, setup.gather) if group is not None else contextlib.nullcontext
     bar = setup.progress(sum(lanes[i].jobs for i in own)) if setup.progress else None
     texts, stats, prefixes = {}, [], PrefixCache()
     for i in claims:
@@ -193,13 +204,15 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
         if saved is None:
             with stop_together(collective, setup.device, f"generating (lane {i}, {lane.jobs} prompts)"):
                 fail_for_tests(me, "lane")  # an error here stops every rank at once, naming this one
-                saved, lane_stats = _run_lane(setup, part, lane, prefixes, bar)
+                saved, lane_stats = _run_lane(setup, part, lane, prefixes, bar, around)
             if setup.store is not None:
                 setup.store.save_lane(key, saved)
             stats.append({"lane": i, **lane_stats})
         elif bar is not None:
             bar(lane.jobs, 0)
         texts.update({job.key: text for (job, _), text in zip(part, saved)})
+    while group is not None and group.agree(0) > 0:  # the group's others still decode: match their forwards
+        setup.idle_forward()
     report = {"rank": me, "lanes": len(stats), "from_ward": claims.taken_from_ward,
               "seconds": round(time.perf_counter() - start_time, 4)}
     resume = setup.store.local_counts() if setup.store is not None else None
@@ -269,8 +282,16 @@ def _slots_serve(model: torch.nn.Module, kwargs: dict) -> str | None:
     return f"the model's generation_config sets {added}" if added else None
 
 
+@contextlib.contextmanager
+def _in_step(group: GroupSteps, gather: Callable[[], ContextManager]):
+    """One forward of a shard group's member: announced as this step's one call, with the root weights gathered."""
+    group.agree(1)
+    with gather():
+        yield
+
+
 def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,
-              prefixes: PrefixCache, bar) -> tuple[list[str], dict]:
+              prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], dict]:
     """Texts of one lane, in lane order, and its statistics: slots where they serve, else ``model.generate``
     batches of ``lane.slots`` rows (same lane, same bits on any rank either way)."""
     first = part[0][1]
@@ -290,12 +311,16 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
                 prefix = tuple(prompts[lane.donor][:lane.shared])
                 tokens, stats = decode_lane(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
                                             tokenizer=setup.tokenizer, device=setup.device, prefixes=prefixes,
-                                            warpers=warpers, on_done=on_done)
+                                            warpers=warpers, on_done=on_done, around=around)
                 texts = [setup.finish(setup.tokenizer.decode(t, skip_special_tokens=True), list(first.until))
                          for t in tokens]
                 return texts, {**dataclasses.asdict(stats), "engine": "slots", "slots": lane.slots}
             except CacheNotShareable as exc:
                 reason = f"its {exc} cache cannot be edited row by row"
+        if setup.shard_size > 1:
+            raise ValueError(f"generate_until with shard_size={setup.shard_size}: {reason}, so this lane would run "
+                             "as model.generate batches, whose forwards a shard group cannot keep in step. Fix: drop "
+                             "those generation arguments, or run this task with shard_size=1.")
         _note_fallback(reason)
         texts, total = [], LaneStats()
         for b in range(0, len(prompts), lane.slots):

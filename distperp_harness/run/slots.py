@@ -23,9 +23,10 @@ that lane with ``model.generate`` batches.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +97,10 @@ class PrefixCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
 
-    def get(self, model: torch.nn.Module, prefix: Sequence[int], device: torch.device) -> tuple[list, bool]:
-        """``(per-layer (keys, values) of shape [1, heads, len, dim], computed now)``."""
+    def get(self, model: torch.nn.Module, prefix: Sequence[int], device: torch.device,
+            around: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[list, bool]:
+        """``(per-layer (keys, values) of shape [1, heads, len, dim], computed now)``; ``around``: see
+        :func:`decode_lane`."""
         key = tuple(prefix)
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -105,8 +108,9 @@ class PrefixCache:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
-        model.base_model(input_ids=torch.tensor([key], device=device), use_cache=True,
-                         **{cache_argument(model.base_model): cache})
+        with around():  # the root forward (one position of the head), as every other forward of generation
+            model(input_ids=torch.tensor([key], device=device), use_cache=True, logits_to_keep=1,
+                  **{cache_argument(model): cache})
         layers = _plain_layers(cache)
         self._entries[key] = [(layer.keys, layer.values) for layer in layers]
         while len(self._entries) > self.capacity:
@@ -149,12 +153,14 @@ class Lane:
 @torch.no_grad()
 def decode_lane(model: torch.nn.Module, lane: Lane, rule: StopRule, *, tokenizer, device: torch.device,
                 prefixes: PrefixCache | None = None, warpers=None,
-                on_done: Callable[[int, list[int]], None] | None = None) -> tuple[list[list[int]], LaneStats]:
+                on_done: Callable[[int, list[int]], None] | None = None,
+                around: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[list[list[int]], LaneStats]:
     """New tokens for every prompt of ``lane``, in lane order, and the lane's :class:`LaneStats`.
 
     ``warpers``: the distribution warpers of a sampled lane (``lane.seeds`` given); greedy otherwise.
-    ``on_done(index, tokens)``: called as each row ends. Raises :class:`CacheNotShareable` (before choosing any
-    token) when the model's cache cannot be edited row by row.
+    ``on_done(index, tokens)``: called as each row ends. ``around()``: a context entered around every forward
+    (prefix, prefill, decode), e.g. a shard group's step (every member makes the same forward calls). Raises
+    :class:`CacheNotShareable` (before choosing any token) when the model's cache cannot be edited row by row.
     """
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -164,7 +170,7 @@ def decode_lane(model: torch.nn.Module, lane: Lane, rule: StopRule, *, tokenizer
                       shared_tokens=len(lane.prefix))
     prefix_kv = None
     if any(lane.uses_prefix(i) for i in range(len(lane.prompts))):
-        prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device)
+        prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device, around)
         stats.prefill_positions += len(lane.prefix) if stats.prefix_computed else 0
     out: list[list[int] | None] = [None] * len(lane.prompts)
     queue = list(range(len(lane.prompts)))[::-1]  # pop() takes the next prompt
@@ -208,8 +214,9 @@ def decode_lane(model: torch.nn.Module, lane: Lane, rule: StopRule, *, tokenizer
             for group, shared in zip(groups, (len(lane.prefix), 0)):
                 if not group:
                     continue
-                new_cache, new_mask, logits = _prefill(model, arg, [lane.prompts[r.job] for r in group], shared,
-                                                       prefix_kv, pad, device, stats)
+                with around():
+                    new_cache, new_mask, logits = _prefill(model, arg, [lane.prompts[r.job] for r in group], shared,
+                                                           prefix_kv, pad, device, stats)
                 if lane.seeds is not None:
                     for r, g in zip(group, generators_for([lane.seeds[r.job] for r in group], device)):
                         r.generator = g
@@ -237,8 +244,9 @@ def decode_lane(model: torch.nn.Module, lane: Lane, rule: StopRule, *, tokenizer
         mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], 1)
         stats.peak_cache_positions = max(stats.peak_cache_positions, mask.numel())
         ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=device)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{arg: cache}).logits[:, -1, :]
+        with around():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1, **{arg: cache}).logits[:, -1, :]
         stats.decode_forwards += 1
         stats.decode_positions += len(rows)
         for r, token in zip(rows, choose(logits, rows)):

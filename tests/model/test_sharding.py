@@ -7,11 +7,10 @@ import json
 
 import pytest
 
-from distperp_harness.model.sharding import (check_groups_within_hosts, refuse_generation,
-                                       refuse_generation_tasks, resolve_shard_size, shard_groups)
+from distperp_harness.model.sharding import check_groups_within_hosts, resolve_shard_size, shard_groups
 from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
 
-TASKS = "dptest_rolling,dptest_mc,dptest_fewshot"
+TASKS = "dptest_rolling,dptest_mc,dptest_fewshot,dptest_chain"
 INT4 = ",quantize=int4,group_size=32,reference=base"
 
 
@@ -39,38 +38,6 @@ def test_a_group_across_hosts_is_refused_with_the_fix():
 def test_shard_groups_are_consecutive_ranks():
     assert shard_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert shard_groups(4, 1) == [[0], [1], [2], [3]]
-
-
-def test_generation_with_sharded_weights_is_refused_with_the_fix():
-    refuse_generation(1)
-    with pytest.raises(ValueError, match="shard_size=2.*Fix: run generation tasks in a separate run with shard_size=1"):
-        refuse_generation(2)
-
-
-def test_a_generation_task_is_refused_before_any_scoring(tiny_model_dir, tasks_dir):
-    """Refused when the first scoring call starts, not after the log-likelihood tasks were computed."""
-    from types import SimpleNamespace
-
-    from lm_eval import evaluator
-
-    tasks = {"dptest_mc": SimpleNamespace(OUTPUT_TYPE="multiple_choice"),
-             "dptest_gen": SimpleNamespace(OUTPUT_TYPE="generate_until")}
-    refuse_generation_tasks(2, {"dptest_mc": tasks["dptest_mc"]})
-    refuse_generation_tasks(1, tasks)
-    with pytest.raises(ValueError, match="not supported with shard_size=2"):
-        refuse_generation_tasks(2, tasks)
-
-    from distperp_harness import lm as lm_module
-    from lm_eval.tasks import TaskManager
-
-    model = lm_module.DistPerpLM(pretrained=str(tiny_model_dir), device="cpu", max_length=64)
-    model.shard_size = 2  # what a sharded run has; the check reads only the evaluation's tasks
-    scored = []
-    model._score_batch = lambda rows: scored.append(rows)  # must never be reached
-    with pytest.raises(ValueError, match="not supported with shard_size=2"):
-        evaluator.simple_evaluate(model=model, tasks=["dptest_mc", "dptest_gen"],
-                                  task_manager=TaskManager(include_path=str(tasks_dir)))
-    assert scored == []
 
 
 # ------------------------------------------------------------------------------------------ real launches
