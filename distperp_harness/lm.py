@@ -26,6 +26,8 @@ from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, stop_together
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generate import GenerationSetup, generate
+from distperp_harness.model.chat import render_chat
+from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.loading import check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
@@ -121,10 +123,12 @@ class DistPerpLM(Tokenization, TemplateLM):
             self.options.compile_mode, [self._model, self.reference], collective=self.collective,
             rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
             pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
+        self._identity: dict | None = None
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
+        self.folded_system = False
         self.load_seconds = time.perf_counter() - t0
 
     def _run_identity(self) -> dict:
@@ -142,7 +146,16 @@ class DistPerpLM(Tokenization, TemplateLM):
         which change where the weights live and which rank computes a batch, not the bits."""
         identity = self._run_identity()
         identity["options"] = {k: v for k, v in identity["options"].items() if k not in ("shard_size", "claim")}
-        return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode}
+        return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode,
+                "checkpoint": self.checkpoint_identity}
+
+    @property
+    def checkpoint_identity(self) -> dict:
+        """``model_sha`` (and ``peft_sha``, ``delta_sha``, ``gguf_*``) of the weights (model/identity.py), computed
+        once: content hashes of local files read them whole."""
+        if self._identity is None:
+            self._identity = checkpoint_identity(self.options)
+        return self._identity
 
     def _check_ranks_agree(self) -> None:
         """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""
@@ -206,7 +219,8 @@ class DistPerpLM(Tokenization, TemplateLM):
             rows_for=functools.partial(generation_rows, self.batching,
                                        activation_bytes=activation_bytes_per_token(self._model, self.max_length),
                                        kv_bytes=kv_cache_bytes_per_token(self._model)),
-            seed=torch.initial_seed())  # lm-eval's --seed (its torch value) seeds sampled requests
+            seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
+            think_end=self.options.think_end_token)
         outputs = generate(setup, [req.args for req in requests], calls=self.stats.calls,
                            identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
         for req, text in zip(requests, outputs):
@@ -340,9 +354,12 @@ class DistPerpLM(Tokenization, TemplateLM):
         super().set_cache_hook(cache_hook)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        text, folded = render_chat(self.tokenizer, chat_history, add_generation_prompt, self.options.chat_kwargs)
+        if folded and not self.folded_system:
+            self.folded_system = True
+            log.warning("distperp: the chat template rejects a system role; the system instruction is folded "
+                        "into the first user turn (lm-eval hf drops it)", main_process_only=True)
+        return text
 
     def get_model_info(self) -> dict:
         """Model and run metadata merged into the results JSON's ``config``."""
@@ -350,6 +367,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
             "model_dtype": str(next(self._model.parameters()).dtype),
             "model_revision": self.options.revision,
+            **self.checkpoint_identity,
             "distperp": {
                 "version": __version__,
                 "options": self.options.to_dict(),
@@ -369,6 +387,10 @@ class DistPerpLM(Tokenization, TemplateLM):
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
+                "adapter": self.loaded.adapter.to_dict() if self.loaded.adapter else None,
+                "stored_quantization": self.loaded.stored_quantization,
+                "chat": {"template_args": self.options.chat_kwargs, "folded_system": self.folded_system,
+                         "think_end_token": self.options.think_end_token},
                 "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
                     "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),

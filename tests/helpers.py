@@ -245,3 +245,28 @@ def write_results_json(folder: str | os.PathLike[str], *, quantize: str | None =
     path = folder / "results_2026-01-01T00-00-00.000000.json"
     path.write_text(json.dumps({"results": dict(results or {}), "config": {"model": "distperp", "distperp": info}}))
     return path
+
+
+# --- checkpoints as users have them (issue 28) -------------------------------------------------------------------
+
+
+def lora_adapter(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, seed: int = 0, r: int = 4,
+                 scale: float = 0.5, target_modules: Sequence[str] = ("q_proj", "v_proj", "down_proj")) -> Path:
+    """A PEFT LoRA adapter for the model at ``model_dir`` with random, non-zero ``A`` and ``B`` (so that it changes
+    the model: PEFT's default initialisation zeroes ``B``), saved to ``out`` (``adapter_config.json`` +
+    ``adapter_model.safetensors``)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(target_modules), lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    peft_model.save_pretrained(out)
+    return Path(out)

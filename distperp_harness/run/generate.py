@@ -33,13 +33,14 @@ from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, \
     postprocess_generated_text
 from lm_eval.models.utils_hf import stop_sequences_criteria
-from transformers import LogitsProcessor
+from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 from distperp_harness.distributed.collective import Collective
 from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.run.kvcache import CacheNotShareable, cache_argument, prefix_cache
 from distperp_harness.planning.plan import Batch, assign_batches
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX, common_prefix_length
+from distperp_harness.run.thinking import answer_of, stop_hit, tokens_after_think
 
 log = get_logger(__name__)
 
@@ -58,7 +59,8 @@ class GenerationSetup:
     ``rows_for(length)`` is the number of rows a batch may hold when each row grows to ``length`` tokens
     (:func:`distperp_harness.run.runtime.generation_rows`: the batching rule, capped by KV-cache bytes).
     ``seed``: lm-eval's torch seed (``None``: ``torch.initial_seed()`` at the call); rank 0's is used by all.
-    ``min_shared_tokens``: see :data:`MIN_SHARED_TOKENS` (a huge value turns sharing off).
+    ``min_shared_tokens``: see :data:`MIN_SHARED_TOKENS` (a huge value turns sharing off). ``think_end``: the
+    ``think_end_token`` (:mod:`distperp_harness.run.thinking`: the answer after the trace; stops only after it).
     """
 
     model: torch.nn.Module
@@ -71,6 +73,7 @@ class GenerationSetup:
     rows_for: Callable[[int], int]
     seed: int | None = None
     min_shared_tokens: int = MIN_SHARED_TOKENS
+    think_end: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -269,15 +272,49 @@ def _generate_batch(setup: GenerationSetup, jobs: Sequence[Job]) -> tuple[dict[s
             extra[cache_argument(setup.model)] = cache
         out = setup.model.generate(
             input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
-            stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(jobs)),
+            stopping_criteria=(stop_sequences_criteria(tokenizer, until, width, len(jobs))
+                               if setup.think_end is None else
+                               StoppingCriteriaList([_ThinkingStops(tokenizer, until, width, setup.think_end)])),
             pad_token_id=pad, **kwargs, **extra)
-    texts = {job.key: postprocess_generated_text(tokenizer.decode(row[width:].tolist(), skip_special_tokens=True),
-                                                 until, None)
-             for job, row in zip(jobs, out)}
+    if setup.think_end is None:
+        texts = {job.key: postprocess_generated_text(
+            tokenizer.decode(row[width:].tolist(), skip_special_tokens=True), until, None)
+            for job, row in zip(jobs, out)}
+    else:
+        texts = {job.key: _answer(tokenizer, row[width:].tolist(), setup.think_end, until)
+                 for job, row in zip(jobs, out)}
     shared = shared if cache is not None else 0
     stats = {"rows": len(jobs), "shared_tokens": shared, "prompt_tokens": sum(len(p) for p in prompts),
              "computed_prompt_tokens": shared + len(jobs) * suffix_width if shared else len(jobs) * width}
     return texts, stats
+
+
+def _answer(tokenizer, tokens: list[int], think_end: str | int, until: Sequence[str]) -> str:
+    """The scored answer of one generation (lm-eval hf's rule for a token id or a string ``think_end``)."""
+    if isinstance(think_end, int):
+        return answer_of(tokenizer.decode(tokens_after_think(tokens, think_end), skip_special_tokens=True).lstrip(),
+                         None, until)
+    return answer_of(tokenizer.decode(tokens, skip_special_tokens=True), think_end, until)
+
+
+class _ThinkingStops(StoppingCriteria):
+    """Per row: done when a stop string occurs after the thinking trace (:func:`~distperp_harness.run.thinking.
+    stop_hit`); a stop string inside an unfinished trace does not end the row."""
+
+    def __init__(self, tokenizer, until: Sequence[str], width: int, think_end: str | int) -> None:
+        self.tokenizer, self.until, self.width, self.think_end = tokenizer, list(until), width, think_end
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        done = []
+        for row in input_ids[:, self.width:].tolist():
+            if isinstance(self.think_end, int):
+                finished = self.think_end in row
+                text = self.tokenizer.decode(tokens_after_think(row, self.think_end), skip_special_tokens=True)
+                done.append(finished and stop_hit(text, None, self.until))
+            else:
+                done.append(stop_hit(self.tokenizer.decode(row, skip_special_tokens=True), self.think_end,
+                                     self.until))
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 class _SeededDraw(LogitsProcessor):
