@@ -237,7 +237,7 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
     ``reference=base`` keeps a ``peft=``/``delta=`` fine-tune (the same weights, unquantized);
     ``reference=pretrained`` is the checkpoint without them (what the fine-tune changed). With an adapter and
     ``quantize=``, the adapter is merged into the unquantized weights first and the merged model is quantized
-    after loading (a note in the quantization report says so). A checkpoint saved already quantized loads as
+    after loading (a note in the quantization report says so); so is a ``gguf_file`` checkpoint. A checkpoint saved already quantized loads as
     saved; ``quantize=`` or ``reference=base`` on it is refused (:func:`~distperp_harness.model.checkpoint.
     refuse_on_stored`).
     With ``mesh`` (``shard_size`` > 1) an unquantized model is read into host memory (memory-mapped where the dtype
@@ -265,12 +265,13 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
         dtype, note = resolve_model_dtype(options.quantize, options.dtype, device)
         log.info(note, main_process_only=True)
         dtype = asked if dtype is None else dtype
-        if options.peft or options.delta:  # merge first, then quantize the merged weights
+        if options.peft or options.delta or options.gguf_file:  # merge first, then quantize the merged weights
             model, adapter = load_adapted(options, device, dtype, tokenizer)
             report = quantize_model(model, options.quantize, group_size=options.group_size,
                                     include_lm_head=options.quantize_lm_head)
-            report = dataclasses.replace(report, notes=report.notes + (
-                f"Quantized after loading: {adapter.note}",))
+            why = adapter.note if adapter else ("transformers dequantizes a GGUF file while loading and cannot "
+                                                "quantize it in the same pass.")
+            report = dataclasses.replace(report, notes=report.notes + (f"Quantized after loading: {why}",))
         else:
             model, report = load_quantized(options, device, dtype)
         log.info(report.summary(), main_process_only=True)
