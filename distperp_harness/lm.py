@@ -27,6 +27,7 @@ from distperp_harness.distributed.failfast import fail_for_tests, stop_together
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generate import GenerationSetup, generate
 from distperp_harness.model.chat import render_chat
+from distperp_harness.model.given import check_given, split_given
 from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.loading import check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
@@ -72,7 +73,10 @@ class DistPerpLM(Tokenization, TemplateLM):
         sharded load and forward code paths; the bits equal those of the unsharded run."""
         super().__init__()
         t0 = time.perf_counter()
+        kwargs, given = split_given(kwargs)  # simple_evaluate may pass a model (and tokenizer) object
         self.options = Options.from_kwargs(**kwargs)
+        if given is not None:
+            check_given(self.options, given)
         if reference_model is not None and self.options.reference is None:
             raise ValueError("reference_model was given without reference=; it would be ignored. Fix: pass "
                              "reference=base (or the reference's path) with it.")
@@ -84,14 +88,14 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
                                              local_world_size(self._world_size))
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
-        self.estimate = check_fits(self.collective, self.options, self._device, self.shard_size,
-                                   local_world_size(self._world_size))
+        self.estimate = None if given is not None else check_fits(  # an in-memory model is loaded already
+            self.collective, self.options, self._device, self.shard_size, local_world_size(self._world_size))
         mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
                 if self.shard_size > 1 or mesh_of_one else None)
         if reference_model is not None and mesh is not None:
             reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
-        loaded = load_all(to_load, self._device, mesh)
+        loaded = load_all(to_load, self._device, mesh, given=given)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
         self.reference_weight_bytes = loaded.reference_weight_bytes
@@ -419,7 +423,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         if "device" in extra:
             extra["device_from_cli"] = True
-        Options.from_kwargs(**arg_dict)  # only --model_args keys: in-process keywords (mesh_of_one, ...) are refused
+        Options.from_kwargs(**split_given(arg_dict)[0])  # only --model_args keys: in-process keywords are refused
         return cls(**arg_dict, **extra)
 
 

@@ -73,6 +73,8 @@ class Options:
     think_end_token: str | int | None = None
     enable_thinking: bool | None = None
     chat_template_args: dict | None = None
+    # not a --model_args key: set when simple_evaluate passed a model object as pretrained (model/given.py)
+    in_memory: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -187,8 +189,9 @@ class Options:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "Options":
         """Build options from lm-eval's keyword arguments (model_args plus the CLI's batch_size/device)."""
-        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "device_from_cli"}
-        unknown = sorted(k for k in kwargs if k not in known and k != "device_from_cli")
+        internal = ("device_from_cli", "in_memory")
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name not in internal}
+        unknown = sorted(k for k in kwargs if k not in known and k not in internal)
         if unknown:
             hints = []
             for key in unknown:
@@ -203,7 +206,7 @@ class Options:
                              "e.g. --model_args pretrained=EleutherAI/pythia-160m")
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
-            if key == "device_from_cli":
+            if key in internal:
                 values[key] = bool(value)
                 continue
             values[key] = _cast(key, value)
@@ -213,6 +216,8 @@ class Options:
         """JSON-friendly view, recorded in the results."""
         out = dataclasses.asdict(self)
         out.pop("device_from_cli")
+        if out.pop("in_memory"):
+            out["pretrained_in_memory"] = True
         return out
 
 

@@ -229,7 +229,7 @@ def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | st
     return model, None
 
 
-def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded:
+def load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None) -> Loaded:
     """Tokenizer → model on ``device`` (quantized while loading) → reference; with ``mesh``, both sharded.
 
     The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
@@ -244,12 +244,15 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
     allows) and FSDP2 moves it to ``device`` one layer at a time as it shards it
     (:func:`~distperp_harness.model.sharding.shard_model`); a quantized model is quantized on ``device`` while loading
     and then sharded except for its torchao weights. Every rank must call this together when ``mesh`` is given.
+    ``given``: a :class:`~distperp_harness.model.given.Given` in-memory model (and tokenizer), used as it is.
     """
     from distperp_harness.model.memory import LoadMeter
     from distperp_harness.model.quantize import quantize_model, resolve_model_dtype, weight_bytes
     from distperp_harness.model.sharding import shard_model
 
     meter = LoadMeter(device)
+    if given is not None:
+        return _load_given(options, device, given, meter)
     tokenizer = load_tokenizer(options)
     asked = torch_dtype(options.dtype)
     if options.reference == "base" and options.quantize == "none":
@@ -306,6 +309,25 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
     return Loaded(device, tokenizer, model, reference, report, model_bytes, max_length,
                   reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop(),
                   adapter=adapter, stored_quantization=stored)
+
+
+def _load_given(options: Options, device: torch.device, given: Any, meter: Any) -> Loaded:
+    """The caller's model as it is (model/given.py), its tokenizer (given, or loaded), a ``reference=<path>``."""
+    from distperp_harness.model.given import place
+    from distperp_harness.model.quantize import weight_bytes
+
+    tokenizer = given.tokenizer if given.tokenizer is not None else load_tokenizer(options)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    model = place(given.model, device)
+    reference = None
+    if options.reference is not None:
+        reference = load_model(options, device, torch_dtype(options.dtype), source=options.reference,
+                               key="reference")
+    return Loaded(device, tokenizer, model, reference, None, weight_bytes(model),
+                  model_max_length(options, model, tokenizer),
+                  reference_weight_bytes=weight_bytes(reference) if reference is not None else None,
+                  load_memory=meter.stop())
 
 
 def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:
