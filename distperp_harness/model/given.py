@@ -30,6 +30,9 @@ class Given:
 
 def split_given(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Given | None]:
     """``(kwargs with strings in place of objects, the objects or None)`` (module doc)."""
+    if "in_memory" in kwargs:  # set here only, from the type of pretrained
+        raise ValueError("Unknown --model_args key(s) for --model distperp: 'in_memory' (it is set when "
+                         "pretrained is a model object). Fix: drop in_memory.")
     model, tokenizer = kwargs.get("pretrained"), kwargs.get("tokenizer")
     if not isinstance(model, torch.nn.Module):
         if tokenizer is not None and not isinstance(tokenizer, str):
