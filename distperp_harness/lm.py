@@ -26,7 +26,7 @@ from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, stop_together
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generate import GenerationSetup, generate
-from distperp_harness.model.chat import render_chat
+from distperp_harness.model.chat import ChatTemplate
 from distperp_harness.model.given import check_given, split_given
 from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.loading import check_prefix_token, load_all
@@ -132,7 +132,8 @@ class DistPerpLM(Tokenization, TemplateLM):
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
-        self.folded_system = False
+        self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
+                                 functools.partial(log.warning, main_process_only=True))
         self.load_seconds = time.perf_counter() - t0
 
     def _run_identity(self) -> dict:
@@ -358,12 +359,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         super().set_cache_hook(cache_hook)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        text, folded = render_chat(self.tokenizer, chat_history, add_generation_prompt, self.options.chat_kwargs)
-        if folded and not self.folded_system:
-            self.folded_system = True
-            log.warning("distperp: the chat template rejects a system role; the system instruction is folded "
-                        "into the first user turn (lm-eval hf drops it)", main_process_only=True)
-        return text
+        return self.chat(self.tokenizer, chat_history, add_generation_prompt)
 
     def get_model_info(self) -> dict:
         """Model and run metadata merged into the results JSON's ``config``."""
@@ -393,8 +389,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
                 "adapter": self.loaded.adapter.to_dict() if self.loaded.adapter else None,
                 "stored_quantization": self.loaded.stored_quantization,
-                "chat": {"template_args": self.options.chat_kwargs, "folded_system": self.folded_system,
-                         "think_end_token": self.options.think_end_token},
+                "chat": self.chat.to_dict(),
                 "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
                     "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),

@@ -38,3 +38,24 @@ def render_chat(tokenizer: Any, history: Sequence[dict[str, str]], add_generatio
         if not any(m["role"] == "system" for m in history):
             raise
     return tokenizer.apply_chat_template(fold_system(history), **kwargs), True
+
+
+class ChatTemplate:
+    """The run's chat template: :func:`render_chat` with the run's ``chat_kwargs``; ``log`` (rank 0's warning)
+    is called once, at the first fold. ``to_dict`` is what the results record."""
+
+    def __init__(self, chat_kwargs: dict, think_end_token: Any, log: Any) -> None:
+        self.chat_kwargs, self.think_end_token, self.log = chat_kwargs, think_end_token, log
+        self.folded_system = False
+
+    def __call__(self, tokenizer: Any, history: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+        text, folded = render_chat(tokenizer, history, add_generation_prompt, self.chat_kwargs)
+        if folded and not self.folded_system:
+            self.folded_system = True
+            self.log("distperp: the chat template rejects a system role; the system instruction is folded into the "
+                     "first user turn (lm-eval hf drops it)")
+        return text
+
+    def to_dict(self) -> dict:
+        return {"template_args": self.chat_kwargs, "folded_system": self.folded_system,
+                "think_end_token": self.think_end_token}
