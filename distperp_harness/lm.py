@@ -27,6 +27,9 @@ from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.model.chat import ChatTemplate
+from distperp_harness.model.given import check_given, split_given
+from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.loading import check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
 from distperp_harness.options import Options
@@ -71,7 +74,10 @@ class DistPerpLM(Tokenization, TemplateLM):
         sharded load and forward code paths; the bits equal those of the unsharded run."""
         super().__init__()
         t0 = time.perf_counter()
+        kwargs, given = split_given(kwargs)  # simple_evaluate may pass a model (and tokenizer) object
         self.options = Options.from_kwargs(**kwargs)
+        if given is not None:
+            check_given(self.options, given)
         if reference_model is not None and self.options.reference is None:
             raise ValueError("reference_model was given without reference=; it would be ignored. Fix: pass "
                              "reference=base (or the reference's path) with it.")
@@ -84,14 +90,14 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
                                              local_world_size(self._world_size))
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
-        self.estimate = check_fits(self.collective, self.options, self._device, self.shard_size,
-                                   local_world_size(self._world_size))
+        self.estimate = None if given is not None else check_fits(  # an in-memory model is loaded already
+            self.collective, self.options, self._device, self.shard_size, local_world_size(self._world_size))
         mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
                 if self.shard_size > 1 or mesh_of_one else None)
         if reference_model is not None and mesh is not None:
             reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
-        loaded = load_all(to_load, self._device, mesh)
+        loaded = load_all(to_load, self._device, mesh, given=given)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
         self.reference_weight_bytes = loaded.reference_weight_bytes
@@ -123,10 +129,13 @@ class DistPerpLM(Tokenization, TemplateLM):
             self.options.compile_mode, [self._model, self.reference], collective=self.collective,
             rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
             pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
+        self._identity: dict | None = None
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
+        self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
+                                 functools.partial(log.warning, main_process_only=True))
         self.load_seconds = time.perf_counter() - t0
 
     def _run_identity(self) -> dict:
@@ -144,7 +153,16 @@ class DistPerpLM(Tokenization, TemplateLM):
         which change where the weights live and which rank computes a batch, not the bits."""
         identity = self._run_identity()
         identity["options"] = {k: v for k, v in identity["options"].items() if k not in ("shard_size", "claim")}
-        return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode}
+        return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode,
+                "checkpoint": self.checkpoint_identity}
+
+    @property
+    def checkpoint_identity(self) -> dict:
+        """``model_sha`` (and ``peft_sha``, ``delta_sha``, ``gguf_*``) of the weights (model/identity.py), computed
+        once: content hashes of local files read them whole."""
+        if self._identity is None:
+            self._identity = checkpoint_identity(self.options)
+        return self._identity
 
     def _check_ranks_agree(self) -> None:
         """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""
@@ -224,7 +242,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             store=self.store, claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
             progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main),
             shard_size=self.shard_size, idle_forward=self._idle_generation_forward,
-            gather=self._gathered_for_one_forward)
+            gather=self._gathered_for_one_forward, think_end=self.options.think_end_token)
         return generate(setup, [req.args for req in requests], calls=self.stats.calls,
                         identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
 
@@ -391,9 +409,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         super().set_cache_hook(cache_hook)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        return self.chat(self.tokenizer, chat_history, add_generation_prompt)
 
     def get_model_info(self) -> dict:
         """Model and run metadata merged into the results JSON's ``config``."""
@@ -401,6 +417,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
             "model_dtype": str(next(self._model.parameters()).dtype),
             "model_revision": self.options.revision,
+            **self.checkpoint_identity,
             "distperp": {
                 "version": __version__,
                 "options": self.options.to_dict(),
@@ -420,6 +437,9 @@ class DistPerpLM(Tokenization, TemplateLM):
                 "calls": self.stats.calls,
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
+                "adapter": self.loaded.adapter.to_dict() if self.loaded.adapter else None,
+                "stored_quantization": self.loaded.stored_quantization,
+                "chat": self.chat.to_dict(),
                 "resume": self.store.report() if self.store else None,
                 "reference": None if self.reference is None else {
                     "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),
@@ -448,7 +468,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         if "device" in extra:
             extra["device_from_cli"] = True
-        Options.from_kwargs(**arg_dict)  # only --model_args keys: in-process keywords (mesh_of_one, ...) are refused
+        Options.from_kwargs(**split_given(arg_dict)[0])  # only --model_args keys: in-process keywords are refused
         return cls(**arg_dict, **extra)
 
 

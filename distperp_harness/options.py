@@ -64,6 +64,17 @@ class Options:
     compile: str = "false"
     # stragglers (issue 18): ranks take batches as they go (a slow rank computes fewer); false: the static plan
     claim: bool = True
+    # checkpoints as users have them (issue 28)
+    subfolder: str | None = None
+    gguf_file: str | None = None
+    peft: str | None = None
+    merge_adapter: bool = True
+    delta: str | None = None
+    think_end_token: str | int | None = None
+    enable_thinking: bool | None = None
+    chat_template_args: dict | None = None
+    # not a --model_args key: set when simple_evaluate passed a model object as pretrained (model/given.py)
+    in_memory: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
@@ -106,7 +117,58 @@ class Options:
                  "e.g. compile=true (mode default) or compile=max-autotune")
         if self.reference is not None:
             _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
-                     "'base' (the same checkpoint, unquantized) or a model path / hub id", "")
+                     "'base' (the same checkpoint, unquantized), 'pretrained' (the checkpoint without its peft= "
+                     "adapter or delta= weights) or a model path / hub id", "")
+        self._check_checkpoint_keys()
+
+    def _check_checkpoint_keys(self) -> None:
+        """Issue 28's keys: adapters, GGUF, thinking and chat template arguments."""
+        for key in ("subfolder", "gguf_file", "peft", "delta"):
+            value = getattr(self, key)
+            if value is not None:
+                _require(isinstance(value, str) and value.strip() != "", key, value, "a non-empty path or name",
+                         f"leave {key} unset, or give {key}=<path or hub id>")
+        _require(not (self.peft and self.delta), "delta", self.delta, "delta= or peft=, not both (as lm-eval hf)",
+                 "run the adapter and the delta weights as two runs")
+        _require(isinstance(self.merge_adapter, bool), "merge_adapter", self.merge_adapter, "true or false", "")
+        if self.reference == "pretrained":
+            _require(bool(self.peft or self.delta), "reference", self.reference,
+                     "reference=pretrained only with peft= or delta= (it is the checkpoint without them)",
+                     "add peft=<adapter path>, or use reference=base with quantize=")
+        if not self.merge_adapter:
+            _require(bool(self.peft), "merge_adapter", self.merge_adapter,
+                     "merge_adapter=false only with peft= (there is no adapter to keep unmerged)",
+                     "drop merge_adapter, or add peft=<adapter path>")
+            _require(self.quantize == "none", "merge_adapter", self.merge_adapter,
+                     f"merge_adapter=false only with quantize=none: the adapter is merged before quantize="
+                     f"{self.quantize} so that its weights are quantized with the base's",
+                     "drop merge_adapter=false, or quantize=none")
+            _require(self.shard_size == 1, "merge_adapter", self.merge_adapter,
+                     "merge_adapter=false only with shard_size=1 (an unmerged adapter's layers are not sharded)",
+                     "drop merge_adapter=false, or shard_size=1")
+        if self.think_end_token is not None:
+            token = self.think_end_token
+            _require((isinstance(token, int) and not isinstance(token, bool) and token >= 0)
+                     or (isinstance(token, str) and token != ""), "think_end_token", token,
+                     "a string (e.g. '</think>') or a token id >= 0", "e.g. think_end_token=</think>")
+        _require(self.enable_thinking is None or isinstance(self.enable_thinking, bool), "enable_thinking",
+                 self.enable_thinking, "true or false", "")
+        _require(not (self.enable_thinking and self.think_end_token is None), "enable_thinking",
+                 self.enable_thinking, "enable_thinking=true together with think_end_token (as lm-eval hf "
+                 "requires): else the thinking trace stays in the scored answer",
+                 "add think_end_token=</think> (or the model's end-of-thinking token or id)")
+        if self.chat_template_args is not None:
+            _require(isinstance(self.chat_template_args, dict), "chat_template_args", self.chat_template_args,
+                     "a JSON object of keyword arguments for the chat template", 'e.g. chat_template_args={"x":1}')
+
+    @property
+    def chat_kwargs(self) -> dict:
+        """Keyword arguments for ``tokenizer.apply_chat_template``: ``chat_template_args`` plus ``enable_thinking``
+        when given (lm-eval hf's rule)."""
+        out = dict(self.chat_template_args or {})
+        if self.enable_thinking is not None:
+            out["enable_thinking"] = self.enable_thinking
+        return out
 
     @property
     def compile_mode(self) -> str | None:
@@ -127,8 +189,9 @@ class Options:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "Options":
         """Build options from lm-eval's keyword arguments (model_args plus the CLI's batch_size/device)."""
-        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "device_from_cli"}
-        unknown = sorted(k for k in kwargs if k not in known and k != "device_from_cli")
+        internal = ("device_from_cli", "in_memory")
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name not in internal}
+        unknown = sorted(k for k in kwargs if k not in known and k not in internal)
         if unknown:
             hints = []
             for key in unknown:
@@ -143,7 +206,7 @@ class Options:
                              "e.g. --model_args pretrained=EleutherAI/pythia-160m")
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
-            if key == "device_from_cli":
+            if key in internal:
                 values[key] = bool(value)
                 continue
             values[key] = _cast(key, value)
@@ -153,13 +216,17 @@ class Options:
         """JSON-friendly view, recorded in the results."""
         out = dataclasses.asdict(self)
         out.pop("device_from_cli")
+        if out.pop("in_memory"):
+            out["pretrained_in_memory"] = True
         return out
 
 
 _INT_KEYS = {"max_length", "prefix_token_id", "max_batch_size", "group_size", "stride"}
-_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix", "claim"}
+_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix", "claim", "merge_adapter",
+              "enable_thinking"}
 _FLOAT_KEYS = {"timeout"}
-_STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir"}
+_STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir",
+             "subfolder", "gguf_file", "peft", "delta"}
 
 
 def _cast(key: str, value: Any) -> Any:
@@ -189,9 +256,34 @@ def _cast(key: str, value: Any) -> Any:
     if key == "shard_size":
         text = str(value).strip().lower()
         return text if not text.lstrip("-").isdigit() else _as_int(key, text)
+    if key == "think_end_token":  # a digit string is a token id, as lm-eval hf reads it
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value)
+        return int(text) if text.isdigit() else text
+    if key == "chat_template_args":
+        return _as_json_object(key, value)
     if key in _STR_KEYS:
         return str(value)
     return value
+
+
+def _as_json_object(key: str, value: Any) -> dict:
+    """A dict as given (``simple_evaluate``), or a JSON object string (``--model_args``, where a comma would split
+    the value: one key per string there)."""
+    if isinstance(value, dict):
+        return dict(value)
+    import json
+
+    try:
+        parsed = json.loads(str(value))
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{key}={value!r} is not a JSON object; allowed: a dict (simple_evaluate) or a JSON "
+                         f"object string. Fix: e.g. {key}='{{\"enable_thinking\": false}}' (lm-eval splits "
+                         "--model_args on commas, so one key per --model_args value; pass more from Python)")
+    return parsed
 
 
 def _as_int(key: str, value: Any) -> int:

@@ -254,3 +254,97 @@ def write_results_json(folder: str | os.PathLike[str], *, quantize: str | None =
     path = folder / "results_2026-01-01T00-00-00.000000.json"
     path.write_text(json.dumps({"results": dict(results or {}), "config": {"model": "distperp", "distperp": info}}))
     return path
+
+
+# --- checkpoints as users have them (issue 28) -------------------------------------------------------------------
+
+
+def lora_adapter(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, seed: int = 0, r: int = 4,
+                 scale: float = 0.5, target_modules: Sequence[str] = ("q_proj", "v_proj", "down_proj")) -> Path:
+    """A PEFT LoRA adapter for the model at ``model_dir`` with random, non-zero ``A`` and ``B`` (so that it changes
+    the model: PEFT's default initialisation zeroes ``B``), saved to ``out`` (``adapter_config.json`` +
+    ``adapter_model.safetensors``)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(target_modules), lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    peft_model.save_pretrained(out)
+    return Path(out)
+
+
+def write_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """The Llama model at ``model_dir`` (float32 safetensors, byte-level BPE tokenizer) as a GGUF file at ``path``,
+    written with the ``gguf`` package's writer as llama.cpp's converter lays it out: F32 tensors under GGUF names,
+    ``attn_q``/``attn_k`` rows permuted to GGML's rotary layout (transformers permutes them back when loading), the
+    tokenizer as ``gpt2`` tokens, types and merges. Weights round-trip exactly."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("distperp-test-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(config.vocab_size)
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for _, i in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    for name in ("bos", "eos", "unk", "pad"):
+        token_id = getattr(config, f"{name}_token_id", None)
+        if token_id is None and name in ("unk", "pad"):
+            token_id = {"unk": 2, "pad": 3}[name]
+        if token_id is not None:
+            getattr(writer, f"add_{name}_token_id")(int(token_id))
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, value in load_file(str(model_dir / "model.safetensors")).items():
+        value = value.astype(np.float32)
+        if key == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif key == "model.norm.weight":
+            out = "output_norm.weight"
+        elif key == "lm_head.weight":
+            out = "output.weight"
+        else:
+            _, _, layer, *rest = key.split(".")
+            module = ".".join(rest[:-1])
+            out = f"blk.{layer}.{names[module]}.weight"
+            if module == "self_attn.q_proj":
+                value = permute(value, heads)
+            elif module == "self_attn.k_proj":
+                value = permute(value, kv_heads)
+        writer.add_tensor(out, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_results, load_samples, offline_env,
-                     run_command, run_two_nodes)
+from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_results, load_samples, lora_adapter,
+                     offline_env, run_command, run_two_nodes)
 
 pytestmark = pytest.mark.distributed
 
@@ -54,11 +54,13 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
                     cwd=root)
     out["2nodes"] = root / "2nodes"
     run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)
-    for n in (1, 2):  # quantized, with the unquantized reference: same exactness
+    adapter = lora_adapter(tiny_model_dir, root / "lora", seed=3)
+    for n in (1, 2):  # a LoRA fine-tune merged, then quantized, against its base without the adapter: same exactness
         out[f"{n}p-int4"] = root / f"{n}p-int4"
         run_command([*accelerate_launch_prefix(n), *_lm_eval_args(
-            tiny_model_dir, tasks_dir, out[f"{n}p-int4"], model_args=",quantize=int4,group_size=32,reference=base",
-            tasks=INT4_TASKS)], cwd=root)
+            tiny_model_dir, tasks_dir, out[f"{n}p-int4"],
+            model_args=f",peft={adapter},quantize=int4,group_size=32,reference=pretrained", tasks=INT4_TASKS)],
+            cwd=root)
     out["torchrun"] = root / "torchrun"
     run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                  str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
@@ -96,6 +98,17 @@ def test_quantized_identical_across_world_sizes(runs):
         assert _per_doc(load_samples(runs["1p-int4"], task)) == _per_doc(load_samples(runs["2p-int4"], task))
 
 
+def test_adapter_identity_identical_across_world_sizes(runs):
+    """peft= under 2 processes: every rank merged the same adapter before quantizing, and the results name it."""
+    one, two = load_results(runs["1p-int4"])["config"], load_results(runs["2p-int4"])["config"]
+    for key in ("model_sha", "peft_sha"):
+        assert two[key] == one[key] and two[key].startswith("sha256:")
+    adapter = two["distperp"]["adapter"]
+    assert adapter == one["distperp"]["adapter"] and adapter["merged"] and adapter["peft_type"] == "LORA"
+    assert any("merged into the weights before quantize=int4" in n for n in two["distperp"]["quantization"]["notes"])
+    assert two["distperp"]["reference"]["source"] == "pretrained"
+
+
 def test_reference_entries_identical_across_world_sizes(runs):
     one, two = (load_results(runs[k])["config"]["distperp"]["reference"] for k in ("1p-int4", "2p-int4"))
     assert sorted(one["tasks"]) == sorted(INT4_TASKS.split(","))
@@ -119,7 +132,8 @@ def test_reference_entries_equal_the_distperp_task_metrics(runs, entry_task, met
 
 
 def test_flips_match_the_logged_samples_of_an_unquantized_run(runs):
-    """The test model flips nothing under int4 (tests/report/test_quantcost.py has a model that does); still counted."""
+    """Flips of the quantized fine-tune against its base (reference=pretrained), counted from the samples of the
+    plain unquantized run of the base ("1p")."""
     import numpy as np
 
     entry = load_results(runs["2p-int4"])["config"]["distperp"]["reference"]["tasks"]["dptest_mc"]

@@ -67,3 +67,39 @@ def test_in_process_keywords_are_not_model_args(key):
 
     with pytest.raises(ValueError, match=f"Unknown --model_args key.*'{key}'"):
         DistPerpLM.create_from_arg_string(f"pretrained=some/model,{key}=True")
+
+
+def test_checkpoint_keys_cast_from_cli_strings():
+    opts = Options.from_kwargs(pretrained="m", peft="adapters/a", merge_adapter="false", think_end_token="151668",
+                               enable_thinking="true", chat_template_args='{"x": 1}', gguf_file="m.gguf",
+                               subfolder="ckpt")
+    assert opts.merge_adapter is False and opts.think_end_token == 151668 and opts.enable_thinking is True
+    assert opts.chat_kwargs == {"x": 1, "enable_thinking": True}
+    assert Options.from_kwargs(pretrained="m", think_end_token="</think>").think_end_token == "</think>"
+    assert Options.from_kwargs(pretrained="m", peft="a", reference="pretrained").reference == "pretrained"
+    assert Options.from_kwargs(pretrained="m", delta="d", reference="pretrained").delta == "d"
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"peft": "a", "delta": "d"}, "delta= or peft=, not both"),
+    ({"reference": "pretrained"}, "reference=pretrained only with peft= or delta="),
+    ({"merge_adapter": False}, "merge_adapter=false only with peft="),
+    ({"peft": "a", "merge_adapter": False, "quantize": "int4"}, "the adapter is merged before quantize=int4"),
+    ({"peft": "a", "merge_adapter": False, "shard_size": 2}, "merge_adapter=false only with shard_size=1"),
+    ({"enable_thinking": True}, "enable_thinking=true together with think_end_token"),
+    ({"think_end_token": ""}, "a string (e.g. '</think>') or a token id"),
+    ({"chat_template_args": "[1, 2]"}, "is not a JSON object"),
+    ({"gguf_file": " "}, "gguf_file=' ' is not valid"),
+    ({"merge_adapter": "sometimes"}, "merge_adapter=true or merge_adapter=false"),
+])
+def test_bad_checkpoint_keys_are_named(kwargs, fragment):
+    with pytest.raises(ValueError) as info:
+        Options.from_kwargs(pretrained="m", **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_in_memory_is_not_a_model_arg():
+    with pytest.raises(ValueError, match="Unknown --model_args key.*'in_memory'"):
+        from distperp_harness.lm import DistPerpLM
+
+        DistPerpLM.create_from_arg_string("pretrained=some/model,in_memory=True")

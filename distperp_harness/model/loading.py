@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.model.adapters import AdapterReport, apply_delta, apply_peft
+from distperp_harness.model.checkpoint import check_gguf, refuse_on_stored, source_kwargs, stored_quantization
 from distperp_harness.options import Options
 
 log = get_logger(__name__)
@@ -45,6 +47,9 @@ def load_tokenizer(options: Options):
     source = options.tokenizer or options.pretrained
     _check_source(source, "tokenizer" if options.tokenizer else "pretrained")
     kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code}
+    if not options.tokenizer:  # a GGUF file holds its tokenizer; a subfolder holds the checkpoint's (as hf)
+        check_gguf(options)
+        kwargs.update(source_kwargs(options))
     if options.add_bos_token is not None:
         kwargs["add_bos_token"] = options.add_bos_token
     try:
@@ -60,15 +65,19 @@ def load_model(options: Options, device: torch.device, dtype: torch.dtype | str,
                key: str = "pretrained", quantization_config: Any = None):
     """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode.
 
-    ``key``: the ``--model_args`` key that named ``source``, for error messages. With ``quantization_config``
-    (a ``transformers.TorchAoConfig``) the checkpoint is read tensor by tensor straight onto ``device``
-    (``device_map``) and each selected Linear weight is quantized as soon as it is loaded.
+    ``key``: the ``--model_args`` key that named ``source``, for error messages; only ``pretrained`` gets
+    ``subfolder``/``gguf_file``. With ``quantization_config`` (a ``transformers.TorchAoConfig``) the checkpoint is
+    read tensor by tensor straight onto ``device`` (``device_map``) and each selected Linear weight is quantized
+    as soon as it is loaded. A checkpoint saved already quantized loads as saved (its stored config applies).
     """
     import transformers
 
     source = source or options.pretrained
     _check_source(source, key)
-    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code, "dtype": dtype}
+    if key == "pretrained":
+        check_gguf(options)
+    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code, "dtype": dtype,
+              **source_kwargs(options, key)}
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
     if quantization_config is not None:
@@ -78,10 +87,25 @@ def load_model(options: Options, device: torch.device, dtype: torch.dtype | str,
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
     if quantization_config is None:
-        model.to(device)
+        _to_device(model, device, source)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _to_device(model: torch.nn.Module, device: torch.device, source: str) -> None:
+    """``model.to(device)``, except where the model's quantizer placed it already and refuses moves (bitsandbytes:
+    lm-eval hf catches the same error)."""
+    try:
+        model.to(device)
+    except ValueError as exc:
+        if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+            placed = next(model.parameters()).device
+            if placed.type != device.type:
+                raise ValueError(f"{source!r} is a bitsandbytes checkpoint placed on {placed} by its quantizer, "
+                                 f"which cannot be moved to {device} ({exc}). Fix: device={placed.type}.") from exc
+            return
+        raise
 
 
 def model_max_length(options: Options, model, tokenizer) -> int:
@@ -93,18 +117,28 @@ def model_max_length(options: Options, model, tokenizer) -> int:
     return resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)
 
 
+def load_config(options: Options, source: str | None = None, key: str = "pretrained"):
+    """The transformers config of ``source`` (default: ``pretrained``, with its ``subfolder``/``gguf_file``)."""
+    import transformers
+
+    source = source or options.pretrained
+    _check_source(source, key)
+    if key == "pretrained":
+        check_gguf(options)
+    try:
+        return transformers.AutoConfig.from_pretrained(os.path.expanduser(source), revision=options.revision,
+                                                       trust_remote_code=options.trust_remote_code,
+                                                       **source_kwargs(options, key))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+
+
 def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = None, key: str = "pretrained"):
     """The model's modules and parameter shapes on the ``meta`` device (no memory, no weights read), in ``dtype``
     (``"auto"``: the checkpoint's, as its config records it)."""
     import transformers
 
-    source = source or options.pretrained
-    _check_source(source, key)
-    try:
-        config = transformers.AutoConfig.from_pretrained(os.path.expanduser(source), revision=options.revision,
-                                                         trust_remote_code=options.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+    config = load_config(options, source, key)
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -160,6 +194,8 @@ class Loaded:
     ``weight_bytes`` / ``reference_weight_bytes``: stored bytes of one whole copy (unsharded). ``sharding``: the
     :class:`~distperp_harness.model.sharding.ShardReport` of each sharded model (``model``, ``reference``).
     ``load_memory``: this rank's :meth:`~distperp_harness.model.memory.LoadMeter.stop` report of the load stage.
+    ``adapter``: what ``peft=``/``delta=`` applied; ``stored_quantization``: the config a pre-quantized checkpoint
+    was saved with (None for full-precision checkpoints).
     """
 
     device: torch.device
@@ -172,45 +208,95 @@ class Loaded:
     reference_weight_bytes: int | None = None
     sharding: dict[str, Any] = field(default_factory=dict)
     load_memory: dict[str, Any] = field(default_factory=dict)
+    adapter: AdapterReport | None = None
+    stored_quantization: dict | None = None
 
 
-def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded:
+def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | str, tokenizer: Any
+                 ) -> tuple[torch.nn.Module, AdapterReport | None]:
+    """``pretrained`` unquantized on ``device`` in ``dtype``, with its ``peft=`` adapter or ``delta=`` weights applied
+    (:mod:`~distperp_harness.model.adapters`); without either, :func:`load_model`."""
+    model = load_model(options, device, dtype)
+    if options.peft:
+        model, report = apply_peft(model, options, tokenizer)
+        model.requires_grad_(False)
+        return model, report
+    if options.delta:
+        delta = load_model(options, torch.device("cpu"), dtype, source=options.delta, key="delta")
+        report = apply_delta(model, delta, options.delta)
+        del delta
+        return model, report
+    return model, None
+
+
+def load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None) -> Loaded:
     """Tokenizer → model on ``device`` (quantized while loading) → reference; with ``mesh``, both sharded.
 
     The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
     the checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
+    ``reference=base`` keeps a ``peft=``/``delta=`` fine-tune (the same weights, unquantized);
+    ``reference=pretrained`` is the checkpoint without them (what the fine-tune changed). With an adapter and
+    ``quantize=``, the adapter is merged into the unquantized weights first and the merged model is quantized
+    after loading (a note in the quantization report says so); so is a ``gguf_file`` checkpoint. A checkpoint saved already quantized loads as
+    saved; ``quantize=`` or ``reference=base`` on it is refused (:func:`~distperp_harness.model.checkpoint.
+    refuse_on_stored`).
     With ``mesh`` (``shard_size`` > 1) an unquantized model is read into host memory (memory-mapped where the dtype
     allows) and FSDP2 moves it to ``device`` one layer at a time as it shards it
     (:func:`~distperp_harness.model.sharding.shard_model`); a quantized model is quantized on ``device`` while loading
     and then sharded except for its torchao weights. Every rank must call this together when ``mesh`` is given.
+    ``given``: a :class:`~distperp_harness.model.given.Given` in-memory model (and tokenizer), used as it is.
     """
     from distperp_harness.model.memory import LoadMeter
-    from distperp_harness.model.quantize import resolve_model_dtype, weight_bytes
+    from distperp_harness.model.quantize import quantize_model, resolve_model_dtype, weight_bytes
     from distperp_harness.model.sharding import shard_model
 
     meter = LoadMeter(device)
+    if given is not None:
+        return _load_given(options, device, given, meter)
     tokenizer = load_tokenizer(options)
     asked = torch_dtype(options.dtype)
     if options.reference == "base" and options.quantize == "none":
         raise ValueError("reference=base compares against the unquantized checkpoint, but quantize=none. "
-                         "Fix: add quantize=int4 (or int8, 8da4w), or give reference=<other model path>.")
+                         "Fix: add quantize=int4 (or int8, 8da4w), give reference=<other model path>"
+                         + (", or reference=pretrained (the base without the adapter)"
+                            if options.peft or options.delta else "") + ".")
+    stored = stored_quantization(load_config(options))
+    refuse_on_stored(options, stored)
     staging = device if mesh is None else torch.device("cpu")  # FSDP2 moves each unit to the device as it shards
-    report = None
+    report = adapter = None
     if options.quantize != "none":
         dtype, note = resolve_model_dtype(options.quantize, options.dtype, device)
         log.info(note, main_process_only=True)
-        model, report = load_quantized(options, device, asked if dtype is None else dtype)
+        dtype = asked if dtype is None else dtype
+        if options.peft or options.delta or options.gguf_file:  # merge first, then quantize the merged weights
+            model, adapter = load_adapted(options, device, dtype, tokenizer)
+            report = quantize_model(model, options.quantize, group_size=options.group_size,
+                                    include_lm_head=options.quantize_lm_head)
+            why = adapter.note if adapter else ("transformers dequantizes a GGUF file while loading and cannot "
+                                                "quantize it in the same pass.")
+            report = dataclasses.replace(report, notes=report.notes + (f"Quantized after loading: {why}",))
+        else:
+            model, report = load_quantized(options, device, dtype)
         log.info(report.summary(), main_process_only=True)
     else:
-        model = load_model(options, staging, asked)
+        model, adapter = load_adapted(options, staging, asked, tokenizer)
+    if adapter is not None:
+        log.info(f"distperp: {adapter.note}", main_process_only=True)
+    if stored is not None:
+        log.info(f"distperp: pretrained={options.pretrained!r} was saved quantized "
+                 f"(quant_method={stored.get('quant_method')!r}); loaded as saved", main_process_only=True)
     sharding: dict[str, Any] = {}
     model_bytes = weight_bytes(model)
     if mesh is not None:
         sharding["model"] = shard_model(model, mesh, what="model")
     reference, reference_bytes = None, None
     if options.reference is not None:
-        source, key = (None, "pretrained") if options.reference == "base" else (options.reference, "reference")
-        reference = load_model(options, staging, asked, source=source, key=key)
+        if options.reference == "base":
+            reference, _ = load_adapted(options, staging, asked, tokenizer)
+        elif options.reference == "pretrained":
+            reference = load_model(options, staging, asked)
+        else:
+            reference = load_model(options, staging, asked, source=options.reference, key="reference")
         reference_bytes = weight_bytes(reference)
         if mesh is not None:
             sharding["reference"] = shard_model(reference, mesh, what="reference")
@@ -221,7 +307,27 @@ def load_all(options: Options, device: torch.device, mesh: Any = None) -> Loaded
         raise ValueError(f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
                          "Fix: lower stride or set max_length.")
     return Loaded(device, tokenizer, model, reference, report, model_bytes, max_length,
-                  reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop())
+                  reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop(),
+                  adapter=adapter, stored_quantization=stored)
+
+
+def _load_given(options: Options, device: torch.device, given: Any, meter: Any) -> Loaded:
+    """The caller's model as it is (model/given.py), its tokenizer (given, or loaded), a ``reference=<path>``."""
+    from distperp_harness.model.given import place
+    from distperp_harness.model.quantize import weight_bytes
+
+    tokenizer = given.tokenizer if given.tokenizer is not None else load_tokenizer(options)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    model = place(given.model, device)
+    reference = None
+    if options.reference is not None:
+        reference = load_model(options, device, torch_dtype(options.dtype), source=options.reference,
+                               key="reference")
+    return Loaded(device, tokenizer, model, reference, None, weight_bytes(model),
+                  model_max_length(options, model, tokenizer),
+                  reference_weight_bytes=weight_bytes(reference) if reference is not None else None,
+                  load_memory=meter.stop())
 
 
 def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:

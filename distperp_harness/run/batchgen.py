@@ -13,11 +13,12 @@ from typing import Any, Sequence
 
 import torch
 from accelerate.logging import get_logger
-from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.models.utils_hf import stop_sequences_criteria
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from distperp_harness.run.kvcache import CacheNotShareable, cache_argument, prefix_cache
 from distperp_harness.run.sampling import SeededDraw, warpers_for
+from distperp_harness.run.thinking import answer, stop_in_answer
 
 log = get_logger(__name__)
 
@@ -40,11 +41,12 @@ def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
 
 @torch.no_grad()
 def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prompts: Sequence[Sequence[int]],
-                   shared: int, kwargs: dict, until: list[str], max_new: int, seeds: Sequence[int] | None
-                   ) -> tuple[list[str], dict]:
+                   shared: int, kwargs: dict, until: list[str], max_new: int, seeds: Sequence[int] | None,
+                   think_end: str | int | None = None) -> tuple[list[str], dict]:
     """Texts of one batch (``kwargs``: the normalized generation arguments less ``until`` and ``max_gen_toks``;
-    ``seeds``: one per row for a sampled batch) and its statistics (the keys of
-    :class:`~distperp_harness.run.slots.LaneStats`)."""
+    ``seeds``: one per row for a sampled batch; ``think_end``: see :mod:`distperp_harness.run.thinking`) and its
+    statistics (the keys of :class:`~distperp_harness.run.slots.LaneStats`)."""
+
     kwargs = dict(kwargs)
     suffixes = [list(p[shared:]) for p in prompts]
     suffix_width = max(len(s) for s in suffixes)
@@ -65,11 +67,12 @@ def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prom
     if cache is not None:
         extra[cache_argument(model)] = cache
     out = model.generate(input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
-                         stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(prompts)),
+                         stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(prompts))
+                         if think_end is None else StoppingCriteriaList([_AnswerStops(
+                             lambda row: stop_in_answer(tokenizer, think_end, until, row), width)]),
                          pad_token_id=pad, **kwargs, **extra)
     new = out[:, width:]
-    texts = [postprocess_generated_text(tokenizer.decode(row.tolist(), skip_special_tokens=True), until, None)
-             for row in new]
+    texts = [answer(tokenizer, row.tolist(), think_end, until) for row in new]
     shared = shared if cache is not None else 0
     steps = new.shape[1]
     stats = {"prompts": len(prompts), "prompt_tokens": sum(len(p) for p in prompts), "shared_tokens": shared,
@@ -78,3 +81,14 @@ def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prom
              "decode_forwards": max(0, steps - 1), "decode_positions": len(prompts) * max(0, steps - 1),
              "generated": int((new != pad).sum()) if pad is not None else int(new.numel())}
     return texts, stats
+
+
+class _AnswerStops(StoppingCriteria):
+    """Per row: done when ``hit(new tokens)`` (a stop string in the answer part, after the thinking trace)."""
+
+    def __init__(self, hit, width: int) -> None:
+        self.hit, self.width = hit, width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.tensor([self.hit(row) for row in input_ids[:, self.width:].tolist()], dtype=torch.bool,
+                            device=input_ids.device)

@@ -5,7 +5,8 @@ divided by ``shard_size`` where FSDP2 shards them (torchao-quantized weights sta
 sharded forward gathers on top of that (the embeddings and head for a whole batch, plus one decoder layer); and
 the activations of the largest batch the batching rule allows (``batch_size=N``: N full-length rows;
 ``auto``: at least one full-length row, the rest is sized from memory). Shapes come from a ``meta``-device
-skeleton: nothing is read or allocated.
+skeleton: nothing is read or allocated. A checkpoint saved already quantized (a stored ``quantization_config``)
+is sized from the bytes of its weight files instead of its full-precision skeleton.
 
 :func:`check_fits` compares that with the free memory of every rank (on the CPU, the processes of a node share
 it) and, where it does not fit, raises a ``ValueError`` on every rank with the numbers and the options that
@@ -137,8 +138,11 @@ def weights_per_rank(model: nn.Module, shard_size: int, *, scheme: str = "none",
 
 
 def estimate(options: Options, model: nn.Module, reference: nn.Module | None, shard_size: int, max_length: int,
-             device: torch.device, batch_rows: int | None = None) -> Need:
+             device: torch.device, batch_rows: int | None = None, stored_bytes: int | None = None) -> Need:
     """What one rank needs (module doc); ``model``/``reference`` are meta skeletons in their load dtypes.
+
+    ``stored_bytes``: for a checkpoint saved already quantized, the bytes of its weight files: its weights are
+    sized from them (kept whole on every rank, as torchao weights are), not from the full-precision skeleton.
 
     Gathered: both roots (held for the whole batch) plus twice the largest decoder layer of either (the model's
     layers are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each
@@ -150,6 +154,8 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
 
     kept, root, layer = _parts(model, shard_size, scheme=options.quantize, group_size=options.group_size,
                                include_lm_head=options.quantize_lm_head, device=device)
+    if stored_bytes is not None:
+        kept, root, layer = stored_bytes, 0, 0
     ref_kept, ref_root, ref_layer = (0, 0, 0) if reference is None else _parts(reference, shard_size)
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
@@ -165,14 +171,16 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int) -> list[str]:
-    """Options that would make the estimate fit ``room``, each with its total."""
+def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int,
+           stored: bool = False) -> list[str]:
+    """Options that would make the estimate fit ``room``, each with its total (``stored``: a pre-quantized
+    checkpoint, which ``quantize=`` cannot apply to)."""
     fixes = []
     for size in range(shard_size + 1, local_world + 1):
         if local_world % size == 0 and need_for(options, size, None).total <= room:
             fixes.append(f"shard_size={size} ({need_for(options, size, None).total / GiB:.2f} GiB)")
             break
-    if options.quantize == "none":
+    if options.quantize == "none" and not stored:
         int4 = dataclasses.replace(options, quantize="int4")
         if need_for(int4, shard_size, None).total <= room:
             fixes.append(f"quantize=int4 ({need_for(int4, shard_size, None).total / GiB:.2f} GiB)")
@@ -194,7 +202,7 @@ def _skeletons(options: Options, device: torch.device) -> tuple[nn.Module, nn.Mo
     model = skeleton(options, asked if dtype is None else dtype)
     if options.reference is None:
         return model, None
-    if options.reference == "base":
+    if options.reference in ("base", "pretrained"):  # the same shapes: with or without an adapter, unquantized
         return model, model if dtype is None else skeleton(options, asked)
     return model, skeleton(options, asked, source=options.reference, key="reference")
 
@@ -225,8 +233,13 @@ def check_fits(collective: "Collective", options: Options, device: torch.device,
 def _verdict(options: Options, device: torch.device, shard_size: int, local_world: int,
              free: list[int]) -> tuple[str | None, Need]:
     """``(why the run cannot fit, or None; rank 0's need)`` (see :func:`check_fits`)."""
-    from distperp_harness.model.loading import load_tokenizer, model_max_length
+    from distperp_harness.model.checkpoint import refuse_on_stored, stored_quantization, stored_weight_bytes
+    from distperp_harness.model.loading import load_config, load_tokenizer, model_max_length
 
+    saved_config = stored_quantization(load_config(options))
+    refuse_on_stored(options, saved_config)  # the error loading would give, before the estimate
+    stored = saved_config is not None
+    stored_bytes = stored_weight_bytes(options) if stored else None
     cache: dict = {options.quantize: _skeletons(options, device)}
     max_length = model_max_length(options, cache[options.quantize][0], load_tokenizer(options))
 
@@ -234,7 +247,7 @@ def _verdict(options: Options, device: torch.device, shard_size: int, local_worl
         if opts.quantize not in cache:
             cache[opts.quantize] = _skeletons(opts, device)
         model, reference = cache[opts.quantize]
-        return estimate(opts, model, reference, size, max_length, device, rows)
+        return estimate(opts, model, reference, size, max_length, device, rows, stored_bytes=stored_bytes)
 
     need = need_for(options, shard_size, None)
     sharing = local_world if device.type == "cpu" else 1
@@ -242,8 +255,9 @@ def _verdict(options: Options, device: torch.device, shard_size: int, local_worl
     if need.total <= room:
         return None, need
     worst = min(range(len(free)), key=free.__getitem__)
-    fixes = _fixes(options, need_for, room, shard_size, local_world)
-    return (f"the run does not fit: each rank needs about {need.describe()} (estimated from the model config, "
+    fixes = _fixes(options, need_for, room, shard_size, local_world, stored)
+    source = "the stored weight files and the model config" if stored_bytes else "the model config"
+    return (f"the run does not fit: each rank needs about {need.describe()} (estimated from {source}, "
             f"shard_size={shard_size}, quantize={options.quantize}, batch_size={options.batch_size}, "
             f"max_length={max_length}), but rank {worst} has {free[worst] / GiB:.2f} GiB free on {device.type}"
             f"{f' shared by {sharing} processes' if sharing > 1 else ''}. Fix: "

@@ -36,8 +36,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from accelerate.logging import get_logger
-from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, \
-    postprocess_generated_text
+from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 
 from distperp_harness.distributed.collective import Collective, default_store
 from distperp_harness.distributed.failfast import fail_for_tests, stop_together
@@ -50,6 +49,7 @@ from distperp_harness.run.kvcache import CacheNotShareable
 from distperp_harness.run.lanes import LanePlan, common_prefix, plan_lanes
 from distperp_harness.run.sampling import SAMPLING_KEYS, warpers_for
 from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, decode_lane
+from distperp_harness.run.thinking import answer, stop_in_answer
 
 log = get_logger(__name__)
 
@@ -83,8 +83,8 @@ class GenerationSetup:
     ``store``: ``resume_dir``'s store (finished lanes saved and reused); ``claiming``: lanes taken dynamically;
     ``local_world_size``: processes per node (a rank's helper is on another node when there are several).
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
-    ``stop_allowed(tokens)``: whether a stop string may end a row now (``None``: always).
-    ``finish(text, until)``: a row's decoded new text to the answer lm-eval scores.
+    ``think_end``: the ``think_end_token`` (a string or a token id; :mod:`distperp_harness.run.thinking`): the answer
+    is the text after the trace, and a stop string ends a row only in the answer part.
     ``shard_size``: with sharded weights (> 1) a shard group makes its forwards in step (every member one per
     step: its own, or ``idle_forward()`` once it has no lane left), each inside ``gather()`` (the model's root
     weights gathered for one forward).
@@ -104,8 +104,7 @@ class GenerationSetup:
     claiming: bool = True
     local_world_size: int = 1
     progress: Callable[[int], Callable[[int, int], None]] | None = None
-    stop_allowed: Callable[[list[int]], bool] | None = None
-    finish: Callable[[str, list[str]], str] = lambda text, until: postprocess_generated_text(text, until, None)
+    think_end: str | int | None = None
     shard_size: int = 1
     idle_forward: Callable[[], None] | None = None
     gather: Callable[[], ContextManager] = contextlib.nullcontext
@@ -304,16 +303,16 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
     with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
         if reason is None:
             warpers = warpers_for(setup.model, dict(kwargs)) if sampled else None
-            rule = StopRule.of(setup.tokenizer, first.until, _eos_ids(setup), first.max_new,
-                               allowed=setup.stop_allowed)
+            allowed = (None if setup.think_end is None else
+                       functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until))
+            rule = StopRule.of(setup.tokenizer, first.until, _eos_ids(setup), first.max_new, allowed=allowed)
             on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
             try:
                 prefix = tuple(prompts[lane.donor][:lane.shared])
                 tokens, stats = decode_lane(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
                                             tokenizer=setup.tokenizer, device=setup.device, prefixes=prefixes,
                                             warpers=warpers, on_done=on_done, around=around)
-                texts = [setup.finish(setup.tokenizer.decode(t, skip_special_tokens=True), list(first.until))
-                         for t in tokens]
+                texts = [answer(setup.tokenizer, t, setup.think_end, first.until) for t in tokens]
                 return texts, {**dataclasses.asdict(stats), "engine": "slots", "slots": lane.slots}
             except CacheNotShareable as exc:
                 reason = f"its {exc} cache cannot be edited row by row"
@@ -327,7 +326,8 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
             chunk = slice(b, b + lane.slots)
             out, batch_stats = generate_batch(setup.model, setup.tokenizer, setup.device, prompts[chunk],
                                               common_prefix(prompts[chunk], setup.min_shared_tokens), kwargs,
-                                              list(first.until), first.max_new, seeds[chunk] if seeds else None)
+                                              list(first.until), first.max_new, seeds[chunk] if seeds else None,
+                                              think_end=setup.think_end)
             texts += out
             total.add(LaneStats(**{k: v for k, v in batch_stats.items() if k != "shared_tokens"}))
             if bar is not None:

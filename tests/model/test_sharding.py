@@ -8,7 +8,7 @@ import json
 import pytest
 
 from distperp_harness.model.sharding import check_groups_within_hosts, resolve_shard_size, shard_groups
-from helpers import accelerate_launch_prefix, load_results, load_samples, run_command, run_two_nodes
+from helpers import accelerate_launch_prefix, load_results, load_samples, lora_adapter, run_command, run_two_nodes
 
 TASKS = "dptest_rolling,dptest_mc,dptest_fewshot,dptest_chain"
 INT4 = ",quantize=int4,group_size=32,reference=base"
@@ -51,10 +51,11 @@ def _args(model_dir, tasks_dir, out, model_args):
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     """Each launch once: 1 process unsharded, 2 processes ``shard_size=2``, 2 nodes x 2 ``shard_size=node``;
-    fp32 and int4 with the unquantized reference."""
+    fp32 (a LoRA fine-tune, merged: ``peft=`` works sharded) and int4 with the unquantized reference."""
     root = tmp_path_factory.mktemp("sharding")
+    adapter = lora_adapter(tiny_model_dir, root / "lora", seed=4)
     out = {}
-    for name, extra in (("fp32", ""), ("int4", INT4)):
+    for name, extra in (("fp32", f",peft={adapter}"), ("int4", INT4)):
         out[f"1p-{name}"] = root / f"1p-{name}"
         run_command([*accelerate_launch_prefix(1), *_args(tiny_model_dir, tasks_dir, out[f"1p-{name}"], extra)],
                     cwd=root)
@@ -106,6 +107,7 @@ def test_bytes_per_rank_at_most_0_6_of_unsharded(runs, name):
         if name == "fp32":
             assert max(sharding["model_bytes_per_rank"]) <= 0.6 * base["weight_bytes"]
             assert sharding["replicated"] == {"model": []}
+            assert info["adapter"]["merged"] and info["adapter"] == base["adapter"]  # merged, then sharded
         else:
             ref = info["reference"]
             assert ref["weight_bytes"] == base["reference"]["weight_bytes"] == whole["reference_bytes_per_rank"][0]
