@@ -145,10 +145,14 @@ class BatchStore:
         if self.with_kl:
             arrays["kl"] = np.concatenate([np.zeros(0), *scores.kl]).astype(np.float64)
         arrays["sha256"] = np.frombuffer(_checksum(arrays), dtype=np.uint8)
+        self._write_atomic(path, ".npz", "wb", lambda handle: np.savez(handle, **arrays))
+
+    def _write_atomic(self, path: Path, suffix: str, mode: str, write) -> None:
+        """``write(handle)`` into a temporary file, then ``os.replace`` it to ``path``; an ``OSError`` stops saving."""
         try:
-            fd, self._in_flight = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".npz")
-            with os.fdopen(fd, "wb") as handle:
-                np.savez(handle, **arrays)
+            fd, self._in_flight = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=suffix)
+            with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as handle:
+                write(handle)
             os.replace(self._in_flight, path)
             self._in_flight = None
         except OSError as exc:
@@ -158,13 +162,16 @@ class BatchStore:
         finally:
             self._discard_in_flight()
 
+    def _lane_path(self, lane_key: bytes) -> tuple[str, Path]:
+        key = hashlib.sha256(self._config_key + b"lane" + lane_key).hexdigest()
+        return key, self.folder / f"{self._prefix}{key[:40]}.lane.json"
+
     # ------------------------------------------------------------------------------------------ generations
     def load_lane(self, lane_key: bytes, jobs: int) -> list[str] | None:
         """The saved texts of a generation lane (``lane_key``: everything that determines them, see
         :func:`distperp_harness.run.generate`), or ``None``. Like batches, a file is never trusted: it is reused only
         if it is JSON with this configuration's key, ``jobs`` strings and their sha256; else recomputed (counted)."""
-        key = hashlib.sha256(self._config_key + b"lane" + lane_key).digest()
-        path = self.folder / f"{self._prefix}{key.hex()[:40]}.lane.json"
+        key, path = self._lane_path(lane_key)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -173,7 +180,7 @@ class BatchStore:
             return self._damaged(path, exc)
         texts = data.get("texts") if isinstance(data, dict) else None
         if (not isinstance(texts, list) or len(texts) != jobs or not all(isinstance(t, str) for t in texts)
-                or data.get("key") != key.hex() or data.get("sha256") != _text_sha(texts)):
+                or data.get("key") != key or data.get("sha256") != _text_sha(texts)):
             return self._damaged(path, DamagedFile("not this lane's texts, or they changed after saving"))
         self.counts["reused"] += 1
         return texts
@@ -182,21 +189,9 @@ class BatchStore:
         """Write a finished lane's texts atomically; never raises ``OSError`` (as :meth:`save`)."""
         if self.save_error is not None:
             return
-        key = hashlib.sha256(self._config_key + b"lane" + lane_key).digest()
-        path = self.folder / f"{self._prefix}{key.hex()[:40]}.lane.json"
-        body = json.dumps({"key": key.hex(), "texts": list(texts), "sha256": _text_sha(texts)})
-        try:
-            fd, self._in_flight = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(body)
-            os.replace(self._in_flight, path)
-            self._in_flight = None
-        except OSError as exc:
-            self._stop_saving(path, exc)
-        else:
-            self.counts["saved"] += 1
-        finally:
-            self._discard_in_flight()
+        key, path = self._lane_path(lane_key)
+        body = json.dumps({"key": key, "texts": list(texts), "sha256": _text_sha(texts)})
+        self._write_atomic(path, ".json", "w", lambda handle: handle.write(body))
 
     def _damaged(self, path: Path, exc: Exception) -> None:
         self.counts["recomputed_corrupt"] += 1
