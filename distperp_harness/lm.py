@@ -7,7 +7,6 @@ gather → results. Each stage lives in its own module; this class only connects
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -19,7 +18,7 @@ from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
-from distperp_harness.distributed.collective import Collective, naming_failures
+from distperp_harness.distributed.collective import Collective
 from distperp_harness.run.compiling import compile_extra_bytes, compile_models
 from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
@@ -31,21 +30,22 @@ from distperp_harness.model.chat import ChatTemplate
 from distperp_harness.model.given import check_given, split_given
 from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.loading import check_prefix_token, load_all
-from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token, peak_memory_bytes
+from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
 from distperp_harness.options import Options
-from distperp_harness.run.pipeline import Batching, RunStats, Sharing, score_requests
+from distperp_harness.run.calls import RunStats
+from distperp_harness.run.executor import Executor, model_forwards
+from distperp_harness.run.pipeline import Batching, ScoringRule, Sharing, score_requests
 from distperp_harness.run.progress import generation_progress, setup_logging, token_progress
 from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.model.quantize import weight_bytes
-from distperp_harness.planning.requests import Unit, continuation_unit, window_units
-from distperp_harness.run.resume import BatchStore, fault_for_tests
+from distperp_harness.planning.requests import continuation_unit, window_units
+from distperp_harness.run.resume import BatchStore
 from distperp_harness.report.results import Score
 from distperp_harness.run.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
     head_coefficient
-from distperp_harness.run.scoring import NonFiniteLogitsError, forward_calls, score_batch
 from distperp_harness.tokens import Tokenization
-from distperp_harness.model.sharding import check_groups_within_hosts, gathered, make_mesh, regather, \
-    resolve_shard_size, sharding_report
+from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size, \
+    sharding_report
 
 log = get_logger(__name__)
 
@@ -133,6 +133,11 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
             is_main=self.collective.is_main, exit_on_sigterm=True)
+        self.executor = Executor(
+            self.collective, model_forwards(self._model, self.reference, self._device, self.tokenizer.pad_token_id,
+                                            self.tok_decode, self.shard_size, self.collective),
+            device=self._device, store=self.store, claiming=self.options.claim,
+            local_world_size=local_world_size(self._world_size), shard_size=self.shard_size)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
         self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
                                  functools.partial(log.warning, main_process_only=True))
@@ -232,34 +237,17 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def _generate(self, requests, disable_tqdm: bool) -> list[str]:
         setup = GenerationSetup(
-            model=self._model, tokenizer=self.tokenizer, collective=self.collective, device=self._device,
+            model=self._model, tokenizer=self.tokenizer, executor=self.executor, device=self._device,
             max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
             rows_for=functools.partial(generation_rows, self.batching,
                                        activation_bytes=activation_bytes_per_token(self._model, self.max_length),
                                        kv_bytes=kv_cache_bytes_per_token(self._model)),
             seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
             min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
-            store=self.store, claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
             progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main),
-            shard_size=self.shard_size, idle_forward=self._idle_generation_forward,
-            gather=self._gathered_for_one_forward, think_end=self.options.think_end_token)
+            think_end=self.options.think_end_token)
         return generate(setup, [req.args for req in requests], calls=self.stats.calls,
                         identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
-
-    @contextlib.contextmanager
-    def _gathered_for_one_forward(self):
-        """A forward of the model alone in a shard group (generation): its root weights gathered, named failures."""
-        with naming_failures(self.collective, True), gathered(self._model):
-            yield
-
-    def _idle_generation_forward(self) -> None:
-        """A one-token forward of the model alone, result dropped: what a shard group's member with no lane left
-        runs while the others decode (the same root forward and gathers as a decode step)."""
-        with stop_together(self.collective, self._device, "generating (idle forward)"), torch.no_grad():
-            fail_for_tests(self.rank)
-            with self._gathered_for_one_forward():
-                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-                self._model(input_ids=torch.tensor([[pad]], device=self._device), use_cache=False, logits_to_keep=1)
 
     def _compare_generations(self, requests, texts: list[str]) -> None:
         """What the quantized model's own outputs cost: its answers scored as continuations of their prompts by
@@ -272,45 +260,6 @@ class DistPerpLM(Tokenization, TemplateLM):
         kept = [(req, score) for req, score in zip(requests, scores) if score.n_tokens]
         self._compare([req for req, _ in kept], [score for _, score in kept])
 
-    def _score_batch(self, rows, shared: int = 0):
-        """Scores of one batch of rows of the plan (sharing their first ``shared`` tokens): from ``resume_dir`` when
-        saved there, else computed (and saved)."""
-        saved = self.store.load(rows) if self.store else None
-        if saved is not None:
-            if self.shard_size > 1:  # the shard group's other ranks may compute these calls: gather with them
-                for _ in range(forward_calls(shared)):
-                    self._idle_forward()
-            return saved
-        with stop_together(self.collective, self._device):  # an error here stops every rank, naming this one
-            fail_for_tests(self.rank)
-            scores = self._forward(rows, shared)
-        if self.store:
-            self.store.save(rows, scores)
-        fault_for_tests(self.rank)
-        return scores
-
-    def _forward(self, rows, shared: int = 0):
-        try:
-            with naming_failures(self.collective, self.shard_size > 1), gathered(self._model, self.reference):
-                return score_batch(self._model, rows, device=self._device, shared=shared,
-                                   pad_token_id=self.tokenizer.pad_token_id, reference=self.reference,
-                                   between_forwards=functools.partial(regather, self._model, self.reference))
-        except NonFiniteLogitsError as exc:
-            where = "; ".join(f"the window {self.tok_decode(list(rows[r].root[:24]))!r}... "
-                              f"({rows[r].length} tokens)" for r in exc.rows[:3])
-            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
-                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
-
-    def _idle_forward(self) -> None:
-        """A forward of a one-token batch whose result is dropped: what a rank with fewer batches than others of
-        its shard group runs, so that every rank of the group makes the same gathers."""
-        pad = self.tokenizer.pad_token_id
-        with stop_together(self.collective, self._device):
-            fail_for_tests(self.rank)
-            with naming_failures(self.collective, True), gathered(self._model, self.reference):
-                score_batch(self._model, [Unit((pad, pad), 1)], device=self._device, pad_token_id=pad,
-                            reference=self.reference)
-
     def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
         """:meth:`_score_planned` inside the failure channel: an error while exchanging, planning, routing or
         returning results stops every rank at once, naming this one (a forward's error is named as scoring)."""
@@ -319,29 +268,19 @@ class DistPerpLM(Tokenization, TemplateLM):
             return self._score_planned(per_request_units, kind, disable_tqdm, sharing)
 
     def _score_planned(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing):
-        received_before = self.collective.bytes_received
+        rule = ScoringRule(self.batching, sharing, attention_coefficient(self._model), head_coefficient(self._model),
+                           with_reference=self.reference is not None)
         results = score_requests(
-            per_request_units, collective=self.collective, score_fn=self._score_batch, batching=self.batching,
-            attention_coef=attention_coefficient(self._model), head_coef=head_coefficient(self._model),
-            with_reference=self.reference is not None, sharing=sharing,
-            stats=self.stats, kind=kind, shard_size=self.shard_size, idle_fn=self._idle_forward,
-            claiming=self.options.claim, local_world_size=local_world_size(self._world_size),
+            per_request_units, self.executor, rule, kind=kind, stats=self.stats,
             log=functools.partial(log.warning, main_process_only=True),
             prepare=functools.partial(self.compiled.prepare, self.collective),
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
         call = self.stats.calls[-1]
-        log.info(f"{kind}: {call['scored_tokens']} tokens in {call['units']} units, {call['rows']} rows "
-                 f"({call['tokens_saved']} input tokens saved), {call['batches']} batches on "
-                 f"{self.world_size} process(es) in {call['total_seconds']:.1f} s "
-                 f"({call['scored_tokens'] / max(call['total_seconds'], 1e-9):.0f} tok/s); load max/mean "
-                 f"{call['max_over_mean']:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
-        per_rank = self.collective.all_gather_object(
-            (peak_memory_bytes(self._device), self.store.local_counts() if self.store else None,
-             self.collective.bytes_received - received_before), "gather peak memory, resume counts and traffic")
-        call["peak_memory_bytes_per_rank"] = [memory for memory, _, _ in per_rank]
-        call["bytes_received_per_rank"] = [received for _, _, received in per_rank]
-        if self.store:
-            self.store.add_up([counts for _, counts, _ in per_rank])
+        log.info(f"{kind}: {call.scored_tokens} tokens in {call.units} units, {call.rows} rows "
+                 f"({call.tokens_saved} input tokens saved), {call.batches} batches on "
+                 f"{self.world_size} process(es) in {call.total_seconds:.1f} s "
+                 f"({call.scored_tokens / max(call.total_seconds, 1e-9):.0f} tok/s); load max/mean "
+                 f"{call.max_over_mean:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
         return results
 
     def _compare(self, requests, scores: list[Score]) -> None:
@@ -434,7 +373,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                             "row_budget": self.row_budget_reason, "fallback_reason": self.sharing_fallback},
                 "load_seconds": self.load_seconds,
                 "compile": self.compiled.to_dict(),
-                "calls": self.stats.calls,
+                "calls": self.stats.to_dicts(),
                 "fingerprint": self.stats.fingerprint,
                 "quantization": self.quant_report.to_dict() if self.quant_report else None,
                 "adapter": self.loaded.adapter.to_dict() if self.loaded.adapter else None,

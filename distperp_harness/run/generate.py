@@ -23,7 +23,6 @@ third value; read as ``torch.initial_seed()``) and the request's content: prompt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -38,13 +37,11 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 
-from distperp_harness.distributed.collective import Collective, default_store
-from distperp_harness.distributed.failfast import fail_for_tests, stop_together
-from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.batchgen import generate_batch
-from distperp_harness.run.claims import Claims, GroupSteps, helper_step
+from distperp_harness.run.calls import GenerationCall, RankShare
+from distperp_harness.run.executor import Executor
 from distperp_harness.run.kvcache import CacheNotShareable
 from distperp_harness.run.lanes import LanePlan, common_prefix, plan_lanes
 from distperp_harness.run.sampling import SAMPLING_KEYS, warpers_for
@@ -80,19 +77,17 @@ class GenerationSetup:
     ``max_gen_toks``: the default for requests that set none (each request's own limit sizes its lane).
     ``seed``: lm-eval's torch seed (``None``: ``torch.initial_seed()`` at the call); rank 0's is used by all.
     ``min_shared_tokens``: see :data:`MIN_SHARED_TOKENS` (a huge value turns sharing off).
-    ``store``: ``resume_dir``'s store (finished lanes saved and reused); ``claiming``: lanes taken dynamically;
-    ``local_world_size``: processes per node (a rank's helper is on another node when there are several).
+    ``executor``: runs the lanes this rank takes (:class:`~distperp_harness.run.executor.Executor`: claims,
+    ``resume_dir`` (finished lanes saved and reused), the failure channel, and with sharded weights the shard
+    group's steps: every member one forward per step, its own or an idle one once it has no lane left).
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
     ``think_end``: the ``think_end_token`` (a string or a token id; :mod:`distperp_harness.run.thinking`): the answer
     is the text after the trace, and a stop string ends a row only in the answer part.
-    ``shard_size``: with sharded weights (> 1) a shard group makes its forwards in step (every member one per
-    step: its own, or ``idle_forward()`` once it has no lane left), each inside ``gather()`` (the model's root
-    weights gathered for one forward).
     """
 
     model: torch.nn.Module
     tokenizer: Any
-    collective: Collective
+    executor: Executor
     device: torch.device
     max_length: int
     max_gen_toks: int
@@ -100,14 +95,8 @@ class GenerationSetup:
     rows_for: Callable[[int], int]
     seed: int | None = None
     min_shared_tokens: int = MIN_SHARED_TOKENS
-    store: Any = None
-    claiming: bool = True
-    local_world_size: int = 1
     progress: Callable[[int], Callable[[int, int], None]] | None = None
     think_end: str | int | None = None
-    shard_size: int = 1
-    idle_forward: Callable[[], None] | None = None
-    gather: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 @dataclass(frozen=True)
@@ -166,7 +155,9 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     record of this call is appended (jobs, lanes, slots, shared prefixes, tokens computed, seed, per-rank work).
     """
     start_time = time.perf_counter()
-    collective = setup.collective
+    executor = setup.executor
+    collective = executor.collective
+    received_before = getattr(collective, "bytes_received", 0)
     local_keys = _job_keys(args, identities)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
     mine_jobs = {}
@@ -185,51 +176,37 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     lanes = plan_lanes([p.prompt for p in prepared], [j.kwargs_key for j in ordered],
                        [p.max_new for p in prepared], setup.rows_for, setup.min_shared_tokens)
     plan = assign_batches([lane.as_batch() for lane in lanes], collective.world_size)
-    me, world = collective.rank, collective.world_size
-    step = helper_step(world, setup.local_world_size, setup.shard_size) if setup.claiming else 0
-    own = plan.batches_of(me)
+    me = collective.rank
     prefix = f"distperp/lanes/{collective.sequence}"
-    claims = Claims(own, plan.batches_of((me - step) % world) if step else [], default_store() if step else None,
-                    prefix)
-    group = GroupSteps(default_store(), f"{prefix}/groups", me, setup.shard_size) if setup.shard_size > 1 else None
-    around = functools.partial(_in_step, group, setup.gather) if group is not None else contextlib.nullcontext
-    bar = setup.progress(sum(lanes[i].jobs for i in own)) if setup.progress else None
+    claims = executor.claims(plan.batches_of, prefix)
+    bar = setup.progress(sum(lanes[i].jobs for i in plan.batches_of(me))) if setup.progress else None
     texts, stats, prefixes = {}, [], PrefixCache()
-    for i in claims:
-        lane = lanes[i]
-        part = [(ordered[j], prepared[j]) for j in range(lane.start, lane.stop)]
-        key = _lane_key(part, lane) if setup.store is not None else None
-        saved = setup.store.load_lane(key, lane.jobs) if key is not None else None
-        if saved is None:
-            with stop_together(collective, setup.device, f"generating (lane {i}, {lane.jobs} prompts)"):
-                fail_for_tests(me, "lane")  # an error here stops every rank at once, naming this one
-                saved, lane_stats = _run_lane(setup, part, lane, prefixes, bar, around)
-            if setup.store is not None:
-                setup.store.save_lane(key, saved)
-            stats.append({"lane": i, **lane_stats})
-        elif bar is not None:
-            bar(lane.jobs, 0)
-        texts.update({job.key: text for (job, _), text in zip(part, saved)})
-    while group is not None and group.agree(0) > 0:  # the group's others still decode: match their forwards
-        setup.idle_forward()
-    report = {"rank": me, "lanes": len(stats), "from_ward": claims.taken_from_ward,
-              "seconds": round(time.perf_counter() - start_time, 4)}
-    resume = setup.store.local_counts() if setup.store is not None else None
-    gathered = collective.all_gather_object((texts, stats, report, peak_memory_bytes(setup.device), resume),
-                                            "gather generations")
+    with executor.decoding(prefix) as around:
+        for i in claims:
+            lane = lanes[i]
+            part = [(ordered[j], prepared[j]) for j in range(lane.start, lane.stop)]
+            key = _lane_key(part, lane) if executor.store is not None else None
+            saved, lane_stats = executor.lane(key, lane.jobs, f"generating (lane {i}, {lane.jobs} prompts)",
+                                              functools.partial(_run_lane, setup, part, lane, prefixes, bar, around))
+            if lane_stats is not None:
+                stats.append({"lane": i, **lane_stats})
+            elif bar is not None:
+                bar(lane.jobs, 0)
+            texts.update({job.key: text for (job, _), text in zip(part, saved)})
+    share = RankShare(me, len(stats), claims.taken_from_ward, round(time.perf_counter() - start_time, 4))
+    gathered = collective.all_gather_object((texts, stats, share), "gather generations")
     all_texts: dict[str, str] = {}
     for part, *_ in gathered:
         all_texts.update(part)
-    if setup.store is not None:
-        setup.store.add_up([g[4] for g in gathered])
-    record = _record([s for g in gathered for s in g[1]], gathered, lanes, ordered, seed=seed, setup=setup,
-                     claiming="dynamic" if step else "static", seconds=time.perf_counter() - start_time)
-    log.info(f"generate_until: {record['jobs']} generations ({record['sampled_jobs']} sampled"
-             f"{f', seed {seed}' if record['sampled_jobs'] else ''}) in {record['lanes']} lanes of up to "
-             f"{record['slots_max']} slots; {record['shared_lanes']} started from a shared prefix; prompt tokens "
-             f"computed {record['prefill_positions']} of {record['prompt_tokens']}; {record['generated']} new tokens, "
-             f"{record['decode_positions_per_generated']:.3f} decode positions per new token; "
-             f"{record['seconds']:.1f} s", main_process_only=True)
+    record = _record([s for g in gathered for s in g[1]], lanes, ordered, seed=seed, setup=setup,
+                     per_rank=[g[2] for g in gathered], seconds=time.perf_counter() - start_time)
+    record.facts = executor.facts(received_before)
+    log.info(f"generate_until: {record.jobs} generations ({record.sampled_jobs} sampled"
+             f"{f', seed {seed}' if record.sampled_jobs else ''}) in {record.lanes} lanes of up to "
+             f"{record.slots_max} slots; {record.shared_lanes} started from a shared prefix; prompt tokens "
+             f"computed {record.prefill_positions} of {record.prompt_tokens}; {record.generated} new tokens, "
+             f"{record.decode_positions_per_generated:.3f} decode positions per new token; "
+             f"{record.seconds:.1f} s", main_process_only=True)
     if calls is not None:
         calls.append(record)
     return [all_texts[key] for key, _, _ in local_keys]
@@ -281,14 +258,6 @@ def _slots_serve(model: torch.nn.Module, kwargs: dict) -> str | None:
     return f"the model's generation_config sets {added}" if added else None
 
 
-@contextlib.contextmanager
-def _in_step(group: GroupSteps, gather: Callable[[], ContextManager]):
-    """One forward of a shard group's member: announced as this step's one call, with the root weights gathered."""
-    group.agree(1)
-    with gather():
-        yield
-
-
 def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,
               prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], dict]:
     """Texts of one lane, in lane order, and its statistics: slots where they serve, else ``model.generate``
@@ -316,8 +285,8 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
                 return texts, {**dataclasses.asdict(stats), "engine": "slots", "slots": lane.slots}
             except CacheNotShareable as exc:
                 reason = f"its {exc} cache cannot be edited row by row"
-        if setup.shard_size > 1:
-            raise ValueError(f"generate_until with shard_size={setup.shard_size}: {reason}, so this lane would run "
+        if setup.executor.shard_size > 1:
+            raise ValueError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane would run "
                              "as model.generate batches, whose forwards a shard group cannot keep in step. Fix: drop "
                              "those generation arguments, or run this task with shard_size=1.")
         _note_fallback(reason)
@@ -353,27 +322,21 @@ def _eos_ids(setup: GenerationSetup) -> list[int]:
     return [int(i) for i in ids if i is not None]
 
 
-def _record(stats: list[dict], gathered: list, lanes: Sequence[LanePlan], jobs: Sequence[Job], *, seed: int,
-            setup: GenerationSetup, claiming: str, seconds: float) -> dict:
-    """The call's record for ``config.distperp.calls`` (``seconds``, not ``total_seconds``: compare.py divides the
-    scoring calls' scored tokens by their total_seconds; ``lanes``, not ``batches``: resume counts those).
-    Positions count every position run through the model, pads included."""
+def _record(stats: list[dict], lanes: Sequence[LanePlan], jobs: Sequence[Job], *, seed: int,
+            setup: GenerationSetup, per_rank: list[RankShare], seconds: float) -> GenerationCall:
+    """The call's :class:`~distperp_harness.run.calls.GenerationCall` from every computed lane's statistics."""
     total = LaneStats()
     for s in stats:
         total.add(LaneStats(**{k: v for k, v in s.items() if k in LaneStats.__dataclass_fields__
                                and k not in ("shared_tokens", "prefix_computed")}))
     shared = sorted(lane.shared for lane in lanes if lane.shared)
-    return {"kind": "generate_until", "jobs": len(jobs), "sampled_jobs": sum(j.seed is not None for j in jobs),
-            "seed": seed, "lanes": len(lanes), "lanes_computed": len(stats),
-            "slots_max": max((lane.slots for lane in lanes), default=0),
-            "engines": sorted({s["engine"] for s in stats}), "shared_lanes": len(shared),
-            "min_shared_tokens": setup.min_shared_tokens,
-            "shared_tokens_min_max": [shared[0], shared[-1]] if shared else None,
-            "prefixes_computed": sum(bool(s.get("prefix_computed")) for s in stats),
-            "prompt_tokens": total.prompt_tokens, "prefill_positions": total.prefill_positions,
-            "prefill_forwards": total.prefill_forwards, "decode_forwards": total.decode_forwards,
-            "decode_positions": total.decode_positions, "generated": total.generated,
-            "decode_positions_per_generated": total.decode_positions / max(1, total.generated),
-            "peak_cache_positions": total.peak_cache_positions,
-            "claiming": claiming, "per_rank": [g[2] for g in gathered], "world_size": setup.collective.world_size,
-            "seconds": seconds, "peak_memory_bytes_per_rank": [g[3] for g in gathered]}
+    return GenerationCall(
+        jobs=len(jobs), sampled_jobs=sum(j.seed is not None for j in jobs), seed=seed, lanes=len(lanes),
+        lanes_computed=len(stats), slots_max=max((lane.slots for lane in lanes), default=0),
+        engines=sorted({s["engine"] for s in stats}), shared_lanes=len(shared),
+        min_shared_tokens=setup.min_shared_tokens, shared_tokens_min_max=[shared[0], shared[-1]] if shared else None,
+        prefixes_computed=sum(bool(s.get("prefix_computed")) for s in stats), prompt_tokens=total.prompt_tokens,
+        prefill_positions=total.prefill_positions, prefill_forwards=total.prefill_forwards,
+        decode_forwards=total.decode_forwards, decode_positions=total.decode_positions, generated=total.generated,
+        peak_cache_positions=total.peak_cache_positions, claiming=setup.executor.claiming_mode, per_rank=per_rank,
+        world_size=setup.executor.world_size, seconds=seconds)

@@ -7,8 +7,9 @@ Every rank passes the units of the requests lm-eval gave it (its round-robin sha
 2. plans rows (:mod:`distperp_harness.planning.rowplan`), world-size-independent batches and their owners from the table
    alone;
 3. sends each unit's tokens only to the ranks that may compute it (:func:`~distperp_harness.run.routing.move_tokens`);
-4. computes batches it takes (:mod:`distperp_harness.run.claims`: its own, then its ward's), each row built exactly from
-   its units' tokens (:func:`~distperp_harness.planning.rows.row_of`);
+4. computes the batches it takes through the :class:`~distperp_harness.run.executor.Executor` (claims: its own,
+   then its ward's; resume; the failure channel; a shard group's steps), each row built exactly from its units'
+   tokens (:func:`~distperp_harness.planning.rows.row_of`);
 5. sends each unit's float64 results to the ranks that hold it (:func:`~distperp_harness.run.routing.return_results`)
    and assembles its own requests in a fixed order.
 
@@ -22,22 +23,22 @@ import dataclasses
 import hashlib
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from distperp_harness.run.claims import Claims, GroupSteps, helper_of, helper_step
-from distperp_harness.distributed.collective import Collective
-from distperp_harness.distributed.store import default_store
+from distperp_harness.run.calls import RankShare, RunStats, ScoringCall
+from distperp_harness.run.claims import helper_of
+from distperp_harness.run.executor import Executor
 from distperp_harness.planning.plan import Batch, assign_batches, balance_report, make_batches
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
 from distperp_harness.planning.requests import Unit
 from distperp_harness.run.routing import move_tokens, return_results
 from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
 from distperp_harness.planning.rows import Row, row_of, shared_prefix, unit_rows
-from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores, forward_calls
+from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, forward_calls
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,6 @@ class RequestResult:
     kl: np.ndarray | None = None
 
 
-@dataclass
-class RunStats:
-    """What the results JSON reports about the scoring calls of one model instance."""
-
-    calls: list[dict] = field(default_factory=list)
-    _digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
-
-    @property
-    def fingerprint(self) -> str:
-        return self._digest.hexdigest()[:16]
-
-
 @dataclass(frozen=True)
 class Sharing:
     """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`) and the longest packed row."""
@@ -95,31 +84,36 @@ class Sharing:
     max_row_length: int | None = None
 
 
-ScoreFn = Callable[[Sequence[Row], int], BatchScores]
+@dataclass(frozen=True)
+class ScoringRule:
+    """How a scoring call's global plan is made: rows (``sharing``), batches (``batching``) and their costs
+    (``attention_coef``, ``head_coef``: see :func:`distperp_harness.planning.plan.assign_batches`), and whether the
+    scores carry the reference's comparison (``with_reference``)."""
+
+    batching: Batching
+    sharing: Sharing = Sharing()
+    attention_coef: float = 0.0
+    head_coef: float = 0.0
+    with_reference: bool = False
+
+
 Progress = Callable[[int], None]
 
 
-def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: Collective, score_fn: ScoreFn,
-                   batching: Batching, attention_coef: float = 0.0, head_coef: float = 0.0,
-                   with_reference: bool = False, sharing: Sharing = Sharing(),
-                   stats: RunStats | None = None, progress: Callable[[int], Progress] | None = None,
-                   kind: str = "score", shard_size: int = 1,
-                   idle_fn: Callable[[], None] | None = None, claiming: bool = True,
-                   local_world_size: int = 1, log: Callable[[str], None] | None = None,
+def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Executor, rule: ScoringRule, *,
+                   kind: str = "score", stats: RunStats | None = None,
+                   progress: Callable[[int], Progress] | None = None, log: Callable[[str], None] | None = None,
                    prepare: Callable[[bool], None] | None = None) -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
     Args:
         per_request_units: for each local request, its units in order (an empty list scores nothing).
-        score_fn: scores one batch of rows given the tokens they share (see
-            :func:`distperp_harness.run.scoring.score_batch`); its statistics are per unit, in row order.
-        sharing: how units share rows; the batches hold ``batching`` rows each (``batch_size=N``: N rows).
+        executor: runs the batches this rank takes (:class:`~distperp_harness.run.executor.Executor`: claims,
+            resume, the failure channel, a shard group's steps); its forwards' statistics are per unit, in row order.
+        rule: how rows, batches and costs are planned; batches hold ``rule.batching`` rows each.
+        stats: when given, the call's :class:`~distperp_harness.run.calls.ScoringCall` is appended (with every
+            rank's :class:`~distperp_harness.run.calls.RankFacts`) and the fingerprint takes every batch's results.
         progress: given the number of padded tokens this rank is planned to compute, returns an update callback.
-        shard_size, idle_fn: with sharded weights (``shard_size`` > 1) every forward gathers parameters from the
-            rank's whole shard group, so the group walks in steps and a rank with fewer forward calls in a step calls
-            ``idle_fn`` (a forward whose result is dropped) until it has made as many as the busiest rank of its group.
-        claiming: let ranks (or shard groups) take batches dynamically (:mod:`distperp_harness.run.claims`).
-        local_world_size: processes per node (the helper of a rank is on another node when there are several).
         log: where rank 0's notes about the plan go (idle ranks).
         prepare: called on every rank, together, once the global plan is known, with whether any batch computed
             without a shared prefix cache has a row of several units (tree rows; compiling warms their graph then).
@@ -128,6 +122,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
         One :class:`RequestResult` per local request, identical bits for every world size.
     """
     t0 = time.perf_counter()
+    collective, sharing, with_reference = executor.collective, rule.sharing, rule.with_reference
+    received_before = getattr(collective, "bytes_received", 0)
     me, world = collective.rank, collective.world_size
     local = list({u.key(): u for units in per_request_units for u in units}.values())
     flat = FlatUnits.of(local)
@@ -140,18 +136,17 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
     local_ids = table.ids(records[0]["key"])
     index_of = {u.key(): int(i) for u, i in zip(local, local_ids)}
 
-    planned = plan_from_records(table, sharing.mode, sharing.max_row_length, attention_coef)
-    batches = batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
+    planned = plan_from_records(table, sharing.mode, sharing.max_row_length, rule.attention_coef)
+    batches = rule.batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
     if sharing.mode == "prefix":
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
     if prepare is not None:
         prepare(sharing.mode == "prefix" and any(len(planned.members[r]) > 1 for b in batches if not b.shared
                                                  for r in range(b.start, b.stop)))
-    plan = assign_batches(batches, world, attention_coef, head_coef)
-    step = helper_step(world, local_world_size, shard_size) if claiming else 0
-    dynamic = step > 0
+    plan = assign_batches(batches, world, rule.attention_coef, rule.head_coef)
+    step = executor.step
     owner = np.asarray(plan.owner, dtype=np.int64)
-    ranks = np.stack([owner, [helper_of(o, world, step) for o in owner] if dynamic else np.full_like(owner, -1)], 1) \
+    ranks = np.stack([owner, [helper_of(o, world, step) for o in owner] if step else np.full_like(owner, -1)], 1) \
         if len(owner) else np.zeros((0, 2), np.int64)
     unit_batch = np.empty(len(table), dtype=np.int64)
     for b, batch in enumerate(batches):
@@ -164,36 +159,32 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
             f"(batches never depend on the number of processes; batch_size="
             f"{max(1, len(planned.members) // world)} or smaller would give every process one)")
 
-    mine = plan.batches_of(me)
-    ward = plan.batches_of((me - step) % world) if dynamic else []
-    update = progress(sum(batches[i].padded_tokens for i in mine)) if progress else None
+    update = progress(sum(batches[i].padded_tokens for i in plan.batches_of(me))) if progress else None
     prefix = f"distperp/claims/{collective.sequence}"
-    claims = Claims(mine, ward, default_store() if dynamic else None, prefix)
+    claims = executor.claims(plan.batches_of, prefix)
     computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
     done: list[tuple[int, bytes]] = []
     local_checks = flat.check_hashes()
     checks = available.check_hashes(local_checks)
     tokens_here = 0
-    for b in _walk(claims, batches, shard_size, prefix, me, idle_fn):
+    for b in executor.batches(claims, lambda b: forward_calls(batches[b].shared), prefix):
         batch = batches[b]
         rows = [_build_row(planned, r, available, sharing.mode) for r in range(batch.start, batch.stop)]
         shared = shared_prefix(rows) if batch.shared else 0
         _check_against_plan(planned, batch, rows, shared, sharing.mode)
-        scores = score_fn(rows, shared)
+        scores = executor.score(rows, shared)
         ids = [uid for row in rows for uid in row.unit_ids]
         kl = scores.kl if with_reference else [None] * len(ids)
         for j, uid in enumerate(ids):
             computed[uid] = (scores.stats[j], checks[uid], kl[j])
         order = np.argsort(ids)
         done.append((b, hashlib.blake2b(scores.stats[order].tobytes(), digest_size=8).digest()))
-        computed_tokens = shared + sum(row.length - shared for row in rows)
-        tokens_here += computed_tokens
+        tokens_here += shared + sum(row.length - shared for row in rows)
         if update:
             update(batch.padded_tokens)
     t_score = time.perf_counter() - t0
-    report = {"rank": me, "batches": len(done), "from_ward": claims.taken_from_ward, "tokens": tokens_here,
-              "seconds": round(t_score - t_plan, 4)}
-    everyone = collective.all_gather_object((done, report), "gather which batches each rank computed")
+    share = RankShare(me, len(done), claims.taken_from_ward, round(t_score - t_plan, 4), tokens_here)
+    everyone = collective.all_gather_object((done, share), "gather which batches each rank computed")
     computer = np.full(len(batches), -1, dtype=np.int64)
     digests: list[bytes] = [b""] * len(batches)
     for rank, (part, _) in enumerate(everyone):
@@ -205,54 +196,23 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], *, collective: C
                              local_checks, N_COLUMNS, with_reference)
     out = [_assemble([results[index_of[u.key()]] for u in units], with_reference) for units in per_request_units]
     if stats is not None:
-        call_digest = hashlib.sha256(b"".join(digests)).digest()
-        stats._digest.update(call_digest)
-        balance = balance_report(plan, attention_coef, head_coef)
-        per_rank = [r for _, r in everyone]
-        tokens = sum(r["tokens"] for r in per_rank)
+        stats._digest.update(hashlib.sha256(b"".join(digests)).digest())
+        balance = balance_report(plan, rule.attention_coef, rule.head_coef)
+        per_rank = [s for _, s in everyone]
+        tokens = sum(s.tokens for s in per_rank)
         input_tokens = int((table.units["length"].astype(np.int64) - 1).sum())
-        contexts = len(np.unique(table.units["context"]))
-        stats.calls.append({
-            "kind": kind, "units": len(table), "rows": len(planned.members), "share_mode": sharing.mode,
-            "computed_tokens": tokens, "tokens_saved": input_tokens - tokens,
-            "contexts": contexts, "computed_tokens_per_context": tokens / max(1, contexts),
-            "row_groups": len(planned.group_starts), "batches": len(batches),
-            "batches_sharing_a_prefix": sum(1 for b in batches if b.shared),
-            "scored_tokens": int(table.units["n_score"].astype(np.int64).sum()),
-            "padded_tokens_per_rank": balance["padded_tokens_per_rank"],
-            "max_over_mean": balance["max_over_mean"], "best_max_over_mean": balance["best_max_over_mean"],
-            "scored_max_over_mean": balance["scored_max_over_mean"],
-            "claiming": "dynamic" if dynamic else "static", "per_rank": per_rank,
-            "planning_seconds": t_plan, "scoring_seconds": t_score, "total_seconds": time.perf_counter() - t0,
-            "seconds_after_arrival": time.perf_counter() - t_met,
-        })
+        stats.calls.append(ScoringCall(
+            kind=kind, units=len(table), rows=len(planned.members), share_mode=sharing.mode,
+            computed_tokens=tokens, tokens_saved=input_tokens - tokens,
+            contexts=len(np.unique(table.units["context"])), row_groups=len(planned.group_starts),
+            batches=len(batches), batches_sharing_a_prefix=sum(1 for b in batches if b.shared),
+            scored_tokens=int(table.units["n_score"].astype(np.int64).sum()),
+            padded_tokens_per_rank=balance["padded_tokens_per_rank"], max_over_mean=balance["max_over_mean"],
+            best_max_over_mean=balance["best_max_over_mean"], scored_max_over_mean=balance["scored_max_over_mean"],
+            claiming=executor.claiming_mode, per_rank=per_rank, planning_seconds=t_plan, scoring_seconds=t_score,
+            total_seconds=time.perf_counter() - t0, seconds_after_arrival=time.perf_counter() - t_met,
+            facts=executor.facts(received_before)))
     return out
-
-
-def _walk(claims: Claims, batches: Sequence[Batch], shard_size: int, prefix: str, rank: int,
-          idle_fn: Callable[[], None] | None) -> Iterator[int]:
-    """The batches this rank computes, in order. With sharded weights the shard group walks in steps
-    (:class:`~distperp_harness.run.claims.GroupSteps`): after this rank's batch of a step (the caller computes it when
-    the generator resumes), idle forwards up to the step's largest number of forward calls."""
-    if shard_size <= 1:
-        yield from claims
-        return
-    store = default_store()
-    if store is None:
-        raise RuntimeError("sharded weights need the process group's store to keep a shard group's forward calls "
-                           "in step, and torch.distributed did not provide it")
-    steps = GroupSteps(store, f"{prefix}/groups", rank, shard_size)
-    walk = iter(claims)
-    while True:
-        b = next(walk, None)
-        calls = forward_calls(batches[b].shared) if b is not None else 0  # a batch with a shared prefix makes two
-        peak = steps.agree(calls)
-        if peak == 0:
-            return
-        if b is not None:
-            yield b
-        for _ in range(peak - calls):
-            idle_fn()
 
 
 def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: str) -> None:

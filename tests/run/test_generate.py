@@ -13,6 +13,7 @@ import torch
 
 from helpers import accelerate_launch_prefix, load_samples, run_command, sharpened_model
 
+from distperp_harness.run.executor import Executor, Forwards
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
 SAMPLED = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
 GREEDY = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
@@ -39,7 +40,8 @@ def _load(model_dir, attn="sdpa"):
 
 
 def _setup(model, tokenizer, collective, rows=4, **kw):
-    return GenerationSetup(model=model, tokenizer=tokenizer, collective=collective, device=torch.device("cpu"),
+    executor = Executor(collective, Forwards(score=None), device=torch.device("cpu"))
+    return GenerationSetup(model=model, tokenizer=tokenizer, executor=executor, device=torch.device("cpu"),
                            max_length=128, max_gen_toks=12, add_bos_token=None, rows_for=lambda length: rows, **kw)
 
 
@@ -63,10 +65,10 @@ def test_greedy_from_a_shared_prefix_equals_left_padding(peaked_dir, collective,
     alone = generate(_setup(model, tokenizer, collective, min_shared_tokens=NO_SHARING), args, calls=alone_calls)
     assert shared == alone and len(set(shared)) > 1 and all(shared)
     call, plain = shared_calls[0], alone_calls[0]
-    assert call["shared_lanes"] == call["lanes"] == 1 and plain["shared_lanes"] == 0
-    assert call["shared_tokens_min_max"][0] > MIN_SHARED_TOKENS and call["prefixes_computed"] == 1
-    assert call["prompt_tokens"] == plain["prompt_tokens"] == sum(lengths)
-    assert call["prefill_positions"] < 0.6 * plain["prefill_positions"]  # the block once, not once per row
+    assert call.shared_lanes == call.lanes == 1 and plain.shared_lanes == 0
+    assert call.shared_tokens_min_max[0] > MIN_SHARED_TOKENS and call.prefixes_computed == 1
+    assert call.prompt_tokens == plain.prompt_tokens == sum(lengths)
+    assert call.prefill_positions < 0.6 * plain.prefill_positions  # the block once, not once per row
 
 
 def test_sampling_ignores_batch_size_and_order_and_follows_the_seed(tiny_model_dir, collective, sample_text_path):
@@ -144,7 +146,7 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
     (a, b), (c,) = runs[5], runs[6]
     assert a == b and a[0] != a[1] and c != a
     record = lm.stats.calls[-1]
-    assert record["kind"] == "generate_until" and record["seed"] == 6 and record["jobs"] == 2
+    assert record.kind == "generate_until" and record.seed == 6 and record.jobs == 2
 
 
 def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path,
@@ -156,14 +158,14 @@ def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collec
     args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]
     calls = []
     expected = generate(_setup(model, tokenizer, collective), args, calls=calls)
-    assert calls[0]["engines"] == ["slots"]
+    assert calls[0].engines == ["slots"]
 
     def sliding(cache):
         raise CacheNotShareable("DynamicSlidingWindowLayer")
 
     monkeypatch.setattr(slots, "_plain_layers", sliding)
     assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected
-    assert calls[1]["engines"] == ["generate"] and calls[1]["decode_positions"] >= calls[0]["decode_positions"]
+    assert calls[1].engines == ["generate"] and calls[1].decode_positions >= calls[0].decode_positions
 
 
 def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collective, sample_text_path):
@@ -172,7 +174,7 @@ def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collecti
     calls = []
     penalized = generate(_setup(model, tokenizer, collective), [(p, dict(GREEDY, repetition_penalty=1.3))
                                                                  for p in prompts], calls=calls)
-    assert calls[0]["engines"] == ["generate"] and all(penalized)
+    assert calls[0].engines == ["generate"] and all(penalized)
 
 
 def test_texts_equal_lm_evals_hf(peaked_dir):
@@ -193,7 +195,7 @@ def test_texts_equal_lm_evals_hf(peaked_dir):
     lm = make_lm(peaked_dir, ",max_length=128", {"batch_size": 3})
     assert lm.generate_until(requests, disable_tqdm=True) == expected
     call = lm.stats.calls[-1]
-    assert call["engines"] == ["slots"] and call["decode_positions"] == call["generated"] - len(prompts)
+    assert call.engines == ["slots"] and call.decode_positions == call.generated - len(prompts)
 
 
 def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sample_text_path):
@@ -206,7 +208,7 @@ def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sa
     args = f",max_length=128,resume_dir={tmp_path}"
     first = make_lm(peaked_dir, args, {"batch_size": 1})  # 1 slot: lanes of 4 jobs, so several files
     texts = first.generate_until(requests, disable_tqdm=True)
-    lanes = first.stats.calls[-1]["lanes"]
+    lanes = first.stats.calls[-1].lanes
     assert lanes == 2 and first.store.report()["saved"] == lanes
     files = sorted(tmp_path.glob("*.lane.json"))
     assert len(files) == lanes
@@ -215,7 +217,7 @@ def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sa
     assert again.generate_until(requests, disable_tqdm=True) == texts
     report = again.store.report()
     assert report["reused"] == lanes - 1 and report["recomputed_corrupt"] == 1 and report["saved"] == 1
-    assert again.stats.calls[-1]["lanes_computed"] == 1
+    assert again.stats.calls[-1].lanes_computed == 1
 
 
 def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
@@ -237,9 +239,9 @@ def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
     requests = [Instance("generate_until", {}, (f"{prompt} {i}", dict(kwargs)), i) for i in range(slots + 1)]
     lm.generate_until(requests, disable_tqdm=True)
     call = lm.stats.calls[-1]
-    assert call["slots_max"] == slots and call["generated"] >= 1280
+    assert call.slots_max == slots and call.generated >= 1280
     # every row's cache spans at most its prompt and its new tokens, so the slots' caches fit the room
-    assert 0 < call["peak_cache_positions"] * kv <= lm.batching.token_budget * act
+    assert 0 < call.peak_cache_positions * kv <= lm.batching.token_budget * act
 
 
 def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, sample_text_path):
@@ -252,8 +254,8 @@ def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, samp
     on = make_lm(peaked_dir, ",max_length=128", {"batch_size": 4})
     off = make_lm(peaked_dir, ",max_length=128,share_prefix=false,claim=false", {"batch_size": 4})
     assert on.generate_until(requests, disable_tqdm=True) == off.generate_until(requests, disable_tqdm=True)
-    assert on.stats.calls[-1]["shared_lanes"] == 1 and off.stats.calls[-1]["shared_lanes"] == 0
-    assert off.stats.calls[-1]["claiming"] == "static"
+    assert on.stats.calls[-1].shared_lanes == 1 and off.stats.calls[-1].shared_lanes == 0
+    assert off.stats.calls[-1].claiming == "static"
 
 
 def test_reference_measures_the_quantized_models_own_generations(peaked_dir):

@@ -7,7 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from distperp_harness.run.pipeline import Batching, RunStats, Sharing, score_requests
+from distperp_harness.run.calls import RunStats
+from distperp_harness.run.executor import Executor, Forwards
+from distperp_harness.run.pipeline import Batching, ScoringRule, Sharing, score_requests
 from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.run.scoring import N_COLUMNS, BatchScores
 from tests.run.test_routing import _run
@@ -80,19 +82,19 @@ def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_refer
 
         def idle():
             forwards[c.rank] += 1
-        out = score_requests([requests[k] for k in shares[c.rank]], collective=c, score_fn=counted,
-                             batching=Batching(batch_size), attention_coef=1e-4, with_reference=with_reference,
-                             sharing=Sharing(mode, 200), stats=stats, claiming=claiming, shard_size=shard_size,
-                             idle_fn=idle)
+        executor = Executor(c, Forwards(score=counted, idle_score=idle), claiming=claiming, shard_size=shard_size)
+        rule = ScoringRule(Batching(batch_size), Sharing(mode, 200), attention_coef=1e-4,
+                           with_reference=with_reference)
+        out = score_requests([requests[k] for k in shares[c.rank]], executor, rule, stats=stats)
         return out, stats
 
-    import distperp_harness.run.pipeline as pipeline
+    import distperp_harness.run.executor as executor_module
 
-    original, pipeline.default_store = pipeline.default_store, lambda: store
+    original, executor_module.default_store = executor_module.default_store, lambda: store
     try:
         results = _run(world, body)
     finally:
-        pipeline.default_store = original
+        executor_module.default_store = original
     merged = [None] * len(requests)
     for r, (out, _) in enumerate(results):
         for k, res in zip(shares[r], out):
@@ -111,7 +113,7 @@ def test_the_same_bits_on_one_two_and_three_ranks(mode):
             assert a.kl.tolist() == b.kl.tolist()
         assert {s.fingerprint for s in stats} == {stats1[0].fingerprint}
         call = stats[0].calls[-1]
-        assert call["claiming"] == "dynamic" and sum(r["batches"] for r in call["per_rank"]) == call["batches"]
+        assert call.claiming == "dynamic" and sum(r.units for r in call.per_rank) == call.batches
     assert one[-1].n_tokens == 0 and one[-1].loglikelihood == 0.0
     expected = -sum(requests[0][0].tokens) / 1e3
     assert abs(one[0].loglikelihood - expected) < 1e-3  # the unit's own number came back to its request
@@ -123,9 +125,9 @@ def test_a_slow_rank_computes_fewer_batches_and_changes_no_bit():
     slowed, slow_stats = _call(2, requests, "prefix", slow=1, delay=0.05)
     assert [r.loglikelihood for r in quiet] == [r.loglikelihood for r in slowed]
     assert slow_stats[0].fingerprint == stats[0].fingerprint
-    per_rank = slow_stats[0].calls[-1]["per_rank"]
-    assert per_rank[0]["batches"] > per_rank[1]["batches"] and per_rank[0]["from_ward"] > 0
-    assert stats[0].calls[-1]["claiming"] == "static"
+    per_rank = slow_stats[0].calls[-1].per_rank
+    assert per_rank[0].units > per_rank[1].units and per_rank[0].from_ward > 0
+    assert stats[0].calls[-1].claiming == "static"
 
 
 @pytest.mark.parametrize("claiming", [True, False])
@@ -143,7 +145,7 @@ def test_shard_groups_keep_their_forward_calls_in_step(claiming):
     assert stats[0].fingerprint == stats1[0].fingerprint
     assert forwards[0] == forwards[1] and forwards[2] == forwards[3]
     call = stats[0].calls[-1]
-    assert sum(r["batches"] for r in call["per_rank"]) == call["batches"]
-    assert call["claiming"] == ("dynamic" if claiming else "static")
+    assert sum(r.units for r in call.per_rank) == call.batches
+    assert call.claiming == ("dynamic" if claiming else "static")
     if claiming:
-        assert call["per_rank"][2]["from_ward"] + call["per_rank"][3]["from_ward"] > 0
+        assert call.per_rank[2].from_ward + call.per_rank[3].from_ward > 0
