@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_all.sh --device cpu       # dry mode on tiny models (runs in `make test`)
 #   bash benchmarks/gpu_all.sh --out FILE         # where the table goes (default: gpu_all.md in a temp folder)
 #   bash benchmarks/gpu_all.sh --only a,b         # only these steps (names below)
+#   DISTPERP_GPU_ALL_WORK=DIR bash benchmarks/gpu_all.sh ...   # keep the logs, models and per-step JSON in DIR
 #
 # Steps, each with its own table and wall time appended to FILE:
 #   1. gpu_check: bf16 and int4 through the real DistPerpLM (load/scoring peaks, budgets, tokens/s, MFU or
@@ -35,7 +36,8 @@ while [ $# -gt 0 ]; do
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-python}"
-WORK="$(mktemp -d -t distperp-gpu-all-XXXXXX)"
+WORK="${DISTPERP_GPU_ALL_WORK:-$(mktemp -d -t distperp-gpu-all-XXXXXX)}"  # the tests read its JSON files
+mkdir -p "$WORK"
 OUT="${OUT:-$WORK/gpu_all.md}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 [ "$DEVICE" = cpu ] && export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
@@ -90,10 +92,12 @@ PYEOF
 fi
 
 if [ "$DEVICE" = cpu ]; then
-  run gpu_check "$PY" "$HERE/gpu_check.py" --device cpu --tokens 1500 --work "$WORK/models"
-  run shard_check "$PY" "$HERE/shard_check.py" --device cpu --runs int4 --work "$WORK/shard"
+  run gpu_check "$PY" "$HERE/gpu_check.py" --device cpu --processes 2 --tokens 1500 --work "$WORK/models" \
+    --json "$WORK/gpu_check.json"
+  run shard_check "$PY" "$HERE/shard_check.py" --device cpu --runs int4 --work "$WORK/shard" \
+    --json "$WORK/shard_check.json"
   run shard_check_one "$PY" "$HERE/shard_check.py" --device cpu --processes 1 --runs int4 --tokens 300 \
-    --work "$WORK/shard_one"
+    --work "$WORK/shard_one" --json "$WORK/shard_check_one.json"
   if want bench_mc || want bench_scoring; then
     printf '\n(cpu dry mode: bench_mc and bench_scoring use a random model of the tiny test shape, %s)\n' \
       "not the Llama-3.2-1B shape" >> "$OUT"

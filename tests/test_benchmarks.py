@@ -40,23 +40,6 @@ def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
     assert "Simulation: 8 ranks" in out and "planning wall time" in out
 
 
-def test_gpu_check_dry_mode_on_cpu(tmp_path):
-    """The prepared GPU check, on the CPU and the tiny model, so it cannot rot before a GPU is at hand."""
-    out = tmp_path / "gpu_check.json"
-    proc = run_command([sys.executable, BENCHMARKS / "gpu_check.py", "--device", "cpu", "--processes", "2",
-                        "--tokens", "1500", "--work", tmp_path, "--json", out], cwd=REPO_ROOT, timeout=600)
-    assert "| run | load s | load peak GiB | weights GiB | auto budget (twice) |" in proc.stdout
-    assert "| float32 |" in proc.stdout and "| int4 |" in proc.stdout
-    assert "1 vs 2 processes: identical fingerprints" in proc.stdout
-    assert "| tree rows, MMLU-Pro 5-shot shape |" in proc.stdout and "| sdpa | 4 |" in proc.stdout
-    import json
-
-    report = json.loads(out.read_text())
-    rows = report["rows"]
-    assert all(r["same_bits"] and r["budget"] == r["budget_again"] for r in rows)
-    assert [t["impl"] for t in report["tree"]] == ["sdpa"] and report["tree"][0]["per_question"] > 0
-
-
 def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
     proc = run_command([sys.executable, BENCHMARKS / "bench_mc.py", "--model", tiny_model_dir, "--text",
                         sample_text_path, "--questions", "3", "--repeats", "1", "--max-length", "128",
@@ -69,25 +52,19 @@ def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
     assert "| distperp share_prefix=false |" in out and "DIFFER" not in out
 
 
-def test_shard_check_dry_mode_on_cpu(tmp_path):
-    """The prepared sharded-weights check on 2 CPU processes and the tiny model: same bits sharded or not."""
-    out = tmp_path / "shard_check.json"
-    proc = run_command([sys.executable, BENCHMARKS / "shard_check.py", "--device", "cpu", "--runs", "int4",
-                        "--work", tmp_path, "--json", out], cwd=REPO_ROOT, timeout=600)
-    assert "| run | shard_size | load peak GiB (max rank) |" in proc.stdout
+def test_gpu_all_dry_mode_on_cpu(tmp_path):
+    """The one command a GPU owner runs, in its CPU dry mode (each prepared check once, so it cannot rot before a
+    GPU is at hand): one table file, every check passed, and each step's own JSON rows:
+
+    * gpu_check on 2 processes: same bits twice and on 1 vs 2 processes, the auto budget stable, the tree-row case;
+    * shard_check on 2 CPU processes: sharded weights give the unsharded fingerprint with at most 0.6 of the bytes;
+    * shard_check_one (the one-GPU mode): FSDP2 on a mesh of one gives the unsharded fingerprint, and the torchao
+      weights stay outside FSDP."""
     import json
 
-    whole, sharded = json.loads(out.read_text())["rows"]
-    assert (whole["shard_size"], sharded["shard_size"]) == (1, 2)
-    assert sharded["same"] == "equal" and sharded["fingerprint"] == whole["fingerprint"]
-    assert sharded["ratio"] <= 0.6 and sharded["replicated"] > 0
-
-
-def test_gpu_all_dry_mode_on_cpu(tmp_path):
-    """The one command a GPU owner runs, in its CPU dry mode: one table file, every check passed."""
-    out = tmp_path / "gpu_all.md"
+    out, work = tmp_path / "gpu_all.md", tmp_path / "work"
     proc = run_command(["bash", BENCHMARKS / "gpu_all.sh", "--device", "cpu", "--out", out], cwd=REPO_ROOT,
-                       timeout=900, env={"PYTHON": sys.executable})
+                       timeout=900, env={"PYTHON": sys.executable, "DISTPERP_GPU_ALL_WORK": str(work)})
     text = out.read_text()
     assert "## gpu_check" in text and "## shard_check" in text and "FAILED" not in text, proc.stdout[-3000:]
     assert text.count("passed") == 5  # gpu_check, shard_check, shard_check_one, bench_mc, bench_scoring
@@ -96,19 +73,15 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
     assert "## bench_mc" in text and "| mmlu0 (2 q, " in text and "chosen answers equal" in text
     assert "## bench_scoring" in text and "| random-tiny (" in text and "DIFFER" not in text
     assert "tiny test shape, not the Llama-3.2-1B shape" in text and "total: " in text
-
-
-def test_shard_check_mesh_of_one_on_cpu(tmp_path):
-    """The one-GPU mode of the sharded-weights check, in its dry mode (one CPU process, gloo): FSDP2 on a mesh of
-    one process gives the fingerprint of the unsharded run, and the torchao weights stay outside FSDP."""
-    out = tmp_path / "shard_check.json"
-    proc = run_command([sys.executable, BENCHMARKS / "shard_check.py", "--device", "cpu", "--processes", "1",
-                        "--runs", "int4", "--tokens", "300", "--work", tmp_path, "--json", out], cwd=REPO_ROOT,
-                       timeout=300)
-    assert "| int4 | 1 (mesh of one) |" in proc.stdout and "fingerprints equal to the unsharded run" in proc.stdout
-    import json
-
-    whole, mesh = json.loads(out.read_text())["rows"]
+    assert "1 vs 2 processes: identical fingerprints" in text and "| sdpa | 4 |" in text
+    report = json.loads((work / "gpu_check.json").read_text())
+    assert all(r["same_bits"] and r["budget"] == r["budget_again"] for r in report["rows"])
+    assert [t["impl"] for t in report["tree"]] == ["sdpa"] and report["tree"][0]["per_question"] > 0
+    whole, sharded = json.loads((work / "shard_check.json").read_text())["rows"]
+    assert (whole["shard_size"], sharded["shard_size"]) == (1, 2)
+    assert sharded["same"] == "equal" and sharded["fingerprint"] == whole["fingerprint"]
+    assert sharded["ratio"] <= 0.6 and sharded["replicated"] > 0
+    whole, mesh = json.loads((work / "shard_check_one.json").read_text())["rows"]
     assert (whole["mesh_of_one"], whole["fsdp"]) == (False, False)
     assert (mesh["mesh_of_one"], mesh["fsdp"]) == (True, True)
     assert mesh["same"] == "equal" and mesh["fingerprint"] == whole["fingerprint"]
