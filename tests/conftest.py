@@ -44,5 +44,5 @@ def sample_text_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tasks_dir() -> Path:
-    """``tests/tasks``: ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``, ``dptest_gen``, ``dptest_chain`` (pass as ``--include_path``)."""
+    """``tests/tasks``: ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``, ``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
     return TASKS_DIR

@@ -18,7 +18,8 @@ from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_result
 
 pytestmark = pytest.mark.distributed
 
-TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,dptest_chain,distperp_wikitext2"
+TASKS = ("dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,dptest_chain,dptest_sample,"
+         "distperp_wikitext2")
 INT4_TASKS = "distperp_wikitext2,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_rolling,distperp_local_docs"
 ROLLING_DOCS = REPO_ROOT / "tests" / "tasks" / "dptest_rolling.jsonl"  # distperp_local_docs on dptest_rolling's texts
 EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_mmlu": ["acc,none"],
@@ -86,6 +87,14 @@ def test_identical_to_one_process(runs, setup, world, nodes):
         # lm-eval's built-in weighted_perplexity sums per-rank lists in rank order: equal up to summation order.
         assert other["results"]["dptest_rolling"][metric] == pytest.approx(
             base["results"]["dptest_rolling"][metric], rel=1e-12)
+
+
+def test_sampled_generations_are_samples(runs):
+    """dptest_sample (temperature 1, lm-eval's default --seed) is compared per document on every world size by
+    test_identical_to_one_process; here: those are real samples, not one repeated text or the greedy one."""
+    sampled = [r["resps"][0] for r in load_samples(runs["1p"], "dptest_sample")]
+    greedy = [r["resps"][0] for r in load_samples(runs["1p"], "dptest_gen")]
+    assert len(sampled) == 10 and len({json.dumps(r) for r in sampled}) > 5 and sampled != greedy
 
 
 def test_quantized_identical_across_world_sizes(runs):

@@ -6,12 +6,10 @@ for the task's ``max_gen_toks``; lanes that slots cannot serve run as ``model.ge
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from helpers import accelerate_launch_prefix, load_samples, run_command, sharpened_model
+from helpers import sharpened_model
 
 from distperp_harness.run.executor import Executor, Forwards
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
@@ -115,20 +113,6 @@ def test_sampling_without_a_temperature_uses_the_models_and_says_so(tiny_model_d
     assert out == at_one and any("without a temperature" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="temperature > 0"):
         generate(_setup(model, tokenizer, collective), [("The river", dict(kwargs, temperature=0.0))])
-
-
-@pytest.mark.distributed
-def test_sampled_task_gives_the_same_samples_on_two_processes(tiny_model_dir, tasks_dir, tmp_path):
-    outputs = {}
-    for n in (1, 2):
-        out = tmp_path / f"{n}p"
-        run_command([*accelerate_launch_prefix(n), "-m", "lm_eval", "--model", "distperp", "--model_args",
-                     f"pretrained={tiny_model_dir},max_length=128", "--tasks", "dptest_gen", "--include_path",
-                     str(tasks_dir), "--batch_size", "3", "--gen_kwargs", "do_sample=True,temperature=1.0",
-                     "--seed", "5", "--log_samples", "--output_path", str(out)], cwd=tmp_path)
-        outputs[n] = [(r["doc_id"], r["resps"][0]) for r in load_samples(out, "dptest_gen")]
-    assert outputs[1] == outputs[2] and len(outputs[1]) == 10
-    assert len({json.dumps(r) for _, r in outputs[1]}) > 5  # samples, not one repeated text
 
 
 def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir):
