@@ -231,7 +231,7 @@ def make_runner(key: str, lm: Any, requests: list[Any], batches: list[Any] | Non
     def run_rolling() -> float | None:
         runner.results = [float(x) for x in lm.loglikelihood_rolling(requests, disable_tqdm=True)]
         stats = getattr(lm, "stats", None)
-        return stats.calls[-1]["scoring_seconds"] if stats is not None and stats.calls else None
+        return stats.calls[-1].scoring_seconds if stats is not None and stats.calls else None
 
     def run_bare() -> float | None:
         bare_forward(lm.model, batches)

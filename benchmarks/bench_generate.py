@@ -135,7 +135,7 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
             outputs[name] = lms[name].generate_until(requests, disable_tqdm=True)
             seconds[name].append(time.perf_counter() - start)
             work[name] = (counters[name].decode, counters[name].prefill)
-    call = lms["distperp"].stats.calls[-1]
+    call = lms["distperp"].stats.calls[-1].to_dict()
     useful = call["generated"]
     rows = {name: {"median_s": statistics.median(t), "decode_per_useful": work[name][0] / max(1, useful),
                    "prefill": work[name][1], "tok_s": useful / statistics.median(t)} for name, t in seconds.items()}

@@ -149,7 +149,7 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
             results[key] = [float(ll) for ll, _ in out]
             greedy[key] = [bool(g) for _, g in out]
             if hasattr(lms[key], "stats"):
-                calls[key] = lms[key].stats.calls[-1]
+                calls[key] = lms[key].stats.calls[-1].to_dict()
         print(f"  {shape} repeat {rep + 1}/{args.repeats}: " + ", ".join(
             f"{k} {seconds[k][-1]:.2f} s" for k in keys), flush=True)
     prompt_tokens = [len(tokenizer.encode(pairs[0][0], add_special_tokens=False)) for pairs, _ in questions]

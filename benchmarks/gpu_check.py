@@ -135,7 +135,7 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str],
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     lm.loglikelihood_rolling([SimpleNamespace(args=(d,)) for d in docs], disable_tqdm=True)
-    call = lm.stats.calls[-1]
+    call = lm.stats.calls[-1].to_dict()
     score_peak = torch.cuda.max_memory_allocated() if cuda else None
     tokens_per_s = call["scored_tokens"] / call["scoring_seconds"]
     params = sum(p.numel() for p in lm.model.parameters())
@@ -246,7 +246,7 @@ def tree_case(args: argparse.Namespace, model: Path, impl: str) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     out = lm.loglikelihood(requests, disable_tqdm=True)
-    call = lm.stats.calls[-1]
+    call = lm.stats.calls[-1].to_dict()
     lls = [float(ll) for ll, _ in out]
     request_tokens = sum(len(lm.tok_encode(c + x)) for c, x in (r.args for r in requests))
     prompt = [len(lm.tok_encode(c)) for c, _ in questions]

@@ -58,7 +58,7 @@ def job(args) -> None:
                                               getattr(lm.collective, "bytes_sent", 0)), "traffic")
     moved = loopback_bytes() - start
     if lm.rank == 0:
-        call = lm.stats.calls[-1]
+        call = lm.stats.calls[-1].to_dict()
         prompt = len(lm.tokenizer.encode(questions[0][0][0][0], add_special_tokens=False))
         print(f"{args.questions} questions x 10 options, {prompt}-token prompts, {call['units']} units, "
               f"{call['batches']} batches, claiming {call['claiming']}, per rank {call['per_rank']}")
