@@ -331,13 +331,13 @@ def test_rank_0_failing_while_planning_on_two_nodes_is_named_on_the_other_node(t
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("failing, variable, stage", [(0, "DISTPERP_TEST_FAIL_LANE", "generating (lane ")])
+@pytest.mark.parametrize("failing, variable, stage", [(0, "DISTPERP_TEST_FAIL_LANE", "generating (lane "),
+                                                      (1, "DISTPERP_TEST_FAIL_GENERATION", "generating")])
 def test_a_rank_failing_in_generation_stops_its_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing, variable,
                                                            stage):
     """``generate_until`` runs inside the channel, and so does every lane: the peer (generating its share, or
     waiting in generation's gathers) ends within seconds, naming the failing rank, rank 0 (the store's node)
-    included, and the lane it was generating. (``DISTPERP_TEST_FAIL_GENERATION``, the call's start, is the same
-    channel one block further out; its launch is left out of make test for time.)"""
+    included, and the lane it was generating (rank 0 in a lane; rank 1 at the call's start)."""
     out = tmp_path / "out"
     run = _one_node(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"), tmp_path,
                     {variable: f"{failing}:1"})
