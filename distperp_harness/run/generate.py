@@ -8,7 +8,8 @@ is decoded by continuous batching (:mod:`distperp_harness.run.slots`): each row 
 refilled at once; the lane's schedule depends only on its jobs, so texts are identical for every world size and
 whichever rank computes a lane. A lane whose arguments slots do not serve runs as ``model.generate`` batches
 (:mod:`distperp_harness.run.batchgen`). Finished lanes are saved to ``resume_dir`` and reused by a rerun on any
-world size.
+world size. Each text goes back only to the ranks whose requests asked for it (an all-to-all); the prompts are
+still all-gathered, because the lane plan reads every prompt's tokens (its order and shared prefixes).
 
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
 fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
@@ -33,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
 
+import numpy as np
 import torch
 from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
@@ -194,12 +196,14 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
                 bar(lane.jobs, 0)
             texts.update({job.key: text for (job, _), text in zip(part, saved)})
     share = RankShare(me, len(stats), claims.taken_from_ward, round(time.perf_counter() - start_time, 4))
-    gathered = collective.all_gather_object((texts, stats, share), "gather generations")
-    all_texts: dict[str, str] = {}
-    for part, *_ in gathered:
-        all_texts.update(part)
-    record = _record([s for g in gathered for s in g[1]], lanes, ordered, seed=seed, setup=setup,
-                     per_rank=[g[2] for g in gathered], seconds=time.perf_counter() - start_time)
+    holders: dict[str, list[int]] = {}
+    for rank, (_, part) in enumerate(everyone):
+        for key in part:
+            holders.setdefault(key, []).append(rank)
+    all_texts = _texts_to_holders(collective, texts, holders)
+    gathered = collective.all_gather_object((stats, share), "gather lane statistics")
+    record = _record([s for g in gathered for s in g[0]], lanes, ordered, seed=seed, setup=setup,
+                     per_rank=[g[1] for g in gathered], seconds=time.perf_counter() - start_time)
     record.facts = executor.facts(received_before)
     log.info(f"generate_until: {record.jobs} generations ({record.sampled_jobs} sampled"
              f"{f', seed {seed}' if record.sampled_jobs else ''}) in {record.lanes} lanes of up to "
@@ -210,6 +214,24 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     if calls is not None:
         calls.append(record)
     return [all_texts[key] for key, _, _ in local_keys]
+
+
+def _texts_to_holders(collective: Any, texts: dict[str, str], holders: dict[str, list[int]]) -> dict[str, str]:
+    """Every text this rank computed goes to the ranks whose requests asked for it, and only to them (two
+    all-to-alls: sizes, then UTF-8 JSON); returns the texts of this rank's own requests (every rank calls this)."""
+    world = collective.world_size
+    outgoing: list[dict[str, str]] = [{} for _ in range(world)]
+    for key, text in texts.items():
+        for rank in holders.get(key, ()):
+            outgoing[rank][key] = text
+    parts = [np.frombuffer(json.dumps(out).encode(), dtype=np.uint8) for out in outgoing]
+    sizes = collective.exchange([np.array([p.size], dtype=np.int64) for p in parts], [1] * world,
+                                "exchange the sizes of generated texts")
+    received = collective.exchange(parts, [int(n[0]) for n in sizes], "send generated texts to their ranks")
+    mine: dict[str, str] = {}
+    for part in received:
+        mine.update(json.loads(part.tobytes().decode()))
+    return mine
 
 
 @dataclass(frozen=True)
