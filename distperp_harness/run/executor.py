@@ -102,7 +102,7 @@ class Executor:
     def __init__(self, collective: Any, forwards: Forwards, *, device: torch.device | None = None, store: Any = None,
                  claiming: bool = True, local_world_size: int = 1, shard_size: int = 1) -> None:
         self.collective, self.forwards, self.device, self.store = collective, forwards, device, store
-        self.shard_size, self.claiming = shard_size, claiming
+        self.shard_size = shard_size
         self.rank, self.world_size = collective.rank, collective.world_size
         self.step = helper_step(self.world_size, local_world_size, shard_size) if claiming else 0
 
@@ -128,7 +128,7 @@ class Executor:
         if self.shard_size <= 1:
             yield from claims
             return
-        steps = GroupSteps(_store_for_groups(), f"{prefix}/groups", self.rank, self.shard_size)
+        steps = self._group_steps(prefix)
         walk = iter(claims)
         while True:
             b = next(walk, None)
@@ -149,7 +149,7 @@ class Executor:
         if self.shard_size <= 1:
             yield contextlib.nullcontext
             return
-        steps = GroupSteps(_store_for_groups(), f"{prefix}/groups", self.rank, self.shard_size)
+        steps = self._group_steps(prefix)
 
         @contextlib.contextmanager
         def around():
@@ -160,6 +160,14 @@ class Executor:
         yield around
         while steps.agree(0) > 0:  # the group's others still decode: match their forwards
             self.idle_decode()
+
+    def _group_steps(self, prefix: str) -> GroupSteps:
+        """This rank's shard group's lockstep for the call with store prefix ``prefix``."""
+        store = default_store()
+        if store is None:
+            raise RuntimeError("sharded weights need the process group's store to keep a shard group's forward "
+                               "calls in step, and torch.distributed did not provide it")
+        return GroupSteps(store, f"{prefix}/groups", self.rank, self.shard_size)
 
     # ------------------------------------------------------------------ one unit
     def score(self, rows: Sequence[Any], shared: int = 0) -> BatchScores:
@@ -217,10 +225,3 @@ class Executor:
             self.store.add_up([f.resume_counts for f in everyone])
         return everyone
 
-
-def _store_for_groups() -> Any:
-    store = default_store()
-    if store is None:
-        raise RuntimeError("sharded weights need the process group's store to keep a shard group's forward calls "
-                           "in step, and torch.distributed did not provide it")
-    return store
