@@ -128,7 +128,7 @@ def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) ->
             for r in range(batch.start, batch.stop):
                 unit_batch[planned.members[r]] = b
         table.ids(records[0]["key"])
-        _, expect_tokens = token_routes(table, unit_batch, ranks, 0, world)
+        _, expect_tokens = token_routes(table, ranks[unit_batch], 0, world)
         _, expect_results = result_routes(table, unit_batch, owner, 0, world)
         return table, batches, expect_tokens, expect_results
 

@@ -66,10 +66,15 @@ class FlatUnits:
 
     @classmethod
     def of(cls, units: Sequence[Unit]) -> "FlatUnits":
-        lengths = np.fromiter((len(u.tokens) for u in units), dtype=np.int64, count=len(units))
+        return cls.of_sequences([u.tokens for u in units], [u.n_score for u in units])
+
+    @classmethod
+    def of_sequences(cls, sequences: Sequence[Sequence[int]], n_score: Sequence[int]) -> "FlatUnits":
+        """Token sequences and their scored counts (a generation prompt scores none: 0)."""
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        tokens = np.fromiter((t for u in units for t in u.tokens), dtype=np.int32, count=int(offsets[-1]))
-        return cls(tokens, offsets, np.fromiter((u.n_score for u in units), dtype=np.int32, count=len(units)))
+        tokens = np.fromiter((t for s in sequences for t in s), dtype=np.int32, count=int(offsets[-1]))
+        return cls(tokens, offsets, np.asarray(n_score, dtype=np.int32).reshape(len(sequences)))
 
     def __len__(self) -> int:
         return len(self.n_score)
@@ -79,7 +84,11 @@ class FlatUnits:
         return np.diff(self.offsets)
 
     def unit(self, i: int) -> Unit:
-        return Unit(tuple(self.tokens[self.offsets[i]: self.offsets[i + 1]].tolist()), int(self.n_score[i]))
+        return Unit(self.sequence(i), int(self.n_score[i]))
+
+    def sequence(self, i: int) -> tuple[int, ...]:
+        """Unit ``i``'s tokens."""
+        return tuple(self.tokens[self.offsets[i]: self.offsets[i + 1]].tolist())
 
     def keys(self) -> np.ndarray:
         """``uint64 [n, 2]``: blake2b-128 of each unit's int32 tokens and scored count (its identity)."""

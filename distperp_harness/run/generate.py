@@ -1,15 +1,16 @@
 """``generate_until`` under the global plan: lanes of continuously batched slots, claimed, resumable.
 
-Every rank tokenizes its own prompts and learns the global job list (greedy requests with equal arguments are one
-job). Jobs are ordered canonically and cut into lanes by a rule that ignores the world size
+Every rank tokenizes its own prompts and learns the global job list from every rank's records (greedy requests with
+equal arguments are one job). Jobs are ordered canonically and cut into lanes by a rule that ignores the world size
 (:mod:`distperp_harness.run.lanes`); whole lanes go to ranks by cost (prompt plus ``max_gen_toks`` tokens per
 job) and are claimed like scoring batches (:mod:`distperp_harness.run.claims`: a slow rank generates fewer). A lane
 is decoded by continuous batching (:mod:`distperp_harness.run.slots`): each row stops on its own and its slot is
 refilled at once; the lane's schedule depends only on its jobs, so texts are identical for every world size and
 whichever rank computes a lane. A lane whose arguments slots do not serve runs as ``model.generate`` batches
 (:mod:`distperp_harness.run.batchgen`). Finished lanes are saved to ``resume_dir`` and reused by a rerun on any
-world size. Each text goes back only to the ranks whose requests asked for it (an all-to-all); the prompts are
-still all-gathered, because the lane plan reads every prompt's tokens (its order and shared prefixes).
+world size. Ranks plan from records, never prompt tokens (:mod:`distperp_harness.run.jobs`: 48 bytes per job and a
+hash per 16-token prefix block); a prompt's tokens travel only to the ranks that may compute one of its lanes (owner
+and helper), and each text goes back only to the ranks whose requests asked for it (an all-to-all).
 
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
 fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
@@ -39,13 +40,14 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 
-from distperp_harness.planning.plan import assign_batches
+from distperp_harness.planning.records import FlatUnits
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.batchgen import generate_batch
 from distperp_harness.run.calls import GenerationCall, RankShare
 from distperp_harness.run.executor import Executor
+from distperp_harness.run.jobs import JOB, LocalJobs, group_hash, key_hex, key_words, kwargs_key_of, plan_generation
 from distperp_harness.run.kvcache import CacheNotShareable
-from distperp_harness.run.lanes import LanePlan, common_prefix, plan_lanes
+from distperp_harness.run.lanes import LanePlan, common_prefix, shared_prefix
 from distperp_harness.run.sampling import SAMPLING_KEYS, warpers_for
 from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, decode_lane
 from distperp_harness.run.thinking import answer, stop_in_answer
@@ -126,14 +128,14 @@ def _job_keys(args: Sequence[tuple[str, dict]], identities: Sequence[Any] | None
     seen: Counter = Counter()
     out = []
     for (context, gen_kwargs), identity in zip(args, identities):
-        kwargs_key = json.dumps(gen_kwargs, sort_keys=True, default=str)
+        kwargs_key = kwargs_key_of(gen_kwargs)
         sampled = bool(normalize_gen_kwargs(gen_kwargs).get("do_sample"))
         ident: list = [context, kwargs_key]
         if sampled:
             origin = _sha([context, kwargs_key, identity])
             ident += [identity, seen[origin]]
             seen[origin] += 1
-        out.append((_sha(ident), kwargs_key, sampled))
+        out.append((_sha(ident)[:32], kwargs_key, sampled))
     return out
 
 
@@ -161,32 +163,30 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     collective = executor.collective
     received_before = getattr(collective, "bytes_received", 0)
     local_keys = _job_keys(args, identities)
+    mine = _local_jobs(setup, local_keys, args)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
-    mine_jobs = {}
-    for (key, kwargs_key, sampled), (ctx, kw) in zip(local_keys, args):
-        if key not in mine_jobs:  # each rank tokenizes its own prompts only
-            mine_jobs[key] = (kwargs_key, sampled, tuple(_encode(setup, ctx)), kw)
-    everyone = collective.all_gather_object((seed, mine_jobs), "gather prompts")
-    seed = everyone[0][0]  # rank 0's, so every rank seeds alike
-    jobs: dict[str, Job] = {}
-    for _, part in everyone:
-        for key, (kwargs_key, sampled, tokens, kw) in part.items():
-            if key not in jobs:
-                jobs[key] = Job(key, tokens, kwargs_key, kw, int(_sha([seed, key])[:15], 16) if sampled else None)
-    ordered = sorted(jobs.values(), key=lambda j: (j.kwargs_key, j.tokens, j.key))
-    prepared = [_prepare(setup, job) for job in ordered]
-    lanes = plan_lanes([p.prompt for p in prepared], [j.kwargs_key for j in ordered],
-                       [p.max_new for p in prepared], setup.rows_for, setup.min_shared_tokens)
-    plan = assign_batches([lane.as_batch() for lane in lanes], collective.world_size)
-    me = collective.rank
+    planned = plan_generation(collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step)
+    table, lanes, plan, seed = planned.table, planned.lanes, planned.plan, planned.seed
+    jobs, me = table.jobs, collective.rank
+
+    def lane_jobs(lane: LanePlan) -> list[tuple[Job, _Prepared]]:
+        part = []
+        for j in range(lane.start, lane.stop):
+            record, group = jobs[j], int(jobs["group"][j])
+            key, kw = key_hex(record["key"]), planned.kwargs_of[group]
+            job = Job(key, planned.available.sequence(int(table.prompt_id[j])), kwargs_key_of(kw), kw,
+                      _seed_of(seed, key) if record["sampled"] else None)
+            part.append((job, _prepare(setup, job)))
+        return part
+
     prefix = f"distperp/lanes/{collective.sequence}"
     claims = executor.claims(plan.batches_of, prefix)
     bar = setup.progress(sum(lanes[i].jobs for i in plan.batches_of(me))) if setup.progress else None
-    texts, stats, prefixes = {}, [], PrefixCache()
+    texts, holders, stats, prefixes = {}, {}, [], PrefixCache()
     with executor.decoding(prefix) as around:
         for i in claims:
             lane = lanes[i]
-            part = [(ordered[j], prepared[j]) for j in range(lane.start, lane.stop)]
+            part = lane_jobs(lane)
             key = _lane_key(part, lane) if executor.store is not None else None
             saved, lane_stats = executor.lane(key, lane.jobs, f"generating (lane {i}, {lane.jobs} prompts)",
                                               functools.partial(_run_lane, setup, part, lane, prefixes, bar, around))
@@ -195,14 +195,12 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
             elif bar is not None:
                 bar(lane.jobs, 0)
             texts.update({job.key: text for (job, _), text in zip(part, saved)})
+            holders.update(table.holders_of(range(lane.start, lane.stop)))
     share = RankShare(me, len(stats), claims.taken_from_ward, round(time.perf_counter() - start_time, 4))
-    holders: dict[str, list[int]] = {}
-    for rank, (_, part) in enumerate(everyone):
-        for key in part:
-            holders.setdefault(key, []).append(rank)
     all_texts = _texts_to_holders(collective, texts, holders)
     gathered = collective.all_gather_object((stats, share), "gather lane statistics")
-    record = _record([s for g in gathered for s in g[0]], lanes, ordered, seed=seed, setup=setup,
+    record = _record([s for g in gathered for s in g[0]], lanes, jobs=len(table),
+                     sampled=int(jobs["sampled"].astype(bool).sum()), seed=seed, setup=setup,
                      per_rank=[g[1] for g in gathered], seconds=time.perf_counter() - start_time)
     record.facts = executor.facts(received_before)
     log.info(f"generate_until: {record.jobs} generations ({record.sampled_jobs} sampled"
@@ -214,6 +212,37 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     if calls is not None:
         calls.append(record)
     return [all_texts[key] for key, _, _ in local_keys]
+
+
+def _local_jobs(setup: GenerationSetup, keys: Sequence[tuple[str, str, bool]],
+                args: Sequence[tuple[str, dict]]) -> LocalJobs:
+    """Tokenize this rank's own prompts (each distinct job once) and make its records."""
+    seen: dict[str, tuple] = {}
+    prompts: dict[tuple[int, ...], None] = {}
+    kwargs: dict[int, dict] = {}
+    for (key, kwargs_key, sampled), (context, gen_kwargs) in zip(keys, args):
+        if key in seen:
+            continue
+        prepared = _prepare(setup, Job(key, tuple(_encode(setup, context)), kwargs_key, gen_kwargs))
+        if not prepared.prompt:
+            raise ValueError(f"generate_until got a request whose prompt has no tokens (context {context!r}); "
+                             "the model needs at least one token to continue. Fix: give the task a non-empty "
+                             "prompt, or set add_bos_token=true so that every prompt starts with the BOS token")
+        group = group_hash(kwargs_key)
+        kwargs.setdefault(group, gen_kwargs)
+        prompts.setdefault(prepared.prompt)
+        seen[key] = (prepared.prompt, group, prepared.max_new, sampled)
+    flat = FlatUnits.of_sequences(list(prompts), [0] * len(prompts))
+    prompt_keys = dict(zip(prompts, flat.keys()))
+    records = np.zeros(len(seen), dtype=JOB)
+    for i, (key, (prompt, group, max_new, sampled)) in enumerate(seen.items()):
+        records[i] = (key_words(key), prompt_keys[prompt], group, max_new, int(sampled))
+    return LocalJobs(records, flat, kwargs)
+
+
+def _seed_of(seed: int, key: str) -> int:
+    """A sampled job's seed: lm-eval's torch seed (rank 0's) and the job's key."""
+    return int(_sha([seed, key])[:15], 16)
 
 
 def _texts_to_holders(collective: Any, texts: dict[str, str], holders: dict[str, list[int]]) -> dict[str, str]:
@@ -299,7 +328,8 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
             rule = StopRule.of(setup.tokenizer, first.until, _eos_ids(setup), first.max_new, allowed=allowed)
             on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
             try:
-                prefix = tuple(prompts[lane.donor][:lane.shared])
+                shared, donor = shared_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
+                prefix = tuple(prompts[donor][:shared])
                 tokens, stats = decode_lane(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
                                             tokenizer=setup.tokenizer, device=setup.device, prefixes=prefixes,
                                             warpers=warpers, on_done=on_done, around=around)
@@ -344,7 +374,7 @@ def _eos_ids(setup: GenerationSetup) -> list[int]:
     return [int(i) for i in ids if i is not None]
 
 
-def _record(stats: list[dict], lanes: Sequence[LanePlan], jobs: Sequence[Job], *, seed: int,
+def _record(stats: list[dict], lanes: Sequence[LanePlan], *, jobs: int, sampled: int, seed: int,
             setup: GenerationSetup, per_rank: list[RankShare], seconds: float) -> GenerationCall:
     """The call's :class:`~distperp_harness.run.calls.GenerationCall` from every computed lane's statistics."""
     total = LaneStats()
@@ -353,7 +383,7 @@ def _record(stats: list[dict], lanes: Sequence[LanePlan], jobs: Sequence[Job], *
                                and k not in ("shared_tokens", "prefix_computed")}))
     shared = sorted(lane.shared for lane in lanes if lane.shared)
     return GenerationCall(
-        jobs=len(jobs), sampled_jobs=sum(j.seed is not None for j in jobs), seed=seed, lanes=len(lanes),
+        jobs=jobs, sampled_jobs=sampled, seed=seed, lanes=len(lanes),
         lanes_computed=len(stats), slots_max=max((lane.slots for lane in lanes), default=0),
         engines=sorted({s["engine"] for s in stats}), shared_lanes=len(shared),
         min_shared_tokens=setup.min_shared_tokens, shared_tokens_min_max=[shared[0], shared[-1]] if shared else None,

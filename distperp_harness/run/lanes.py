@@ -1,9 +1,9 @@
 """The global generation plan: distinct jobs in canonical order, cut into lanes by a rule that ignores the world size.
 
 A lane (:class:`LanePlan`) is a run of consecutive jobs with equal generation arguments, decoded by ``slots``
-rows of continuous batching (:mod:`distperp_harness.run.slots`). Jobs are ordered by arguments, then prompt tokens
-(lexicographically: prompts sharing a few-shot block or a system prompt sit together, and a lane computes
-their common block once), then key. A lane holds up to ``LANE_ROUNDS * slots`` jobs; ``slots`` is the batching rule's number
+rows of continuous batching (:mod:`distperp_harness.run.slots`). Jobs come in the canonical order of
+:class:`~distperp_harness.run.jobs.JobTable` (arguments, then the prompts' prefix blocks: prompts sharing a few-shot
+block or a system prompt sit together, and a lane computes their common block once). A lane holds up to ``LANE_ROUNDS * slots`` jobs; ``slots`` is the batching rule's number
 of rows for the lane's longest prompt plus its ``max_gen_toks`` (the KV cache every slot may grow to), so a task
 asking for 1,280 new tokens gets fewer slots than one asking for 32.
 
@@ -29,8 +29,8 @@ slots fuller (the drain at a lane's end runs fewer rows); fewer give more lanes 
 @dataclass(frozen=True)
 class LanePlan:
     """Jobs ``start .. stop-1`` of the canonical order, ``slots`` rows, ``max_new`` new tokens at most per job,
-    ``longest`` the longest prompt (tokens); the first ``shared`` tokens of job ``start + donor``'s prompt are
-    computed once and every prompt of the lane that starts with them continues from them (:func:`shared_prefix`)."""
+    ``longest`` the longest prompt (tokens); ``shared`` and ``donor``: the prefix the lane is planned to compute once
+    (its cost; the lane finds it exactly from its prompts with :func:`shared_prefix`)."""
 
     start: int
     stop: int
@@ -77,25 +77,28 @@ def common_prefix(prompts: Sequence[Sequence[int]], min_tokens: int) -> int:
     return n if n >= max(1, min_tokens) else 0
 
 
-def plan_lanes(prompts: Sequence[Sequence[int]], groups: Sequence[str], max_new: Sequence[int],
-               slots_for: Callable[[int], int], min_shared: int, rounds: int = LANE_ROUNDS) -> list[LanePlan]:
-    """Lanes over jobs in canonical order (``prompts`` already cut to fit ``max_length - max_new``).
+def plan_lanes(lengths: Sequence[int], groups: Sequence, max_new: Sequence[int], slots_for: Callable[[int], int],
+               shared_of: Callable[[int, int], tuple[int, int]], rounds: int = LANE_ROUNDS) -> list[LanePlan]:
+    """Lanes over jobs in canonical order, from their prompts' lengths (prompts already cut to fit
+    ``max_length - max_new``).
 
     ``groups[i]``: job ``i``'s generation arguments (a lane never mixes two); ``max_new[i]``: its new-token limit;
-    ``slots_for(length)``: rows the batching rule allows when each grows to ``length`` tokens. A lane grows while
-    it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs.
+    ``slots_for(length)``: rows the batching rule allows when each grows to ``length`` tokens;
+    ``shared_of(start, stop)``: ``(length, donor)`` of the prefix the lane of jobs ``start .. stop-1`` computes once
+    (for its cost; :func:`shared_prefix` over the prompts, or the planner's estimate from prefix hashes). A lane
+    grows while it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs.
     """
     lanes, start = [], 0
-    while start < len(prompts):
-        longest = len(prompts[start])
+    while start < len(lengths):
+        longest = int(lengths[start])
         stop = start + 1
-        while stop < len(prompts) and groups[stop] == groups[start]:
-            longer = max(longest, len(prompts[stop]))
+        while stop < len(lengths) and groups[stop] == groups[start]:
+            longer = max(longest, int(lengths[stop]))
             if stop - start + 1 > rounds * max(1, slots_for(longer + max_new[start])):
                 break
             longest, stop = longer, stop + 1
         slots = max(1, min(stop - start, slots_for(longest + max_new[start])))
-        shared, donor = shared_prefix(prompts[start:stop], min_shared)
+        shared, donor = shared_of(start, stop)
         lanes.append(LanePlan(start, stop, slots, shared, int(max_new[start]), longest, donor))
         start = stop
     return lanes

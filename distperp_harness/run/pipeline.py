@@ -152,7 +152,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
     for b, batch in enumerate(batches):
         for r in range(batch.start, batch.stop):
             unit_batch[planned.members[r]] = b
-    available = move_tokens(collective, table, unit_batch, ranks, flat, local_ids)
+    available = move_tokens(collective, table, ranks[unit_batch], flat, local_ids)
     t_plan = time.perf_counter() - t0
     if log is not None and me == 0 and len(batches) < world:
         log(f"{kind}: {len(batches)} batches for {world} processes: {world - len(batches)} process(es) have no batch "

@@ -3,8 +3,8 @@
 Both moves are one all-to-all each (:meth:`~distperp_harness.distributed.collective.Collective.exchange`) whose sizes
 every rank derives from the global table and the plan, so nothing but payload travels:
 
-* :func:`move_tokens`: each unit's lowest holding rank sends its int32 tokens to each rank that may compute it (the
-  batch's owner and helper) and does not hold it already. Receivers re-derive the 128-bit key of every unit they
+* :func:`move_tokens`: each unit's lowest holding rank sends its int32 tokens to each rank that may compute it (a
+  scoring batch's or a generation lane's owner and helper) and does not hold it already. Receivers re-derive the 128-bit key of every unit they
   receive and fail loudly if it differs from the table's (a collision, or a sender with other tokens).
 * :func:`return_results`: the rank that computed a batch sends each unit's float64 statistics, a check hash of the
   tokens it used and (with a reference) its per-token KL values to every other rank holding the unit; each receiver
@@ -38,11 +38,19 @@ class Available:
         self._where.update({int(i): (self.received, k) for k, i in enumerate(self.received_ids)})
 
     def unit(self, uid: int) -> Unit:
+        source, k = self._find(uid)
+        return source.unit(k)
+
+    def sequence(self, uid: int) -> tuple[int, ...]:
+        """Unit ``uid``'s tokens (a generation prompt, which scores nothing, is no :class:`Unit`)."""
+        source, k = self._find(uid)
+        return source.sequence(k)
+
+    def _find(self, uid: int) -> tuple[FlatUnits, int]:
         try:
-            source, k = self._where[int(uid)]
+            return self._where[int(uid)]
         except KeyError:
             raise RuntimeError(f"internal error: unit {uid} was planned here but its tokens never arrived") from None
-        return source.unit(k)
 
     def check_hashes(self, local_checks: np.ndarray) -> dict[int, int]:
         """Unit id -> check hash of its tokens, for every unit here (``local_checks``: the local units', computed once)."""
@@ -65,19 +73,21 @@ def _holds(table: GlobalTable, units: np.ndarray, ranks: np.ndarray, world_size:
     return np.isin(units.astype(np.int64) * world_size + ranks, held)
 
 
-def token_routes(table: GlobalTable, unit_batch: np.ndarray, batch_ranks: np.ndarray, rank: int,
-                 world_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def token_routes(table: GlobalTable, unit_ranks: np.ndarray, rank: int, world_size: int
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``(send, expect)``: the unit ids ``rank`` sends to each rank and receives from each rank (ascending).
 
-    Each unit's lowest holding rank sends it to each rank of ``batch_ranks[unit_batch[unit]]`` (owner, helper; ``-1``
-    none) that does not hold it.
+    Each unit's lowest holding rank sends it to each rank of ``unit_ranks[unit]`` (``int [units, k]``: the ranks that
+    may compute it, e.g. its batch's owner and helper; ``-1`` none; a rank listed twice receives it once) that does
+    not hold it.
     """
     n = len(table)
     sender = table.first_holder()
-    uid = np.repeat(np.arange(n, dtype=np.int64), batch_ranks.shape[1])
-    dest = batch_ranks[unit_batch].reshape(-1)
+    uid = np.repeat(np.arange(n, dtype=np.int64), unit_ranks.shape[1])
+    dest = np.asarray(unit_ranks, dtype=np.int64).reshape(-1)
     keep = dest >= 0
-    uid, dest = uid[keep], dest[keep]
+    pair = np.unique(uid[keep] * world_size + dest[keep])
+    uid, dest = pair // world_size, pair % world_size
     need = ~_holds(table, uid, dest, world_size)
     uid, dest = uid[need], dest[need]
     out = sender[uid] == rank
@@ -87,17 +97,17 @@ def token_routes(table: GlobalTable, unit_batch: np.ndarray, batch_ranks: np.nda
     return send, expect
 
 
-def move_tokens(collective: Collective, table: GlobalTable, unit_batch: np.ndarray, batch_ranks: np.ndarray,
-                local: FlatUnits, local_ids: np.ndarray) -> Available:
+def move_tokens(collective: Collective, table: GlobalTable, unit_ranks: np.ndarray, local: FlatUnits,
+                local_ids: np.ndarray) -> Available:
     """Send and receive the tokens of every unit a rank may compute (:func:`token_routes`).
 
     Args:
-        unit_batch: the batch of every unit of the table. batch_ranks: ``int [batches, k]``, the ranks that may compute
-            each batch (owner, then helper; ``-1``: none).
+        unit_ranks: ``int [units, k]``, the ranks that may compute each unit of the table (for scoring its batch's
+            owner and helper, ``batch_ranks[unit_batch]``; ``-1``: none).
         local, local_ids: this rank's distinct units and their canonical ids.
     """
     me, world = collective.rank, collective.world_size
-    send, expect = token_routes(table, unit_batch, batch_ranks, me, world)
+    send, expect = token_routes(table, unit_ranks, me, world)
     position = np.full(len(table), -1, dtype=np.int64)
     position[local_ids] = np.arange(len(local_ids))
     parts = [_front_coded(local, position[ids], ids) for ids in send]

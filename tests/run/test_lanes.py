@@ -10,10 +10,16 @@ def _slots_for(budget: int):
     return lambda length: max(1, min(16, budget // length))
 
 
+def _plan(prompts, groups, max_new, slots_for, min_shared):
+    """Lanes planned with the exact shared prefix of each lane's prompts."""
+    return plan_lanes([len(p) for p in prompts], groups, max_new, slots_for,
+                      lambda a, b: shared_prefix(prompts[a:b], min_shared))
+
+
 def test_lanes_hold_rounds_of_slots_never_mix_arguments_and_cover_every_job():
     prompts = [[1, 2, 3, i] for i in range(40)] + [[7, i] for i in range(10)]
     groups = ["a"] * 40 + ["b"] * 10
-    lanes = plan_lanes(prompts, groups, [16] * 50, lambda length: 4, min_shared=2)
+    lanes = _plan(prompts, groups, [16] * 50, lambda length: 4, min_shared=2)
     assert [(lane.start, lane.stop) for lane in lanes] == [(0, 16), (16, 32), (32, 40), (40, 50)]
     assert all(lane.jobs <= LANE_ROUNDS * lane.slots for lane in lanes)
     assert all(len({groups[i] for i in range(lane.start, lane.stop)}) == 1 for lane in lanes)
@@ -22,8 +28,8 @@ def test_lanes_hold_rounds_of_slots_never_mix_arguments_and_cover_every_job():
 
 def test_slots_are_sized_for_the_prompt_and_the_tasks_new_tokens():
     prompts = [[5] * 100 for _ in range(8)]
-    short = plan_lanes(prompts, ["x"] * 8, [32] * 8, _slots_for(4096), min_shared=32)
-    long = plan_lanes(prompts, ["y"] * 8, [1280] * 8, _slots_for(4096), min_shared=32)
+    short = _plan(prompts, ["x"] * 8, [32] * 8, _slots_for(4096), min_shared=32)
+    long = _plan(prompts, ["y"] * 8, [1280] * 8, _slots_for(4096), min_shared=32)
     assert short[0].slots == 8 and long[0].slots == 2  # 4096 // (100 + 1280)
     assert long[0].as_batch().padded_length == 100 + 1280  # the lane is costed with its new tokens
 

@@ -99,15 +99,15 @@ def test_front_coding_round_trips_and_sends_a_shared_block_once():
 def test_every_rank_receives_the_units_of_the_batches_it_may_compute():
     units, flats, table, unit_batch, ranks = _setup()
     ids = [table.ids(f.keys()) for f in flats]
-    available = _run(3, lambda c: move_tokens(c, table, unit_batch, ranks, flats[c.rank], ids[c.rank]))
+    available = _run(3, lambda c: move_tokens(c, table, ranks[unit_batch], flats[c.rank], ids[c.rank]))
     canonical = {int(i): u for f, own in zip(flats, ids) for k, i in enumerate(own) for u in [f.unit(k)]}
     for r in range(3):
         for b in range(len(ranks)):
             if r in ranks[b]:
                 for i in np.flatnonzero(unit_batch == b):
                     assert available[r].unit(int(i)) == canonical[int(i)]
-        sent = [token_routes(table, unit_batch, ranks, s, 3)[0][r] for s in range(3)]
-        expect = token_routes(table, unit_batch, ranks, r, 3)[1]
+        sent = [token_routes(table, ranks[unit_batch], s, 3)[0][r] for s in range(3)]
+        expect = token_routes(table, ranks[unit_batch], r, 3)[1]
         assert all(np.array_equal(a, b) for a, b in zip(sent, expect))
         assert not set(np.concatenate(expect).tolist()) & set(ids[r].tolist())  # nothing a rank holds travels
 
@@ -115,12 +115,12 @@ def test_every_rank_receives_the_units_of_the_batches_it_may_compute():
 def test_a_sender_with_other_tokens_than_its_records_stops_the_run():
     units, flats, table, unit_batch, ranks = _setup()
     ids = [table.ids(f.keys()) for f in flats]
-    sent = token_routes(table, unit_batch, ranks, 0, 3)[0]
+    sent = token_routes(table, ranks[unit_batch], 0, 3)[0]
     uid = int(np.concatenate(sent)[0])
     k = int(np.flatnonzero(ids[0] == uid)[0])
     flats[0].tokens[flats[0].offsets[k + 1] - 1] += 1  # a unit rank 0 sends, changed after its records were made
     with pytest.raises((HashCollision, threading.BrokenBarrierError)):
-        _run(3, lambda c: move_tokens(c, table, unit_batch, ranks, flats[c.rank], ids[c.rank]))
+        _run(3, lambda c: move_tokens(c, table, ranks[unit_batch], flats[c.rank], ids[c.rank]))
 
 
 @pytest.mark.parametrize("with_kl", [False, True])

@@ -1,0 +1,129 @@
+"""jobs.py: generation is planned from records; the plan does not depend on how jobs are spread over ranks, prompts
+sharing a block sit together, and a prompt's tokens reach only the ranks that may compute its lanes."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+
+from distperp_harness.planning.records import BLOCK, FlatUnits, HashCollision, local_records
+from distperp_harness.run.jobs import (JOB, JobTable, LocalJobs, decode_jobs, encode_jobs, key_hex, key_words,
+                                       ladder_shared, plan_generation)
+from distperp_harness.run.lanes import shared_prefix
+from tests.run.test_routing import _run
+
+
+def _key(name) -> str:
+    return hashlib.sha256(repr(name).encode()).hexdigest()[:32]
+
+
+def _local(jobs) -> LocalJobs:
+    """``jobs``: ``(name, prompt, group, max_new, sampled)`` as one rank holds them."""
+    prompts = list(dict.fromkeys(tuple(p) for _, p, _, _, _ in jobs))
+    flat = FlatUnits.of_sequences(prompts, [0] * len(prompts))
+    keys = dict(zip(prompts, flat.keys()))
+    records = np.zeros(len(jobs), dtype=JOB)
+    for i, (name, prompt, group, max_new, sampled) in enumerate(jobs):
+        records[i] = (key_words(_key(name)), keys[tuple(prompt)], group, max_new, int(sampled))
+    return LocalJobs(records, flat, {g: {"until": ["\n"], "max_gen_toks": m} for _, _, g, m, _ in jobs})
+
+
+def _table(parts) -> JobTable:
+    return JobTable.merge([decode_jobs(encode_jobs(local_records(p.prompts), p.records)) for p in parts])
+
+
+def _fewshot(rng, n=24):
+    """Prompts of two few-shot blocks (50 and 70 tokens) and prompts of their own, as ``(name, prompt, group,
+    max_new, sampled)``; two argument groups."""
+    blocks = [[rng.randrange(5, 500) for _ in range(50)], [rng.randrange(5, 500) for _ in range(70)]]
+    jobs = []
+    for i in range(n):
+        own = [rng.randrange(5, 500) for _ in range(rng.randrange(3, 30))]
+        prompt = (blocks[i % 3] if i % 3 < 2 else []) + own
+        jobs.append((("doc", i), prompt, 7 if i < n - 4 else 9, 32, i % 5 == 0))
+    return jobs, blocks
+
+
+def test_the_table_is_the_same_however_jobs_are_spread_over_ranks():
+    rng = random.Random(0)
+    jobs, _ = _fewshot(rng)
+    one = _table([_local(jobs)])
+    for world in (2, 3, 5):
+        parts = [[] for _ in range(world)]
+        for i, job in enumerate(rng.sample(jobs, len(jobs))):
+            parts[i % world].append(job)
+        parts[-1].append(parts[0][0])  # a padding copy, as lm-eval adds
+        many = _table([_local(p) for p in parts])
+        assert many.jobs.tobytes() == one.jobs.tobytes()
+        assert np.array_equal(many.lengths, one.lengths)
+        holds = many.holders_of(range(len(many)))
+        for r, part in enumerate(parts):
+            assert all(r in holds[_key(name)] for name, *_ in part)
+        assert sum(len(h) for h in holds.values()) == sum(len({n for n, *_ in p}) for p in parts)
+
+
+def test_prompts_sharing_a_block_sit_together_and_arguments_never_mix():
+    rng = random.Random(1)
+    jobs, blocks = _fewshot(rng, n=30)
+    table = _table([_local(jobs[::2]), _local(jobs[1::2])])
+    by_key = {_key(name): (prompt, group) for name, prompt, group, _, _ in jobs}
+    order = [by_key[key_hex(k)] for k in table.jobs["key"]]
+    assert [g for _, g in order] == sorted(g for _, g in order)  # arguments first
+    for block in blocks:
+        places = [i for i, (p, g) in enumerate(order) if g == 7 and p[:len(block)] == block]
+        assert places == list(range(places[0], places[0] + len(places)))  # contiguous
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_planned_prefix_is_the_exact_one_to_a_block(seed):
+    rng = random.Random(seed)
+    block = [rng.randrange(5, 500) for _ in range(rng.randrange(20, 90))]
+    prompts = [block[:rng.randrange(len(block) // 2, len(block) + 1)] + [rng.randrange(5, 500)
+                                                                         for _ in range(rng.randrange(1, 20))]
+               for _ in range(9)]
+    table = _table([_local([(i, p, 1, 16, False) for i, p in enumerate(prompts)])])
+    ordered = [list(prompts[[_key(i) for i in range(9)].index(key_hex(k))]) for k in table.jobs["key"]]
+    for start, stop in ((0, 9), (2, 7), (4, 6)):
+        exact, donor = shared_prefix(ordered[start:stop], 1)
+        planned = ladder_shared(table, start, stop, 1)
+        floor = exact // BLOCK * BLOCK
+        assert planned == ((floor, donor) if floor else (0, 0))
+
+
+def test_the_same_key_for_other_jobs_stops_the_run():
+    a = _local([("x", [1, 2, 3], 1, 16, False)])
+    b = _local([("x", [1, 2, 3], 1, 32, False)])  # another max_new under the same key
+    with pytest.raises(HashCollision):
+        _table([a, b])
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_prompts_reach_only_the_ranks_of_their_lanes(step):
+    rng = random.Random(2)
+    jobs, _ = _fewshot(rng, n=36)
+    jobs = [(name, prompt * 6, group, m, s) for name, prompt, group, m, s in jobs]  # long prompts, as few-shot are
+    world = 3
+    parts = [_local(jobs[r::world]) for r in range(world)]
+    plans = _run(world, lambda c: (plan_generation(c, parts[c.rank], 100 + c.rank, lambda n: 2, 32, step), c.received))
+    base = plans[0][0]
+    prompt_bytes = sum(4 * len(p) for _, p, *_ in jobs)
+    for r, (planned, received) in enumerate(plans):
+        assert planned.table.jobs.tobytes() == base.table.jobs.tobytes() and planned.lanes == base.lanes
+        assert planned.seed == 100  # rank 0's
+        may = {i for i, owner in enumerate(planned.plan.owner) if r in (owner, (owner + step) % world if step else -1)}
+        needed = {int(planned.table.prompt_id[j]) for i in may
+                  for j in range(planned.lanes[i].start, planned.lanes[i].stop)}
+        own = set(planned.table.prompts.ids(parts[r].prompts.keys()).tolist())
+        assert set(planned.available.received_ids.tolist()) == needed - own
+        for uid in needed:  # and they are the holders' tokens
+            name = next(n for n, p, *_ in jobs if FlatUnits.of_sequences([p], [0]).keys()[0].tolist()
+                        == planned.table.prompts.units["key"][uid].tolist())
+            assert list(planned.available.sequence(uid)) == next(p for n, p, *_ in jobs if n == name)
+        records = sum(len(encode_jobs(local_records(p.prompts), p.records)) for k, p in enumerate(parts) if k != r)
+        tokens = sum(4 * (3 + len(planned.available.sequence(uid))) for uid in needed - own)
+        assert received <= records + tokens + 8 * world  # records, the tokens it computes, the message sizes
+        if not step:  # each rank computes a third: far less than the all-gather of every prompt to every rank
+            assert received < prompt_bytes / 2
