@@ -118,6 +118,18 @@ def test_scale_benchmark_small_configuration():
     assert at64["records_mb"] < 1.3 * at8["records_mb"]  # records do not grow with the number of ranks
 
 
+def test_scale_generate_small_configuration():
+    """``benchmarks/scale_generate.py`` at 5 % of its shapes: rank 0 receives records and the prompts of its lanes,
+    far less than the all-gather of every prompt; records stay a few bytes per job and per 16-token block."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import scale_generate
+
+    shape = scale_generate.dataclasses_replace(scale_generate.SHAPES["bbh_cot"], docs=1200)
+    row = scale_generate.simulate(shape, 8)
+    assert row["received_mb"] < row["all_gather_mb"] / 2
+    assert row["records_mb"] * 1e6 / row["jobs"] < 48 + 40 + 16 + 8 * (800 + 100) / 16 + 64
+
+
 def test_bench_generate_runs_end_to_end(tiny_model_dir):
     proc = run_command([sys.executable, BENCHMARKS / "bench_generate.py", "--model", tiny_model_dir, "--prompts", "3",
                         "--repeats", "1", "--instruct-new", "6", "--task-new", "6", "--max-length", "512", "--batch-size", "2",
