@@ -59,10 +59,10 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """torch.compile modes that run CUDA graphs on a CUDA device."""
 
 
-def capacity_for(longest: int, max_new: int) -> int:
-    """Columns of a lane's static cache: its longest prompt plus ``max_new``, rounded up to :data:`BUCKET`."""
+def capacity_for(longest: int, max_new: int, bucket: int = BUCKET) -> int:
+    """Columns of a lane's static cache: its longest prompt plus ``max_new``, rounded up to ``bucket``."""
     need = int(longest) + int(max_new)
-    return max(1, -(-need // BUCKET)) * BUCKET
+    return max(1, -(-need // bucket)) * bucket
 
 
 def decode_mode(mode: str, device: torch.device) -> str:
@@ -180,10 +180,12 @@ def unsupported(model: torch.nn.Module) -> str | None:
 class StaticDecoding:
     """The compiled decode step of ``model`` and its buffers; built by :func:`~distperp_harness.run.compiling.
     compile_models`'s caller when compiling is active. ``compile_state``: the run's
-    :class:`~distperp_harness.run.compiling.CompileState` (its ``decode`` is this object's :class:`DecodeState`)."""
+    :class:`~distperp_harness.run.compiling.CompileState` (its ``decode`` is this object's :class:`DecodeState`);
+    ``bucket``: capacities are its multiples (:func:`capacity_for`)."""
 
-    def __init__(self, model: torch.nn.Module, compile_state: Any, device: torch.device, pad_token_id: int | None
-                 ) -> None:
+    def __init__(self, model: torch.nn.Module, compile_state: Any, device: torch.device, pad_token_id: int | None,
+                 bucket: int = BUCKET) -> None:
+        self.bucket = bucket
         self.model, self.compile_state, self.device = model, compile_state, device
         self.pad = pad_token_id if pad_token_id is not None else 0
         self.mode = decode_mode(compile_state.mode, device)
@@ -209,7 +211,7 @@ class StaticDecoding:
 
         if self.state.state.startswith("eager"):
             return
-        needed = sorted({(lane.slots, capacity_for(lane.longest, lane.max_new)) for lane in lanes}
+        needed = sorted({(lane.slots, capacity_for(lane.longest, lane.max_new, self.bucket)) for lane in lanes}
                         - self._compiled_buckets)
         if not needed:
             return  # the same on every rank: the plan is global
@@ -289,7 +291,7 @@ class StaticDecoding:
                     ) -> tuple[list[list[int]], LaneStats]:
         """:func:`~distperp_harness.run.slots.decode_lane`'s contract, over this step when its bucket compiled;
         else (compiling failed or off) the eager engine itself."""
-        capacity = capacity_for(max(len(p) for p in lane.prompts), rule.max_new)
+        capacity = capacity_for(max(len(p) for p in lane.prompts), rule.max_new, self.bucket)
         if model is not self.model or not self.active or (lane.slots, capacity) not in self._compiled_buckets:
             if self.active:
                 self.state.eager_calls["not_covered"] += 1
