@@ -158,9 +158,9 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
                                                           outputs["distperp-compile"][i]))
                                      for i, r in enumerate(requests)
                                      if outputs["distperp"][i] != outputs["distperp-compile"][i]]
-    return {"base": base,"shape": shape, "requests": len(requests), "useful": useful, "rows": rows, "diffs": diffs,
-            "same": {k: len(requests) - len(v) for k, v in diffs.items()}, "lanes": call["lanes"], "slots": call["slots_max"],
-            "shared_lanes": call["shared_lanes"]}
+    return {"base": base, "shape": shape, "requests": len(requests), "useful": useful, "rows": rows,
+            "diffs": diffs, "same": {k: len(requests) - len(v) for k, v in diffs.items()}, "lanes": call["lanes"],
+            "slots": call["slots_max"], "shared_lanes": call["shared_lanes"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,7 +210,7 @@ class StaticDecoding:
         from distperp_harness.run import compiling
 
         if self.state.state.startswith("eager"):
-            return
+            return  # failed once (on some rank): the eager engine on every rank from then on
         needed = sorted({(lane.slots, capacity_for(lane.longest, lane.max_new, self.bucket)) for lane in lanes}
                         - self._compiled_buckets)
         if not needed:
@@ -290,13 +290,15 @@ class StaticDecoding:
     def decode_lane(self, model: torch.nn.Module, lane: Lane, rule: StopRule, **kwargs: Any
                     ) -> tuple[list[list[int]], LaneStats]:
         """:func:`~distperp_harness.run.slots.decode_lane`'s contract, over this step when its bucket compiled;
-        else (compiling failed or off) the eager engine itself."""
+        else (compiling failed, or a lane the plan did not hold) the eager engine itself, its decode forwards counted
+        in ``eager_calls``."""
         capacity = capacity_for(max(len(p) for p in lane.prompts), rule.max_new, self.bucket)
-        if model is not self.model or not self.active or (lane.slots, capacity) not in self._compiled_buckets:
-            if self.active:
-                self.state.eager_calls["not_covered"] += 1
-            return decode_lane(model, lane, rule, **kwargs)
-        return decode_static(self, self._bucket(lane.slots, capacity), lane, rule, **kwargs)
+        if model is self.model and self.active and (lane.slots, capacity) in self._compiled_buckets:
+            return decode_static(self, self._bucket(lane.slots, capacity), lane, rule, **kwargs)
+        out, stats = decode_lane(model, lane, rule, **kwargs)
+        self.state.eager_calls["compile_failed" if self.state.state.startswith("eager") else "not_covered"] += \
+            stats.decode_forwards
+        return out, stats
 
 
 @torch.no_grad()

@@ -220,7 +220,8 @@ def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, ta
     out = tmp_path / "2p"
     run_command([*accelerate_launch_prefix(2), "-m", "lm_eval", "--model", "distperp", "--model_args",
                  f"pretrained={tiny_model_dir}{args},compile=true",
-                 "--tasks", "dptest_rolling,dptest_mc,dptest_gen", "--include_path", str(tasks_dir), "--batch_size", "4",
+                 "--tasks", "dptest_rolling,dptest_mc,dptest_gen", "--include_path", str(tasks_dir),
+                 "--batch_size", "4",
                  "--log_samples", "--output_path", str(out)], cwd=tmp_path)
     info = load_results(out)["config"]["distperp"]
     assert info["world_size"] == 2 and info["compile"]["active"] and info["compile"]["recompilations"] == 0

@@ -158,6 +158,7 @@ def test_compile_failure_decodes_with_the_eager_engine(peaked, prompts, monkeypa
     out, stats = failed.decode_lane(model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)
     assert out == decode_lane(model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)[0]
     assert stats.padded_positions == 0 and failed.state.compiled_calls == 0
+    assert failed.state.eager_calls["compile_failed"] == stats.decode_forwards > 0
 
 
 def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, prompts, monkeypatch):
