@@ -238,4 +238,4 @@ def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, ta
     requests = [Instance("generate_until", {}, (s["arguments"]["gen_args_0"]["arg_0"],
                                                 s["arguments"]["gen_args_0"]["arg_1"]), i) for i, s in enumerate(gen)]
     assert [s["resps"][0][0] for s in gen] == compiled_tree_lm.generate_until(requests, disable_tqdm=True)
-    assert info["compile"]["decode"]["state"] == "compiled" and info["compile"]["decode"]["compiled_calls"] > 0
+    assert info["compile"]["decode"]["state"] == "compiled" and info["compile"]["decode"]["graphs"]  # rank 0's
