@@ -6,7 +6,8 @@ as there, only the decode forward differs.
 
 **Buffers.** A lane of ``S`` slots whose longest prompt plus ``max_new`` is ``n`` tokens decodes over transformers'
 ``StaticCache`` of ``[S, heads, C, head_dim]`` per layer, ``C = capacity_for(longest, max_new)`` (``n`` rounded up
-to a multiple of :data:`BUCKET`, so few shapes compile), and a boolean ``[S, C]`` mask of the columns each slot
+to a multiple of :data:`BUCKET`, so few shapes compile), and a boolean ``[S, C]`` mask
+(:class:`~distperp_harness.run.static_cache.StaticBuffers`) of the columns each slot
 attends to. Rows are right-aligned at one write column ``w`` shared by all slots (like the eager engine's batch):
 
 * **admit**: prompts are prefilled eager (variable shapes; :func:`~distperp_harness.run.slots._prefill`) and each
@@ -46,7 +47,8 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from accelerate.logging import get_logger
 
-from distperp_harness.run.kvcache import CacheNotShareable, cache_argument
+from distperp_harness.run.kvcache import cache_argument
+from distperp_harness.run.static_cache import StaticBuffers, _packed_gqa, kv_shapes
 from distperp_harness.run.sampling import draw, generators_for
 from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, _prefill, _Row, decode_lane
 
@@ -98,101 +100,6 @@ class DecodeState:
                 "shifts": self.shifts, "not_covered_example": self.not_covered_example}
 
 
-class _Buffers:
-    """One bucket's fixed tensors: a ``StaticCache`` of ``slots`` rows and ``capacity`` columns, and the mask."""
-
-    def __init__(self, model: torch.nn.Module, slots: int, capacity: int, shapes: Sequence[tuple],
-                 device: torch.device) -> None:
-        from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
-
-        self.slots, self.capacity = slots, capacity
-        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        if len(self.cache.layers) != len(shapes) or any(type(layer) is not StaticLayer for layer in self.cache.layers):
-            raise CacheNotShareable("/".join(sorted({type(layer).__name__ for layer in self.cache.layers})))
-        for layer, (heads, k_dim, v_dim, dtype) in zip(self.cache.layers, shapes):  # allocates, marks static
-            layer.lazy_initialization(torch.empty(slots, heads, 1, k_dim, dtype=dtype, device=device),
-                                      torch.empty(slots, heads, 1, v_dim, dtype=dtype, device=device))
-        self.allowed = torch.zeros(slots, capacity, dtype=torch.bool, device=device)
-        torch._dynamo.mark_static_address(self.allowed)
-        self.length = 0
-
-    def reset(self) -> None:
-        """Empty every slot (zeros, so nothing of an earlier lane is left), write column 0."""
-        for layer in self.cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-        self.allowed.zero_()
-        self.set_length(0)
-
-    def set_length(self, w: int) -> None:
-        """The column the next decode step writes (every layer's ``cumulative_length``)."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(w)
-        self.length = w
-
-    def write(self, slot: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], mask_row: torch.Tensor,
-              lo: int) -> None:
-        """Slot ``slot`` := one prefilled row: ``kv`` per layer ``([heads, L, dim], [heads, L, dim])`` and its
-        ``[L]`` mask, at columns ``[lo, lo + L)``; every other column of the slot masked."""
-        width = mask_row.shape[0]
-        for layer, (k, v) in zip(self.cache.layers, kv):
-            layer.keys[slot, :, lo:lo + width] = k
-            layer.values[slot, :, lo:lo + width] = v
-        self.allowed[slot] = False
-        self.allowed[slot, lo:lo + width] = mask_row.bool()
-
-    def move(self, lo: int, hi: int, offset: int) -> None:
-        """Columns ``[lo, hi)`` of every slot move by ``offset`` (in place); the columns they leave are masked."""
-        if offset == 0 or hi <= lo:
-            return
-        for layer in self.cache.layers:
-            for t in (layer.keys, layer.values):
-                t[:, :, lo + offset:hi + offset] = t[:, :, lo:hi].clone()
-        self.allowed[:, lo + offset:hi + offset] = self.allowed[:, lo:hi].clone()
-        if offset < 0:
-            self.allowed[:, max(lo, hi + offset):hi] = False
-        else:
-            self.allowed[:, lo:min(hi, lo + offset)] = False
-
-
-def _not_compiling() -> bool:
-    return False
-
-
-@contextlib.contextmanager
-def _packed_gqa():
-    """transformers' sdpa attention of one query token with grouped key/value heads reshapes the query to the
-    key/value heads (``pack_gqa``) in eager, but under dynamo repeats every cached key and value to every head
-    (``repeat_kv``): a copy of the whole static cache per layer and step, measured 1.15-1.5x slower than eager on
-    CPU. Around the compiled step its "compiling?" check answers no, so the graph takes the eager path's reshape
-    (the same value at trace time and at every call: the guard on it holds)."""
-    from transformers.integrations import sdpa_attention
-
-    before = getattr(sdpa_attention, "is_torchdynamo_compiling", None)
-    if before is None:
-        yield
-        return
-    sdpa_attention.is_torchdynamo_compiling = _not_compiling
-    try:
-        yield
-    finally:
-        sdpa_attention.is_torchdynamo_compiling = before
-
-
-def _kv_shapes(model: torch.nn.Module, device: torch.device, pad: int) -> list[tuple]:
-    """``(kv heads, key dim, value dim, dtype)`` per layer, read from a one-token forward's ``DynamicCache``."""
-    from transformers import DynamicCache
-
-    from distperp_harness.run.slots import _plain_layers
-
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([[pad]], device=device), use_cache=True, logits_to_keep=1,
-          **{cache_argument(model): cache})
-    return [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1], layer.keys.dtype)
-            for layer in _plain_layers(cache)]
-
-
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why the decode step of ``model`` is not compiled (None: it can be)."""
     impl = getattr(model.config, "_attn_implementation", None)
@@ -219,7 +126,7 @@ class StaticDecoding:
         self.arg = cache_argument(model)
         self.sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
         self._shapes: list[tuple] | None = None
-        self._buffers: dict[tuple[int, int], _Buffers] = {}  # the bucket used last (one alive: memory)
+        self._buffers: dict[tuple[int, int], StaticBuffers] = {}  # the bucket used last (one alive: memory)
         self._compiled_buckets: set[tuple[int, int]] = set()
         self._step = torch.compile(self._forward, mode=self.mode, dynamic=False, fullgraph=True)
 
@@ -246,7 +153,7 @@ class StaticDecoding:
                 with torch.no_grad(), compiling._warming(self.compile_state):  # decode steps run without grad
                     compiling.fail_for_tests("DISTPERP_TEST_DECODE_FAILURE")
                     if self._shapes is None:
-                        self._shapes = _kv_shapes(self.model, self.device, self.pad)
+                        self._shapes = kv_shapes(self.model, self.device, self.pad)
                     for slots, capacity in needed:
                         buffers = self._bucket(slots, capacity)
                         ids = torch.full((slots, 1), self.pad, dtype=torch.long, device=self.device)
@@ -282,7 +189,7 @@ class StaticDecoding:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                           logits_to_keep=1, **{self.arg: cache}).logits[:, -1, :]
 
-    def _call(self, buffers: _Buffers, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _call(self, buffers: StaticBuffers, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One compiled step (outside the warm-up: no recompiling; a step the graphs do not cover runs eager)."""
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs may be overwritten now
@@ -304,11 +211,11 @@ class StaticDecoding:
             self.state.compiled_calls += 1
         return out.clone() if self.cudagraphs else out
 
-    def _bucket(self, slots: int, capacity: int) -> _Buffers:
+    def _bucket(self, slots: int, capacity: int) -> StaticBuffers:
         key = (slots, capacity)
         if key not in self._buffers:
             self._buffers.clear()  # one bucket's tensors alive at a time
-            self._buffers[key] = _Buffers(self.model, slots, capacity, self._shapes, self.device)
+            self._buffers[key] = StaticBuffers(self.model, slots, capacity, self._shapes, self.device)
         return self._buffers[key]
 
     # ------------------------------------------------------------------ decoding
@@ -327,7 +234,7 @@ class StaticDecoding:
 
 
 @torch.no_grad()
-def decode_static(engine: StaticDecoding, buffers: _Buffers, lane: Lane, rule: StopRule, *, tokenizer,
+def decode_static(engine: StaticDecoding, buffers: StaticBuffers, lane: Lane, rule: StopRule, *, tokenizer,
                   device: torch.device, prefixes: PrefixCache | None = None, warpers=None,
                   on_done: Callable[[int, list[int]], None] | None = None,
                   around: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[list[list[int]], LaneStats]:
