@@ -13,10 +13,15 @@ Shapes (``--shapes``, comma-separated):
 
 Both models are built in-process from lm-eval's registry and called with the same ``Instance``s, alternating per
 repeat (rotated order), median of ``--repeats``. Every forward of the decoder (``base_model``) is counted on both
-sides: *decode positions* (rows of forwards of one new token), *prefill positions* (everything else, pads
+sides (``distperp-compile``: from its own statistics; a hook would be traced into the compiled step and guarded
+on): *decode positions* (rows of forwards of one new token), *prefill positions* (everything else, pads
 included). *Useful tokens*: new tokens up to and including the one that ends each row (distperp's count; a row
 of ``hf`` computes those too before its batch may stop). For every text that differs, the first differing token
 and the top-2 logit gap of the model there (a near-tie, or not) are printed.
+
+``--backends hf,distperp,distperp-compile`` adds ``compile=true`` (its texts compared with eager ``distperp``'s),
+and then one decode step is also timed bare at ``--batch-size`` rows and a ``--step-context``-token context:
+the eager engine's (a ``DynamicCache``) against the compiled static step's, alternating blocks, median.
 """
 
 from __future__ import annotations
@@ -130,20 +135,32 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
     names = list(lms)
     for repeat in range(args.repeats):
         for name in names[repeat % 2:] + names[: repeat % 2]:
-            counters[name].decode = counters[name].prefill = 0
+            if name in counters:
+                counters[name].decode = counters[name].prefill = 0
             start = time.perf_counter()
             outputs[name] = lms[name].generate_until(requests, disable_tqdm=True)
             seconds[name].append(time.perf_counter() - start)
-            work[name] = (counters[name].decode, counters[name].prefill)
+            if name in counters:
+                work[name] = (counters[name].decode, counters[name].prefill)
+            else:  # a hook inside the compiled step would be traced (and guarded on): its own statistics
+                call = lms[name].stats.calls[-1].to_dict()
+                work[name] = (call["decode_positions"], call["prefill_positions"])
     call = lms["distperp"].stats.calls[-1].to_dict()
     useful = call["generated"]
     rows = {name: {"median_s": statistics.median(t), "decode_per_useful": work[name][0] / max(1, useful),
                    "prefill": work[name][1], "tok_s": useful / statistics.median(t)} for name, t in seconds.items()}
-    diffs = [(i, first_difference(lms["distperp"], r.args[0], outputs["hf"][i], outputs["distperp"][i]))
-             for i, r in enumerate(requests) if outputs["hf"][i] != outputs["distperp"][i]]
-    return {"shape": shape, "requests": len(requests), "useful": useful, "rows": rows, "diffs": diffs,
-            "same": len(requests) - len(diffs), "lanes": call["lanes"], "slots": call["slots_max"],
-            "shared_lanes": call["shared_lanes"]}
+    base = "hf" if "hf" in lms else "distperp"
+    diffs = {name: [(i, first_difference(lms["distperp"], r.args[0], outputs[base][i], outputs[name][i]))
+                    for i, r in enumerate(requests) if outputs[base][i] != outputs[name][i]]
+             for name in lms if name != base}
+    if "distperp-compile" in lms and base == "hf":  # compiled against eager distperp
+        diffs["distperp-compile"] = [(i, first_difference(lms["distperp"], r.args[0], outputs["distperp"][i],
+                                                          outputs["distperp-compile"][i]))
+                                     for i, r in enumerate(requests)
+                                     if outputs["distperp"][i] != outputs["distperp-compile"][i]]
+    return {"base": base, "shape": shape, "requests": len(requests), "useful": useful, "rows": rows,
+            "diffs": diffs, "same": {k: len(requests) - len(v) for k, v in diffs.items()}, "lanes": call["lanes"],
+            "slots": call["slots_max"], "shared_lanes": call["shared_lanes"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backends", default="hf,distperp", help="of hf, distperp, distperp-compile")
+    parser.add_argument("--step-context", type=int, default=600, help="context of the bare decode step timing")
     args = parser.parse_args(argv)
 
     from lm_eval.api.registry import get_model
@@ -163,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     import distperp_harness._hook  # noqa: F401  (registers --model distperp)
 
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
-    lms = {name: get_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
-           for name in ("hf", "distperp")}
-    counters = {name: Counter(lm.model) for name, lm in lms.items()}
+    lms = {name: get_model(name.split("-")[0]).create_from_arg_string(
+        model_args + (",compile=true" if name.endswith("-compile") else ""), {"batch_size": args.batch_size})
+        for name in args.backends.split(",")}
+    counters = {name: Counter(lm.model) for name, lm in lms.items() if not name.endswith("-compile")}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
@@ -173,20 +193,70 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}, batch {args.batch_size}, 1 process, CPU float32, {args.repeats} alternating "
           f"repeats (median)\n")
     print("| shape | backend | decode positions per useful token | prefill positions | useful tokens/s | "
-          "median s | vs hf | texts equal |\n|---|---|---:|---:|---:|---:|---:|---:|")
+          "median s | vs first | texts equal |\n|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        for name in ("hf", "distperp"):
-            row = r["rows"][name]
+        for name in lms:
+            row, first = r["rows"][name], r["rows"][next(iter(lms))]
+            same = f"{r['same'][name]}/{r['requests']}" if name in r["same"] else ""
             print(f"| {r['shape']} ({r['requests']} prompts, {r['useful']} useful tokens) | {name} | "
                   f"{row['decode_per_useful']:.2f} | {row['prefill']:,} | {row['tok_s']:.1f} | "
-                  f"{row['median_s']:.1f} | {r['rows']['hf']['median_s'] / row['median_s']:.2f}x | "
-                  f"{r['same']}/{r['requests']} |")
+                  f"{row['median_s']:.1f} | {first['median_s'] / row['median_s']:.2f}x | {same} |")
     for r in results:
         print(f"\n{r['shape']}: distperp {r['lanes']} lane(s) of {r['slots']} slots, {r['shared_lanes']} from a "
               "shared prefix")
-        for i, where in r["diffs"]:
-            print(f"  prompt {i} differs at {where}")
+        for name, diffs in r["diffs"].items():
+            for i, where in diffs:
+                print(f"  {name}: prompt {i} differs at {where}")
+    if "distperp-compile" in lms:
+        compiled = lms["distperp-compile"]
+        print("\ncompile:", json.dumps(compiled.compiled.to_dict()["decode"]))
+        eager_ms, static_ms = step_times(lms["distperp"], compiled, args.batch_size, args.step_context)
+        print(f"bare decode step, {args.batch_size} rows, {args.step_context}-token context: eager "
+              f"{eager_ms:.1f} ms, compiled static {static_ms:.1f} ms ({eager_ms / static_ms:.2f}x)")
     return 0
+
+
+def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, blocks: int = 5
+               ) -> tuple[float, float]:
+    """Median ms of one decode step of ``rows`` rows at ``context`` cached tokens: the eager engine's forward
+    (``DynamicCache``, a ``[rows, context + 1]`` mask) and the compiled static step (its bucket compiled first),
+    alternating blocks of ``steps``."""
+    import torch
+    from transformers import DynamicCache
+
+    from distperp_harness.run.static_slots import capacity_for
+
+    model, engine = eager_lm.model, compiled_lm.static_decoding
+    capacity = capacity_for(context, 1)
+
+    class _Plan:
+        slots, longest, max_new = rows, context, 1
+
+    engine.prepare(compiled_lm.collective, [_Plan()])
+    buffers = engine._bucket(rows, capacity)
+    buffers.reset()
+    buffers.allowed[:, :context + 1] = True
+    ids = torch.full((rows, 1), 7, dtype=torch.long)
+    positions = torch.full((rows, 1), context, dtype=torch.long)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.full((rows, context), 7), use_cache=True, cache=cache)
+    mask = torch.ones((rows, context + 1), dtype=torch.long)
+    times: dict[str, list[float]] = {"eager": [], "static": []}
+    with torch.no_grad():
+        for _ in range(blocks):
+            for name in ("eager", "static"):
+                start = time.perf_counter()
+                for _ in range(steps):
+                    if name == "eager":
+                        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                              logits_to_keep=1, cache=cache)
+                        cache.crop(-1)  # the next step writes the same column again
+                    else:
+                        buffers.set_length(context)
+                        engine._call(buffers, ids, positions)
+                times[name].append((time.perf_counter() - start) / steps * 1000)
+    return statistics.median(times["eager"]), statistics.median(times["static"])
 
 
 if __name__ == "__main__":

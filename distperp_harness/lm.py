@@ -25,6 +25,7 @@ from distperp_harness.model.devices import device_identity, find_disagreement, f
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
 from distperp_harness.run.fit import check_fits
+from distperp_harness.run.static_slots import StaticDecoding
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
 from distperp_harness.model.chat import ChatTemplate
 from distperp_harness.model.given import check_given, split_given
@@ -129,6 +130,8 @@ class DistPerpLM(Tokenization, TemplateLM):
             self.options.compile_mode, [self._model, self.reference], collective=self.collective,
             rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
             pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
+        self.static_decoding = StaticDecoding(self._model, self.compiled, self._device, self.tokenizer.pad_token_id) \
+            if self.compiled.active else None  # generation's decode step, compiled per bucket of the lane plan
         self._identity: dict | None = None
         self.store = None if not self.options.resume_dir else BatchStore(
             self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
@@ -245,7 +248,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
             min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
             progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main),
-            think_end=self.options.think_end_token)
+            think_end=self.options.think_end_token, static=self.static_decoding)
         return generate(setup, [req.args for req in requests], calls=self.stats.calls,
                         identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
 

@@ -70,6 +70,7 @@ class CompileState:
     not_covered_example: str | None = None
     prepacked: Prepacked = field(default_factory=Prepacked)
     tree_mask: str | None = None
+    decode: Any = None
     _tree: Callable[[], list[str]] | None = field(default=None, repr=False)
     _graphs_at_ready: int = field(default=0, repr=False)
     _warming: bool = field(default=False, repr=False)
@@ -119,6 +120,7 @@ class CompileState:
                 "tree_mask": self.tree_mask,
                 "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls),
                 "not_covered_example": self.not_covered_example, "cache": self.cache,
+                "decode": self.decode.to_dict() if self.decode is not None else None,
                 "prepacked": {"linears": self.prepacked.linears, "bytes": self.prepacked.packed_bytes,
                               "rows_hint": self.prepacked.hint}}
 
@@ -154,6 +156,8 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
     """A layer's ``forward``: the compiled graph when it covers the call, else eager (counted)."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced inside a larger graph (the decode step): inlined, not counted
+            return eager(*args, **kwargs)
         if not state.active or _carries_cache(args, kwargs):
             state.eager_calls["kv_cache"] += 1
             return eager(*args, **kwargs)

@@ -87,6 +87,8 @@ class GenerationSetup:
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
     ``think_end``: the ``think_end_token`` (a string or a token id; :mod:`distperp_harness.run.thinking`): the answer
     is the text after the trace, and a stop string ends a row only in the answer part.
+    ``static``: with ``compile`` on, the compiled decode step (:class:`~distperp_harness.run.static_slots.
+    StaticDecoding`): ``prepare(collective, lanes)`` after planning, and its ``decode_lane`` decodes the lanes.
     """
 
     model: torch.nn.Module
@@ -101,6 +103,7 @@ class GenerationSetup:
     min_shared_tokens: int = MIN_SHARED_TOKENS
     progress: Callable[[int], Callable[[int, int], None]] | None = None
     think_end: str | int | None = None
+    static: Any = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
     planned = plan_generation(collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step)
     table, lanes, plan, seed = planned.table, planned.lanes, planned.plan, planned.seed
+    if setup.static is not None:  # compile the decode step for the plan's buckets, every rank together
+        setup.static.prepare(collective, lanes)
     jobs, me = table.jobs, collective.rank
 
     def lane_jobs(lane: LanePlan) -> list[tuple[Job, _Prepared]]:
@@ -327,10 +332,11 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
                        functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until))
             rule = StopRule.of(setup.tokenizer, first.until, _eos_ids(setup), first.max_new, allowed=allowed)
             on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
+            decode = setup.static.decode_lane if setup.static is not None else decode_lane  # compiled step or eager
             try:
                 shared, donor = shared_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
                 prefix = tuple(prompts[donor][:shared])
-                tokens, stats = decode_lane(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
+                tokens, stats = decode(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
                                             tokenizer=setup.tokenizer, device=setup.device, prefixes=prefixes,
                                             warpers=warpers, on_done=on_done, around=around)
                 texts = [answer(setup.tokenizer, t, setup.think_end, first.until) for t in tokens]

@@ -68,7 +68,8 @@ class StopRule:
 class LaneStats:
     """Work of one lane. ``prefill_positions`` counts every position run through the model before the first token
     (pads included, a shared prefix only when computed here); ``decode_positions``: rows of every decode forward;
-    ``generated``: new tokens kept (up to and including the one that ended each row)."""
+    ``generated``: new tokens kept (up to and including the one that ended each row); ``padded_positions``: free
+    slots' positions a fixed-shape decode step computed (:mod:`~distperp_harness.run.static_slots`; 0 here)."""
 
     prompts: int = 0
     prompt_tokens: int = 0
@@ -80,10 +81,11 @@ class LaneStats:
     decode_positions: int = 0
     generated: int = 0
     peak_cache_positions: int = 0
+    padded_positions: int = 0
 
     def add(self, other: "LaneStats") -> None:
         for name in ("prompts", "prompt_tokens", "prefill_forwards", "prefill_positions", "decode_forwards",
-                     "decode_positions", "generated"):
+                     "decode_positions", "generated", "padded_positions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_cache_positions = max(self.peak_cache_positions, other.peak_cache_positions)
 

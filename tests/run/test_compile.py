@@ -100,6 +100,26 @@ def test_no_recompilation_across_batches_of_other_shapes(compiled_lm, eager_mode
     assert state.compiled_calls == compiled_before + 2 * len(batches)
 
 
+GEN = [("Q: What is two plus two?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+       ("Complete the list: Monday, Tuesday,", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
+       ("The tower is 324 metres tall", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+       ("Q: What colour is the sky on a clear day?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+       ("Short.", {"max_gen_toks": 12, "do_sample": True, "temperature": 1.0})]
+
+
+def test_generation_decodes_with_the_compiled_static_step(compiled_lm, tiny_model_dir):
+    """compile=true: the lanes' decode steps run as the compiled static step (one graph per bucket, compiled when
+    the plan needs it), with the eager engine's texts (greedy and seeded)."""
+    requests = [Instance("generate_until", {}, args, i) for i, args in enumerate(GEN)]
+    texts = compiled_lm.generate_until(requests, disable_tqdm=True)
+    decode = compiled_lm.get_model_info()["distperp"]["compile"]["decode"]
+    assert decode["state"] == "compiled" and decode["graphs"] and decode["compiled_calls"] > 0
+    assert decode["eager_calls"]["not_covered"] == 0 and compiled_lm.compiled.recompilations() == 0
+    eager = make_lm(tiny_model_dir, ARGS)
+    assert eager.static_decoding is None
+    assert texts == eager.generate_until(requests, disable_tqdm=True)
+
+
 def test_compile_is_in_the_run_identity_and_resume_key(compiled_lm):
     assert compiled_lm._run_identity()["options"]["compile"] == "default"
     assert compiled_lm._scoring_config()["compiled"] == "default"
@@ -176,6 +196,7 @@ def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatc
     assert all("forward" not in m.__dict__ for layer in compiling.decoder_layers(lm.model)
                for m in layer.modules())  # eager again: layers and their linears (no packed weights)
     assert lm.get_model_info()["distperp"]["compile"]["prepacked"]["linears"] == 0
+    assert lm.static_decoding is None and lm.get_model_info()["distperp"]["compile"]["decode"] is None
     assert lm._scoring_config()["compiled"] is None  # eager bits: not the compiled run's resume key
     assert lm.get_model_info()["distperp"]["compile"]["reason"] == state.reason
     eager = make_lm(tiny_model_dir, ARGS)
@@ -189,16 +210,18 @@ def test_warmup_shapes_come_from_max_length_and_batching():
 
 @pytest.mark.distributed
 def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, tasks_dir, tmp_path):
-    """``accelerate launch`` with 2 processes and compile=true (prefix sharing on) on a tiny rolling task and a
-    multiple-choice task: every log-likelihood equals the in-process (1 process) compiled run's, bit for bit
-    (rank 1 waits for rank 0's compiles, the tree-mask graph's included, and loads its kernels from the cache)."""
+    """``accelerate launch`` with 2 processes and compile=true (prefix sharing on) on a tiny rolling task, a
+    multiple-choice task and a generation task: every log-likelihood and every text equals the in-process (1
+    process) compiled run's, bit for bit (rank 1 waits for rank 0's compiles, the tree-mask graph's and the decode
+    step's included, and loads its kernels from the cache)."""
     from helpers import accelerate_launch_prefix, load_results, load_samples, run_command
 
     args = ARGS.replace(",batch_size=4", "").replace(",share_prefix=false", "")
     out = tmp_path / "2p"
     run_command([*accelerate_launch_prefix(2), "-m", "lm_eval", "--model", "distperp", "--model_args",
                  f"pretrained={tiny_model_dir}{args},compile=true",
-                 "--tasks", "dptest_rolling,dptest_mc", "--include_path", str(tasks_dir), "--batch_size", "4",
+                 "--tasks", "dptest_rolling,dptest_mc,dptest_gen", "--include_path", str(tasks_dir),
+                 "--batch_size", "4",
                  "--log_samples", "--output_path", str(out)], cwd=tmp_path)
     info = load_results(out)["config"]["distperp"]
     assert info["world_size"] == 2 and info["compile"]["active"] and info["compile"]["recompilations"] == 0
@@ -211,3 +234,8 @@ def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, ta
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
     one_mc = compiled_tree_lm.loglikelihood(requests, disable_tqdm=True)
     assert [float(r[0][0]) for s in mc for r in s["resps"]] == [float(ll) for ll, _ in one_mc]
+    gen = load_samples(out, "dptest_gen")
+    requests = [Instance("generate_until", {}, (s["arguments"]["gen_args_0"]["arg_0"],
+                                                s["arguments"]["gen_args_0"]["arg_1"]), i) for i, s in enumerate(gen)]
+    assert [s["resps"][0][0] for s in gen] == compiled_tree_lm.generate_until(requests, disable_tqdm=True)
+    assert info["compile"]["decode"]["state"] == "compiled" and info["compile"]["decode"]["graphs"]  # rank 0's

@@ -1,0 +1,194 @@
+"""static_slots.py: the compiled fixed-shape decode step gives the eager engine's texts (greedy far from ties,
+sampled on the same seeds, stop strings with refill, EOS, a shared prefix, the full cache moved left), compiles
+once per bucket, falls back to the eager engine when compiling fails, and takes the CUDA-graph precautions
+(checked with fakes: no GPU here). One engine on the peaked tiny model (a module fixture) serves the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import sharpened_model
+
+from distperp_harness.run.compiling import CompileState, _unique_graphs
+from distperp_harness.run.sampling import warpers_for
+from distperp_harness.run.slots import Lane, StopRule, decode_lane
+from distperp_harness.run.static_slots import StaticDecoding, capacity_for, decode_mode, uses_cudagraphs
+
+CPU = torch.device("cpu")
+MAX_NEW = 20
+BUCKET = 8
+"""The tests' capacity rule: multiples of 8, so that a lane's columns fill up and move left."""
+
+
+class _One:
+    """The collective of one process."""
+
+    rank, world_size, local_rank = 0, 1, 0
+
+    def barrier(self, what):
+        pass
+
+    def all_gather_object(self, obj, what):
+        return [obj]
+
+
+class _Plan:
+    """What :meth:`StaticDecoding.prepare` reads of a lane plan."""
+
+    def __init__(self, slots, prompts, max_new=MAX_NEW):
+        self.slots, self.longest, self.max_new = slots, max(len(p) for p in prompts), max_new
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _accelerate_state():
+    from accelerate import PartialState
+
+    PartialState()
+
+
+@pytest.fixture(scope="module")
+def peaked(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = sharpened_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_static"), scale=4.0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def prompts(peaked, sample_text_path):
+    """Nine prompts of 4 to 50 tokens after a shared 25-token block."""
+    tokenizer = peaked[1]
+    words = sample_text_path.read_text(encoding="utf-8").split()
+    head = "Examples:\n" + " ".join(words[:16]) + "\nA:"
+    return [tokenizer.encode(head + " " + " ".join(words[100 + 13 * i: 100 + 13 * i + 2 + 3 * i])) for i in range(9)]
+
+
+@pytest.fixture(scope="module")
+def engine(peaked, prompts):
+    model, tokenizer = peaked
+    state = CompileState("default", active=True)
+    engine = StaticDecoding(model, state, CPU, tokenizer.pad_token_id, bucket=BUCKET)
+    engine.prepare(_One(), [_Plan(3, prompts)])
+    assert engine.active and engine.state.graphs == [f"3x{capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET)}"]
+    return engine
+
+
+def _both(engine, lane, rule, **kw):
+    model, tokenizer = engine.model, None
+    tokenizer = kw.pop("tokenizer")
+    eager, eager_stats = decode_lane(model, lane, rule, tokenizer=tokenizer, device=CPU, **kw)
+    static, stats = engine.decode_lane(model, lane, rule, tokenizer=tokenizer, device=CPU, **kw)
+    return eager, eager_stats, static, stats
+
+
+def test_capacity_buckets_and_modes():
+    assert [capacity_for(n, 20) for n in (1, 236, 237, 1000)] == [256, 256, 512, 1024]
+    assert capacity_for(101, 20, 8) == 128
+    assert decode_mode("default", torch.device("cuda", 0)) == "reduce-overhead"  # compile=true on CUDA: graphs
+    assert decode_mode("max-autotune", torch.device("cuda", 0)) == "max-autotune"
+    assert decode_mode("default", CPU) == "default" and decode_mode("reduce-overhead", CPU) == "default"
+    assert uses_cudagraphs("reduce-overhead", torch.device("cuda", 0)) and not uses_cudagraphs("default", CPU)
+    assert not uses_cudagraphs("max-autotune-no-cudagraphs", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_greedy_texts_equal_the_eager_engine_with_refill(engine, peaked, prompts, prefix):
+    tokenizer = peaked[1]
+    rule = StopRule.of(tokenizer, ["e"], [tokenizer.eos_token_id], MAX_NEW)  # "e" ends rows at different steps
+    lane = Lane(prompts, tuple(prompts[0][:20]) if prefix else (), 3)
+    calls = engine.state.compiled_calls
+    eager, eager_stats, static, stats = _both(engine, lane, rule, tokenizer=tokenizer)
+    assert static == eager and len({len(t) for t in eager}) > 2
+    assert stats.prefill_forwards == eager_stats.prefill_forwards > 3  # refilled as rows ended, as eager does
+    assert stats.decode_forwards == eager_stats.decode_forwards == engine.state.compiled_calls - calls
+    assert stats.decode_positions == eager_stats.decode_positions == stats.generated - len(prompts)
+    assert stats.padded_positions == 3 * stats.decode_forwards - stats.decode_positions > 0  # the drain
+    assert stats.prefix_computed == prefix and engine.state.eager_calls["not_covered"] == 0
+
+
+def test_eos_and_sampled_rows_keep_their_seeds(engine, peaked, prompts):
+    model, tokenizer = peaked
+    common = decode_lane(model, Lane(prompts, (), 3), StopRule.of(tokenizer, [], [], 8), tokenizer=tokenizer,
+                         device=CPU)[0]
+    eos = max(set(t for row in common for t in row[1:]), key=lambda t: sum(row.count(t) for row in common))
+    rule = StopRule.of(tokenizer, [], [eos], MAX_NEW)  # the commonest token ends rows as EOS
+    eager, _, static, _ = _both(engine, Lane(prompts, (), 3), rule, tokenizer=tokenizer)
+    assert static == eager and any(row[-1] == eos and len(row) < MAX_NEW for row in eager)
+    warpers = warpers_for(model, {"temperature": 2.0})
+    seeds = list(range(300, 309))
+    eager, _, static, _ = _both(engine, Lane(prompts, (), 3, seeds), StopRule.of(tokenizer, ["e"], [], MAX_NEW),
+                                tokenizer=tokenizer, warpers=warpers)
+    assert static == eager
+    greedy = decode_lane(model, Lane(prompts, (), 3), StopRule.of(tokenizer, ["e"], [], MAX_NEW),
+                         tokenizer=tokenizer, device=CPU)[0]
+    assert static != greedy  # they are draws
+
+
+def test_no_recompilation_across_lanes_of_one_bucket(engine, peaked, prompts):
+    tokenizer = peaked[1]
+    rule = StopRule.of(tokenizer, ["\n"], [tokenizer.eos_token_id], MAX_NEW)
+    graphs, calls = _unique_graphs(), engine.state.compiled_calls
+    longest = max(prompts, key=len)
+    for part in (prompts[5:] + [longest], prompts[::-1], [longest] + prompts[:2]):  # other lanes, the same bucket
+        engine.prepare(_One(), [_Plan(3, part)])  # nothing new to compile
+        engine.decode_lane(engine.model, Lane(part, (), 3), rule, tokenizer=tokenizer, device=CPU)
+    assert _unique_graphs() == graphs and engine.state.compiled_calls > calls
+    assert engine.state.eager_calls["not_covered"] == 0 and len(engine.state.graphs) == 1
+
+
+def test_a_full_cache_moves_left_in_place(engine, peaked, prompts):
+    tokenizer = peaked[1]
+    rule = StopRule.of(tokenizer, [], [], MAX_NEW)  # every row runs MAX_NEW tokens: the columns fill up
+    shifts = engine.state.shifts
+    lane = Lane(prompts + prompts[::-1], (), 3)  # six rounds of 20 tokens: more than the 120 columns
+    eager, _, static, stats = _both(engine, lane, rule, tokenizer=tokenizer)
+    assert static == eager and engine.state.shifts > shifts
+    assert stats.peak_cache_positions == 3 * capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET)
+
+
+def test_compile_failure_decodes_with_the_eager_engine(peaked, prompts, monkeypatch):
+    model, tokenizer = peaked
+    monkeypatch.setenv("DISTPERP_TEST_DECODE_FAILURE", "no graphs today")
+    state = CompileState("default", active=True)
+    failed = StaticDecoding(model, state, CPU, tokenizer.pad_token_id, bucket=BUCKET)
+    failed.prepare(_One(), [_Plan(3, prompts)])
+    assert not failed.active and "no graphs today" in state.to_dict()["decode"]["state"]
+    rule = StopRule.of(tokenizer, ["e"], [], MAX_NEW)
+    out, stats = failed.decode_lane(model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)
+    assert out == decode_lane(model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)[0]
+    assert stats.padded_positions == 0 and failed.state.compiled_calls == 0
+    assert failed.state.eager_calls["compile_failed"] == stats.decode_forwards > 0
+
+
+def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, prompts, monkeypatch):
+    """With CUDA graphs a replay's outputs live in the graph's pool and the next replay overwrites them: every step
+    calls ``cudagraph_mark_step_begin`` first and returns a copy of the logits (checked with a fake replay that
+    writes one output tensor every time)."""
+    tokenizer = peaked[1]
+    rule = StopRule.of(tokenizer, ["e"], [], MAX_NEW)
+    expected = decode_lane(engine.model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)[0]
+    real, pool, marks = engine._step, {}, []
+
+    def replay(*args):
+        out = real(*args)
+        return pool.setdefault("out", torch.empty_like(out)).copy_(out)
+
+    monkeypatch.setattr(engine, "_step", replay)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    buffers = engine._bucket(3, capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET))
+    buffers.reset()
+    buffers.allowed[:, 0] = True
+    ids = torch.tensor([[5], [6], [7]])
+    for graphs, kept_apart in ((False, False), (True, True)):
+        monkeypatch.setattr(engine, "cudagraphs", graphs)
+        marks.clear()
+        with torch.no_grad():
+            first = engine._call(buffers, ids, torch.zeros_like(ids))
+            saved = first.clone()
+            buffers.set_length(0)
+            engine._call(buffers, ids + 1, torch.zeros_like(ids))
+        assert torch.equal(first, saved) == kept_apart and len(marks) == (2 if graphs else 0)
+    marks.clear()
+    out, stats = engine.decode_lane(engine.model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)
+    assert out == expected and len(marks) == stats.decode_forwards > 0
