@@ -78,10 +78,13 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Sharing:
-    """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`) and the longest packed row."""
+    """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`), the longest packed row,
+    and whether a batch's rows may start from the key/value cache of their common prefix, computed once
+    (``cached_prefix``; off, each row computes it)."""
 
     mode: str = "off"
     max_row_length: int | None = None
+    cached_prefix: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
 
     planned = plan_from_records(table, sharing.mode, sharing.max_row_length, rule.attention_coef)
     batches = rule.batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
-    if sharing.mode == "prefix":
+    if sharing.mode == "prefix" and sharing.cached_prefix:
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
     if prepare is not None:
         prepare(sharing.mode == "prefix" and any(len(planned.members[r]) > 1 for b in batches if not b.shared

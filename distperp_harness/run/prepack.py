@@ -30,6 +30,13 @@ _PACKED: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN packs on this CPU: bfloat16 needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT; without them a
+    bfloat16 linear keeps its plain weight (and the eager kernel)."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return _DTYPES if bf16 is not None and bf16() else (torch.float32,)
+
+
 @torch.library.custom_op("distperp::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed by oneDNN from the packed copy of ``weight``."""
@@ -81,7 +88,7 @@ def _packable(module: torch.nn.Module) -> bool:
         return False
     params = [module.weight] + ([module.bias] if module.bias is not None else [])
     return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided and p.device.type == "cpu"
-               and p.dtype == module.weight.dtype for p in params) and module.weight.dtype in _DTYPES
+               and p.dtype == module.weight.dtype for p in params) and module.weight.dtype in packable_dtypes()
 
 
 def _linears(layers: Sequence[torch.nn.Module]) -> list[torch.nn.Linear]:

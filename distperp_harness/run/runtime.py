@@ -312,7 +312,7 @@ def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: 
                    max_length: int) -> tuple[Sharing, str | None, str | None]:
     """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any), why tree rows are off
     when a model cannot take their mask, and how the row budget was chosen (both logged on rank 0)."""
-    from distperp_harness.run.scoring import packed_rows_unsupported
+    from distperp_harness.run.scoring import cached_prefix_unsupported, packed_rows_unsupported
 
     if not share_prefix:
         return Sharing("off"), None, None
@@ -322,5 +322,7 @@ def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: 
                   "gets a row of its own", why)
         return Sharing("inputs", max_length), why, None
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
-    _log_main("tree rows of at most %d tokens (%s)", tokens, how)
-    return Sharing("prefix", tokens), None, how
+    cached = not any(cached_prefix_unsupported(m) for m in models)
+    _log_main("tree rows of at most %d tokens (%s)%s", tokens, how,
+              "" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r))
+    return Sharing("prefix", tokens, cached), None, how

@@ -343,6 +343,16 @@ _MASKABLE_TYPES = frozenset({
 })
 
 
+def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
+    """Why a batch of tree rows on ``model`` computes its rows' common prefix in every row instead of once from a
+    key/value cache (None: from the cache). flex_attention: its block mask over queries that continue a cached
+    prefix gave non-finite logits (transformers 5.24, torch 2.13, CPU), so those rows carry the prefix themselves
+    (same results, more tokens computed)."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "flex_attention":
+        return "flex_attention: each tree row computes the batch's common prefix itself (not from a cached prefix)"
+    return None
+
+
 def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
     """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
 

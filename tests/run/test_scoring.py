@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from distperp_harness.run import scoring
 from distperp_harness.planning.requests import Unit
+from distperp_harness.run.pipeline import Batching
+from distperp_harness.run.runtime import choose_sharing
 from distperp_harness.run.scoring import GREEDY, LL, N_TOKENS, REF_LL, TOP1, NonFiniteLogitsError, score_batch
 
 
@@ -382,8 +384,9 @@ def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="flex_attention on CPU compiles C++ kernels (torch inductor) and needs a C++ compiler")
 def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
-    """attn_implementation=flex_attention: the tree mask as a BlockMask, with and without a shared prefix computed
-    once; every unit equals the float64 log-softmax of its own unshared logits, greedy flags equal sdpa's."""
+    """attn_implementation=flex_attention: the tree mask as a BlockMask; every unit equals the float64 log-softmax of
+    its own unshared logits, greedy flags equal sdpa's. The batch's common prefix is computed in each row
+    (cached_prefix_unsupported), so the plan never gives a flex batch a cached prefix."""
     from distperp_harness.planning.rows import plan_rows, shared_prefix
 
     models = {impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
@@ -394,7 +397,11 @@ def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
     rows = plan_rows(units, "prefix", max_row_length=64).rows[:2]
     shared = shared_prefix(rows)
     assert shared >= 40 and all(r.packed for r in rows)
-    for prefix in (0, shared):
+    assert scoring.cached_prefix_unsupported(models["flex_attention"]) and \
+        scoring.cached_prefix_unsupported(models["sdpa"]) is None
+    sharing, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
+    assert sharing.mode == "prefix" and not sharing.cached_prefix
+    for prefix in (0,):
         out = {impl: score_batch(m, rows, device=torch.device("cpu"), pad_token_id=3, shared=prefix).stats
                for impl, m in models.items()}
         for row_stats, sdpa_stats, uid in zip(out["flex_attention"], out["sdpa"], [i for r in rows for i in r.unit_ids]):
