@@ -12,10 +12,52 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` under any import mode
 
-from helpers import OFFLINE_ENV, TASKS_DIR  # noqa: E402
+from helpers import OFFLINE_ENV, TASKS_DIR, TESTS_DIR  # noqa: E402
+
+STARTUP_DIR = TESTS_DIR / "startup"
+
+
+def _load_startup():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("distperp_tests_startup", STARTUP_DIR / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+startup = _load_startup()
 
 for _key, _value in OFFLINE_ENV.items():  # in-process loads are offline too (set before any HF import)
     os.environ.setdefault(_key, _value)
+
+
+def _index_lm_eval_tasks_once() -> None:
+    """Index lm-eval's built-in tasks once (a pickle in the temp folder, keyed by lm-eval's version and file
+    count) and have this process and every subprocess use it: see ``tests/startup/sitecustomize.py``."""
+    import hashlib
+    import pickle
+    import tempfile
+
+    import lm_eval
+    from lm_eval.tasks._index import TaskIndex
+
+    root = startup.defaults_root()
+    n_files = sum(1 for _ in root.glob("**/*.yaml"))
+    key = hashlib.sha256(f"{lm_eval.__version__}|{root}|{n_files}".encode()).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / f"distperp-tests-lm-eval-index-{key}.pickle"
+    if not cache.exists():
+        part = cache.with_name(f"{cache.name}.{os.getpid()}")
+        part.write_bytes(pickle.dumps(TaskIndex.build([root]), protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(part, cache)
+    os.environ[startup.ENV] = str(cache)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(STARTUP_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    startup.install(cache)
+
+
+_index_lm_eval_tasks_once()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,111 @@
+"""Start-up hook of the test suite's Python processes (conftest puts this folder on ``PYTHONPATH``).
+
+lm-eval's ``TaskManager`` indexes its ~14,700 built-in task YAMLs in every process it is built in: about 8 s of
+one core per rank, once per ``lm_eval`` launch, and the suite starts over a hundred such processes. The tests use
+only their own tasks and distperp's, so they index lm-eval's built-in folder once per session (conftest writes
+the result to the pickle named by ``DISTPERP_TESTS_LM_EVAL_INDEX``) and every process loads that instead of
+parsing the YAMLs again. Other folders (``--include_path``) are indexed as lm-eval does; the merge of folders
+follows ``TaskIndex.build`` (later folders override earlier ones, with lm-eval's warning). Without the variable
+nothing is installed. The package under test is untouched: this is the tests' harness, not distperp's.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import pickle
+import sys
+from pathlib import Path
+
+ENV = "DISTPERP_TESTS_LM_EVAL_INDEX"
+_MODULE = "lm_eval.tasks._index"
+
+
+def defaults_root() -> Path:
+    """lm-eval's built-in task folder (what ``TaskManager(include_defaults=True)`` indexes first)."""
+    spec = importlib.util.find_spec("lm_eval.tasks")
+    return Path(spec.origin).resolve().parent
+
+
+def patch(module, cache: Path) -> None:
+    """Make ``module.TaskIndex.build`` take lm-eval's built-in folder's index from ``cache``."""
+    original = module.TaskIndex.build
+    if getattr(original, "_distperp_tests_cached", False):
+        return
+    root_of_defaults = defaults_root()
+    log = logging.getLogger(module.__name__)
+
+    def build(paths, *, resolve_includes=True):
+        index = {}
+        for root in paths:
+            if resolve_includes and Path(root).resolve() == root_of_defaults:
+                with open(cache, "rb") as f:
+                    part = pickle.load(f)
+            else:
+                part = original([root], resolve_includes=resolve_includes)
+            for name, entry in part.items():
+                if name in index:
+                    log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                                index[name].yaml_path)
+                index[name] = entry
+        return index
+
+    build._distperp_tests_cached = True
+    build.original = original
+    module.TaskIndex.build = staticmethod(build)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, cache: Path) -> None:
+        self._inner, self._cache = inner, cache
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        patch(module, self._cache)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, cache: Path) -> None:
+        self._cache = cache
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, self._cache)
+                return spec
+        return None
+
+
+def install(cache: Path) -> None:
+    """Patch now if lm-eval's index module is loaded, else when it is first imported."""
+    if _MODULE in sys.modules:
+        patch(sys.modules[_MODULE], cache)
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder(cache))
+
+
+def _chain_next_sitecustomize() -> None:
+    """Run the ``sitecustomize`` this one shadows, if the interpreter has one further down ``sys.path``."""
+    here = str(Path(__file__).resolve().parent)
+    rest = [p for p in sys.path if p and str(Path(p).resolve()) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+if __name__ == "sitecustomize":  # run by the interpreter at start-up (conftest loads it under another name)
+    if os.environ.get(ENV):
+        install(Path(os.environ[ENV]))
+    _chain_next_sitecustomize()
