@@ -72,6 +72,21 @@ SHAPES = {
 }
 
 
+def cpu_and_peak(step):
+    """``(CPU seconds: the median of 3 untraced runs, peak traced bytes, result)`` of ``step()``; the traced run
+    that gives the peak and the result is not timed (tracing slows it)."""
+    cpu = []
+    for _ in range(3):
+        t = time.process_time()
+        step()
+        cpu.append(time.process_time() - t)
+    tracemalloc.start()
+    result = step()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return sorted(cpu)[1], peak, result
+
+
 def subtask_docs(shape: Shape) -> list[int]:
     """Documents per subtask (uneven, as MMLU's subjects are), summing to ``shape.docs``."""
     rng = np.random.default_rng(1)
@@ -132,16 +147,7 @@ def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) ->
         _, expect_results = result_routes(table, unit_batch, owner, 0, world)
         return table, batches, expect_tokens, expect_results
 
-    cpu = []
-    for _ in range(3):  # CPU seconds: the median of 3, untraced
-        t = time.process_time()
-        start_up()
-        cpu.append(time.process_time() - t)
-    cpu = sorted(cpu)[1]
-    tracemalloc.start()  # peak memory: a traced run (tracing slows it, so it is not timed)
-    table, batches, expect_tokens, expect_results = start_up()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    cpu, peak, (table, batches, expect_tokens, expect_results) = cpu_and_peak(start_up)
     lengths = table.units["length"].astype(np.int64)
     token_in = 0  # the messages rank 0 receives, as its senders encode them
     for source, ids in enumerate(expect_tokens):

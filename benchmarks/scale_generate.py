@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-import tracemalloc
 from dataclasses import dataclass, replace as dataclasses_replace
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from distperp_harness.run.jobs import (JOB, JobTable, decode_jobs, encode_jobs, 
                                        lane_destinations)
 from distperp_harness.run.lanes import plan_lanes  # noqa: E402
 from distperp_harness.run.routing import _front_coded, token_routes  # noqa: E402
+from scale import cpu_and_peak  # noqa: E402  (benchmarks/ is this script's folder)
 
 TOKEN_BUDGET = 262_144  # KV tokens the slots of a lane may hold (an 8B model on an 80 GB GPU, roughly)
 
@@ -113,15 +112,7 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
         _, expect = token_routes(table.prompts, lane_destinations(table, lane_of_job, ranks), 0, world)
         return table, lanes, plan, expect
 
-    cpu = []
-    for _ in range(3):  # CPU seconds: the median of 3, untraced
-        t = time.process_time()
-        start_up()
-        cpu.append(time.process_time() - t)
-    tracemalloc.start()
-    table, lanes, plan, expect = start_up()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    cpu, peak, (table, lanes, plan, expect) = cpu_and_peak(start_up)
     tokens_in = 0
     for source, ids in enumerate(expect):
         if len(ids):
@@ -133,7 +124,7 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
     return {"shape": shape.name, "world": world, "jobs": len(table), "lanes": len(lanes),
             "prompt_mtok": (all_tokens + len(own.tokens)) / 1e6, "records_mb": records_in / 1e6,
             "tokens_mb": tokens_in / 1e6, "received_mb": (records_in + tokens_in) / 1e6,
-            "all_gather_mb": 4 * all_tokens / 1e6, "peak_mb": peak / 1e6, "cpu_s": sorted(cpu)[1],
+            "all_gather_mb": 4 * all_tokens / 1e6, "peak_mb": peak / 1e6, "cpu_s": cpu,
             "own_lanes": sum(1 for o in plan.owner if o == 0)}
 
 

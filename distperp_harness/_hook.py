@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from types import ModuleType
+from typing import Callable
 
 _TARGET_MODULE = "lm_eval.api.registry"
 
@@ -27,39 +29,50 @@ def register(registry_module) -> None:
         registry.register(MODEL_NAME, target=MODEL_TARGET)
 
 
-class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self._inner = inner
+class _AfterExecLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, after: Callable[[ModuleType], None]) -> None:
+        self._inner, self._after = inner, after
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._inner.exec_module(module)
-        register(module)
+        self._after(module)
 
 
-class _RegistryFinder(importlib.abc.MetaPathFinder):
+class AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Lets module ``fullname`` be found and loaded by the finders behind it, then calls ``after(module)``."""
+
+    def __init__(self, fullname: str, after: Callable[[ModuleType], None]) -> None:
+        self.fullname, self.after = fullname, after
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET_MODULE:
+        if fullname != self.fullname:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _RegisteringLoader(spec.loader)
+                spec.loader = _AfterExecLoader(spec.loader, self.after)
                 return spec
         return None
 
 
+def after_import(fullname: str, after: Callable[[ModuleType], None]) -> None:
+    """Call ``after(module)`` on module ``fullname``: now if it is loaded, else once it is first imported
+    (idempotent for one ``(fullname, after)`` pair). Stdlib only: safe at interpreter start-up."""
+    if fullname in sys.modules:
+        after(sys.modules[fullname])
+    elif not any(isinstance(f, AfterImportFinder) and f.fullname == fullname and f.after is after
+                 for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImportFinder(fullname, after))
+
+
 def install() -> None:
-    """Put the finder on ``sys.meta_path``; register at once if lm-eval's registry is already loaded."""
-    if _TARGET_MODULE in sys.modules:
-        register(sys.modules[_TARGET_MODULE])
-        return
-    if not any(isinstance(f, _RegistryFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegistryFinder())
+    """Register ``distperp`` once lm-eval's registry is loaded (at once if it already is)."""
+    after_import(_TARGET_MODULE, register)
 
 
 install()

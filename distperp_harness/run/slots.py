@@ -179,10 +179,7 @@ def decode_lane(model: torch.nn.Module, lane: Lane, rule: StopRule, *, tokenizer
     rows: list[_Row] = []
     cache, mask = None, None  # the running batch: DynamicCache, [rows, columns] long
 
-    def choose(logits: torch.Tensor, batch_rows: Sequence[_Row]) -> list[int]:
-        if lane.seeds is None:
-            return logits.argmax(-1).tolist()
-        return draw(warpers, logits, [r.generator for r in batch_rows]).tolist()
+    choose, ended = row_rules(lane, rule, decode, warpers, out, on_done)
 
     def finish(keep: list[int]) -> None:
         nonlocal cache, mask, rows
@@ -200,46 +197,23 @@ def decode_lane(model: torch.nn.Module, lane: Lane, rule: StopRule, *, tokenizer
             layer.keys = layer.keys.index_select(0, index)[:, :, first:]
             layer.values = layer.values.index_select(0, index)[:, :, first:]
 
-    def ended(row: _Row) -> bool:
-        if rule.done(row.tokens, decode):
-            out[row.job] = row.tokens
-            if on_done is not None:
-                on_done(row.job, row.tokens)
-            return True
-        return False
-
     while queue or rows:
         admitted = [_Row(queue.pop()) for _ in range(min(lane.slots - len(rows), len(queue)))]
-        if admitted:  # rows continuing the prefix first, then rows prefilled whole: one forward each
-            groups = [[r for r in admitted if lane.uses_prefix(r.job)], [r for r in admitted
-                                                                       if not lane.uses_prefix(r.job)]]
-            for group, shared in zip(groups, (len(lane.prefix), 0)):
-                if not group:
-                    continue
-                with around():
-                    new_cache, new_mask, logits = _prefill(model, arg, [lane.prompts[r.job] for r in group], shared,
-                                                           prefix_kv, pad, device, stats)
-                if lane.seeds is not None:
-                    for r, g in zip(group, generators_for([lane.seeds[r.job] for r in group], device)):
-                        r.generator = g
-                for r, token in zip(group, choose(logits, group)):
-                    r.tokens.append(token)
-                keep = [i for i, r in enumerate(group) if not ended(r)]
-                if not keep:
-                    continue
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                new_mask = new_mask.index_select(0, index)
-                new_layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                              for layer in new_cache.layers]
-                if cache is None:
-                    cache, mask, rows = new_cache, new_mask, [group[i] for i in keep]
-                    for layer, (k, v) in zip(cache.layers, new_layers):
-                        layer.keys, layer.values = k, v
-                else:
-                    mask = _join(mask, new_mask)
-                    for layer, (k, v) in zip(cache.layers, new_layers):
-                        layer.keys, layer.values = _join(layer.keys, k), _join(layer.values, v)
-                    rows = rows + [group[i] for i in keep]
+        for group, new_cache, new_mask, keep in admit(model, arg, lane, admitted, prefix_kv, pad, device, stats,
+                                                      around, choose, ended):
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            new_mask = new_mask.index_select(0, index)
+            new_layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                          for layer in new_cache.layers]
+            if cache is None:
+                cache, mask, rows = new_cache, new_mask, [group[i] for i in keep]
+                for layer, (k, v) in zip(cache.layers, new_layers):
+                    layer.keys, layer.values = k, v
+            else:
+                mask = _join(mask, new_mask)
+                for layer, (k, v) in zip(cache.layers, new_layers):
+                    layer.keys, layer.values = _join(layer.keys, k), _join(layer.values, v)
+                rows = rows + [group[i] for i in keep]
         if not rows:
             continue
         positions = mask.sum(1, keepdim=True)  # each row's next position: the tokens it holds
@@ -273,6 +247,53 @@ def _join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     return torch.cat([left(a), left(b)], 0)
 
+
+
+def row_rules(lane: Lane, rule: StopRule, decode, warpers, out: list,
+              on_done: Callable[[int, list[int]], None] | None):
+    """The per-row rules every engine shares: ``choose(logits, rows)`` is each row's next token (argmax, or drawn
+    with the row's own generator in a sampled lane); ``ended(row)`` says whether the row is done by ``rule`` and,
+    if so, records its tokens in ``out[row.job]`` and calls ``on_done(row.job, tokens)``."""
+
+    def choose(logits: torch.Tensor, batch_rows: Sequence[_Row]) -> list[int]:
+        if lane.seeds is None:
+            return logits.argmax(-1).tolist()
+        return draw(warpers, logits, [r.generator for r in batch_rows]).tolist()
+
+    def ended(row: _Row) -> bool:
+        if rule.done(row.tokens, decode):
+            out[row.job] = row.tokens
+            if on_done is not None:
+                on_done(row.job, row.tokens)
+            return True
+        return False
+
+    return choose, ended
+
+
+def admit(model: torch.nn.Module, arg: str, lane: Lane, admitted: Sequence[_Row], prefix_kv, pad: int,
+          device: torch.device, stats: LaneStats, around: Callable[[], ContextManager],
+          choose: Callable[[torch.Tensor, Sequence[_Row]], list[int]], ended: Callable[[_Row], bool]):
+    """Prefill rows joining a lane: those continuing the lane's prefix first, then those prefilled whole, one
+    forward per group. Sampled rows get their generators, every row its first token (``choose``), and rows that
+    already ended (``ended``) are dropped. Yields ``(group, cache, mask, keep)`` per group with a row still
+    running: ``cache``/``mask`` hold the whole group, ``keep`` the indices of its running rows.
+    """
+    groups = [[r for r in admitted if lane.uses_prefix(r.job)], [r for r in admitted if not lane.uses_prefix(r.job)]]
+    for group, shared in zip(groups, (len(lane.prefix), 0)):
+        if not group:
+            continue
+        with around():
+            new_cache, new_mask, logits = _prefill(model, arg, [lane.prompts[r.job] for r in group], shared,
+                                                   prefix_kv, pad, device, stats)
+        if lane.seeds is not None:
+            for r, g in zip(group, generators_for([lane.seeds[r.job] for r in group], device)):
+                r.generator = g
+        for r, token in zip(group, choose(logits, group)):
+            r.tokens.append(token)
+        keep = [i for i, r in enumerate(group) if not ended(r)]
+        if keep:
+            yield group, new_cache, new_mask, keep
 
 def _prefill(model: torch.nn.Module, arg: str, prompts: Sequence[Sequence[int]], shared: int, prefix_kv,
              pad: int, device: torch.device, stats: LaneStats):

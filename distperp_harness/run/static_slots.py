@@ -10,7 +10,7 @@ to a multiple of :data:`BUCKET`, so few shapes compile), and a boolean ``[S, C]`
 (:class:`~distperp_harness.run.static_cache.StaticBuffers`) of the columns each slot
 attends to. Rows are right-aligned at one write column ``w`` shared by all slots (like the eager engine's batch):
 
-* **admit**: prompts are prefilled eager (variable shapes; :func:`~distperp_harness.run.slots._prefill`) and each
+* **admit**: prompts are prefilled eager (variable shapes; :func:`~distperp_harness.run.slots.admit`) and each
   kept row's prefill key/value columns (keys rotated with its own positions) and mask are copied **in place** into
   its slot's columns ``[w - L, w)`` (the lowest free slot; ``L`` the prefill's width; when ``w < L`` the live
   columns first move right to make room);
@@ -49,8 +49,7 @@ from accelerate.logging import get_logger
 
 from distperp_harness.run.kvcache import cache_argument
 from distperp_harness.run.static_cache import StaticBuffers, _packed_gqa, kv_shapes
-from distperp_harness.run.sampling import draw, generators_for
-from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, _prefill, _Row, decode_lane
+from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, _Row, admit, decode_lane, row_rules
 
 log = get_logger(__name__)
 
@@ -255,18 +254,7 @@ def decode_static(engine: StaticDecoding, buffers: StaticBuffers, lane: Lane, ru
     buffers.reset()
     w = 0  # the column the next step writes
 
-    def choose(logits: torch.Tensor, batch_rows: Sequence[_Row]) -> list[int]:
-        if lane.seeds is None:
-            return logits.argmax(-1).tolist()
-        return draw(warpers, logits, [r.generator for r in batch_rows]).tolist()
-
-    def ended(row: _Row) -> bool:
-        if rule.done(row.tokens, decode):
-            out[row.job] = row.tokens
-            if on_done is not None:
-                on_done(row.job, row.tokens)
-            return True
-        return False
+    choose, ended = row_rules(lane, rule, decode, warpers, out, on_done)
 
     def live() -> list[int]:
         return [s for s in range(slots) if rows[s] is not None]
@@ -274,22 +262,8 @@ def decode_static(engine: StaticDecoding, buffers: StaticBuffers, lane: Lane, ru
     while queue or any(r is not None for r in rows):
         free = [s for s in range(slots) if rows[s] is None]
         admitted = [_Row(queue.pop()) for _ in range(min(len(free), len(queue)))]
-        groups = [[r for r in admitted if lane.uses_prefix(r.job)], [r for r in admitted
-                                                                   if not lane.uses_prefix(r.job)]]
-        for group, shared in zip(groups, (len(lane.prefix), 0)):
-            if not group:
-                continue
-            with around():
-                new_cache, new_mask, logits = _prefill(model, engine.arg, [lane.prompts[r.job] for r in group],
-                                                       shared, prefix_kv, pad, device, stats)
-            if lane.seeds is not None:
-                for r, g in zip(group, generators_for([lane.seeds[r.job] for r in group], device)):
-                    r.generator = g
-            for r, token in zip(group, choose(logits, group)):
-                r.tokens.append(token)
-            keep = [i for i, r in enumerate(group) if not ended(r)]
-            if not keep:
-                continue
+        for group, new_cache, new_mask, keep in admit(model, engine.arg, lane, admitted, prefix_kv, pad, device,
+                                                      stats, around, choose, ended):
             width = new_mask.shape[1]
             if w < width:  # room on the left for the new rows: the live columns move right
                 running = live()

@@ -11,7 +11,7 @@ nothing is installed. The package under test is untouched: this is the tests' ha
 
 from __future__ import annotations
 
-import importlib.abc
+import functools
 import importlib.machinery
 import importlib.util
 import logging
@@ -58,41 +58,12 @@ def patch(module, cache: Path) -> None:
     module.TaskIndex.build = staticmethod(build)
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, cache: Path) -> None:
-        self._inner, self._cache = inner, cache
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._inner.exec_module(module)
-        patch(module, self._cache)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, cache: Path) -> None:
-        self._cache = cache
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, self._cache)
-                return spec
-        return None
-
-
 def install(cache: Path) -> None:
-    """Patch now if lm-eval's index module is loaded, else when it is first imported."""
-    if _MODULE in sys.modules:
-        patch(sys.modules[_MODULE], cache)
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder(cache))
+    """Patch now if lm-eval's index module is loaded, else when it is first imported (distperp's own
+    after-import finder, the one that registers ``--model distperp``)."""
+    from distperp_harness._hook import after_import
+
+    after_import(_MODULE, functools.partial(patch, cache=cache))
 
 
 def _chain_next_sitecustomize() -> None:
