@@ -34,26 +34,35 @@ for _key, _value in OFFLINE_ENV.items():  # in-process loads are offline too (se
 
 
 def _index_lm_eval_tasks_once() -> None:
-    """Index lm-eval's built-in tasks once (a pickle in the temp folder, keyed by lm-eval's version and file
-    count) and have this process and every subprocess use it: see ``tests/startup/sitecustomize.py``."""
+    """Index lm-eval's built-in tasks once and have this process and every subprocess use it (see
+    ``tests/startup/sitecustomize.py``). The pickle lives in a folder of this user's (mode 0700), keyed by every
+    built-in YAML's path, size and mtime, lm-eval's indexing code and PyYAML's version: any change builds anew."""
     import hashlib
     import pickle
-    import tempfile
 
-    import lm_eval
-    from lm_eval.tasks._index import TaskIndex
+    import yaml
+    from lm_eval.tasks import _index, _yaml_loader
 
     root = startup.defaults_root()
-    n_files = sum(1 for _ in root.glob("**/*.yaml"))
-    key = hashlib.sha256(f"{lm_eval.__version__}|{root}|{n_files}".encode()).hexdigest()[:16]
-    cache = Path(tempfile.gettempdir()) / f"distperp-tests-lm-eval-index-{key}.pickle"
+    key = hashlib.sha256(f"{root}|{yaml.__version__}".encode())
+    for path in sorted([*root.glob("**/*.yaml"), Path(_index.__file__), Path(_yaml_loader.__file__)]):
+        stat = path.stat()
+        key.update(f"|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    folder = Path.home() / ".cache" / "distperp-tests"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cache = folder / f"lm-eval-index-{key.hexdigest()[:24]}.pickle"
     if not cache.exists():
+        build = getattr(_index.TaskIndex.build, "original", _index.TaskIndex.build)  # lm-eval's own
         part = cache.with_name(f"{cache.name}.{os.getpid()}")
-        part.write_bytes(pickle.dumps(TaskIndex.build([root]), protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(part, cache)
+        try:
+            part.write_bytes(pickle.dumps(build([root]), protocol=pickle.HIGHEST_PROTOCOL))
+            os.replace(part, cache)
+        finally:
+            part.unlink(missing_ok=True)
     os.environ[startup.ENV] = str(cache)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(STARTUP_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and os.path.abspath(p) != str(STARTUP_DIR)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIR), *inherited])
     startup.install(cache)
 
 

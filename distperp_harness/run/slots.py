@@ -248,7 +248,6 @@ def _join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([left(a), left(b)], 0)
 
 
-
 def row_rules(lane: Lane, rule: StopRule, decode, warpers, out: list,
               on_done: Callable[[int, list[int]], None] | None):
     """The per-row rules every engine shares: ``choose(logits, rows)`` is each row's next token (argmax, or drawn
@@ -277,7 +276,9 @@ def admit(model: torch.nn.Module, arg: str, lane: Lane, admitted: Sequence[_Row]
     """Prefill rows joining a lane: those continuing the lane's prefix first, then those prefilled whole, one
     forward per group. Sampled rows get their generators, every row its first token (``choose``), and rows that
     already ended (``ended``) are dropped. Yields ``(group, cache, mask, keep)`` per group with a row still
-    running: ``cache``/``mask`` hold the whole group, ``keep`` the indices of its running rows.
+    running: ``cache``/``mask`` hold the whole group, ``keep`` the indices of its running rows. Lazy: a group is
+    prefilled only when the previous one has been taken, so consume each in the loop that yields it (a running
+    batch written from group 1 is what group 2 joins), never ``list()`` it.
     """
     groups = [[r for r in admitted if lane.uses_prefix(r.job)], [r for r in admitted if not lane.uses_prefix(r.job)]]
     for group, shared in zip(groups, (len(lane.prefix), 0)):
@@ -294,6 +295,7 @@ def admit(model: torch.nn.Module, arg: str, lane: Lane, admitted: Sequence[_Row]
         keep = [i for i, r in enumerate(group) if not ended(r)]
         if keep:
             yield group, new_cache, new_mask, keep
+
 
 def _prefill(model: torch.nn.Module, arg: str, prompts: Sequence[Sequence[int]], shared: int, prefix_kv,
              pad: int, device: torch.device, stats: LaneStats):

@@ -2,8 +2,8 @@
 
 lm-eval's ``TaskManager`` indexes its ~14,700 built-in task YAMLs in every process it is built in: about 8 s of
 one core per rank, once per ``lm_eval`` launch, and the suite starts over a hundred such processes. The tests use
-only their own tasks and distperp's, so they index lm-eval's built-in folder once per session (conftest writes
-the result to the pickle named by ``DISTPERP_TESTS_LM_EVAL_INDEX``) and every process loads that instead of
+only their own tasks and distperp's, so they index lm-eval's built-in folder once (conftest writes the result to
+the pickle named by ``DISTPERP_TESTS_LM_EVAL_INDEX``, rebuilt whenever lm-eval's files change) and every process loads that instead of
 parsing the YAMLs again. Other folders (``--include_path``) are indexed as lm-eval does; the merge of folders
 follows ``TaskIndex.build`` (later folders override earlier ones, with lm-eval's warning). Without the variable
 nothing is installed. The package under test is untouched: this is the tests' harness, not distperp's.
@@ -25,25 +25,31 @@ _MODULE = "lm_eval.tasks._index"
 
 
 def defaults_root() -> Path:
-    """lm-eval's built-in task folder (what ``TaskManager(include_defaults=True)`` indexes first)."""
+    """lm-eval's built-in task folder, spelled as ``TaskManager`` spells it (``Path(manager.__file__).parent``,
+    not resolved: the entries' ``yaml_path`` must be lm-eval's own)."""
     spec = importlib.util.find_spec("lm_eval.tasks")
-    return Path(spec.origin).resolve().parent
+    return Path(spec.origin).parent
 
 
 def patch(module, cache: Path) -> None:
-    """Make ``module.TaskIndex.build`` take lm-eval's built-in folder's index from ``cache``."""
-    original = module.TaskIndex.build
-    if getattr(original, "_distperp_tests_cached", False):
+    """Make ``module.TaskIndex.build`` take lm-eval's built-in folder's index from ``cache`` (if it is patched
+    already, only the cache changes). The patched function keeps ``original`` (lm-eval's) and counts the folders
+    it served from the cache in ``hits``."""
+    current = module.TaskIndex.build
+    if hasattr(current, "original"):
+        current.cache = cache
         return
-    root_of_defaults = defaults_root()
+    original = current
+    root_of_defaults = defaults_root().resolve()
     log = logging.getLogger(module.__name__)
 
     def build(paths, *, resolve_includes=True):
         index = {}
         for root in paths:
             if resolve_includes and Path(root).resolve() == root_of_defaults:
-                with open(cache, "rb") as f:
+                with open(build.cache, "rb") as f:
                     part = pickle.load(f)
+                build.hits += 1
             else:
                 part = original([root], resolve_includes=resolve_includes)
             for name, entry in part.items():
@@ -53,8 +59,7 @@ def patch(module, cache: Path) -> None:
                 index[name] = entry
         return index
 
-    build._distperp_tests_cached = True
-    build.original = original
+    build.original, build.cache, build.hits = original, cache, 0
     module.TaskIndex.build = staticmethod(build)
 
 
@@ -77,6 +82,9 @@ def _chain_next_sitecustomize() -> None:
 
 
 if __name__ == "sitecustomize":  # run by the interpreter at start-up (conftest loads it under another name)
-    if os.environ.get(ENV):
-        install(Path(os.environ[ENV]))
     _chain_next_sitecustomize()
+    if os.environ.get(ENV):
+        try:
+            install(Path(os.environ[ENV]))
+        except Exception as exc:  # the process still runs, parsing lm-eval's YAMLs itself
+            print(f"tests/startup: lm-eval's task index is not cached here: {exc!r}", file=sys.stderr)
