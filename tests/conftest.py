@@ -32,41 +32,7 @@ startup = _load_startup()
 for _key, _value in OFFLINE_ENV.items():  # in-process loads are offline too (set before any HF import)
     os.environ.setdefault(_key, _value)
 
-
-def _index_lm_eval_tasks_once() -> None:
-    """Index lm-eval's built-in tasks once and have this process and every subprocess use it (see
-    ``tests/startup/sitecustomize.py``). The pickle lives in a folder of this user's (mode 0700), keyed by every
-    built-in YAML's path, size and mtime, lm-eval's indexing code and PyYAML's version: any change builds anew."""
-    import hashlib
-    import pickle
-
-    import yaml
-    from lm_eval.tasks import _index, _yaml_loader
-
-    root = startup.defaults_root()
-    key = hashlib.sha256(f"{root}|{yaml.__version__}".encode())
-    for path in sorted([*root.glob("**/*.yaml"), Path(_index.__file__), Path(_yaml_loader.__file__)]):
-        stat = path.stat()
-        key.update(f"|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    folder = Path.home() / ".cache" / "distperp-tests"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    cache = folder / f"lm-eval-index-{key.hexdigest()[:24]}.pickle"
-    if not cache.exists():
-        build = getattr(_index.TaskIndex.build, "original", _index.TaskIndex.build)  # lm-eval's own
-        part = cache.with_name(f"{cache.name}.{os.getpid()}")
-        try:
-            part.write_bytes(pickle.dumps(build([root]), protocol=pickle.HIGHEST_PROTOCOL))
-            os.replace(part, cache)
-        finally:
-            part.unlink(missing_ok=True)
-    os.environ[startup.ENV] = str(cache)
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                 if p and os.path.abspath(p) != str(STARTUP_DIR)]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIR), *inherited])
-    startup.install(cache)
-
-
-_index_lm_eval_tasks_once()
+startup.activate()  # lm-eval's built-in task index: built once, used by this process and every subprocess
 
 
 @pytest.fixture(scope="session")
