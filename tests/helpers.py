@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -135,6 +138,77 @@ def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node:
     for p in start_two_nodes(args, cwd=cwd, per_node=per_node):
         output, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, output[-3000:]
+
+
+class LaunchOutputs:
+    """Every launcher's combined output, read as it comes (progress bars end lines with \\r, not \\n), and the
+    moment a text first appeared in it."""
+
+    def __init__(self, procs):
+        self.procs, self.texts, self.first_seen = procs, ["" for _ in procs], {}
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._pump, args=(i,), daemon=True) for i in range(len(procs))]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, i):
+        fd = self.procs[i].stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            with self._lock:
+                self.texts[i] += chunk.decode("utf-8", errors="replace")
+
+    def wait_for(self, text, timeout):
+        """The moment ``text`` appeared in some output (fails the test after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if any(text in t for t in self.texts):
+                    return self.first_seen.setdefault(text, time.monotonic())
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"{text!r} never appeared:\n" + "\n".join(t[-3000:] for t in self.texts))
+
+    def wait_all(self, timeout):
+        """Wait until every launcher exited; return the moment the last one did."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail("a launcher did not exit in time:\n" + "\n".join(t[-3000:] for t in self.texts))
+        end = time.monotonic()
+        for t in self._threads:
+            t.join(10)
+        return end
+
+    def kill(self):
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.kill_node(i)
+
+    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to launcher ``i`` and every process under it at once, as a lost machine would end them
+        (torch's launcher starts each worker in a session of its own: a process-group kill misses them)."""
+        for pid in [*self.workers(i).values(), self.procs[i].pid]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def workers(self, i: int) -> dict[int, int]:
+        """``{global rank: pid}`` of the workers launcher ``i`` started (read from their environment)."""
+        import psutil
+
+        found = {}
+        for child in psutil.Process(self.procs[i].pid).children(recursive=True):
+            try:
+                rank = child.environ().get("RANK")
+            except psutil.Error:
+                continue
+            if rank is not None:
+                found[int(rank)] = child.pid
+        return found
 
 
 def lm_eval_command(args: Sequence[str], *, num_processes: int | None = None) -> list[str]:

@@ -40,6 +40,7 @@ import torch
 from distperp_harness.distributed import failfast
 from distperp_harness.distributed.controlplane import control_group as _control_group
 from distperp_harness.distributed.failfast import start_watch, stop_watch
+from distperp_harness.distributed.liveness import describe_ranks
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, store_gone
 
 __all__ = ["Collective", "CollectiveError", "default_store"]
@@ -72,7 +73,7 @@ class Collective:
         if self.distributed:
             self._group = _control_group(self.rank, self.world_size, timeout_s)
             _watch_for_failure()
-            start_watch(default_store(), self.rank, self.world_size)  # a failing peer stops this rank (failfast)
+            start_watch(default_store(), self.rank, self.world_size, timeout_s)  # failing or lost peers stop it
             atexit.register(_leave_group, timeout_s, self._group)
 
     @property
@@ -187,7 +188,7 @@ class Collective:
         try:
             work = op()
             if work is not None:
-                work.wait()
+                work.wait(timedelta(seconds=self.timeout_s))  # the backend's own bound, stated once more here
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError variants
             raise CollectiveError(self._explain(name, key, store, exc)) from exc
 
@@ -201,7 +202,7 @@ class Collective:
             except Exception:  # noqa: BLE001 - the store went away during the collective
                 store = None
         if missing:
-            who = f"rank(s) {missing} never arrived (died, hung, or were killed)"
+            who = f"rank(s) {missing} never arrived: {describe_ranks(store, missing)}"
         elif store is None:
             who = store_gone(self.rank)
         else:
@@ -225,6 +226,7 @@ def naming_failures(collective, active: bool) -> Iterator[None]:
 
 
 _FAILED = False
+_EXIT_CODE = 1
 _STEPS = itertools.count(1)
 """Collective numbers, process-wide: a second model instance in one process group (``sweep``) must not reuse the
 store keys of the first (arrival marks, claimed batches)."""
@@ -238,8 +240,9 @@ def _watch_for_failure() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
-        global _FAILED
+        global _FAILED, _EXIT_CODE
         _FAILED = True
+        _EXIT_CODE = 130 if issubclass(kind, KeyboardInterrupt) else 1  # a shell's code for Ctrl-C
         previous(kind, value, traceback)
         failfast.uncaught(value)
 
@@ -260,12 +263,27 @@ def _leave_group(timeout_s: float, group: Any) -> None:
     try:
         if _FAILED or not dist.is_initialized():
             stop_watch(wait_s=2.0)  # the watch thread must not be inside a store call at finalization
-            return  # failing: leave at once, so the peers' collectives fail fast instead of waiting here
+            if _FAILED:
+                _leave_now()  # failing: no destructor may wait on a lost peer (an NCCL group's can, for minutes)
+            return
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(timeout_s, 60.0)), wait_all_ranks=True)
         stop_watch()  # before the store goes away, and before the interpreter ends daemon threads
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
+
+
+def _leave_now() -> None:
+    """End a failing process now (exit code 1; 130 after Ctrl-C), after flushing its output: the interpreter's finalization would run
+    the process groups' destructors, and one that waits for a peer that is gone (NCCL's, or gloo's with work in
+    flight) would hold the process past every ``timeout``. Nothing is left to write: results are written only
+    after the last collective, which did not happen."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(_EXIT_CODE)
 
 
 def _pickled(obj: Any) -> np.ndarray:

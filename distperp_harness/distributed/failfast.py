@@ -42,7 +42,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from distperp_harness.distributed.controlplane import host_name
+from distperp_harness.distributed import liveness
+from distperp_harness.distributed.controlplane import bound_address, host_name
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, \
     private_client, store_gone
 from distperp_harness.distributed.testfaults import inject
@@ -50,6 +51,8 @@ from distperp_harness.distributed.testfaults import inject
 FAILURE_KEY = "distperp/failure"
 ACK_KEY = "distperp/failure_acks"
 DONE_KEY = "distperp/failure_done"
+LOST = b"lost"
+"""The value of :data:`DONE_KEY` with a liveness record: no traceback follows, and some ranks never acknowledge."""
 POLL_S = 1.0
 ACK_WAIT_S = 10.0
 DONE_WAIT_S = 3.0
@@ -106,15 +109,34 @@ def read(store: Any) -> str | None:
     return None
 
 
-def stop_message(rank: int, record: str) -> str:
-    return (f"distperp: rank {rank} stops because {record}. Every rank of the run stops; the evaluation is "
+def stop_message(rank: int, record: str, stage: str | None = None) -> str:
+    here = f" (rank {rank} was {stage})" if stage else ""
+    return (f"distperp: rank {rank} stops because {record}{here}. Every rank of the run stops; the evaluation is "
             f"incomplete and no results were written.")
+
+
+_STAGES: list[str] = []
+_BASE_STAGE = ["starting (checks, loading and preparing the model)"]
+
+
+def current_stage() -> str:
+    """What this process's main thread is doing: the innermost :func:`stop_together` stage, else the base stage
+    (:func:`set_base_stage`)."""
+    return _STAGES[-1] if _STAGES else _BASE_STAGE[0]
+
+
+def set_base_stage(stage: str) -> None:
+    """The stage outside every :func:`stop_together` block (starting; then lm-eval's own code)."""
+    _BASE_STAGE[0] = stage
 
 
 class FailureWatch:
     """Daemon thread on a private connection to ``store``: when a peer's failure record appears, print it,
     acknowledge, ``on_failure(message)`` (default: wait for the failing rank's traceback, then ``os._exit(1)``);
-    when the store is unreachable for ``gone_after`` polls in a row, ``on_failure`` with the store-gone message."""
+    when the store is unreachable for ``gone_after`` polls in a row, ``on_failure`` with the store-gone message.
+    With a :class:`~distperp_harness.distributed.liveness.Liveness` (:meth:`watch_peers`) each poll also beats,
+    answers probes and watches the next rank: a lost peer is published as a record of its own, then handled as
+    any record."""
 
     def __init__(self, store: Any, rank: int, *, poll_s: float = POLL_S, gone_after: int = GONE_AFTER,
                  on_failure: Callable[[str], None] | None = None) -> None:
@@ -122,8 +144,16 @@ class FailureWatch:
         self.on_failure = on_failure or self._exit_now
         self.own_failure = False  # set when this rank failed: it raises (and names itself) instead
         self.closing = False  # set when this process leaves normally: a store that goes away is no failure then
+        self.liveness: liveness.Liveness | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distperp-failure-watch", daemon=True)
+
+    def watch_peers(self, world_size: int, timeout_s: float) -> "FailureWatch":
+        """Beat and watch the next rank (before :meth:`start`; publishes this rank's probe address)."""
+        peer, sock = liveness.me(host_name(), bound_address()[0])
+        self.liveness = liveness.Liveness(self.store, self.rank, world_size, liveness.silence_bound(timeout_s),
+                                          current_stage, peer, sock)
+        return self
 
     def start(self) -> "FailureWatch":
         self._thread.start()
@@ -134,27 +164,33 @@ class FailureWatch:
         self._stop.set()
         if wait_s > 0 and self._thread.is_alive():
             self._thread.join(wait_s)
+        if self.liveness is not None and not self._thread.is_alive():
+            if self.closing:
+                self.liveness.leave()
+            self.liveness.close()
 
     def _run(self) -> None:
         misses = 0
         while not self._stop.wait(self.poll_s):
             try:
-                present = self.store.check([FAILURE_KEY])
-                record = self.store.get(FAILURE_KEY).decode() if present else None
+                lost = self._tick()
+                present = lost is not None or self.store.check([FAILURE_KEY])
+                record = self._declare(lost) if lost is not None else \
+                    self.store.get(FAILURE_KEY).decode() if present else None
                 misses = 0
             except Exception:  # noqa: BLE001 - store host gone (or one poll lost): gone after `gone_after` in a row
                 misses += 1
                 if self.own_failure or self.closing:
                     return
                 if misses >= self.gone_after:
-                    message = stop_message(self.rank, store_gone(self.rank))
+                    message = stop_message(self.rank, store_gone(self.rank), current_stage())
                     print(message, file=sys.stderr, flush=True)
                     self.on_failure(message)
                     return
                 continue
             if record is None or self.own_failure:
                 continue
-            message = stop_message(self.rank, record)
+            message = stop_message(self.rank, record, current_stage())
             print(message, file=sys.stderr, flush=True)  # before the acknowledgement: the failing rank then exits
             try:
                 self.store.add(ACK_KEY, 1)
@@ -163,15 +199,39 @@ class FailureWatch:
             self.on_failure(message)
             return
 
+    def _tick(self) -> str | None:
+        """Beat and watch the next rank; a record when it is lost (never while this process leaves normally)."""
+        if self.liveness is None:
+            return None
+        if self.closing:
+            self.liveness.leave()
+            return None
+        lost = self.liveness.tick()
+        return None if self.own_failure else lost
+
+    def _declare(self, record: str) -> str:
+        """Publish a lost peer's record (the first record of the run stays: it is returned when another came
+        first); no traceback follows it, so :data:`DONE_KEY` is set at once, to :data:`LOST`."""
+        if self.store.add(f"{FAILURE_KEY}/count", 1) != 1:
+            return self.store.get(FAILURE_KEY).decode()
+        self.store.set(FAILURE_KEY, record.encode())
+        self.store.set(DONE_KEY, LOST)
+        return record
+
     def _exit_now(self, message: str) -> None:
-        """The default ``on_failure`` (the message is printed already): after a peer's record, wait up to
-        :data:`DONE_WAIT_S` until its traceback printed; then end the process, exit code 1."""
+        """The default ``on_failure`` (the message is printed already): after a failing peer's record, wait up to
+        :data:`DONE_WAIT_S` until its traceback printed; after a lost peer's, until the acknowledgements stop
+        coming (every live rank acknowledges within a poll; the lost ones never do); then end the process, exit
+        code 1."""
         try:
             if self.store.check([FAILURE_KEY]):
                 deadline = time.monotonic() + DONE_WAIT_S
                 while time.monotonic() < deadline and not self.store.check([DONE_KEY]):
                     time.sleep(0.05)
-                time.sleep(EXIT_GRACE_S)  # let the failing rank exit first: its launcher then names it as the cause
+                if self.store.check([DONE_KEY]) and self.store.get(DONE_KEY) == LOST:
+                    settle(self.store, quiet_s=2 * self.poll_s + 0.5)
+                else:
+                    time.sleep(EXIT_GRACE_S)  # the failing rank exits first: its launcher then names it the cause
         except Exception:  # noqa: BLE001 - the store went away meanwhile (or was never there): go now
             pass
         try:
@@ -179,6 +239,19 @@ class FailureWatch:
         except Exception:  # noqa: BLE001
             pass
         os._exit(1)
+
+
+def settle(store: Any, quiet_s: float, limit_s: float = ACK_WAIT_S) -> None:
+    """Wait until the acknowledgement count has not moved for ``quiet_s`` seconds (at most ``limit_s``): every live
+    rank has then seen the record, and the store's host may go."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        now, count = time.monotonic(), int(store.add(ACK_KEY, 0))
+        if count != last:
+            last, since = count, now
+        elif now - since >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 _WATCH: list[FailureWatch] = []
@@ -199,14 +272,28 @@ def closing() -> None:
         watch.closing = True
 
 
-def start_watch(store: Any, rank: int, world_size: int | None = None) -> FailureWatch | None:
+def leaving() -> None:
+    """This process stops on purpose, now (SIGTERM with ``resume_dir``): mark it as left at once, so that its
+    watcher does not name it as lost while the others stop too."""
+    closing()
+    for watch in _WATCH:
+        if watch.liveness is not None:
+            watch.liveness.leave()
+
+
+def start_watch(store: Any, rank: int, world_size: int | None = None,
+                timeout_s: float | None = None) -> FailureWatch | None:
     """Start this process's :class:`FailureWatch` once (None without a store); remember the rank for
-    :func:`uncaught`."""
+    :func:`uncaught`. With ``timeout_s`` (the run's ``timeout``) it also beats and watches the next rank
+    (:mod:`~distperp_harness.distributed.liveness`)."""
     if store is None:
         return None
     _PLACE.update(rank=rank, world_size=world_size or _PLACE["world_size"])
     if not _WATCH:
-        _WATCH.append(FailureWatch(store, rank).start())
+        watch = FailureWatch(store, rank)
+        if timeout_s is not None and _PLACE["world_size"] > 1:
+            watch.watch_peers(_PLACE["world_size"], timeout_s)
+        _WATCH.append(watch.start())
     return _WATCH[0]
 
 
@@ -240,6 +327,7 @@ def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -
     Cheap enough for every generation lane or decode step, real or idle: entering costs a ``try``; the store is
     touched only when an error leaves the block. Errors the caller recovers from (an out-of-memory retry with a
     smaller batch) must be caught inside the block, since whatever leaves it stops the run."""
+    _STAGES.append(stage)
     try:
         yield
     except Exception as exc:
@@ -252,10 +340,12 @@ def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -
             record = read(store)
             if record is not None and not record.startswith(f"rank {collective.rank} ") \
                     and f"rank {collective.rank} stops because" not in str(exc):
-                raise CollectiveError(stop_message(collective.rank, record)) from exc
+                raise CollectiveError(stop_message(collective.rank, record, stage)) from exc
             raise
         fail_here(exc, collective.rank, collective.world_size, device, stage, store)
         raise
+    finally:
+        _STAGES.pop()
 
 
 def uncaught(exc: BaseException) -> None:
@@ -298,9 +388,13 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL`` (``forward``): before a forward's first gather (real or idle forward);
     * ``DISTPERP_TEST_FAIL_PLANNING`` (``planning``): at the start of a scoring call, before the exchange of units;
     * ``DISTPERP_TEST_FAIL_GENERATION`` (``generation``): at the start of a ``generate_until`` call;
-    * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane).
+    * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane);
+      ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost).
     """
-    inject(point, rank, {_POINTS[point]: _raise_injected})
+    actions = {_POINTS[point]: _raise_injected}
+    if point == "lane":
+        actions["DISTPERP_TEST_HOLD_LANE"] = lambda _: time.sleep(600)
+    inject(point, rank, actions)
 
 
 def _raise_injected(spec: str) -> None:

@@ -43,6 +43,7 @@ import numpy as np
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
 from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
+from distperp_harness.distributed.failfast import leaving
 from distperp_harness.distributed.testfaults import inject
 
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
@@ -331,6 +332,7 @@ def _exit_on_sigterm(store: BatchStore) -> None:
 
 
 def _on_sigterm(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
+    leaving()  # the peers stop too: none of them may name this rank as lost
     store = _ACTIVE[0] if _ACTIVE else None
     if store is not None:
         store._discard_in_flight()

@@ -30,10 +30,10 @@ class _FailingWork:
     """What an NCCL collective returns: queued fine, fails when waited on."""
 
     def __init__(self):
-        self.waited = False
+        self.waited = None
 
-    def wait(self):
-        self.waited = True
+    def wait(self, timeout=None):
+        self.waited = timeout
         raise RuntimeError("NCCL communicator was aborted: watchdog timeout")
 
 
@@ -58,7 +58,7 @@ def test_a_failure_at_wait_time_is_a_collective_error_naming_the_missing_rank(mo
     with pytest.raises(CollectiveError, match=r"'gather scores \(sizes\)' failed on rank 0 of 2 \(timeout 7 s\): "
                                               r"rank\(s\) \[1\] never arrived") as info:
         _two_rank_collective().all_gather_tensor(torch.zeros(3), name="gather scores")
-    assert works and works[0].waited
+    assert works and works[0].waited == timedelta(seconds=7)  # every wait bounded by the run's timeout
     assert "no results were written" in str(info.value) and "watchdog timeout" in str(info.value)
 
 
@@ -68,7 +68,7 @@ def test_every_collective_runs_on_the_control_group_with_cpu_tensors(monkeypatch
     seen = []
 
     class _Done:
-        def wait(self):
+        def wait(self, timeout=None):
             return True
 
     def all_gather(out, tensor, group=None, async_op=False):
@@ -123,7 +123,11 @@ def test_a_failing_rank_leaves_without_waiting(monkeypatch):
     monkeypatch.setattr(coll, "_FAILED", True)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "monitored_barrier", lambda **kw: pytest.fail("must not wait"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda *a: pytest.fail("must not wait"))
+    exits = []
+    monkeypatch.setattr(coll.os, "_exit", exits.append)
     coll._leave_group(1800.0, object())
+    assert exits == [1]  # at once: no destructor of a process group may wait for a lost peer
 
 
 _JOB = r'''

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from distperp_harness.distributed import controlplane, failfast
-from helpers import TASKS_DIR, accelerate_launch_prefix, free_port, offline_env, start_two_nodes
+from helpers import TASKS_DIR, LaunchOutputs, accelerate_launch_prefix, free_port, offline_env, start_two_nodes
 
 
 class _Store:
@@ -64,7 +64,7 @@ def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatc
     deadline = time.monotonic() + 5
     while len(stopped) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sorted(stopped) == sorted(failfast.stop_message(r, record) for r in (0, 2))
+    assert sorted(stopped) == sorted(failfast.stop_message(r, record, failfast.current_stage()) for r in (0, 2))
     assert "rank 0 stops because rank 1 (" in stopped[0] + stopped[1] and "no results were written" in stopped[0]
     assert int(store.get(failfast.ACK_KEY)) == 3  # the first failing rank waits for world_size - 1 of these
 
@@ -177,56 +177,8 @@ def _lm_eval(model_dir, tasks_dir, out, model_args="", tasks="dptest_rolling,dpt
             "--batch_size", "3", "--output_path", str(out)]
 
 
-class _Outputs:
-    """Every launcher's combined output, read as it comes (progress bars end lines with \\r, not \\n), and the
-    moment a text first appeared in it."""
-
-    def __init__(self, procs):
-        self.procs, self.texts, self.first_seen = procs, ["" for _ in procs], {}
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._pump, args=(i,), daemon=True) for i in range(len(procs))]
-        for t in self._threads:
-            t.start()
-
-    def _pump(self, i):
-        fd = self.procs[i].stdout.fileno()
-        while chunk := os.read(fd, 65536):
-            with self._lock:
-                self.texts[i] += chunk.decode("utf-8", errors="replace")
-
-    def wait_for(self, text, timeout):
-        """The moment ``text`` appeared in some output (fails the test after ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if any(text in t for t in self.texts):
-                    return self.first_seen.setdefault(text, time.monotonic())
-            time.sleep(0.05)
-        self.kill()
-        pytest.fail(f"{text!r} never appeared:\n" + "\n".join(t[-3000:] for t in self.texts))
-
-    def wait_all(self, timeout):
-        """Wait until every launcher exited; return the moment the last one did."""
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill()
-                pytest.fail("a launcher did not exit in time:\n" + "\n".join(t[-3000:] for t in self.texts))
-        end = time.monotonic()
-        for t in self._threads:
-            t.join(10)
-        return end
-
-    def kill(self):
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-
-
 def _one_node(args, tmp_path, env):
-    return _Outputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path, env=offline_env(env),
+    return LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path, env=offline_env(env),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)])
 
 
@@ -318,7 +270,7 @@ def test_rank_0_failing_while_planning_on_two_nodes_is_named_on_the_other_node(t
     no launcher that saw it, waits in the exchange of units (``timeout=600``)."""
     out = tmp_path / "out"
     env = {"DISTPERP_TEST_FAIL_PLANNING": "0:1"}
-    run = _Outputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
+    run = LaunchOutputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
                                    cwd=tmp_path, envs=[env, env],
                                    outputs=[subprocess.PIPE, subprocess.PIPE]))
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
@@ -358,13 +310,13 @@ def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir,
     """Node 0's launcher (the store's host) and rank 0 die with SIGKILL while rank 0 scores (it holds after its
     first batch); rank 1, alone on node 1, must end within ``timeout=20`` saying node 0 / rank 0 is gone."""
     out = tmp_path / "out"
-    run = _Outputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=20"), cwd=tmp_path,
+    run = LaunchOutputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=20"), cwd=tmp_path,
                                    envs=[{"DISTPERP_TEST_HOLD": "0:1"}, {}],
                                    outputs=[subprocess.PIPE, subprocess.PIPE]))
     run.wait_for("distperp loglikelihood", timeout=240)  # rank 0's progress bar: scoring has begun
     time.sleep(1.0)
     killed_at = time.monotonic()
-    os.killpg(run.procs[0].pid, signal.SIGKILL)
+    run.kill_node(0)
     ended = run.wait_all(timeout=60)
     text = run.texts[1]
     assert run.procs[1].returncode != 0, text[-4000:]

@@ -1,0 +1,205 @@
+"""Liveness: the bound, the probe's answers on real sockets, the watcher's verdicts on a fake clock, O(1) store
+calls per poll, and watch threads over a real TCPStore naming a lost peer. The real launches (a node killed, a rank
+killed, a rank stopped) are in ``test_failfast.py``."""
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from distperp_harness.distributed import failfast, liveness
+from distperp_harness.distributed.liveness import LEFT, Liveness, Peer, Probe
+
+
+class _Store:
+    """The store calls a :class:`Liveness` makes, over a dict, counted."""
+
+    def __init__(self):
+        self.data, self.calls = {}, 0
+
+    def set(self, key, value):
+        self.calls += 1
+        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        self.calls += 1
+        return self.data[key]
+
+    def check(self, keys):
+        self.calls += 1
+        return all(k in self.data for k in keys)
+
+    def add(self, key, n):
+        self.calls += 1
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_bound_is_a_sixth_of_timeout_within_10_and_60_s_and_never_above_timeout():
+    assert liveness.silence_bound(60) == 10 and liveness.silence_bound(120) == 20
+    assert liveness.silence_bound(1800) == 60 and liveness.silence_bound(30) == 10
+    assert liveness.silence_bound(4) == 4
+
+
+def test_the_probe_tells_a_live_a_gone_and_a_stopped_process_apart():
+    peer, sock = liveness.me("here", "127.0.0.1")
+    assert peer.port and peer.address == "127.0.0.1"
+    stop = threading.Event()
+
+    def serve():  # a watch thread, answering between its polls
+        while not stop.wait(0.05):
+            liveness.answer(sock, 7)
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert liveness.probe(peer) is Probe.ALIVE
+    stop.set()
+    sock.close()  # the process is gone: nobody listens on its port, its host answers
+    assert liveness.probe(peer) is Probe.REFUSED
+    silent = socket.socket()  # a process that does not run: its kernel accepts, nobody answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    assert liveness.probe(Peer("here", 1, "127.0.0.1", silent.getsockname()[1]), reply_s=0.3) is Probe.NO_REPLY
+    silent.close()
+    assert liveness.probe(Peer("here", 1)) is Probe.UNKNOWN
+
+
+def _watcher(store, clock, outcomes, world_size=4, rank=1, bound_s=10.0):
+    """Rank ``rank``'s liveness; its peer (``rank + 1``) published where it runs and its stage."""
+    peer = (rank + 1) % world_size
+    store.set(liveness.PEER_KEY.format(peer), Peer("node-b", 77, "10.0.0.2", 5000).encode())
+    store.set(liveness.STAGE_KEY.format(peer), b"generating (lane 3, 8 prompts)")
+    probed = []
+
+    def probe_of(p):
+        probed.append(p)
+        return outcomes.pop(0)
+
+    live = Liveness(store, rank, world_size, bound_s, lambda: "scoring", Peer("node-a", 12), clock=clock,
+                    probe_of=probe_of)
+    return live, probed, liveness.BEAT_KEY.format(peer)
+
+
+def test_a_peer_whose_process_refuses_is_named_gone_a_few_seconds_after_its_last_beat():
+    store, clock = _Store(), _Clock()
+    live, probed, beat = _watcher(store, clock, [Probe.REFUSED])
+    for _ in range(5):  # a beating peer (however slow its main thread) is never probed
+        store.add(beat, 1)
+        clock.now += 1
+        assert live.tick() is None
+    clock.now += liveness.SUSPECT_S - 0.5
+    assert live.tick() is None and not probed
+    clock.now += 1.0
+    record = live.tick()
+    assert probed == [Peer("node-b", 77, "10.0.0.2", 5000)]
+    assert record.startswith("rank 2 (node-b) is gone: no heartbeat for ")
+    assert "refuses connections" in record and "it was generating (lane 3, 8 prompts) (pid 77)" in record
+    assert record.endswith("noticed by rank 1")
+    assert int(store.data[liveness.BEAT_KEY.format(1)]) >= 7  # the watcher beat at every tick
+
+
+def test_a_peer_that_accepts_but_does_not_answer_is_named_unresponsive_at_the_bound_only():
+    store, clock = _Store(), _Clock()
+    live, probed, beat = _watcher(store, clock, [Probe.NO_REPLY, Probe.NO_REPLY], bound_s=10.0)
+    store.add(beat, 1)
+    assert live.tick() is None
+    for _ in range(9):
+        clock.now += 1
+        assert live.tick() is None  # probed once at SUSPECT_S; no reply is no verdict before the bound
+    assert len(probed) == 1
+    clock.now += 1
+    record = live.tick()
+    assert len(probed) == 2 and record.startswith("rank 2 (node-b) stopped responding: no heartbeat for 10 s (the bound: 10 s")
+
+
+def test_a_lost_host_is_named_gone_at_the_bound_and_an_answering_peer_restarts_the_clock():
+    store, clock = _Store(), _Clock()
+    live, probed, beat = _watcher(store, clock, [Probe.ALIVE, Probe.NO_CONNECT, Probe.NO_CONNECT])
+    store.add(beat, 1)
+    live.tick()
+    clock.now += liveness.SUSPECT_S
+    assert live.tick() is None  # it answered: alive, its beats are late
+    clock.now += 9.0
+    assert live.tick() is None and len(probed) == 2  # suspected again, its host silent: no verdict yet
+    clock.now += 1.5
+    assert "is gone: no heartbeat for 10 s (the bound: 10 s, from timeout) and its host does not answer" in live.tick()
+
+
+def test_a_peer_that_left_normally_is_never_named():
+    store, clock = _Store(), _Clock()
+    live, probed, beat = _watcher(store, clock, [])
+    store.add(beat, LEFT)
+    for _ in range(3):
+        clock.now += 30
+        assert live.tick() is None
+    assert not probed
+    live.leave()
+    assert int(store.data[liveness.BEAT_KEY.format(1)]) >= LEFT
+
+
+@pytest.mark.parametrize("world_size", [4, 1024])
+def test_a_poll_costs_the_same_few_store_calls_at_any_world_size(world_size):
+    store, clock = _Store(), _Clock()
+    live, _, beat = _watcher(store, clock, [], world_size=world_size, rank=world_size - 1)
+    live.tick()  # the first beat also writes the stage
+    store.calls = 0
+    for _ in range(10):
+        store.add(beat, 1)
+        clock.now += 1
+        live.tick()
+    assert store.calls - 10 == 2 * 10  # its own beat and one read of its peer's: O(1), whatever the world size
+
+
+def test_a_rank_lost_before_it_published_is_still_named(monkeypatch):
+    store, clock = _Store(), _Clock()
+    live = Liveness(store, 0, 2, 10.0, lambda: "starting", Peer("a", 1), clock=clock,
+                    probe_of=lambda p: liveness.probe(p))
+    live.tick()
+    clock.now += 11
+    assert live.tick().startswith("rank 1 (?) stopped responding: no heartbeat for 11 s")
+
+
+def test_watch_threads_over_a_real_store_name_a_killed_peer_and_settle(monkeypatch):
+    """Ranks 0 and 1 of 3 watch over a TCPStore; rank 2 published where it answers and then died (its port
+    refuses). Rank 1 (its watcher) declares it within seconds; rank 0 reads the record; both name rank 2, their
+    own stage, and the acknowledgements settle."""
+    from torch.distributed import TCPStore
+
+    monkeypatch.setattr(liveness, "SUSPECT_S", 0.3)
+    server = TCPStore("127.0.0.1", 0, 4, True, timedelta(seconds=10), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 4, False, timedelta(seconds=10))
+    dead, sock = liveness.me("node-b", "127.0.0.1")
+    sock.close()
+    Liveness(client, 2, 3, 10.0, lambda: "generating (lane 0, 4 prompts)", dead).beat()
+    stopped: list[str] = []
+    watches = []
+    for rank in (0, 1):
+        watch = failfast.FailureWatch(client, rank, poll_s=0.1, on_failure=stopped.append)
+        watch.watch_peers(3, 60)
+        watches.append(watch)
+    t0 = time.monotonic()
+    for w in watches:
+        w.start()
+    deadline = time.monotonic() + 10
+    while len(stopped) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(stopped) == 2 and time.monotonic() - t0 < 3
+    for message in stopped:
+        assert "stops because rank 2 (node-b) is gone: no heartbeat for" in message
+        assert "it was generating (lane 0, 4 prompts)" in message and "noticed by rank 1" in message
+        assert f"was {failfast.current_stage()})" in message and "no results were written" in message
+    assert client.get(failfast.DONE_KEY) == failfast.LOST
+    t1 = time.monotonic()
+    failfast.settle(client, quiet_s=0.3)
+    assert int(client.add(failfast.ACK_KEY, 0)) == 2 and time.monotonic() - t1 < 2
+    for w in watches:
+        w.stop(1)

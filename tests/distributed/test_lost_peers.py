@@ -1,0 +1,111 @@
+"""Lost peers, in real ``accelerate launch`` runs on gloo: a process that is killed or stopped says nothing, and
+outside a collective nothing else would notice; the survivors' watches (``liveness``) name it within the bound, and
+every survivor exits non-zero with no results written. The rules themselves are in ``test_liveness.py``."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from distperp_harness.distributed.liveness import PROBE_REPLY_S, SUSPECT_S, silence_bound
+from helpers import LaunchOutputs, accelerate_launch_prefix, offline_env, start_two_nodes
+
+pytestmark = pytest.mark.distributed
+
+HOST = socket.gethostname()
+POLL_SLACK_S = 2.0  # a poll of the watcher, one of every survivor, and the store's answers
+SETTLE_S = 3.0  # the acknowledgements settle (2.5 s), then the exit
+
+
+def _lm_eval(model_dir, tasks_dir, out, model_args, tasks):
+    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
+            f"pretrained={model_dir},max_length=128,{model_args}", "--tasks", tasks, "--include_path",
+            str(tasks_dir), "--batch_size", "1", "--output_path", str(out)]
+
+
+def _assert_survivor_named(text, survivor, lost, words, lost_stage, own_stage):
+    line = f"distperp: rank {survivor} stops because rank {lost} ({HOST}) {words}"
+    assert line in text, text[-4000:]
+    said = text[text.index(line):].split("\n", 1)[0]
+    assert f"it was {lost_stage}" in said and f"(rank {survivor} was {own_stage}" in said, said
+    assert "no results were written" in said
+
+
+def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(tiny_model_dir, tasks_dir,
+                                                                                 tmp_path):
+    """Two loopback nodes of two processes; every rank stalls in its first generation lane (a long decode step,
+    longer than the bound: slow, not lost, and nobody is named). Then node 1 (its launcher and both workers) is
+    SIGKILLed. Rank 1 watches rank 2: it names it gone, and rank 0 stops too, while both still sit in their lanes
+    (no collective would have noticed before their ten-minute step ended), well within ``timeout=60``."""
+    out = tmp_path / "out"
+    args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=60", "dptest_chain")
+    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, per_node=2,
+                                        envs=[{"DISTPERP_TEST_HOLD_LANE": "0:1,1:1"},
+                                              {"DISTPERP_TEST_HOLD_LANE": "2:1,3:1"}],
+                                        outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run.wait_for("distperp generate_until", timeout=240)
+    time.sleep(silence_bound(60) + 2)  # every rank holds in its lane, silent in the main thread, past the bound
+    assert "stops because" not in run.texts[0] + run.texts[1], run.texts[0][-3000:]
+    killed_at = time.monotonic()
+    run.kill_node(1)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    for survivor in (0, 1):
+        _assert_survivor_named(text, survivor, 2, "is gone: no heartbeat for", "generating (lane",
+                               "generating (lane")
+    assert "noticed by rank 1" in text and "refuses connections (it was killed or crashed)" in text
+    assert not list(out.rglob("results_*.json"))
+    assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10  # launcher's teardown included
+
+
+def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(tiny_model_dir, tasks_dir, tmp_path):
+    """Two nodes of one process, no ``shard_size``, ``timeout=600``: rank 0 stalls after its first batch (a long
+    batch); rank 1's worker alone is SIGKILLed while scoring (its launcher then exits by itself). Rank 0 names it
+    within seconds, where only the next collective (ten minutes on) would have failed."""
+    out = tmp_path / "out"
+    args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=600", "dptest_rolling")
+    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, envs=[{"DISTPERP_TEST_HOLD": "0:1"},
+                                                                  {"DISTPERP_TEST_HOLD": "1:1"}],
+                                        outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run.wait_for("distperp loglikelihood_rolling", timeout=240)
+    time.sleep(2.0)
+    worker = run.workers(1)[1]
+    killed_at = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    ended = run.wait_all(timeout=60)
+    assert [p.returncode != 0 for p in run.procs] == [True, True]
+    _assert_survivor_named(run.texts[0], 0, 1, "is gone: no heartbeat for", "planning, exchanging or gathering",
+                           "planning, exchanging or gathering loglikelihood_rolling")
+    assert not list(out.rglob("results_*.json"))
+    assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10
+
+
+def test_a_stopped_rank_in_generation_is_named_unresponsive_within_the_bound(tiny_model_dir, tasks_dir, tmp_path):
+    """One node of two processes, ``timeout=30`` (bound 10 s): rank 0 stalls in its first lane, rank 1 is stopped
+    with SIGSTOP while generating (hung, not dead: its kernel still accepts connections). Rank 0 names it as
+    unresponsive once the bound has passed, not before; the launcher then ends rank 1 (SIGTERM, then SIGKILL after
+    its 30 s grace: a stopped process does not take SIGTERM)."""
+    out = tmp_path / "out"
+    args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=30", "dptest_chain")
+    run = LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path,
+                                          env=offline_env({"DISTPERP_TEST_HOLD_LANE": "0:1"}), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True)])
+    run.wait_for("distperp generate_until", timeout=240)
+    time.sleep(1.0)
+    stopped = run.workers(0)[1]
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    named = run.wait_for("distperp: rank 0 stops because rank 1", timeout=60)
+    bound = silence_bound(30)
+    assert bound - 1 <= named - stopped_at <= bound + PROBE_REPLY_S + POLL_SLACK_S + 2
+    run.wait_all(timeout=90)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    _assert_survivor_named(text, 0, 1, "stopped responding: no heartbeat for ", "generating", "generating (lane")
+    assert f"s (the bound: {bound:.0f} s, from timeout) and its process accepts a connection but does not answer" \
+        in text
+    assert not list(out.rglob("results_*.json"))
