@@ -23,7 +23,8 @@ from distperp_harness.run.compiling import compile_extra_bytes, compile_models
 from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
-from distperp_harness.distributed.failfast import fail_for_tests, set_base_stage, set_device, stop_together
+from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
+from distperp_harness.distributed.liveness import set_base_stage
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.static_slots import StaticDecoding
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate

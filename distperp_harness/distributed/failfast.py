@@ -24,6 +24,12 @@ The rendezvous store (:mod:`~distperp_harness.distributed.store`) is the channel
   unreachable for :data:`GONE_AFTER` polls in a row: rank 0 / node 0 is gone
   (:func:`~distperp_harness.distributed.store.store_gone`); print that and ``os._exit(1)``. Once this process is
   leaving normally (:func:`closing`) a vanished store is no failure.
+* **A peer that is lost without a word** (killed, stopped, its node gone) writes no record: the same thread beats,
+  watches the next rank and answers probes (:mod:`~distperp_harness.distributed.liveness`); the watcher of a lost
+  peer publishes a record for it (``rank R (host) is gone: ...`` or ``... stopped responding: ...``) with
+  :data:`DONE_KEY` set to :data:`LOST` at once, and every rank, the watcher included, handles it as a peer's record,
+  printing its own stage (:func:`current_stage`), then waits until the acknowledgements settle (:func:`settle`:
+  the lost never acknowledge) before ``os._exit(1)``.
 
 ``os._exit``: the main thread may be blocked in a collective or store call that will never complete, which no
 Python exception could interrupt. Nothing is written: lm-eval writes results only after the last gather.
@@ -43,6 +49,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from distperp_harness.distributed import liveness
+from distperp_harness.distributed.liveness import current_stage, pop_stage, push_stage
 from distperp_harness.distributed.controlplane import bound_address, host_name
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, \
     private_client, store_gone
@@ -113,21 +120,6 @@ def stop_message(rank: int, record: str, stage: str | None = None) -> str:
     here = f" (rank {rank} was {stage})" if stage else ""
     return (f"distperp: rank {rank} stops because {record}{here}. Every rank of the run stops; the evaluation is "
             f"incomplete and no results were written.")
-
-
-_STAGES: list[str] = []
-_BASE_STAGE = ["starting (checks, loading and preparing the model)"]
-
-
-def current_stage() -> str:
-    """What this process's main thread is doing: the innermost :func:`stop_together` stage, else the base stage
-    (:func:`set_base_stage`)."""
-    return _STAGES[-1] if _STAGES else _BASE_STAGE[0]
-
-
-def set_base_stage(stage: str) -> None:
-    """The stage outside every :func:`stop_together` block (starting; then lm-eval's own code)."""
-    _BASE_STAGE[0] = stage
 
 
 class FailureWatch:
@@ -327,7 +319,7 @@ def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -
     Cheap enough for every generation lane or decode step, real or idle: entering costs a ``try``; the store is
     touched only when an error leaves the block. Errors the caller recovers from (an out-of-memory retry with a
     smaller batch) must be caught inside the block, since whatever leaves it stops the run."""
-    _STAGES.append(stage)
+    push_stage(stage)
     try:
         yield
     except Exception as exc:
@@ -345,7 +337,7 @@ def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -
         fail_here(exc, collective.rank, collective.world_size, device, stage, store)
         raise
     finally:
-        _STAGES.pop()
+        pop_stage()
 
 
 def uncaught(exc: BaseException) -> None:

@@ -58,6 +58,30 @@ PROBE_REPLY_S = 2.5
 MIN_SILENCE_S, MAX_SILENCE_S = 10.0, 60.0
 
 
+_STAGES: list[str] = []
+_BASE_STAGE = ["starting (checks, loading and preparing the model)"]
+
+
+def current_stage() -> str:
+    """What this process's main thread is doing: the innermost :func:`stop_together` stage, else the base stage
+    (:func:`set_base_stage`)."""
+    return _STAGES[-1] if _STAGES else _BASE_STAGE[0]
+
+
+def push_stage(stage: str) -> None:
+    """The main thread enters ``stage`` (nests; :func:`pop_stage` leaves it)."""
+    _STAGES.append(stage)
+
+
+def pop_stage() -> None:
+    _STAGES.pop()
+
+
+def set_base_stage(stage: str) -> None:
+    """The stage outside every :func:`~distperp_harness.distributed.failfast.stop_together` block (starting; then lm-eval's own code)."""
+    _BASE_STAGE[0] = stage
+
+
 def silence_bound(timeout_s: float) -> float:
     """Seconds without a beat (and without an answer to a probe) after which a peer is declared lost:
     ``timeout / 6`` within 10..60 s, and never more than ``timeout`` (module docstring: why)."""

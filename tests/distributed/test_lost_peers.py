@@ -26,6 +26,15 @@ def _lm_eval(model_dir, tasks_dir, out, model_args, tasks):
             str(tasks_dir), "--batch_size", "1", "--output_path", str(out)]
 
 
+def _alive(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _assert_survivor_named(text, survivor, lost, words, lost_stage, own_stage):
     line = f"distperp: rank {survivor} stops because rank {lost} ({HOST}) {words}"
     assert line in text, text[-4000:]
@@ -87,8 +96,9 @@ def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(t
 def test_a_stopped_rank_in_generation_is_named_unresponsive_within_the_bound(tiny_model_dir, tasks_dir, tmp_path):
     """One node of two processes, ``timeout=30`` (bound 10 s): rank 0 stalls in its first lane, rank 1 is stopped
     with SIGSTOP while generating (hung, not dead: its kernel still accepts connections). Rank 0 names it as
-    unresponsive once the bound has passed, not before; the launcher then ends rank 1 (SIGTERM, then SIGKILL after
-    its 30 s grace: a stopped process does not take SIGTERM)."""
+    unresponsive once the bound has passed, not before, and exits 1. (Its launcher would then end rank 1 with
+    SIGTERM and, since a stopped process does not take it, SIGKILL after torch's 30 s grace: the test kills it as
+    soon as rank 0 has exited.)"""
     out = tmp_path / "out"
     args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=30", "dptest_chain")
     run = LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path,
@@ -96,15 +106,23 @@ def test_a_stopped_rank_in_generation_is_named_unresponsive_within_the_bound(tin
                                           stderr=subprocess.STDOUT, start_new_session=True)])
     run.wait_for("distperp generate_until", timeout=240)
     time.sleep(1.0)
-    stopped = run.workers(0)[1]
+    workers = run.workers(0)
+    stopped = workers[1]
     os.kill(stopped, signal.SIGSTOP)
     stopped_at = time.monotonic()
     named = run.wait_for("distperp: rank 0 stops because rank 1", timeout=60)
     bound = silence_bound(30)
     assert bound - 1 <= named - stopped_at <= bound + PROBE_REPLY_S + POLL_SLACK_S + 2
-    run.wait_all(timeout=90)
+    deadline = time.monotonic() + 15
+    while _alive(workers[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(workers[0])  # rank 0 exited by itself: the launcher names it the root cause below
+    os.kill(stopped, signal.SIGKILL)
+    run.wait_all(timeout=60)
     text = run.texts[0]
     assert run.procs[0].returncode != 0
+    root_cause = text[text.index("Root Cause"):]
+    assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 1 " in root_cause, root_cause
     _assert_survivor_named(text, 0, 1, "stopped responding: no heartbeat for ", "generating", "generating (lane")
     assert f"s (the bound: {bound:.0f} s, from timeout) and its process accepts a connection but does not answer" \
         in text
