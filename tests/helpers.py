@@ -190,18 +190,25 @@ class LaunchOutputs:
     def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to launcher ``i`` and every process under it at once, as a lost machine would end them
         (torch's launcher starts each worker in a session of its own: a process-group kill misses them)."""
-        for pid in [*self.workers(i).values(), self.procs[i].pid]:
+        import psutil
+
+        try:
+            under = [p.pid for p in psutil.Process(self.procs[i].pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            under = []
+        for pid in [*under, self.procs[i].pid]:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
     def workers(self, i: int) -> dict[int, int]:
-        """``{global rank: pid}`` of the workers launcher ``i`` started (read from their environment)."""
+        """``{global rank: pid}`` of the workers launcher ``i`` started (its direct children: torch's elastic agent
+        runs inside the launcher; a worker's own children, compile workers say, are not ranks)."""
         import psutil
 
         found = {}
-        for child in psutil.Process(self.procs[i].pid).children(recursive=True):
+        for child in psutil.Process(self.procs[i].pid).children(recursive=False):
             try:
                 rank = child.environ().get("RANK")
             except psutil.Error:

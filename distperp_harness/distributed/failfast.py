@@ -65,6 +65,9 @@ ACK_WAIT_S = 10.0
 DONE_WAIT_S = 3.0
 EXIT_GRACE_S = 1.0
 GONE_AFTER = 2
+SETTLE_QUIET_S = 2 * POLL_S + liveness.PROBE_CONNECT_S + liveness.PROBE_REPLY_S
+"""How long the acknowledgements must stand still before a lost peer's survivors exit: two polls, and a probe that
+may hold a watch thread between them."""
 
 
 def describe(exc: BaseException) -> str:
@@ -92,10 +95,9 @@ def publish(store: Any, rank: int, world_size: int, cause: str, *, ack_wait_s: f
     when the store cannot be reached."""
     record = record_of(rank, cause, where=where, stage=stage)
     try:
-        if store.add(f"{FAILURE_KEY}/count", 1) != 1:
+        if first_record(store, record) != record:
             store.add(ACK_KEY, 1)
             return True
-        store.set(FAILURE_KEY, record.encode())
         deadline = time.monotonic() + ack_wait_s
         while time.monotonic() < deadline:
             if store.add(ACK_KEY, 0) >= world_size - 1:
@@ -104,6 +106,12 @@ def publish(store: Any, rank: int, world_size: int, cause: str, *, ack_wait_s: f
     except Exception:  # noqa: BLE001 - the store host is gone: nobody can be told, the error still stands
         return False
     return False
+
+
+def first_record(store: Any, record: str) -> str:
+    """Write ``record`` unless the run has one already, in one store call (``compare_set``: no window in which a
+    record is claimed but not yet written); returns the record that stands."""
+    return store.compare_set(FAILURE_KEY, "", record.encode()).decode()
 
 
 def read(store: Any) -> str | None:
@@ -165,10 +173,10 @@ class FailureWatch:
         misses = 0
         while not self._stop.wait(self.poll_s):
             try:
-                lost = self._tick()
-                present = lost is not None or self.store.check([FAILURE_KEY])
-                record = self._declare(lost) if lost is not None else \
-                    self.store.get(FAILURE_KEY).decode() if present else None
+                record = self.store.get(FAILURE_KEY).decode() if self.store.check([FAILURE_KEY]) else None
+                lost = self._tick() if record is None else None
+                if lost is not None:
+                    record = self._declare(lost)
                 misses = 0
             except Exception:  # noqa: BLE001 - store host gone (or one poll lost): gone after `gone_after` in a row
                 misses += 1
@@ -198,17 +206,19 @@ class FailureWatch:
         if self.closing:
             self.liveness.leave()
             return None
-        lost = self.liveness.tick()
+        try:
+            lost = self.liveness.tick()
+        except Exception:  # noqa: BLE001 - a store that went away shows in the next poll's check; nothing else may
+            return None  # end this thread
         return None if self.own_failure else lost
 
     def _declare(self, record: str) -> str:
         """Publish a lost peer's record (the first record of the run stays: it is returned when another came
         first); no traceback follows it, so :data:`DONE_KEY` is set at once, to :data:`LOST`."""
-        if self.store.add(f"{FAILURE_KEY}/count", 1) != 1:
-            return self.store.get(FAILURE_KEY).decode()
-        self.store.set(FAILURE_KEY, record.encode())
-        self.store.set(DONE_KEY, LOST)
-        return record
+        standing = first_record(self.store, record)
+        if standing == record:
+            self.store.compare_set(DONE_KEY, "", LOST)
+        return standing
 
     def _exit_now(self, message: str) -> None:
         """The default ``on_failure`` (the message is printed already): after a failing peer's record, wait up to
@@ -221,7 +231,7 @@ class FailureWatch:
                 while time.monotonic() < deadline and not self.store.check([DONE_KEY]):
                     time.sleep(0.05)
                 if self.store.check([DONE_KEY]) and self.store.get(DONE_KEY) == LOST:
-                    settle(self.store, quiet_s=2 * self.poll_s + 0.5)
+                    settle(self.store, quiet_s=SETTLE_QUIET_S)
                 else:
                     time.sleep(EXIT_GRACE_S)  # the failing rank exits first: its launcher then names it the cause
         except Exception:  # noqa: BLE001 - the store went away meanwhile (or was never there): go now
@@ -265,12 +275,14 @@ def closing() -> None:
 
 
 def leaving() -> None:
-    """This process stops on purpose, now (SIGTERM with ``resume_dir``): mark it as left at once, so that its
-    watcher does not name it as lost while the others stop too."""
+    """This process stops now, on purpose or after a broken collective (SIGTERM with ``resume_dir``, the failing
+    exit): mark it as left at once, so that its watcher does not name it as lost while the others stop too. Uses
+    the main thread's store client, idle here, not the watch's (which may be inside a probe or a store call)."""
     closing()
+    store = default_store()
     for watch in _WATCH:
-        if watch.liveness is not None:
-            watch.liveness.leave()
+        if watch.liveness is not None and store is not None:
+            watch.liveness.leave(store)
 
 
 def start_watch(store: Any, rank: int, world_size: int | None = None,
@@ -358,7 +370,7 @@ def uncaught(exc: BaseException) -> None:
         fail_here(exc, _PLACE["rank"], _PLACE["world_size"], _PLACE["device"], "running the evaluation", store)
     if _PLACE["published"]:
         try:
-            store.set(DONE_KEY, b"1")
+            store.compare_set(DONE_KEY, "", b"1")  # a lost peer's record, if it came first, keeps its LOST
         except Exception:  # noqa: BLE001 - store host gone
             pass
         for stream in (sys.stdout, sys.stderr):

@@ -84,8 +84,10 @@ def set_base_stage(stage: str) -> None:
 
 def silence_bound(timeout_s: float) -> float:
     """Seconds without a beat (and without an answer to a probe) after which a peer is declared lost:
-    ``timeout / 6`` within 10..60 s, and never more than ``timeout`` (module docstring: why)."""
-    return min(float(timeout_s), max(MIN_SILENCE_S, min(MAX_SILENCE_S, float(timeout_s) / 6.0)))
+    ``timeout / 6`` within 10..60 s (module docstring: why). Never under 10 s, even for a ``timeout`` shorter than
+    that: a live watch thread may be held a few seconds by a probe of its own, and a collective's ``timeout`` ends
+    a wait on a lost peer first anyway."""
+    return max(MIN_SILENCE_S, min(MAX_SILENCE_S, float(timeout_s) / 6.0))
 
 
 class Probe(enum.Enum):
@@ -248,12 +250,13 @@ class Liveness:
             self.store.set(STAGE_KEY.format(self.rank), stage.encode())
             self._stage_sent = stage
 
-    def leave(self) -> None:
-        """This rank leaves normally: its watcher must not name it (one store call; best effort)."""
+    def leave(self, store: Any = None) -> None:
+        """This rank leaves normally: its watcher must not name it (one store call, through ``store`` when given,
+        else the watch's own client; best effort)."""
         if not self.left:
             self.left = True
             try:
-                self.store.add(BEAT_KEY.format(self.rank), LEFT)
+                (store if store is not None else self.store).add(BEAT_KEY.format(self.rank), LEFT)
             except Exception:  # noqa: BLE001 - the store host left first: nobody watches any more
                 pass
 
@@ -296,7 +299,7 @@ _STATE_OF = {Probe.ALIVE: "is alive (it answers) but had not arrived yet",
              Probe.UNKNOWN: "never published where it answers"}
 
 
-def describe_ranks(store: Any, ranks: list[int], limit: int = 4, wait_s: float = 1.0) -> str:
+def describe_ranks(store: Any, ranks: list[int], limit: int = 4, wait_s: float = 1.5) -> str:
     """What became of ``ranks`` (those missing from a failed collective), each probed once, at most ``limit`` of
     them (about ``2 * wait_s`` seconds each at worst): ``rank 2 (host) is gone (...); rank 3 (host) ...``."""
     parts = []

@@ -34,6 +34,11 @@ class _Store:
         self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
         return int(self.data[key])
 
+    def compare_set(self, key, expected, desired):
+        if key not in self.data and not expected:
+            self.data[key] = desired
+        return self.data.get(key, b"")
+
 
 class _Collective:
     distributed, rank, world_size = True, 1, 3

@@ -45,10 +45,10 @@ class _Clock:
         return self.now
 
 
-def test_the_bound_is_a_sixth_of_timeout_within_10_and_60_s_and_never_above_timeout():
+def test_the_bound_is_a_sixth_of_timeout_within_10_and_60_s():
     assert liveness.silence_bound(60) == 10 and liveness.silence_bound(120) == 20
     assert liveness.silence_bound(1800) == 60 and liveness.silence_bound(30) == 10
-    assert liveness.silence_bound(4) == 4
+    assert liveness.silence_bound(4) == 10  # never under ten polls: a live watch may be held by a probe of its own
 
 
 def test_the_probe_tells_a_live_a_gone_and_a_stopped_process_apart():
@@ -203,3 +203,78 @@ def test_watch_threads_over_a_real_store_name_a_killed_peer_and_settle(monkeypat
     assert int(client.add(failfast.ACK_KEY, 0)) == 2 and time.monotonic() - t1 < 2
     for w in watches:
         w.stop(1)
+
+
+# ------------------------------------------------------------------------- the watch's side of a lost peer
+def _store_with_compare_set():
+    store = _Store()
+
+    def compare_set(key, expected, desired):
+        if key not in store.data and not expected:
+            store.data[key] = desired
+        return store.data.get(key, b"")
+
+    store.compare_set = compare_set
+    return store
+
+
+def _watch(store, rank=1, world_size=3):
+    watch = failfast.FailureWatch(store, rank, poll_s=0.01, on_failure=lambda m: None)
+    watch.liveness = Liveness(store, rank, world_size, 10.0, lambda: "scoring", Peer("node-a", 12))
+    return watch
+
+
+def test_a_second_declaration_names_the_record_that_stands_and_keeps_its_done_marker():
+    store = _store_with_compare_set()
+    first = failfast.FailureWatch(store, 1)._declare("rank 2 (b) is gone: ...; noticed by rank 1")
+    assert first == "rank 2 (b) is gone: ...; noticed by rank 1" and store.data[failfast.DONE_KEY] == failfast.LOST
+    assert failfast.FailureWatch(store, 3)._declare("rank 4 (c) is gone: ...") == first  # one cause for everyone
+    assert failfast.publish(store, 0, 5, "ValueError: late", ack_wait_s=0) and failfast.read(store) == first
+
+
+def test_the_watch_leaves_when_closing_and_names_nobody_when_its_own_rank_failed():
+    store = _store_with_compare_set()
+    watch = _watch(store)
+    watch.own_failure = True
+    watch.liveness.peer_rank, watch.liveness._seen, watch.liveness._since = 2, 0, -100.0  # long silent
+    watch.liveness.probe_of = lambda peer: Probe.REFUSED
+    assert watch._tick() is None  # this rank failed: it names itself; it does not declare others
+    watch.own_failure, watch.closing = False, True
+    assert watch._tick() is None and int(store.data[liveness.BEAT_KEY.format(1)]) >= LEFT
+
+
+def test_leaving_marks_the_rank_left_through_the_main_threads_client(monkeypatch):
+    watch_store, main_store = _Store(), _Store()
+    watch = _watch(watch_store)
+    monkeypatch.setattr(failfast, "_WATCH", [watch])
+    monkeypatch.setattr(failfast, "default_store", lambda: main_store)
+    failfast.leaving()
+    assert watch.closing and int(main_store.data[liveness.BEAT_KEY.format(1)]) == LEFT
+    assert liveness.BEAT_KEY.format(1) not in watch_store.data  # the watch's client may be busy: untouched
+
+
+def test_survivors_of_a_lost_peer_settle_before_exiting_and_a_late_traceback_keeps_lost(monkeypatch):
+    store = _store_with_compare_set()
+    watch = _watch(store)
+    watch._declare("rank 2 (b) is gone: ...")
+    settled, exits = [], []
+    monkeypatch.setattr(failfast, "settle", lambda s, quiet_s: settled.append(quiet_s))
+    monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    watch._exit_now("message")
+    assert settled == [failfast.SETTLE_QUIET_S] and exits == [1]
+    assert failfast.SETTLE_QUIET_S >= 2 * failfast.POLL_S + liveness.PROBE_CONNECT_S + liveness.PROBE_REPLY_S
+    monkeypatch.setattr(failfast, "default_store", lambda: store)
+    monkeypatch.setattr(failfast, "_WATCH", [watch])
+    monkeypatch.setitem(failfast._PLACE, "published", False)
+    failfast.uncaught(ValueError("a failure of its own, after the record"))  # publishes nothing new
+    assert store.data[failfast.DONE_KEY] == failfast.LOST and exits == [1, 1]
+
+
+def test_settle_waits_while_acknowledgements_keep_coming():
+    store = _Store()
+    store.add(failfast.ACK_KEY, 1)
+    threading.Timer(0.3, store.add, args=(failfast.ACK_KEY, 1)).start()
+    t0 = time.monotonic()
+    failfast.settle(store, quiet_s=0.5, limit_s=5)
+    took = time.monotonic() - t0
+    assert int(store.data[failfast.ACK_KEY]) == 2 and 0.75 <= took < 2.0  # the late one restarted the quiet time

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from distperp_harness.distributed.failfast import SETTLE_QUIET_S
 from distperp_harness.distributed.liveness import PROBE_REPLY_S, SUSPECT_S, silence_bound
 from helpers import LaunchOutputs, accelerate_launch_prefix, offline_env, start_two_nodes
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 HOST = socket.gethostname()
 POLL_SLACK_S = 2.0  # a poll of the watcher, one of every survivor, and the store's answers
-SETTLE_S = 3.0  # the acknowledgements settle (2.5 s), then the exit
+SETTLE_S = SETTLE_QUIET_S + 0.5  # the acknowledgements settle, then the exit
 
 
 def _lm_eval(model_dir, tasks_dir, out, model_args, tasks):
