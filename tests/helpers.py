@@ -140,6 +140,51 @@ def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node:
         assert p.returncode == 0, output[-3000:]
 
 
+class DictStore:
+    """The rendezvous store's ``set``/``get``/``check``/``add``/``compare_set`` over a dict; ``calls`` counts them."""
+
+    def __init__(self):
+        self.data, self.calls = {}, 0
+
+    def set(self, key, value):
+        self.calls += 1
+        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        self.calls += 1
+        return self.data[key]
+
+    def check(self, keys):
+        self.calls += 1
+        return all(k in self.data for k in keys)
+
+    def add(self, key, n):
+        self.calls += 1
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+    def compare_set(self, key, expected, desired):
+        self.calls += 1
+        if key not in self.data and not expected:
+            self.data[key] = desired
+        return self.data.get(key, b"")
+
+
+def distperp_args(model_dir: Any, tasks_dir: Any, out: Any, model_args: str = "",
+                  tasks: str = "dptest_rolling,dptest_mc", batch_size: int = 3) -> list[str]:
+    """``-m lm_eval ...`` arguments of a distperp run on the test model (``model_args``: more keys, each with its
+    leading comma)."""
+    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
+            f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir),
+            "--batch_size", str(batch_size), "--output_path", str(out)]
+
+
+def launch_one_node(args: Sequence[str], cwd: Any, env: Mapping[str, str]) -> "LaunchOutputs":
+    """``args`` under a two-process ``accelerate launch``, its output read as it comes."""
+    return LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=cwd, env=offline_env(env),
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)])
+
+
 class LaunchOutputs:
     """Every launcher's combined output, read as it comes (progress bars end lines with \\r, not \\n), and the
     moment a text first appeared in it."""

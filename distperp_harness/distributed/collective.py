@@ -265,36 +265,13 @@ def _leave_group(timeout_s: float, group: Any) -> None:
             stop_watch(wait_s=2.0)  # the watch thread must not be inside a store call at finalization
             if _FAILED:
                 failfast.leaving()  # its watcher must not name it as lost: it says why it stops itself
-                _leave_now()  # failing: no destructor may wait on a lost peer (an NCCL group's can, for minutes)
+                failfast.hard_exit(_EXIT_CODE)  # no destructor may wait on a lost peer (NCCL's can, for minutes)
             return
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(timeout_s, 60.0)), wait_all_ranks=True)
         stop_watch()  # before the store goes away, and before the interpreter ends daemon threads
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
-
-
-def _leave_now() -> None:
-    """End a failing process now (exit code 1; 130 after Ctrl-C), after ending its multiprocessing children and
-    flushing its logs and output: the interpreter's finalization would run the process groups' destructors, and one
-    that waits for a peer that is gone (NCCL's, or gloo's with work in flight) would hold the process past every
-    ``timeout``. Nothing is left to write: results are written only after the last collective, which did not
-    happen."""
-    import logging
-    import multiprocessing
-
-    try:
-        for child in multiprocessing.active_children():  # os._exit skips their cleanup: end them, as exit would
-            child.terminate()
-        logging.shutdown()
-    except Exception:  # noqa: BLE001 - exiting anyway
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    os._exit(_EXIT_CODE)
 
 
 def _pickled(obj: Any) -> np.ndarray:

@@ -236,11 +236,27 @@ class FailureWatch:
                     time.sleep(EXIT_GRACE_S)  # the failing rank exits first: its launcher then names it the cause
         except Exception:  # noqa: BLE001 - the store went away meanwhile (or was never there): go now
             pass
+        hard_exit(1)
+
+
+def hard_exit(code: int) -> None:
+    """End this process now with ``code``: end its multiprocessing children (``os._exit`` skips their cleanup),
+    flush stdout and stderr, ``os._exit``. No atexit handler and no destructor runs: the exit barrier, or a process
+    group's destructor, would wait for peers that are gone or stopping (an NCCL group's, for minutes). Takes no
+    lock a stuck main thread could hold (no ``logging.shutdown``): the watch thread calls it too."""
+    import multiprocessing
+
+    try:
+        for child in multiprocessing.active_children():
+            child.terminate()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    for stream in (sys.stdout, sys.stderr):
         try:
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
             pass
-        os._exit(1)
+    os._exit(code)
 
 
 def settle(store: Any, quiet_s: float, limit_s: float = ACK_WAIT_S) -> None:
@@ -373,12 +389,7 @@ def uncaught(exc: BaseException) -> None:
             store.compare_set(DONE_KEY, "", b"1")  # a lost peer's record, if it came first, keeps its LOST
         except Exception:  # noqa: BLE001 - store host gone
             pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(1)  # at once, before the peers (which wait EXIT_GRACE_S): the launcher then names this rank first
+        hard_exit(1)  # at once, before the peers (which wait EXIT_GRACE_S): the launcher then names this rank first
 
 
 _POINTS = {"forward": "DISTPERP_TEST_FAIL", "planning": "DISTPERP_TEST_FAIL_PLANNING",

@@ -118,6 +118,13 @@ class Peer:
         return cls(host, int(pid), address, int(port))
 
 
+def published(store: Any, rank: int) -> Peer:
+    """What ``rank`` published about itself (``?`` when it never did: lost before its watch started); never waits
+    for the key."""
+    key = PEER_KEY.format(rank)
+    return Peer.decode(store.get(key)) if store.check([key]) else Peer("?", 0)
+
+
 def listener(address: str) -> socket.socket | None:
     """A non-blocking listening socket on ``address`` (port chosen by the system), or None when it cannot bind."""
     try:
@@ -261,9 +268,8 @@ class Liveness:
                 pass
 
     def peer(self) -> Peer:
-        """What the watched rank published (``?`` when it never did: lost before its watch started)."""
-        key = PEER_KEY.format(self.peer_rank)
-        return Peer.decode(self.store.get(key)) if self.store.check([key]) else Peer("?", 0)
+        """What the watched rank published."""
+        return published(self.store, self.peer_rank)
 
     def record(self, words: str) -> str:
         """``rank R (host) <words>, while <its last stage>; noticed by rank r``."""
@@ -304,9 +310,8 @@ def describe_ranks(store: Any, ranks: list[int], limit: int = 4, wait_s: float =
     them (about ``2 * wait_s`` seconds each at worst): ``rank 2 (host) is gone (...); rank 3 (host) ...``."""
     parts = []
     for rank in ranks[:limit]:
-        key = PEER_KEY.format(rank)
         try:
-            peer = Peer.decode(store.get(key)) if store.check([key]) else Peer("?", 0)
+            peer = published(store, rank)
         except Exception:  # noqa: BLE001 - the store went away meanwhile
             peer = Peer("?", 0)
         parts.append(f"rank {rank} ({peer.host}) {_STATE_OF[probe(peer, wait_s, wait_s)]}")

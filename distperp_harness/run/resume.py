@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -43,7 +42,7 @@ import numpy as np
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
 from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
-from distperp_harness.distributed.failfast import leaving
+from distperp_harness.distributed.failfast import hard_exit, leaving
 from distperp_harness.distributed.testfaults import inject
 
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
@@ -342,12 +341,7 @@ def _on_sigterm(signum: int, frame) -> None:  # noqa: ARG001 - signal handler si
                         f"batch(es) of this model configuration are saved in resume_dir={store.folder}. Run the "
                         "same command again to resume: saved batches are reused (with any number of processes), "
                         "the rest are computed, and the results are identical.")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    os._exit(128 + signum)
+    hard_exit(128 + signum)
 
 
 # ---------------------------------------------------------------------------------------------- fault injection

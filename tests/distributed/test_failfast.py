@@ -1,8 +1,6 @@
 """A failing rank stops every rank within seconds, named (failfast), and the control plane across nodes
 (controlplane): the rules with fakes, then real ``accelerate launch`` runs on gloo."""
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,32 +10,8 @@ import time
 import pytest
 
 from distperp_harness.distributed import controlplane, failfast
-from helpers import TASKS_DIR, LaunchOutputs, accelerate_launch_prefix, free_port, offline_env, start_two_nodes
-
-
-class _Store:
-    """The rendezvous store's ``set``/``get``/``check``/``add`` over a dict."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        return self.data[key]
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def add(self, key, n):
-        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
-        return int(self.data[key])
-
-    def compare_set(self, key, expected, desired):
-        if key not in self.data and not expected:
-            self.data[key] = desired
-        return self.data.get(key, b"")
+from helpers import TASKS_DIR, DictStore, LaunchOutputs, distperp_args, free_port, launch_one_node, offline_env, \
+    start_two_nodes
 
 
 class _Collective:
@@ -52,7 +26,7 @@ def _fresh_process_record(monkeypatch):
 
 
 def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatch):
-    store = _Store()
+    store = DictStore()
     monkeypatch.setattr(failfast, "default_store", lambda: store)
     monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
     stopped = []
@@ -75,7 +49,7 @@ def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatc
 
 
 def test_a_broken_collective_is_not_recorded_as_a_failure_of_this_rank(monkeypatch):
-    store = _Store()
+    store = DictStore()
     monkeypatch.setattr(failfast, "default_store", lambda: store)
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         with failfast.stop_together(_Collective(), None):
@@ -135,7 +109,7 @@ def test_one_classifier_of_broken_collectives():
 
 
 def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(monkeypatch):
-    store = _Store()
+    store = DictStore()
     monkeypatch.setattr(failfast, "default_store", lambda: store)
     monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
     monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, 2)])  # not started
@@ -176,17 +150,6 @@ def test_bound_address_follows_the_variable_then_the_host_name(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ real launches
-def _lm_eval(model_dir, tasks_dir, out, model_args="", tasks="dptest_rolling,dptest_mc"):
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir),
-            "--batch_size", "3", "--output_path", str(out)]
-
-
-def _one_node(args, tmp_path, env):
-    return LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path, env=offline_env(env),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)])
-
-
 def _assert_named(text, *, peer, failing, stage, host="", device="cpu", failing_text=None):
     """The peer's last words (in ``text``) name the failing rank, its host and device, the stage and the cause; the
     failing rank (in ``failing_text``, default ``text``) said it failed."""
@@ -204,7 +167,7 @@ def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named
     gather); with ``timeout=600`` only failfast can end the peer: it does within seconds, naming rank 1."""
     failing = 1
     out = tmp_path / "out"
-    run = _one_node(_lm_eval(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600"), tmp_path,
+    run = launch_one_node(distperp_args(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600"), tmp_path,
                     {"DISTPERP_TEST_FAIL": "1:3"})
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
@@ -255,7 +218,7 @@ def test_nan_logits_on_rank_0_only_are_named_by_rank_1(tiny_model_dir, tmp_path)
     args = ["-m", "lm_eval", "--model", "distperp", "--model_args",
             f"pretrained={model},max_length=128,shard_size=2,timeout=600", "--tasks", "dptest_nan", "--include_path",
             str(tasks), "--batch_size", "1", "--output_path", str(out)]
-    run = _one_node(args, tmp_path, {})
+    run = launch_one_node(args, tmp_path, {})
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
@@ -275,7 +238,7 @@ def test_rank_0_failing_while_planning_on_two_nodes_is_named_on_the_other_node(t
     no launcher that saw it, waits in the exchange of units (``timeout=600``)."""
     out = tmp_path / "out"
     env = {"DISTPERP_TEST_FAIL_PLANNING": "0:1"}
-    run = LaunchOutputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
+    run = LaunchOutputs(start_two_nodes(distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
                                    cwd=tmp_path, envs=[env, env],
                                    outputs=[subprocess.PIPE, subprocess.PIPE]))
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
@@ -296,7 +259,7 @@ def test_a_rank_failing_in_generation_stops_its_peer_named(tiny_model_dir, tasks
     waiting in generation's gathers) ends within seconds, naming the failing rank, rank 0 (the store's node)
     included, and the lane it was generating (rank 0 in a lane; rank 1 at the call's start)."""
     out = tmp_path / "out"
-    run = _one_node(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"), tmp_path,
+    run = launch_one_node(distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"), tmp_path,
                     {variable: f"{failing}:1"})
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
@@ -315,7 +278,7 @@ def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir,
     """Node 0's launcher (the store's host) and rank 0 die with SIGKILL while rank 0 scores (it holds after its
     first batch); rank 1, alone on node 1, must end within ``timeout=20`` saying node 0 / rank 0 is gone."""
     out = tmp_path / "out"
-    run = LaunchOutputs(start_two_nodes(_lm_eval(tiny_model_dir, tasks_dir, out, ",timeout=20"), cwd=tmp_path,
+    run = LaunchOutputs(start_two_nodes(distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=20"), cwd=tmp_path,
                                    envs=[{"DISTPERP_TEST_HOLD": "0:1"}, {}],
                                    outputs=[subprocess.PIPE, subprocess.PIPE]))
     run.wait_for("distperp loglikelihood", timeout=240)  # rank 0's progress bar: scoring has begun

@@ -11,30 +11,7 @@ import pytest
 
 from distperp_harness.distributed import failfast, liveness
 from distperp_harness.distributed.liveness import LEFT, Liveness, Peer, Probe
-
-
-class _Store:
-    """The store calls a :class:`Liveness` makes, over a dict, counted."""
-
-    def __init__(self):
-        self.data, self.calls = {}, 0
-
-    def set(self, key, value):
-        self.calls += 1
-        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        self.calls += 1
-        return self.data[key]
-
-    def check(self, keys):
-        self.calls += 1
-        return all(k in self.data for k in keys)
-
-    def add(self, key, n):
-        self.calls += 1
-        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
-        return int(self.data[key])
+from helpers import DictStore
 
 
 class _Clock:
@@ -90,7 +67,7 @@ def _watcher(store, clock, outcomes, world_size=4, rank=1, bound_s=10.0):
 
 
 def test_a_peer_whose_process_refuses_is_named_gone_a_few_seconds_after_its_last_beat():
-    store, clock = _Store(), _Clock()
+    store, clock = DictStore(), _Clock()
     live, probed, beat = _watcher(store, clock, [Probe.REFUSED])
     for _ in range(5):  # a beating peer (however slow its main thread) is never probed
         store.add(beat, 1)
@@ -108,7 +85,7 @@ def test_a_peer_whose_process_refuses_is_named_gone_a_few_seconds_after_its_last
 
 
 def test_a_peer_that_accepts_but_does_not_answer_is_named_unresponsive_at_the_bound_only():
-    store, clock = _Store(), _Clock()
+    store, clock = DictStore(), _Clock()
     live, probed, beat = _watcher(store, clock, [Probe.NO_REPLY, Probe.NO_REPLY], bound_s=10.0)
     store.add(beat, 1)
     assert live.tick() is None
@@ -122,7 +99,7 @@ def test_a_peer_that_accepts_but_does_not_answer_is_named_unresponsive_at_the_bo
 
 
 def test_a_lost_host_is_named_gone_at_the_bound_and_an_answering_peer_restarts_the_clock():
-    store, clock = _Store(), _Clock()
+    store, clock = DictStore(), _Clock()
     live, probed, beat = _watcher(store, clock, [Probe.ALIVE, Probe.NO_CONNECT, Probe.NO_CONNECT])
     store.add(beat, 1)
     live.tick()
@@ -135,7 +112,7 @@ def test_a_lost_host_is_named_gone_at_the_bound_and_an_answering_peer_restarts_t
 
 
 def test_a_peer_that_left_normally_is_never_named():
-    store, clock = _Store(), _Clock()
+    store, clock = DictStore(), _Clock()
     live, probed, beat = _watcher(store, clock, [])
     store.add(beat, LEFT)
     for _ in range(3):
@@ -148,7 +125,7 @@ def test_a_peer_that_left_normally_is_never_named():
 
 @pytest.mark.parametrize("world_size", [4, 1024])
 def test_a_poll_costs_the_same_few_store_calls_at_any_world_size(world_size):
-    store, clock = _Store(), _Clock()
+    store, clock = DictStore(), _Clock()
     live, _, beat = _watcher(store, clock, [], world_size=world_size, rank=world_size - 1)
     live.tick()  # the first beat also writes the stage
     store.calls = 0
@@ -160,7 +137,7 @@ def test_a_poll_costs_the_same_few_store_calls_at_any_world_size(world_size):
 
 
 def test_a_rank_lost_before_it_published_is_still_named(monkeypatch):
-    store, clock = _Store(), _Clock()
+    store, clock = DictStore(), _Clock()
     live = Liveness(store, 0, 2, 10.0, lambda: "starting", Peer("a", 1), clock=clock,
                     probe_of=lambda p: liveness.probe(p))
     live.tick()
@@ -206,18 +183,6 @@ def test_watch_threads_over_a_real_store_name_a_killed_peer_and_settle(monkeypat
 
 
 # ------------------------------------------------------------------------- the watch's side of a lost peer
-def _store_with_compare_set():
-    store = _Store()
-
-    def compare_set(key, expected, desired):
-        if key not in store.data and not expected:
-            store.data[key] = desired
-        return store.data.get(key, b"")
-
-    store.compare_set = compare_set
-    return store
-
-
 def _watch(store, rank=1, world_size=3):
     watch = failfast.FailureWatch(store, rank, poll_s=0.01, on_failure=lambda m: None)
     watch.liveness = Liveness(store, rank, world_size, 10.0, lambda: "scoring", Peer("node-a", 12))
@@ -225,7 +190,7 @@ def _watch(store, rank=1, world_size=3):
 
 
 def test_a_second_declaration_names_the_record_that_stands_and_keeps_its_done_marker():
-    store = _store_with_compare_set()
+    store = DictStore()
     first = failfast.FailureWatch(store, 1)._declare("rank 2 (b) is gone: ...; noticed by rank 1")
     assert first == "rank 2 (b) is gone: ...; noticed by rank 1" and store.data[failfast.DONE_KEY] == failfast.LOST
     assert failfast.FailureWatch(store, 3)._declare("rank 4 (c) is gone: ...") == first  # one cause for everyone
@@ -233,7 +198,7 @@ def test_a_second_declaration_names_the_record_that_stands_and_keeps_its_done_ma
 
 
 def test_the_watch_leaves_when_closing_and_names_nobody_when_its_own_rank_failed():
-    store = _store_with_compare_set()
+    store = DictStore()
     watch = _watch(store)
     watch.own_failure = True
     watch.liveness.peer_rank, watch.liveness._seen, watch.liveness._since = 2, 0, -100.0  # long silent
@@ -244,7 +209,7 @@ def test_the_watch_leaves_when_closing_and_names_nobody_when_its_own_rank_failed
 
 
 def test_leaving_marks_the_rank_left_through_the_main_threads_client(monkeypatch):
-    watch_store, main_store = _Store(), _Store()
+    watch_store, main_store = DictStore(), DictStore()
     watch = _watch(watch_store)
     monkeypatch.setattr(failfast, "_WATCH", [watch])
     monkeypatch.setattr(failfast, "default_store", lambda: main_store)
@@ -254,7 +219,7 @@ def test_leaving_marks_the_rank_left_through_the_main_threads_client(monkeypatch
 
 
 def test_survivors_of_a_lost_peer_settle_before_exiting_and_a_late_traceback_keeps_lost(monkeypatch):
-    store = _store_with_compare_set()
+    store = DictStore()
     watch = _watch(store)
     watch._declare("rank 2 (b) is gone: ...")
     settled, exits = [], []
@@ -271,7 +236,7 @@ def test_survivors_of_a_lost_peer_settle_before_exiting_and_a_late_traceback_kee
 
 
 def test_settle_waits_while_acknowledgements_keep_coming():
-    store = _Store()
+    store = DictStore()
     store.add(failfast.ACK_KEY, 1)
     threading.Timer(0.3, store.add, args=(failfast.ACK_KEY, 1)).start()
     t0 = time.monotonic()

@@ -12,19 +12,13 @@ import pytest
 
 from distperp_harness.distributed.failfast import SETTLE_QUIET_S
 from distperp_harness.distributed.liveness import PROBE_REPLY_S, SUSPECT_S, silence_bound
-from helpers import LaunchOutputs, accelerate_launch_prefix, offline_env, start_two_nodes
+from helpers import LaunchOutputs, distperp_args, launch_one_node, start_two_nodes
 
 pytestmark = pytest.mark.distributed
 
 HOST = socket.gethostname()
 POLL_SLACK_S = 2.0  # a poll of the watcher, one of every survivor, and the store's answers
 SETTLE_S = SETTLE_QUIET_S + 0.5  # the acknowledgements settle, then the exit
-
-
-def _lm_eval(model_dir, tasks_dir, out, model_args, tasks):
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model_dir},max_length=128,{model_args}", "--tasks", tasks, "--include_path",
-            str(tasks_dir), "--batch_size", "1", "--output_path", str(out)]
 
 
 def _alive(pid):
@@ -51,7 +45,7 @@ def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
     SIGKILLed. Rank 1 watches rank 2: it names it gone, and rank 0 stops too, while both still sit in their lanes
     (no collective would have noticed before their ten-minute step ended), well within ``timeout=60``."""
     out = tmp_path / "out"
-    args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=60", "dptest_chain")
+    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=60", "dptest_chain", batch_size=1)
     run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, per_node=2,
                                         envs=[{"DISTPERP_TEST_HOLD_LANE": "0:1,1:1"},
                                               {"DISTPERP_TEST_HOLD_LANE": "2:1,3:1"}],
@@ -77,7 +71,7 @@ def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(t
     batch); rank 1's worker alone is SIGKILLed while scoring (its launcher then exits by itself). Rank 0 names it
     within seconds, where only the next collective (ten minutes on) would have failed."""
     out = tmp_path / "out"
-    args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=600", "dptest_rolling")
+    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", "dptest_rolling", batch_size=1)
     run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, envs=[{"DISTPERP_TEST_HOLD": "0:1"},
                                                                   {"DISTPERP_TEST_HOLD": "1:1"}],
                                         outputs=[subprocess.PIPE, subprocess.PIPE]))
@@ -101,10 +95,8 @@ def test_a_stopped_rank_in_generation_is_named_unresponsive_within_the_bound(tin
     SIGTERM and, since a stopped process does not take it, SIGKILL after torch's 30 s grace: the test kills it as
     soon as rank 0 has exited.)"""
     out = tmp_path / "out"
-    args = _lm_eval(tiny_model_dir, tasks_dir, out, "timeout=30", "dptest_chain")
-    run = LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=tmp_path,
-                                          env=offline_env({"DISTPERP_TEST_HOLD_LANE": "0:1"}), stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, start_new_session=True)])
+    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=30", "dptest_chain", batch_size=1)
+    run = launch_one_node(args, tmp_path, {"DISTPERP_TEST_HOLD_LANE": "0:1"})
     run.wait_for("distperp generate_until", timeout=240)
     time.sleep(1.0)
     workers = run.workers(0)
