@@ -48,6 +48,7 @@ from distperp_harness.run.runtime import agree_on_batching, attention_coefficien
 from distperp_harness.tokens import Tokenization
 from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size, \
     sharding_report
+from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
 
 log = get_logger(__name__)
 
@@ -91,15 +92,20 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.device_identity = device_identity(self._device)
         self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
                                              local_world_size(self._world_size))
+        self.tp_size = resolve_tp_size(self.options.tensor_parallel, self._world_size,
+                                       local_world_size(self._world_size))
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
         self.estimate = None if given is not None else check_fits(  # an in-memory model is loaded already
-            self.collective, self.options, self._device, self.shard_size, local_world_size(self._world_size))
+            self.collective, self.options, self._device, self.shard_size, local_world_size(self._world_size),
+            tp_size=self.tp_size)
         mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
                 if self.shard_size > 1 or mesh_of_one else None)
-        if reference_model is not None and mesh is not None:
+        tp_mesh = (make_tp_mesh(self._device, self._world_size, self.tp_size, self.options.timeout)
+                   if self.tp_size > 1 else None)
+        if reference_model is not None and (mesh is not None or tp_mesh is not None):
             reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
-        loaded = load_all(to_load, self._device, mesh, given=given)
+        loaded = load_all(to_load, self._device, mesh, given=given, tp_mesh=tp_mesh)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
         self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
         self.reference_weight_bytes = loaded.reference_weight_bytes
@@ -123,7 +129,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         self.warnings = quantization_warnings(self.quant_report, self.options.reference, self._model, self.reference)
         for line in self.warnings:
             log.warning(line, main_process_only=True)
-        self.stats = RunStats()
+        self.stats = RunStats(tp_size=self.tp_size)
         self.sharing, self.sharing_fallback, self.row_budget_reason = choose_sharing(
             self.options.share_prefix, [m for m in (self._model, self.reference) if m is not None], self.batching,
             self._max_length)
@@ -139,9 +145,9 @@ class DistPerpLM(Tokenization, TemplateLM):
             is_main=self.collective.is_main, exit_on_sigterm=True)
         self.executor = Executor(
             self.collective, model_forwards(self._model, self.reference, self._device, self.tokenizer.pad_token_id,
-                                            self.tok_decode, self.shard_size, self.collective),
+                                            self.tok_decode, self.shard_size, self.collective, self.tp_size),
             device=self._device, store=self.store, claiming=self.options.claim,
-            local_world_size=local_world_size(self._world_size), shard_size=self.shard_size)
+            local_world_size=local_world_size(self._world_size), shard_size=self.shard_size, tp_size=self.tp_size)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
         self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
                                  functools.partial(log.warning, main_process_only=True))
@@ -160,9 +166,12 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def _scoring_config(self) -> dict:
         """Everything besides the units that determines scores (the resume key); not ``shard_size`` or ``claim``,
-        which change where the weights live and which rank computes a batch, not the bits."""
+        which change where the weights live and which rank computes a batch, not the bits. The resolved
+        ``tp_size`` is in it (tensor parallelism sums in another order), however it was spelled."""
         identity = self._run_identity()
-        identity["options"] = {k: v for k, v in identity["options"].items() if k not in ("shard_size", "claim")}
+        identity["options"] = {k: v for k, v in identity["options"].items()
+                               if k not in ("shard_size", "claim", "tp_plan")}
+        identity["options"]["tp_size"] = self.tp_size
         return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode,
                 "checkpoint": self.checkpoint_identity}
 
@@ -181,7 +190,9 @@ class DistPerpLM(Tokenization, TemplateLM):
         problem = find_disagreement([mine for mine, _ in everyone]) or find_shared_gpus([w for _, w in everyone])
         if problem:
             raise ValueError(problem)
-        check_groups_within_hosts([where["host"] for _, where in everyone], self.shard_size)
+        hosts = [where["host"] for _, where in everyone]
+        check_groups_within_hosts(hosts, self.shard_size)
+        check_groups_within_hosts(hosts, self.tp_size, "tp_size")
 
     # ------------------------------------------------------------------------- lm-eval request methods
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[Score, bool]]:
@@ -390,7 +401,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                     "tasks": self.comparison.entries(),
                     "weight_bytes": self.reference_weight_bytes},
                 "sharding": sharding_report(self.shard_size, self.loaded.sharding, self.per_rank,
-                                            self.collective.world_size),
+                                            self.collective.world_size, tp_size=self.tp_size),
                 "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
                 "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
                 "warnings": self.warnings,

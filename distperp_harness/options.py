@@ -20,6 +20,8 @@ GROUP_SIZES = (32, 64, 128, 256)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SHARD_SIZES = ("an integer >= 1 that divides the processes per node, or 'node' (all processes of a node share one "
                "copy of the weights)")
+TP_SIZES = ("an integer >= 1 that divides the processes per node, or 'node' (all processes of a node compute "
+            "each forward together)")
 # The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
 # falls back to the CPU (with a log line). Any other CUDA device asked for on such a machine is an error.
 CLI_DEFAULT_DEVICE = "cuda:0"
@@ -60,6 +62,10 @@ class Options:
     share_prefix: bool = True
     # models bigger than one device (issue 12): processes that together hold one copy of the weights
     shard_size: int | str = 1
+    # tensor parallelism (issue 37): processes that together compute each forward, each holding a slice of every
+    # large matrix; tp_plan=auto is lm-eval hf's spelling (= tp_size=node unless tp_size is given)
+    tp_size: int | str = 1
+    tp_plan: str | None = None
     # compiled decoder layers (issue 20): "false" (eager) or a torch.compile mode; compile=true is "default"
     compile: str = "false"
     # stragglers (issue 18): ranks take batches as they go (a slow rank computes fewer); false: the static plan
@@ -110,6 +116,7 @@ class Options:
             _require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
                      SHARD_SIZES,
                      "shard_size=1 (every process holds all weights) or a divisor of the processes per node")
+        self._check_tensor_parallel()
         _require(isinstance(self.claim, bool), "claim", self.claim, "true or false",
                  "claim=false makes every batch's planned owner compute it (no batches taken over from slow ranks)")
         _require(self.compile == "false" or self.compile in COMPILE_MODES, "compile", self.compile,
@@ -120,6 +127,36 @@ class Options:
                      "'base' (the same checkpoint, unquantized), 'pretrained' (the checkpoint without its peft= "
                      "adapter or delta= weights) or a model path / hub id", "")
         self._check_checkpoint_keys()
+
+    def _check_tensor_parallel(self) -> None:
+        """``tp_size``/``tp_plan``: a divisor of the processes per node or ``node``; not with ``shard_size``, nor
+        with what is applied to whole weights after loading (adapters, delta weights, a GGUF file)."""
+        if isinstance(self.tp_size, str):
+            _require(self.tp_size == "node", "tp_size", self.tp_size, TP_SIZES,
+                     "e.g. tp_size=node, or tp_size=8 on nodes of 8 GPUs")
+        else:
+            _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", self.tp_size, TP_SIZES,
+                     "tp_size=1 (every process computes its own forwards) or a divisor of the processes per node")
+        _require(self.tp_plan in (None, "auto"), "tp_plan", self.tp_plan,
+                 "'auto' (the model's own tensor-parallel plan, lm-eval hf's spelling of tp_size=node)",
+                 "tp_plan=auto, or tp_size=N")
+        if self.tensor_parallel == 1:
+            return
+        _require(self.shard_size == 1, "shard_size", self.shard_size,
+                 f"shard_size=1 with tp_size={self.tensor_parallel} (a model is either sharded by FSDP2 or split "
+                 "by its tensor-parallel plan, not both)", "drop one of shard_size and tp_size")
+        for key in ("peft", "delta", "gguf_file"):
+            _require(getattr(self, key) is None, key, getattr(self, key),
+                     f"{key}= only with tp_size=1: it is applied to whole weights after loading, and a "
+                     f"tensor-parallel process holds a slice of each",
+                     f"save the merged model and load that with tp_size, or use shard_size={self.tensor_parallel}")
+
+    @property
+    def tensor_parallel(self) -> int | str:
+        """The TP group size asked for: ``tp_size``, or ``"node"`` for ``tp_plan=auto`` alone (1: none)."""
+        if self.tp_size != 1:
+            return self.tp_size
+        return "node" if self.tp_plan == "auto" else 1
 
     def _check_checkpoint_keys(self) -> None:
         """Issue 28's keys: adapters, GGUF, thinking and chat template arguments."""
@@ -253,7 +290,10 @@ def _cast(key: str, value: Any) -> Any:
         text = str(value).strip().lower()
         return {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false",
                 "none": "false"}.get(text, text)
-    if key == "shard_size":
+    if key == "tp_plan":
+        text = str(value).strip().lower()
+        return None if text in ("none", "") else text
+    if key in ("shard_size", "tp_size"):
         text = str(value).strip().lower()
         return text if not text.lstrip("-").isdigit() else _as_int(key, text)
     if key == "think_end_token":  # a digit string is a token id, as lm-eval hf reads it

@@ -63,6 +63,8 @@ def check_given(options: Any, given: Given) -> None:
         refused.append(f"reference={options.reference}")
     if options.shard_size != 1:
         refused.append(f"shard_size={options.shard_size}")
+    if options.tensor_parallel != 1:
+        refused.append(f"tp_size={options.tensor_parallel}")
     if refused:
         raise ValueError(f"{', '.join(refused)} with an in-memory model (pretrained={type(given.model).__name__}) "
                          "would change the caller's model in place or needs its files. Fix: "

@@ -62,13 +62,15 @@ def load_tokenizer(options: Options):
 
 
 def load_model(options: Options, device: torch.device, dtype: torch.dtype | str, source: str | None = None,
-               key: str = "pretrained", quantization_config: Any = None):
+               key: str = "pretrained", quantization_config: Any = None, distributed_config: Any = None):
     """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode.
 
     ``key``: the ``--model_args`` key that named ``source``, for error messages; only ``pretrained`` gets
     ``subfolder``/``gguf_file``. With ``quantization_config`` (a ``transformers.TorchAoConfig``) the checkpoint is
     read tensor by tensor straight onto ``device`` (``device_map``) and each selected Linear weight is quantized
     as soon as it is loaded. A checkpoint saved already quantized loads as saved (its stored config applies).
+    ``distributed_config``: the tensor-parallel config of :func:`~distperp_harness.model.tensor_parallel.tp_loading`
+    (each rank reads its slices onto ``device``; the checkpoint's config is checked for a TP plan first).
     """
     import transformers
 
@@ -81,7 +83,14 @@ def load_model(options: Options, device: torch.device, dtype: torch.dtype | str,
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
     if quantization_config is not None:
-        kwargs.update(quantization_config=quantization_config, device_map={"": str(device)})
+        kwargs["quantization_config"] = quantization_config
+        if distributed_config is None:  # with TP, transformers places each slice on the mesh's device itself
+            kwargs["device_map"] = {"": str(device)}
+    if distributed_config is not None:
+        from distperp_harness.model.tensor_parallel import check_tp_plan
+
+        check_tp_plan(load_config(options, source, key), int(distributed_config.tp_size), source)
+        kwargs["distributed_config"] = distributed_config
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError) as exc:
@@ -148,7 +157,7 @@ def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = No
                                                              trust_remote_code=options.trust_remote_code, **extra)
 
 
-def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):
+def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, distributed_config: Any = None):
     """The model with ``options.quantize`` applied *while loading*, and its
     :class:`~distperp_harness.model.quantize.QuantReport`.
 
@@ -169,6 +178,11 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):
     meta = skeleton(options, dtype)
     selected, skipped, notes = select_layers(meta, plan, options.quantize_lm_head)
     if notes:  # quantizing a tied head unties it, which transformers' loader does not do
+        if distributed_config is not None:
+            raise ValueError(f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "
+                             "head is tied to its input embeddings, and quantizing it means untying it after "
+                             "loading, which a tensor-parallel slice cannot do. Fix: quantize_lm_head=false, or "
+                             "tp_size=1.")
         model = load_model(options, device, dtype)
         report = quantize_model(model, scheme, group_size=options.group_size,
                                 include_lm_head=options.quantize_lm_head)
@@ -178,7 +192,7 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype):
     start = time.perf_counter()
     config = transformers.TorchAoConfig(quant_type=plan.config,
                                         modules_to_not_convert=[re.escape(name) for name in skipped])
-    model = load_model(options, device, dtype, quantization_config=config)
+    model = load_model(options, device, dtype, quantization_config=config, distributed_config=distributed_config)
     common = dict(scheme=scheme, storage=plan.storage, note=plan.note, device_type=device.type,
                   model_dtype=str(dtype).removeprefix("torch."), include_lm_head=options.quantize_lm_head,
                   weight_bytes_before=sum(p.numel() * p.element_size() for p in meta.parameters()))
@@ -212,11 +226,12 @@ class Loaded:
     stored_quantization: dict | None = None
 
 
-def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | str, tokenizer: Any
-                 ) -> tuple[torch.nn.Module, AdapterReport | None]:
+def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | str, tokenizer: Any,
+                 distributed_config: Any = None) -> tuple[torch.nn.Module, AdapterReport | None]:
     """``pretrained`` unquantized on ``device`` in ``dtype``, with its ``peft=`` adapter or ``delta=`` weights applied
-    (:mod:`~distperp_harness.model.adapters`); without either, :func:`load_model`."""
-    model = load_model(options, device, dtype)
+    (:mod:`~distperp_harness.model.adapters`); without either, :func:`load_model` (tensor-parallel with
+    ``distributed_config``; options refuse adapters then)."""
+    model = load_model(options, device, dtype, distributed_config=distributed_config)
     if options.peft:
         model, report = apply_peft(model, options, tokenizer)
         model.requires_grad_(False)
@@ -229,7 +244,29 @@ def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | st
     return model, None
 
 
-def load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None) -> Loaded:
+def load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None,
+             tp_mesh: Any = None) -> Loaded:
+    """:func:`_load_all`; with ``tp_mesh`` (``tp_size`` > 1, :func:`~distperp_harness.model.tensor_parallel.
+    make_tp_mesh`), the model and the reference are loaded tensor-parallel on it, each rank reading its slices."""
+    if tp_mesh is None:
+        return _load_all(options, device, mesh, given)
+    from distperp_harness.model.tensor_parallel import tp_loading, tp_report, whole_bytes
+
+    with tp_loading(tp_mesh, device) as config:
+        loaded = _load_all(options, device, None, given, config)
+    size = int(tp_mesh.size(-1))
+    loaded.weight_bytes = whole_bytes(loaded.model, size)
+    loaded.sharding = {"model": tp_report(loaded.model, size, "model")}
+    if loaded.reference is not None:
+        loaded.reference_weight_bytes = whole_bytes(loaded.reference, size)
+        loaded.sharding["reference"] = tp_report(loaded.reference, size, "reference")
+    for report in loaded.sharding.values():
+        log.info(report.note, main_process_only=True)
+    return loaded
+
+
+def _load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None,
+              distributed_config: Any = None) -> Loaded:
     """Tokenizer → model on ``device`` (quantized while loading) → reference; with ``mesh``, both sharded.
 
     The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
@@ -276,10 +313,10 @@ def load_all(options: Options, device: torch.device, mesh: Any = None, given: An
                                                 "quantize it in the same pass.")
             report = dataclasses.replace(report, notes=report.notes + (f"Quantized after loading: {why}",))
         else:
-            model, report = load_quantized(options, device, dtype)
+            model, report = load_quantized(options, device, dtype, distributed_config)
         log.info(report.summary(), main_process_only=True)
     else:
-        model, adapter = load_adapted(options, staging, asked, tokenizer)
+        model, adapter = load_adapted(options, staging, asked, tokenizer, distributed_config)
     if adapter is not None:
         log.info(f"distperp: {adapter.note}", main_process_only=True)
     if stored is not None:
@@ -292,11 +329,12 @@ def load_all(options: Options, device: torch.device, mesh: Any = None, given: An
     reference, reference_bytes = None, None
     if options.reference is not None:
         if options.reference == "base":
-            reference, _ = load_adapted(options, staging, asked, tokenizer)
+            reference, _ = load_adapted(options, staging, asked, tokenizer, distributed_config)
         elif options.reference == "pretrained":
             reference = load_model(options, staging, asked)
         else:
-            reference = load_model(options, staging, asked, source=options.reference, key="reference")
+            reference = load_model(options, staging, asked, source=options.reference, key="reference",
+                                   distributed_config=distributed_config)
         reference_bytes = weight_bytes(reference)
         if mesh is not None:
             sharding["reference"] = shard_model(reference, mesh, what="reference")

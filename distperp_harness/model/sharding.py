@@ -54,16 +54,17 @@ def resolve_shard_size(option: int | str, world_size: int, local_world_size: int
     return size
 
 
-def check_groups_within_hosts(hosts: Sequence[str], shard_size: int) -> None:
-    """``ValueError`` when a shard group would span machines (``hosts[r]``: rank ``r``'s host name), e.g. when a
-    launcher did not set ``LOCAL_WORLD_SIZE`` and ``node`` was taken to mean the whole world."""
+def check_groups_within_hosts(hosts: Sequence[str], shard_size: int, key: str = "shard_size") -> None:
+    """``ValueError`` when a group of ``shard_size`` consecutive ranks (``key``: the option that asked for it, a
+    shard group or a tensor-parallel group) would span machines (``hosts[r]``: rank ``r``'s host name), e.g. when
+    a launcher did not set ``LOCAL_WORLD_SIZE`` and ``node`` was taken to mean the whole world."""
     for group in shard_groups(len(hosts), shard_size):
         names = sorted({hosts[r] for r in group})
         if len(names) > 1:
             raise ValueError(
-                f"shard_size={shard_size}: the shard group of ranks {group[0]}..{group[-1]} spans the hosts "
-                f"{', '.join(names)}; a group must lie within one node (its gathers run at every forward). Fix: "
-                f"launch with accelerate launch or torchrun (they set LOCAL_WORLD_SIZE), or give shard_size=<a "
+                f"{key}={shard_size}: the group of ranks {group[0]}..{group[-1]} spans the hosts "
+                f"{', '.join(names)}; a group must lie within one node (it communicates at every forward). Fix: "
+                f"launch with accelerate launch or torchrun (they set LOCAL_WORLD_SIZE), or give {key}=<a "
                 f"divisor of the processes per node>.")
 
 
@@ -161,15 +162,29 @@ def regather(*models: nn.Module | None) -> None:
         m.unshard()
 
 
-def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int) -> dict:
+def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int,
+                    tp_size: int = 1) -> dict:
     """``config.distperp.sharding``: the layout and the weight bytes each rank holds.
+
+    ``tp_size`` > 1: ``engine`` says so, ``mesh`` is ``[dp, tp]`` and ``groups`` are the tensor-parallel groups;
+    ``replicated`` then lists the parameters every member holds whole (norms and what the TP plan leaves out).
 
     ``model_bytes_per_rank`` / ``reference_bytes_per_rank``: stored weight bytes resident on each rank, in rank
     order (local shards plus replicated weights; parameters gathered only during a forward are not counted;
     ``None`` without a reference). ``replicated``: weights every rank holds whole, per model.
     """
+    if tp_size > 1:
+        return {
+            "shard_size": 1, "tp_size": tp_size,
+            "engine": "transformers tensor-parallel plan (DTensor) on a (dp, tp) DeviceMesh",
+            "mesh": [world_size // tp_size, tp_size], "groups": shard_groups(world_size, tp_size),
+            "model_bytes_per_rank": [r["model_bytes"] for r in per_rank],
+            "reference_bytes_per_rank": [r["reference_bytes"] for r in per_rank],
+            "replicated": {what: list(r.replicated) for what, r in reports.items()},
+            "notes": [r.note for r in reports.values()],
+        }
     return {
-        "shard_size": shard_size,
+        "shard_size": shard_size, "tp_size": 1,
         "engine": "torch FSDP2 fully_shard, no mixed precision" if shard_size > 1 else None,
         "mesh": [world_size // shard_size, shard_size] if shard_size > 1 else None,
         "groups": shard_groups(world_size, shard_size) if shard_size > 1 else None,

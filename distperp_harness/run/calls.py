@@ -135,10 +135,14 @@ class RunStats:
 
     calls: list[Call] = field(default_factory=list)
     _digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    tp_size: int = 1
 
     @property
     def fingerprint(self) -> str:
-        return self._digest.hexdigest()[:16]
+        """16 hex digits of every batch's results; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
+        in another order: its bits compare with runs of the same ``tp_size`` only)."""
+        digits = self._digest.hexdigest()[:16]
+        return digits if self.tp_size == 1 else f"tp{self.tp_size}:{digits}"
 
     def to_dicts(self) -> list[dict[str, Any]]:
         return [call.to_dict() for call in self.calls]

@@ -286,6 +286,11 @@ def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | Non
     if shard_size > 1:
         return ("sharded weights (shard_size > 1) are gathered by FSDP hooks around each layer; compiling them is "
                 "not supported here")
+    from distperp_harness.model.tensor_parallel import is_tensor_parallel
+
+    if any(is_tensor_parallel(m) for m in models):
+        return ("tensor-parallel weights (tp_size > 1) are DTensor slices whose all-reduces run in transformers' TP "
+                "hooks; compiling them is not supported here")
     for model in models:
         if not decoder_layers(model):
             return f"{type(model).__name__} has no stack of decoder layers to compile"
@@ -296,7 +301,9 @@ def compile_extra_bytes(mode: str | None, models: Sequence[torch.nn.Module | Non
                         shard_size: int = 1) -> int:
     """Bytes that compiling ``models`` with ``mode`` will hold besides their weights: the packed copies of their
     decoder layers' linear weights on CPU (:mod:`~distperp_harness.run.prepack`); 0 when nothing is compiled."""
-    if mode is None or shard_size > 1:
+    from distperp_harness.model.tensor_parallel import is_tensor_parallel
+
+    if mode is None or shard_size > 1 or any(is_tensor_parallel(m) for m in models):
         return 0
     return sum(packable_bytes(decoder_layers(m), device) for m in models if m is not None)
 

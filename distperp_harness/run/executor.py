@@ -11,6 +11,9 @@ The policy both stages need lives here and nowhere else:
 * **shard groups** — with sharded weights (``shard_size`` > 1) every forward gathers the group's weights, so the
   group walks in steps (:class:`~distperp_harness.run.claims.GroupSteps`) and a member with less to do in a step
   makes idle forwards, scoring's (:meth:`Executor.batches`) and generation's (:meth:`Executor.decoding`) alike;
+* **tensor-parallel groups** — with ``tp_size`` > 1 a group computes every forward together and is one worker of
+  the plan (:mod:`distperp_harness.run.groups`): its leader claims and decides (reuse or compute), the members
+  follow the published decisions (:meth:`Executor.walk`), and only the leader reports (:attr:`Executor.reports`);
 * **what each rank did** — :class:`~distperp_harness.run.calls.RankFacts` gathered at the end of a call.
 
 The forwards themselves come in :class:`Forwards` (:func:`model_forwards` for a loaded model; tests pass fakes),
@@ -34,6 +37,7 @@ from distperp_harness.model.sharding import gathered, regather
 from distperp_harness.planning.requests import Unit
 from distperp_harness.run.calls import RankFacts
 from distperp_harness.run.claims import Claims, GroupSteps, helper_step
+from distperp_harness.run.groups import Follow, Workers
 from distperp_harness.run.resume import fault_for_tests
 from distperp_harness.run.scoring import BatchScores, NonFiniteLogitsError, forward_calls, score_batch
 
@@ -54,10 +58,11 @@ class Forwards:
 
 def model_forwards(model: torch.nn.Module, reference: torch.nn.Module | None, device: torch.device,
                    pad_token_id: int | None, describe: Callable[[Sequence[int]], str], shard_size: int = 1,
-                   collective: Any = None) -> Forwards:
+                   collective: Any = None, tp_size: int = 1) -> Forwards:
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
-    gather named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the rows."""
-    sharded = shard_size > 1
+    gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
+    rows."""
+    sharded = shard_size > 1 or tp_size > 1
 
     def score(rows, shared: int = 0) -> BatchScores:
         try:
@@ -96,15 +101,21 @@ class Executor:
         forwards: what a unit's computation calls (:func:`model_forwards`).
         store: ``resume_dir``'s :class:`~distperp_harness.run.resume.BatchStore`, or ``None``.
         claiming: ``claim=``; ``local_world_size``: processes per node (a rank's helper is then on another node);
-        shard_size: ranks per shard group (1: unsharded).
+        shard_size: ranks per shard group (1: unsharded); ``tp_size``: ranks per tensor-parallel group (1: none).
     """
 
     def __init__(self, collective: Any, forwards: Forwards, *, device: torch.device | None = None, store: Any = None,
-                 claiming: bool = True, local_world_size: int = 1, shard_size: int = 1) -> None:
+                 claiming: bool = True, local_world_size: int = 1, shard_size: int = 1, tp_size: int = 1) -> None:
         self.collective, self.forwards, self.device, self.store = collective, forwards, device, store
-        self.shard_size = shard_size
+        self.shard_size, self.tp_size = shard_size, tp_size
         self.rank, self.world_size = collective.rank, collective.world_size
-        self.step = helper_step(self.world_size, local_world_size, shard_size) if claiming else 0
+        self.workers = Workers(self.world_size, tp_size)
+        self.worker = self.workers.of(self.rank)
+        self.reports = self.workers.leads(self.rank)
+        """Whether this rank reports what it computes (a TP group's members compute it too, and stay silent)."""
+        self.step = helper_step(self.workers.count, max(1, local_world_size // tp_size), shard_size) \
+            if claiming else 0
+        self._follow: Follow | None = None
 
     @property
     def claiming_mode(self) -> str:
@@ -118,15 +129,44 @@ class Executor:
     def claims(self, batches_of: Callable[[int], list[int]], prefix: str) -> Claims:
         """The units this rank computes: its own (``batches_of(rank)``, plan order), then its ward's when claiming.
         ``prefix``: the call's store prefix, equal on every rank."""
-        ward = batches_of((self.rank - self.step) % self.world_size) if self.step else []
-        return Claims(batches_of(self.rank), ward, default_store() if self.step else None, prefix)
+        count = self.workers.count
+        ward = batches_of((self.worker - self.step) % count) if self.step else []
+        return Claims(batches_of(self.worker), ward, default_store() if self.step else None, prefix)
+
+    def walk(self, claims: Claims, prefix: str) -> Iterator[int]:
+        """The units this rank computes, in order: its claims; in a TP group, the leader's claims, which it
+        publishes and its members read (:class:`~distperp_harness.run.groups.Follow`), ending with ``-1``."""
+        if self.tp_size <= 1:
+            self._follow = None
+            yield from claims
+            return
+        store = default_store()
+        if store is None:
+            raise RuntimeError("tensor parallelism needs the process group's store to keep a group's decisions "
+                               "together, and torch.distributed did not provide it")
+        follow = self._follow = Follow(store, f"{prefix}/walk", self.rank, self.tp_size)
+        if follow.leader:
+            for unit in claims:
+                follow.share(unit)
+                yield unit
+            follow.share(-1)
+            return
+        while (unit := follow.share(-1)) >= 0:
+            yield unit
+
+    def _computes(self, saved: bool) -> bool:
+        """Whether this rank computes the unit at hand: not when ``resume_dir`` holds it; in a TP group, the
+        leader's answer (published), so that every member makes the forwards the leader makes."""
+        if self._follow is None:
+            return not saved
+        return bool(self._follow.share(int(not saved)))
 
     def batches(self, claims: Claims, calls_of: Callable[[int], int], prefix: str) -> Iterator[int]:
         """Scoring's walk: the batches this rank computes, in order. A shard group walks in steps: after this rank's
         batch of a step (computed by the caller when the generator resumes), idle forwards up to the step's largest
         number of forward calls (``calls_of(batch)``)."""
         if self.shard_size <= 1:
-            yield from claims
+            yield from self.walk(claims, prefix)
             return
         steps = self._group_steps(prefix)
         walk = iter(claims)
@@ -146,6 +186,9 @@ class Executor:
         """Generation's walk: yields ``around``, the context of each generation forward. A shard group announces
         each forward as one step and gathers the root weights for it; when this rank's lanes are done, it makes
         idle forwards until every member of its group is done."""
+        if self.tp_size > 1:  # the members make the leader's forwards: only a failed all-reduce needs naming
+            yield self.forwards.root
+            return
         if self.shard_size <= 1:
             yield contextlib.nullcontext
             return
@@ -170,11 +213,12 @@ class Executor:
         return GroupSteps(store, f"{prefix}/groups", self.rank, self.shard_size)
 
     # ------------------------------------------------------------------ one unit
-    def score(self, rows: Sequence[Any], shared: int = 0) -> BatchScores:
+    def score(self, rows: Sequence[Any], shared: int = 0) -> BatchScores | None:
         """One scoring batch: from ``resume_dir`` when saved there (a shard group's member still makes its share of
-        the group's forwards, as idle ones), else computed in the failure channel and saved."""
-        saved = self.store.load(rows) if self.store else None
-        if saved is not None:
+        the group's forwards, as idle ones), else computed in the failure channel and saved. ``None`` on a TP
+        group's member when its leader read the batch back (a member reports nothing)."""
+        saved = self.store.load(rows) if self.store and self.reports else None
+        if not self._computes(saved is not None):
             if self.shard_size > 1:
                 for _ in range(forward_calls(shared)):
                     self.idle_score()
@@ -182,7 +226,7 @@ class Executor:
         with stop_together(self.collective, self.device):
             fail_for_tests(self.rank)
             scores = self.forwards.score(rows, shared)
-        if self.store:
+        if self.store and self.reports:
             self.store.save(rows, scores)
         fault_for_tests(self.rank)
         return scores
@@ -190,14 +234,16 @@ class Executor:
     def lane(self, key: bytes | None, jobs: int, what: str, compute: Callable[[], tuple[list[str], dict]]
              ) -> tuple[list[str], dict | None]:
         """One generation lane's texts and statistics (``None`` when read back from ``resume_dir`` under ``key``):
-        computed in the failure channel (``what`` names it) and saved."""
-        saved = self.store.load_lane(key, jobs) if self.store is not None and key is not None else None
-        if saved is not None:
-            return saved, None
+        computed in the failure channel (``what`` names it) and saved. A TP group's member gets ``([], None)`` when
+        its leader read the lane back."""
+        saved = self.store.load_lane(key, jobs) if self.store is not None and key is not None and self.reports \
+            else None
+        if not self._computes(saved is not None):
+            return saved or [], None
         with stop_together(self.collective, self.device, what):
             fail_for_tests(self.rank, "lane")
             texts, stats = compute()
-        if self.store is not None and key is not None:
+        if self.store is not None and key is not None and self.reports:
             self.store.save_lane(key, texts)
         return texts, stats
 

@@ -112,10 +112,16 @@ def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: boo
 
 
 def _parts(model: nn.Module, shard_size: int, *, scheme: str = "none", group_size: int = 128,
-           include_lm_head: bool = False, device: torch.device = torch.device("cpu")) -> tuple[int, int, int]:
+           include_lm_head: bool = False, device: torch.device = torch.device("cpu"),
+           tensor_parallel: bool = False) -> tuple[int, int, int]:
     """``(resident bytes per rank, root group bytes, largest decoder layer bytes)``; the last two are what FSDP
-    gathers (0 when unsharded; torchao-quantized weights are never gathered: they stay whole on every rank)."""
+    gathers (0 when unsharded; torchao-quantized weights are never gathered: they stay whole on every rank).
+    ``tensor_parallel``: ``shard_size`` is a TP group's size: every matrix (projections, embeddings, head;
+    quantized or not) is split over it, vectors (norms, biases) stay whole, nothing is gathered."""
     sizes, quantized = _stored(model, scheme, group_size, include_lm_head, device)
+    if tensor_parallel and shard_size > 1:
+        split = {id(p) for p in model.parameters() if p.dim() >= 2}
+        return int(sum(b / shard_size if pid in split else b for pid, b in sizes.items())), 0, 0
     if shard_size <= 1:
         return int(sum(sizes.values())), 0, 0
     resident = sum(b if pid in quantized else b / shard_size for pid, b in sizes.items())
@@ -138,8 +144,10 @@ def weights_per_rank(model: nn.Module, shard_size: int, *, scheme: str = "none",
 
 
 def estimate(options: Options, model: nn.Module, reference: nn.Module | None, shard_size: int, max_length: int,
-             device: torch.device, batch_rows: int | None = None, stored_bytes: int | None = None) -> Need:
+             device: torch.device, batch_rows: int | None = None, stored_bytes: int | None = None,
+             tensor_parallel: bool = False) -> Need:
     """What one rank needs (module doc); ``model``/``reference`` are meta skeletons in their load dtypes.
+    ``tensor_parallel``: ``shard_size`` is the ``tp_size`` (matrices split, nothing gathered).
 
     ``stored_bytes``: for a checkpoint saved already quantized, the bytes of its weight files: its weights are
     sized from them (kept whole on every rank, as torchao weights are), not from the full-precision skeleton.
@@ -153,10 +161,11 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
     from distperp_harness.run.scoring import chunk_bytes
 
     kept, root, layer = _parts(model, shard_size, scheme=options.quantize, group_size=options.group_size,
-                               include_lm_head=options.quantize_lm_head, device=device)
+                               include_lm_head=options.quantize_lm_head, device=device, tensor_parallel=tensor_parallel)
     if stored_bytes is not None:
         kept, root, layer = stored_bytes, 0, 0
-    ref_kept, ref_root, ref_layer = (0, 0, 0) if reference is None else _parts(reference, shard_size)
+    ref_kept, ref_root, ref_layer = (0, 0, 0) if reference is None else \
+        _parts(reference, shard_size, tensor_parallel=tensor_parallel)
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
     vocab = max(int(getattr(m.config, "vocab_size", 0) or 0) for m in (model, reference) if m is not None)
@@ -172,13 +181,13 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int,
-           stored: bool = False) -> list[str]:
+           stored: bool = False, key: str = "shard_size") -> list[str]:
     """Options that would make the estimate fit ``room``, each with its total (``stored``: a pre-quantized
-    checkpoint, which ``quantize=`` cannot apply to)."""
+    checkpoint, which ``quantize=`` cannot apply to; ``key``: the group option in use, shard_size or tp_size)."""
     fixes = []
     for size in range(shard_size + 1, local_world + 1):
         if local_world % size == 0 and need_for(options, size, None).total <= room:
-            fixes.append(f"shard_size={size} ({need_for(options, size, None).total / GiB:.2f} GiB)")
+            fixes.append(f"{key}={size} ({need_for(options, size, None).total / GiB:.2f} GiB)")
             break
     if options.quantize == "none" and not stored:
         int4 = dataclasses.replace(options, quantize="int4")
@@ -208,7 +217,7 @@ def _skeletons(options: Options, device: torch.device) -> tuple[nn.Module, nn.Mo
 
 
 def check_fits(collective: "Collective", options: Options, device: torch.device, shard_size: int,
-               local_world: int) -> Need | None:
+               local_world: int, tp_size: int = 1) -> Need | None:
     """Rank 0's estimate against every rank's free memory; ``ValueError`` on every rank when it cannot fit.
 
     Every rank calls this together, before loading. On the CPU the ``local_world`` processes of a node share its
@@ -219,7 +228,7 @@ def check_fits(collective: "Collective", options: Options, device: torch.device,
     problem = need = None
     if collective.is_main:
         try:
-            problem, need = _verdict(options, device, shard_size, local_world, free)
+            problem, need = _verdict(options, device, shard_size, local_world, free, tp_size)
         except ValueError as exc:  # a bad path or config: the same error every rank would meet while loading
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - a model the meta skeleton cannot build: load without a verdict
@@ -231,7 +240,7 @@ def check_fits(collective: "Collective", options: Options, device: torch.device,
 
 
 def _verdict(options: Options, device: torch.device, shard_size: int, local_world: int,
-             free: list[int]) -> tuple[str | None, Need]:
+             free: list[int], tp_size: int = 1) -> tuple[str | None, Need]:
     """``(why the run cannot fit, or None; rank 0's need)`` (see :func:`check_fits`)."""
     from distperp_harness.model.checkpoint import refuse_on_stored, stored_quantization, stored_weight_bytes
     from distperp_harness.model.loading import load_config, load_tokenizer, model_max_length
@@ -242,23 +251,25 @@ def _verdict(options: Options, device: torch.device, shard_size: int, local_worl
     stored_bytes = stored_weight_bytes(options) if stored else None
     cache: dict = {options.quantize: _skeletons(options, device)}
     max_length = model_max_length(options, cache[options.quantize][0], load_tokenizer(options))
+    key, size = ("tp_size", tp_size) if tp_size > 1 else ("shard_size", shard_size)
 
     def need_for(opts: Options, size: int, rows: int | None) -> Need:
         if opts.quantize not in cache:
             cache[opts.quantize] = _skeletons(opts, device)
         model, reference = cache[opts.quantize]
-        return estimate(opts, model, reference, size, max_length, device, rows, stored_bytes=stored_bytes)
+        return estimate(opts, model, reference, size, max_length, device, rows, stored_bytes=stored_bytes,
+                        tensor_parallel=key == "tp_size")
 
-    need = need_for(options, shard_size, None)
+    need = need_for(options, size, None)
     sharing = local_world if device.type == "cpu" else 1
     room = min(free) // sharing
     if need.total <= room:
         return None, need
     worst = min(range(len(free)), key=free.__getitem__)
-    fixes = _fixes(options, need_for, room, shard_size, local_world, stored)
+    fixes = _fixes(options, need_for, room, size, local_world, stored, key)
     source = "the stored weight files and the model config" if stored_bytes else "the model config"
     return (f"the run does not fit: each rank needs about {need.describe()} (estimated from {source}, "
-            f"shard_size={shard_size}, quantize={options.quantize}, batch_size={options.batch_size}, "
+            f"{key}={size}, quantize={options.quantize}, batch_size={options.batch_size}, "
             f"max_length={max_length}), but rank {worst} has {free[worst] / GiB:.2f} GiB free on {device.type}"
             f"{f' shared by {sharing} processes' if sharing > 1 else ''}. Fix: "
             + (", or ".join(fixes) if fixes else "more devices per shard group, a smaller model, or "

@@ -168,7 +168,8 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     local_keys = _job_keys(args, identities)
     mine = _local_jobs(setup, local_keys, args)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
-    planned = plan_generation(collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step)
+    planned = plan_generation(collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step,
+                              executor.workers)
     table, lanes, plan, seed = planned.table, planned.lanes, planned.plan, planned.seed
     if setup.static is not None:  # compile the decode step for the plan's buckets, every rank together
         setup.static.prepare(collective, lanes)
@@ -186,15 +187,17 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
 
     prefix = f"distperp/lanes/{collective.sequence}"
     claims = executor.claims(plan.batches_of, prefix)
-    bar = setup.progress(sum(lanes[i].jobs for i in plan.batches_of(me))) if setup.progress else None
+    bar = setup.progress(sum(lanes[i].jobs for i in plan.batches_of(executor.worker))) if setup.progress else None
     texts, holders, stats, prefixes = {}, {}, [], PrefixCache()
     with executor.decoding(prefix) as around:
-        for i in claims:
+        for i in executor.walk(claims, prefix):
             lane = lanes[i]
             part = lane_jobs(lane)
             key = _lane_key(part, lane) if executor.store is not None else None
             saved, lane_stats = executor.lane(key, lane.jobs, f"generating (lane {i}, {lane.jobs} prompts)",
                                               functools.partial(_run_lane, setup, part, lane, prefixes, bar, around))
+            if not executor.reports:
+                continue  # a tensor-parallel member: its leader reports the same texts
             if lane_stats is not None:
                 stats.append({"lane": i, **lane_stats})
             elif bar is not None:

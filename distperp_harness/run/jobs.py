@@ -33,6 +33,7 @@ from distperp_harness.planning.plan import Plan, assign_batches
 from distperp_harness.planning.records import BLOCK, FlatUnits, GlobalTable, HashCollision, decode, encode, \
     local_records
 from distperp_harness.run.claims import helper_of
+from distperp_harness.run.groups import Workers
 from distperp_harness.run.lanes import LanePlan, plan_lanes
 from distperp_harness.run.routing import Available, move_tokens
 
@@ -204,10 +205,11 @@ class GenerationPlan:
 
 
 def plan_generation(collective, local: LocalJobs, seed: int, rows_for: Callable[[int], int], min_shared: int,
-                    step: int) -> GenerationPlan:
+                    step: int, workers: Workers | None = None) -> GenerationPlan:
     """Exchange records, plan lanes and their owners, and move each prompt to the ranks that may compute its lanes
     (every rank calls this together). ``step``: the claiming helper offset
-    (:func:`~distperp_harness.run.claims.helper_step`; 0: no helper)."""
+    (:func:`~distperp_harness.run.claims.helper_step`; 0: no helper); ``workers``: who computes lanes (a
+    tensor-parallel group is one worker, its every member receives the prompts; default: every rank)."""
     small = collective.all_gather_object((seed, local.kwargs), "gather generation arguments")
     kwargs_of = {group: kw for _, part in small for group, kw in part.items()}
     records = local_records(local.prompts)
@@ -217,11 +219,12 @@ def plan_generation(collective, local: LocalJobs, seed: int, rows_for: Callable[
     jobs = table.jobs
     lanes = plan_lanes(table.lengths.tolist(), jobs["group"].tolist(), jobs["max_new"].tolist(), rows_for,
                        lambda a, b: ladder_shared(table, a, b, min_shared))
-    world = collective.world_size
-    plan = assign_batches([lane.as_batch() for lane in lanes], world)
+    workers = workers or Workers(collective.world_size)
+    count = workers.count
+    plan = assign_batches([lane.as_batch() for lane in lanes], count)
     owner = np.asarray(plan.owner, dtype=np.int64)
-    lane_ranks = np.stack([owner, [helper_of(o, world, step) for o in owner] if step else np.full_like(owner, -1)],
-                          1) if len(owner) else np.zeros((0, 2), np.int64)
+    lane_ranks = workers.ranks(np.stack([owner, [helper_of(o, count, step) for o in owner] if step
+                                         else np.full_like(owner, -1)], 1) if len(owner) else np.zeros((0, 2), np.int64))
     lane_of_job = np.repeat(np.arange(len(lanes)), [lane.jobs for lane in lanes]).astype(np.int64)
     available = move_tokens(collective, table.prompts, lane_destinations(table, lane_of_job, lane_ranks),
                             local.prompts, table.prompts.ids(records[0]["key"]))

@@ -8,8 +8,9 @@ Every rank passes the units of the requests lm-eval gave it (its round-robin sha
    alone;
 3. sends each unit's tokens only to the ranks that may compute it (:func:`~distperp_harness.run.routing.move_tokens`);
 4. computes the batches it takes through the :class:`~distperp_harness.run.executor.Executor` (claims: its own,
-   then its ward's; resume; the failure channel; a shard group's steps), each row built exactly from its units'
-   tokens (:func:`~distperp_harness.planning.rows.row_of`);
+   then its ward's; resume; the failure channel; a shard group's steps; a tensor-parallel group as one worker of
+   the plan, its leader reporting), each row built exactly from its units' tokens
+   (:func:`~distperp_harness.planning.rows.row_of`);
 5. sends each unit's float64 results to the ranks that hold it (:func:`~distperp_harness.run.routing.return_results`)
    and assembles its own requests in a fixed order.
 
@@ -127,7 +128,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
     t0 = time.perf_counter()
     collective, sharing, with_reference = executor.collective, rule.sharing, rule.with_reference
     received_before = getattr(collective, "bytes_received", 0)
-    me, world = collective.rank, collective.world_size
+    me = collective.rank
     local = list({u.key(): u for units in per_request_units for u in units}.values())
     flat = FlatUnits.of(local)
     records = local_records(flat)
@@ -146,23 +147,24 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
     if prepare is not None:
         prepare(sharing.mode == "prefix" and any(len(planned.members[r]) > 1 for b in batches if not b.shared
                                                  for r in range(b.start, b.stop)))
-    plan = assign_batches(batches, world, rule.attention_coef, rule.head_coef)
+    workers = executor.workers  # a tensor-parallel group is one worker; without TP a worker is a rank
+    plan = assign_batches(batches, workers.count, rule.attention_coef, rule.head_coef)
     step = executor.step
     owner = np.asarray(plan.owner, dtype=np.int64)
-    ranks = np.stack([owner, [helper_of(o, world, step) for o in owner] if step else np.full_like(owner, -1)], 1) \
-        if len(owner) else np.zeros((0, 2), np.int64)
+    ranks = workers.ranks(np.stack([owner, [helper_of(o, workers.count, step) for o in owner] if step
+                                    else np.full_like(owner, -1)], 1) if len(owner) else np.zeros((0, 2), np.int64))
     unit_batch = np.empty(len(table), dtype=np.int64)
     for b, batch in enumerate(batches):
         for r in range(batch.start, batch.stop):
             unit_batch[planned.members[r]] = b
     available = move_tokens(collective, table, ranks[unit_batch], flat, local_ids)
     t_plan = time.perf_counter() - t0
-    if log is not None and me == 0 and len(batches) < world:
-        log(f"{kind}: {len(batches)} batches for {world} processes: {world - len(batches)} process(es) have no batch "
-            f"(batches never depend on the number of processes; batch_size="
-            f"{max(1, len(planned.members) // world)} or smaller would give every process one)")
+    if log is not None and me == 0 and len(batches) < workers.count:
+        log(f"{kind}: {len(batches)} batches for {workers.count} workers: {workers.count - len(batches)} have no "
+            f"batch (batches never depend on the number of processes; batch_size="
+            f"{max(1, len(planned.members) // workers.count)} or smaller would give every worker one)")
 
-    update = progress(sum(batches[i].padded_tokens for i in plan.batches_of(me))) if progress else None
+    update = progress(sum(batches[i].padded_tokens for i in plan.batches_of(executor.worker))) if progress else None
     prefix = f"distperp/claims/{collective.sequence}"
     claims = executor.claims(plan.batches_of, prefix)
     computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
@@ -176,15 +178,17 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
         shared = shared_prefix(rows) if batch.shared else 0
         _check_against_plan(planned, batch, rows, shared, sharing.mode)
         scores = executor.score(rows, shared)
+        if not executor.reports:
+            continue  # a tensor-parallel member: its leader reports the same bits and counts the tokens
+        tokens_here += shared + sum(row.length - shared for row in rows)
+        if update:
+            update(batch.padded_tokens)
         ids = [uid for row in rows for uid in row.unit_ids]
         kl = scores.kl if with_reference else [None] * len(ids)
         for j, uid in enumerate(ids):
             computed[uid] = (scores.stats[j], checks[uid], kl[j])
         order = np.argsort(ids)
         done.append((b, hashlib.blake2b(scores.stats[order].tobytes(), digest_size=8).digest()))
-        tokens_here += shared + sum(row.length - shared for row in rows)
-        if update:
-            update(batch.padded_tokens)
     t_score = time.perf_counter() - t0
     share = RankShare(me, len(done), claims.taken_from_ward, round(t_score - t_plan, 4), tokens_here)
     everyone = collective.all_gather_object((done, share), "gather which batches each rank computed")

@@ -286,12 +286,13 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
     if batching.token_budget is None:
         return batching
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
-    # With sharded weights a probe that runs out of memory on one rank mid-forward leaves the rest of its group
-    # waiting in a gather that never comes: no verdict could be gathered. The estimate alone decides there.
+    # With sharded or tensor-parallel weights a probe that runs out of memory on one rank mid-forward leaves the
+    # rest of its group waiting in a gather or all-reduce that never comes: no verdict could be gathered. The estimate alone decides there.
     from distperp_harness.model.sharding import is_sharded
+    from distperp_harness.model.tensor_parallel import is_tensor_parallel
 
     probe = (scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
-             if device.type == "cuda" and not is_sharded(model) else None)
+             if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model) else None)
     from distperp_harness.run.scoring import chunk_bytes
 
     logits = chunk_bytes(device.type, _dtype(model), _dtype(reference) if reference is not None else None)

@@ -67,7 +67,7 @@ def _score_fn(slow_rank=None, rank=None, delay=0.0):
 
 
 def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_reference=True, shard_size=1,
-          forwards=None, batch_size=3):
+          forwards=None, batch_size=3, tp_size=1, seen=None):
     store = _Store()
     shares = [[k for k in range(len(requests)) if k % world == r] for r in range(world)]
 
@@ -78,11 +78,14 @@ def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_refer
         def counted(rows, shared):
             if forwards is not None:
                 forwards[c.rank] += 2 if shared else 1
+            if seen is not None:
+                seen[c.rank].append(tuple(u.key() for row in rows for u in row.units))
             return score(rows, shared)
 
         def idle():
             forwards[c.rank] += 1
-        executor = Executor(c, Forwards(score=counted, idle_score=idle), claiming=claiming, shard_size=shard_size)
+        executor = Executor(c, Forwards(score=counted, idle_score=idle), claiming=claiming, shard_size=shard_size,
+                            tp_size=tp_size, local_world_size=world)
         rule = ScoringRule(Batching(batch_size), Sharing(mode, 200), attention_coef=1e-4,
                            with_reference=with_reference)
         out = score_requests([requests[k] for k in shares[c.rank]], executor, rule, stats=stats)
@@ -149,3 +152,25 @@ def test_shard_groups_keep_their_forward_calls_in_step(claiming):
     assert call.claiming == ("dynamic" if claiming else "static")
     if claiming:
         assert call.per_rank[2].from_ward + call.per_rank[3].from_ward > 0
+
+
+@pytest.mark.parametrize("claiming", [True, False])
+def test_a_tensor_parallel_group_is_one_worker_whose_members_make_their_leaders_forwards(claiming):
+    """Two TP groups of two ranks: each member computes exactly its leader's batches in its leader's order (the
+    forwards of a TP group are collective), only leaders report, every batch is computed by one group, and the bits
+    are one process's; with claiming the other group takes over a slow group's batches."""
+    requests = _requests(3)
+    one, stats1 = _call(1, requests, "prefix", batch_size=1)
+    seen = [[] for _ in range(4)]
+    many, stats = _call(4, requests, "prefix", claiming=claiming, tp_size=2, seen=seen, slow=0, delay=0.03,
+                        batch_size=1)
+    assert [r.loglikelihood for r in one] == [r.loglikelihood for r in many]
+    assert [r.kl.tolist() for r in one] == [r.kl.tolist() for r in many]
+    assert stats[0].fingerprint == stats1[0].fingerprint
+    assert seen[0] == seen[1] and seen[2] == seen[3] and not set(seen[0]) & set(seen[2])
+    call = stats[0].calls[-1]
+    assert call.per_rank[1].units == call.per_rank[3].units == 0  # members report nothing
+    assert call.per_rank[0].units + call.per_rank[2].units == call.batches == len(seen[0]) + len(seen[2])
+    assert call.computed_tokens == stats1[0].calls[-1].computed_tokens  # counted once per group
+    if claiming:
+        assert call.per_rank[2].from_ward > 0

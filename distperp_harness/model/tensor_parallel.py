@@ -1,0 +1,178 @@
+"""Tensor parallelism (``tp_size=N``): N consecutive processes of one node hold one copy of a model, each a slice
+of every large matrix, through transformers' own tensor-parallel plan (``base_model_tp_plan`` of the model's
+config, the ``lm_head`` rule of its class).
+
+The world is a :class:`~torch.distributed.device_mesh.DeviceMesh` ``(dp, tp)`` of shape ``(world // N, N)`` on the
+default process group Accelerate made (gloo on CPU, nccl on GPU), its groups bounded by the run's ``timeout``: ranks
+``g*N .. g*N+N-1`` form TP group ``g``. transformers builds its own mesh over every rank with default timeouts and,
+for ``N`` < world, wraps the model in FSDP replicas; :func:`tp_loading` hands it this mesh instead (the dimensions
+it names: ``pp``, ``dp_replicate``, ``fsdp``, ``tp``, the data-parallel one never used by the model), so the
+model is tensor-parallel within its group and nothing else. Weights are read slice by slice while loading: no rank
+holds a whole copy.
+
+A TP group computes one forward together (column-parallel projections, then an all-reduce of the row-parallel
+ones; the output head gathers its vocabulary slices), so every member gets the same logits, bit for bit, and the
+group acts as *one* data-parallel worker: the plan gives batches and lanes to workers, the group's first rank
+(its leader) claims and decides, the others follow (:mod:`distperp_harness.run.groups`).
+
+torchao quantization while loading (``TorchAoConfig``) quantizes each rank's slice of a weight on its own: the
+weights stay torchao tensors of the local slice. A per-row scale of a row-parallel weight then covers half a row,
+so quantized results are comparable between runs of the same ``tp_size`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
+
+import torch
+
+
+def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -> int:
+    """The TP group size for ``tp_size=option`` (``"node"``/``"auto"``: the processes per node).
+
+    Raises:
+        ValueError: when the size does not divide the processes per node (a group's all-reduces run at every
+        layer, so it must lie within one node) — with the value, what is allowed and the fix.
+    """
+    size = local_world_size if option in ("node", "auto") else int(option)
+    if size == 1:
+        return 1
+    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
+    if local_world_size % size or world_size % size:
+        raise ValueError(
+            f"tp_size={option!r} is not valid with {world_size} process(es), {local_world_size} per node: tp_size "
+            f"must divide the processes per node, so that each tensor-parallel group (all-reduces at every layer) "
+            f"lies within one node; allowed here: {', '.join(map(str, divisors))} or 'node'. Fix: tp_size=node, or "
+            f"launch a multiple of {size} processes per node.")
+    return size
+
+
+def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
+    """``ValueError`` before any weight is read when ``config`` (a transformers config) cannot run on ``tp_size``
+    processes: no tensor-parallel plan, or attention heads (query or key/value) that do not divide by it."""
+    if tp_size <= 1:
+        return
+    plan = getattr(config, "base_model_tp_plan", None)
+    kind = getattr(config, "model_type", type(config).__name__)
+    if not plan:
+        raise ValueError(
+            f"tp_size={tp_size}: {source!r} ({kind}) has no tensor-parallel plan in transformers (its config's "
+            f"base_model_tp_plan is empty), so its layers cannot be split over {tp_size} processes. Fix: "
+            f"shard_size={tp_size} (FSDP2 works for any model), or tp_size=1.")
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count is not None and count % tp_size:
+            allowed = [d for d in range(2, int(count) + 1) if heads % d == 0 and (kv_heads or heads) % d == 0]
+            raise ValueError(
+                f"tp_size={tp_size}: {source!r} has {name}={count}, which does not divide by tp_size={tp_size} "
+                f"(each process takes whole heads). Allowed tp_size for this model: "
+                f"{', '.join(map(str, allowed)) or 'none above 1'}. Fix: one of those, or shard_size={tp_size}.")
+
+
+def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
+    """Ranks of each TP group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
+    return [list(range(g, g + tp_size)) for g in range(0, world_size, tp_size)]
+
+
+def make_tp_mesh(device: torch.device, world_size: int, tp_size: int, timeout_s: float):
+    """transformers' dense mesh ``(pp, dp_replicate, fsdp, tp)`` of shape ``(1, world // tp_size, 1, tp_size)`` on
+    the default group's backend, every group bounded by ``timeout_s``. Every rank must call this together."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = dist.get_backend()
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)  # DeviceMesh passes it on as new_group's timeout
+    names = ("pp", "dp_replicate", "fsdp", "tp")
+    return init_device_mesh(device.type, (1, world_size // tp_size, 1, tp_size), mesh_dim_names=names,
+                            backend_override={n: (backend, options) for n in names})
+
+
+@contextlib.contextmanager
+def tp_loading(mesh: Any, device: torch.device) -> Iterator[Any]:
+    """Within the block, ``from_pretrained(..., distributed_config=<yielded>)`` applies the model's TP plan on
+    ``mesh`` (:func:`make_tp_mesh`) and reads each weight's slice onto ``device``; nothing else of transformers'
+    parallel machinery (FSDP, pipeline, experts) is used."""
+    from transformers.distributed import DistributedConfig, mixin
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    config = DistributedConfig(tp_size=int(mesh.size(-1)))
+    built = TransformersDeviceMesh(mesh, mesh)  # no expert parallelism: the expert view is never asked for
+    original = mixin.initialize_distributed_mesh
+
+    def ours(distributed_config):
+        if distributed_config is not config:
+            return original(distributed_config)
+        return device, built
+
+    mixin.initialize_distributed_mesh = ours
+    try:
+        yield config
+    finally:
+        mixin.initialize_distributed_mesh = original
+
+
+def is_tensor_parallel(model: torch.nn.Module | None) -> bool:
+    """True for a model loaded with a TP plan over more than one process."""
+    return model is not None and int(getattr(model, "_tp_size", None) or 1) > 1
+
+
+@dataclass(frozen=True)
+class TPReport:
+    """How a model was laid out: ``tp_size``; ``sliced``: how many parameters are split over the group;
+    ``replicated``: names of the parameters every member holds whole; ``note``: one sentence for the log."""
+
+    tp_size: int
+    sliced: int
+    replicated: tuple[str, ...]
+    note: str
+
+
+def _layout(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, bool]]:
+    """``(name, parameter, sliced)`` of each parameter: a DTensor not replicated everywhere, or a torchao weight of
+    a layer transformers quantized slice by slice (``_hf_quantized_needs_local_tp``), is split over the group."""
+    from torch.distributed.tensor import DTensor
+
+    for module_name, module in model.named_modules():
+        local_slices = bool(getattr(module, "_hf_quantized_needs_local_tp", False))
+        for name, p in module.named_parameters(recurse=False):
+            split = isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+            yield f"{module_name}.{name}" if module_name else name, p, split or local_slices
+
+
+def tp_report(model: torch.nn.Module, tp_size: int, what: str = "model") -> TPReport:
+    """Which of ``model``'s parameters the TP plan split and which stay whole on every member."""
+    layout = list(_layout(model))
+    whole = tuple(name for name, _, split in layout if not split)
+    sliced = len(layout) - len(whole)
+    note = (f"{what}: tensor-parallel over {tp_size} processes (transformers' TP plan): {sliced} weight tensors "
+            f"split, {len(whole)} whole on every process (norms, and what the plan leaves out)")
+    return TPReport(tp_size, sliced, whole, note)
+
+
+def whole_bytes(model: torch.nn.Module, tp_size: int) -> int:
+    """Stored bytes of one whole copy of a tensor-parallel ``model``: a DTensor's global size, a local torchao
+    slice times ``tp_size``, a replicated tensor once."""
+    from torch.distributed.tensor import DTensor
+
+    from distperp_harness.model.quantize import _storage_bytes
+
+    total, seen, counted = 0, set(), set()
+    for _, p, split in _layout(model):
+        if id(p) in counted:  # tied weights count once
+            continue
+        counted.add(id(p))
+        if isinstance(p, DTensor):
+            total += p.numel() * p.element_size()
+        else:
+            total += _storage_bytes(p, seen) * (tp_size if split else 1)
+    return total
+
+
+def describe_groups(world_size: int, tp_size: int) -> Sequence[Sequence[int]] | None:
+    return tp_groups(world_size, tp_size) if tp_size > 1 else None

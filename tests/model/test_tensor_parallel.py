@@ -1,0 +1,165 @@
+"""Tensor parallelism (``tp_size``): the pure rules, and real ``accelerate launch`` runs (gloo on CPU).
+
+At a fixed ``tp_size=2`` every per-document result and generated text is the same bits on 2 processes (one TP
+group), 4 processes (2 data-parallel x 2 tensor-parallel) and 2 loopback nodes x 2 processes (``tp_plan=auto``,
+lm-eval hf's spelling); fp32 and ``quantize=int4,reference=base``. Against one process without TP, log-likelihoods
+agree within float32 rounding and greedy texts are equal (a near-tie would be shown). One failing rank of a TP
+group is named and every rank stops.
+"""
+
+import math
+import subprocess
+
+import pytest
+
+from distperp_harness.model.tensor_parallel import check_tp_plan, resolve_tp_size, tp_groups
+from helpers import (LaunchOutputs, accelerate_launch_prefix, distperp_args, load_results, load_samples,
+                     offline_env, run_command, run_two_nodes)
+
+TASKS = "dptest_rolling,dptest_mc,dptest_gen,dptest_sample"
+INT4 = ",quantize=int4,group_size=32,reference=base"
+INT4_TASKS = "dptest_rolling,dptest_mc,dptest_gen"
+
+
+@pytest.mark.parametrize("option, world, local, expected", [
+    (1, 4, 4, 1), (2, 4, 4, 2), ("node", 4, 2, 2), ("node", 2, 2, 2), ("auto", 8, 8, 8), (4, 8, 4, 4),
+])  # fmt: skip
+def test_resolve_tp_size(option, world, local, expected):
+    assert resolve_tp_size(option, world, local) == expected
+
+
+@pytest.mark.parametrize("option, world, local", [(3, 4, 4), (4, 4, 2), (2, 3, 3)])
+def test_a_tp_size_that_does_not_divide_the_node_fails_with_the_fix(option, world, local):
+    with pytest.raises(ValueError) as info:
+        resolve_tp_size(option, world, local)
+    text = str(info.value)
+    assert f"tp_size={option!r}" in text and f"{local} per node" in text and "Fix:" in text and "'node'" in text
+
+
+def test_tp_groups_are_consecutive_ranks():
+    assert tp_groups(4, 2) == [[0, 1], [2, 3]] and tp_groups(2, 2) == [[0, 1]]
+
+
+class _Config:
+    model_type = "toy"
+
+    def __init__(self, plan, heads, kv_heads):
+        self.base_model_tp_plan, self.num_attention_heads, self.num_key_value_heads = plan, heads, kv_heads
+
+
+def test_a_model_without_a_tp_plan_is_refused_before_loading():
+    with pytest.raises(ValueError, match=r"tp_size=2: 'org/m' \(toy\) has no tensor-parallel plan.*Fix: "
+                                         r"shard_size=2"):
+        check_tp_plan(_Config(None, 4, 4), 2, "org/m")
+
+
+@pytest.mark.parametrize("heads, kv_heads, name, count", [(6, 6, "num_attention_heads", 6),
+                                                          (8, 2, "num_key_value_heads", 2)])
+def test_heads_that_do_not_divide_name_both_numbers_and_the_sizes_that_work(heads, kv_heads, name, count):
+    with pytest.raises(ValueError) as info:
+        check_tp_plan(_Config({"layers.*.q_proj": "colwise"}, heads, kv_heads), 4, "m")
+    text = str(info.value)
+    assert f"{name}={count}, which does not divide by tp_size=4" in text and "Allowed tp_size for this model: 2" in text
+    check_tp_plan(_Config({"layers.*.q_proj": "colwise"}, heads, kv_heads), 2, "m")  # 2 divides both
+
+
+# ------------------------------------------------------------------------------------------ real launches
+@pytest.fixture(scope="module")
+def tp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
+    """Each launch once: 1 process without TP; ``tp_size=2`` on 2 and 4 processes; ``tp_plan=auto`` on 2 nodes x 2
+    processes; int4 with its unquantized reference at ``tp_size=2`` on 2 and 4 processes."""
+    root = tmp_path_factory.mktemp("tp")
+    out = {name: root / name for name in ("1p", "2p", "4p", "2nodes", "2p-int4", "4p-int4")}
+
+    def args(name, extra, tasks=TASKS):
+        return [*distperp_args(tiny_model_dir, tasks_dir, out[name], extra, tasks), "--log_samples"]
+
+    run_command([*accelerate_launch_prefix(1), *args("1p", "")], cwd=root)
+    run_command([*accelerate_launch_prefix(2), *args("2p", ",tp_size=2")], cwd=root)
+    run_command([*accelerate_launch_prefix(4), *args("4p", ",tp_size=2")], cwd=root)
+    run_two_nodes(args("2nodes", ",tp_plan=auto"), cwd=root, per_node=2)
+    for n in (2, 4):
+        run_command([*accelerate_launch_prefix(n), *args(f"{n}p-int4", f",tp_size=2{INT4}", INT4_TASKS)], cwd=root)
+    return out
+
+
+def _per_doc(samples):
+    """Each document's first response per request (lm-eval pads a short rank with copies of its last request, so
+    the number of copies depends on the world size)."""
+    return {r["doc_id"]: [resp[0] for resp in r["resps"]] for r in samples}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family, setups, tasks", [
+    ("", ("2p", "4p", "2nodes"), TASKS), ("-int4", ("2p-int4", "4p-int4"), INT4_TASKS)])
+def test_a_fixed_tp_size_gives_the_same_bits_on_any_number_of_data_parallel_groups_and_nodes(tp_runs, family,
+                                                                                             setups, tasks):
+    results = {s: load_results(tp_runs[s]) for s in setups}
+    worlds = {"2p": 2, "4p": 4, "2nodes": 4, "2p-int4": 2, "4p-int4": 4}
+    for setup, result in results.items():
+        info = result["config"]["distperp"]
+        assert info["world_size"] == worlds[setup] and info["sharding"]["tp_size"] == 2
+        assert info["sharding"]["groups"] == tp_groups(worlds[setup], 2)
+        assert info["fingerprint"].startswith("tp2:")
+    assert len({r["config"]["distperp"]["fingerprint"] for r in results.values()}) == 1
+    first = setups[0]
+    for task in tasks.split(","):
+        want = _per_doc(load_samples(tp_runs[first], task))
+        for other in setups[1:]:
+            assert _per_doc(load_samples(tp_runs[other], task)) == want, (task, other)
+
+
+@pytest.mark.distributed
+def test_tp_size_2_agrees_with_one_process_within_float32_and_greedy_texts_are_equal(tp_runs):
+    one, two = load_results(tp_runs["1p"])["config"]["distperp"], load_results(tp_runs["2p"])["config"]["distperp"]
+    assert one["sharding"]["tp_size"] == 1 and not one["fingerprint"].startswith("tp")
+    assert one["fingerprint"] != two["fingerprint"].removeprefix("tp2:")  # the sums run in another order
+    for task in ("dptest_rolling", "dptest_mc"):
+        base, tp = _per_doc(load_samples(tp_runs["1p"], task)), _per_doc(load_samples(tp_runs["2p"], task))
+        assert base.keys() == tp.keys()
+        for doc, answers in base.items():
+            for a, b in zip(answers, tp[doc]):  # rolling: the value; multiple choice: [value, is_greedy]
+                a, b = (float(x[0] if isinstance(x, list) else x) for x in (a, b))
+                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-4), (task, doc, a, b)
+    base, tp = _per_doc(load_samples(tp_runs["1p"], "dptest_gen")), _per_doc(load_samples(tp_runs["2p"], "dptest_gen"))
+    differ = {doc: (base[doc], tp[doc]) for doc in base if base[doc] != tp[doc]}
+    assert not differ, f"greedy texts differ (a near-tie of two tokens within float32 rounding?): {differ}"
+
+
+@pytest.mark.distributed
+def test_weights_are_split_and_the_layout_recorded(tp_runs):
+    base = load_results(tp_runs["1p"])["config"]["distperp"]
+    for setup in ("2p", "4p-int4"):
+        info = load_results(tp_runs[setup])["config"]["distperp"]
+        sharding = info["sharding"]
+        assert sharding["engine"].startswith("transformers tensor-parallel plan") and sharding["mesh"][1] == 2
+        if setup == "2p":
+            assert info["weight_bytes"] == base["weight_bytes"]  # one whole copy, whatever the layout
+            assert max(sharding["model_bytes_per_rank"]) <= 0.6 * base["weight_bytes"]
+        else:
+            assert max(sharding["model_bytes_per_rank"]) < info["weight_bytes"]
+            assert max(sharding["reference_bytes_per_rank"]) <= 0.6 * info["reference"]["weight_bytes"]
+            assert info["reference"]["tasks"]  # the reference comparison ran on the TP group
+        assert all("norm" in name for name in sharding["replicated"]["model"])
+
+
+@pytest.mark.distributed
+def test_one_failing_rank_of_a_tp_group_is_named_and_every_rank_stops(tiny_model_dir, tasks_dir, tmp_path):
+    """4 processes, ``tp_size=2``: rank 3 (a member of the second TP group) raises before its 2nd forward, while its
+    leader waits in the forward's all-reduce and the first group computes on; with ``timeout=600`` only the failure
+    channel can end them: every rank stops within seconds, naming rank 3."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*accelerate_launch_prefix(4), *distperp_args(tiny_model_dir, tasks_dir, out,
+                                                                          ",tp_size=2,timeout=600")],
+                            cwd=tmp_path, env=offline_env({"DISTPERP_TEST_FAIL": "3:2"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    run = LaunchOutputs([proc])
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert proc.returncode != 0
+    for peer in (0, 1, 2):
+        assert f"distperp: rank {peer} stops because rank 3 (" in text, text[-4000:]
+    assert "failed while scoring: RuntimeError: injected failure for tests" in text, text[-4000:]
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30
