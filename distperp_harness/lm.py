@@ -25,6 +25,7 @@ from distperp_harness.model.devices import device_identity, find_disagreement, f
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
 from distperp_harness.distributed.liveness import set_base_stage
+from distperp_harness.distributed.traffic import model_traffic
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.static_slots import StaticDecoding
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
@@ -148,6 +149,8 @@ class DistPerpLM(Tokenization, TemplateLM):
                                             self.tok_decode, self.shard_size, self.collective, self.tp_size),
             device=self._device, store=self.store, claiming=self.options.claim,
             local_world_size=local_world_size(self._world_size), shard_size=self.shard_size, tp_size=self.tp_size)
+        self.traffic = model_traffic(self._model, self._device, self.tokenizer.pad_token_id,
+                                     sharded=self.shard_size > 1, tensor_parallel=self.tp_size > 1)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
         self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
                                  functools.partial(log.warning, main_process_only=True))
@@ -402,6 +405,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                     "weight_bytes": self.reference_weight_bytes},
                 "sharding": sharding_report(self.shard_size, self.loaded.sharding, self.per_rank,
                                             self.collective.world_size, tp_size=self.tp_size),
+                "traffic": self.traffic,
                 "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
                 "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
                 "warnings": self.warnings,

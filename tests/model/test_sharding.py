@@ -123,6 +123,16 @@ def test_bytes_per_rank_at_most_0_6_of_unsharded(runs, name):
 
 
 @pytest.mark.distributed
+def test_the_bytes_counted_from_the_collectives_are_the_whole_weights_once_per_forward(runs):
+    """FSDP2 gathers every weight once per forward, whatever its rows or tokens: each rank receives (n-1)/n of them
+    (a ring all-gather), per decode step and per scoring forward alike."""
+    info = load_results(runs["2p-fp32"])["config"]["distperp"]
+    whole = (2 - 1) / 2 * info["weight_bytes"]
+    assert info["traffic"]["decode_step_received_bytes"] == {"fixed": whole, "per_row": 0}
+    assert info["traffic"]["scoring_received_bytes"] == {"fixed": whole, "per_token": 0}
+
+
+@pytest.mark.distributed
 def test_load_memory_is_reported_per_rank(runs):
     info = load_results(runs["2nodes-int4"])["config"]["distperp"]
     peaks = info["load_memory_per_rank"]

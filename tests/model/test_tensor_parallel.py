@@ -144,6 +144,23 @@ def test_weights_are_split_and_the_layout_recorded(tp_runs):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("setup", ["2p", "4p-int4"])
+def test_the_bytes_counted_from_the_collectives_are_the_tp_formula(tp_runs, setup):
+    """Per decode row, every rank receives the ring all-reduces of the embedding and of two projections per layer
+    (``hidden`` values each) and the gathered output head (``vocab`` values), nothing per forward; per scored token
+    the same (every probe position is scored)."""
+    from distperp_harness.commands.tiny import TEST_SPEC as spec
+
+    info = load_results(tp_runs[setup])["config"]["distperp"]
+    traffic = info["traffic"]
+    n, b = 2, {"float32": 4, "bfloat16": 2}[(info["quantization"] or {}).get("model_dtype", "float32")]
+    per_row = 2 * (n - 1) / n * (2 * spec.num_layers + 1) * spec.hidden_size * b + (n - 1) / n * spec.vocab_size * b
+    assert traffic["decode_step_received_bytes"] == {"fixed": 0, "per_row": per_row}
+    assert traffic["scoring_received_bytes"] == {"fixed": 0, "per_token": per_row}
+    assert load_results(tp_runs["1p"])["config"]["distperp"]["traffic"] is None  # one process: no collectives
+
+
+@pytest.mark.distributed
 def test_one_failing_rank_of_a_tp_group_is_named_and_every_rank_stops(tiny_model_dir, tasks_dir, tmp_path):
     """4 processes, ``tp_size=2``: rank 3 (a member of the second TP group) raises before its 2nd forward, while its
     leader waits in the forward's all-reduce and the first group computes on; with ``timeout=600`` only the failure
