@@ -50,6 +50,28 @@ def test_shard_size_forms(value, expected):
     assert Options.from_kwargs(pretrained="m", **kwargs).shard_size == expected
 
 
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, 1), ({"tp_size": "2"}, 2), ({"tp_size": "NODE"}, "node"), ({"tp_plan": "auto"}, "node"),
+    ({"tp_plan": "auto", "tp_size": 4}, 4), ({"tp_plan": "None"}, 1),
+])  # fmt: skip
+def test_tensor_parallel_forms_including_lm_eval_hf_spelling(kwargs, expected):
+    assert Options.from_kwargs(pretrained="m", **kwargs).tensor_parallel == expected
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"tp_size": 0}, "tp_size=0 is not valid"),
+    ({"tp_size": "all"}, "or 'node' (all processes of a node compute each forward together)"),
+    ({"tp_plan": "colwise"}, "tp_plan='colwise' is not valid"),
+    ({"tp_size": 2, "shard_size": 2}, "either sharded by FSDP2 or split by its tensor-parallel plan, not both"),
+    ({"tp_plan": "auto", "peft": "a"}, "peft= only with tp_size=1"),
+    ({"tp_size": 2, "gguf_file": "m.gguf"}, "gguf_file= only with tp_size=1"),
+])  # fmt: skip
+def test_tensor_parallel_conflicts_are_named_with_the_fix(kwargs, fragment):
+    with pytest.raises(ValueError) as info:
+        Options.from_kwargs(pretrained="m", **kwargs)
+    assert fragment in str(info.value) and "Fix:" in str(info.value)
+
+
 def test_frozen_and_recorded():
     opts = Options.from_kwargs(pretrained="m", device="cuda:0", device_from_cli=True)
     with pytest.raises(Exception):

@@ -177,6 +177,12 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
     plan = SCHEMES[scheme].plan(dtype, options.group_size, device)
     meta = skeleton(options, dtype)
     selected, skipped, notes = select_layers(meta, plan, options.quantize_lm_head)
+    if distributed_config is not None and plan.storage != "int8":  # group-wise schemes: groups within a slice
+        from distperp_harness.model.tensor_parallel import rowwise_slices_too_narrow
+
+        narrow = rowwise_slices_too_narrow(meta, int(distributed_config.tp_size), options.group_size, selected)
+        selected = [name for name in selected if name not in narrow]
+        skipped.update(narrow)
     if notes:  # quantizing a tied head unties it, which transformers' loader does not do
         if distributed_config is not None:
             raise ValueError(f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "

@@ -74,6 +74,27 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
                 f"{', '.join(map(str, allowed)) or 'none above 1'}. Fix: one of those, or shard_size={tp_size}.")
 
 
+def rowwise_slices_too_narrow(model: torch.nn.Module, tp_size: int, group_size: int,
+                              names: Sequence[str]) -> dict[str, str]:
+    """Of the Linear layers ``names`` (to be quantized in groups of ``group_size`` inputs), those whose input slice
+    under the model's TP plan (a ``rowwise`` rule: inputs split over ``tp_size`` processes) does not divide into
+    whole groups: ``{name: reason}``. transformers quantizes each slice on its own, so such a layer stays in full
+    precision (a group would straddle two processes)."""
+    import re
+
+    plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    rules = [re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+             for pattern, style in plan.items() if str(style).startswith("rowwise")]
+    modules = dict(model.named_modules())
+    out = {}
+    for name in names:
+        inputs = int(getattr(modules[name], "in_features", 0))
+        if any(rule.search(name) for rule in rules) and (inputs % tp_size or (inputs // tp_size) % group_size):
+            out[name] = (f"its {inputs} inputs are split over tp_size={tp_size} processes, and a slice of "
+                         f"{inputs / tp_size:g} does not divide into groups of {group_size} (group_size=)")
+    return out
+
+
 def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     """Ranks of each TP group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
     return [list(range(g, g + tp_size)) for g in range(0, world_size, tp_size)]

@@ -12,7 +12,8 @@ import subprocess
 
 import pytest
 
-from distperp_harness.model.tensor_parallel import check_tp_plan, resolve_tp_size, tp_groups
+from distperp_harness.model.tensor_parallel import check_tp_plan, resolve_tp_size, rowwise_slices_too_narrow, \
+    tp_groups
 from helpers import (LaunchOutputs, accelerate_launch_prefix, distperp_args, load_results, load_samples,
                      offline_env, run_command, run_two_nodes)
 
@@ -61,6 +62,24 @@ def test_heads_that_do_not_divide_name_both_numbers_and_the_sizes_that_work(head
     text = str(info.value)
     assert f"{name}={count}, which does not divide by tp_size=4" in text and "Allowed tp_size for this model: 2" in text
     check_tp_plan(_Config({"layers.*.q_proj": "colwise"}, heads, kv_heads), 2, "m")  # 2 divides both
+
+
+def test_a_rowwise_slice_that_splits_a_quantization_group_stays_in_full_precision():
+    """Quantizing while loading tensor-parallel quantizes each slice on its own: a row-parallel layer whose input
+    slice does not divide into groups is left out (named, with the numbers); column-parallel layers keep all inputs."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    narrow = rowwise_slices_too_narrow(model, 2, 32, names)
+    assert list(narrow) == ["model.layers.0.mlp.down_proj"]  # 96 / 2 = 48 inputs; o_proj's 64 / 2 = 32 divide
+    assert "96 inputs are split over tp_size=2 processes, and a slice of 48 does not divide into groups of 32" in \
+        narrow["model.layers.0.mlp.down_proj"]
+    assert rowwise_slices_too_narrow(model, 2, 16, names) == {}
 
 
 # ------------------------------------------------------------------------------------------ real launches
@@ -141,6 +160,8 @@ def test_weights_are_split_and_the_layout_recorded(tp_runs):
             assert max(sharding["reference_bytes_per_rank"]) <= 0.6 * info["reference"]["weight_bytes"]
             assert info["reference"]["tasks"]  # the reference comparison ran on the TP group
         assert all("norm" in name for name in sharding["replicated"]["model"])
+        estimated = info["memory_estimate"]["model"]  # made before loading, per TP group member
+        assert estimated == pytest.approx(max(sharding["model_bytes_per_rank"]), rel=0 if setup == "2p" else 0.05)
 
 
 @pytest.mark.distributed
