@@ -25,7 +25,6 @@ from distperp_harness.model.devices import device_identity, find_disagreement, f
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
 from distperp_harness.distributed.liveness import set_base_stage
-from distperp_harness.distributed.traffic import model_traffic
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.static_slots import StaticDecoding
 from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
@@ -36,6 +35,7 @@ from distperp_harness.model.loading import check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
 from distperp_harness.options import Options
 from distperp_harness.run.calls import RunStats
+from distperp_harness.run.probes import model_traffic
 from distperp_harness.run.executor import Executor, model_forwards
 from distperp_harness.run.pipeline import Batching, ScoringRule, Sharing, score_requests
 from distperp_harness.run.progress import generation_progress, setup_logging, token_progress

@@ -8,7 +8,7 @@ reduces: an all-gather's output, an all-reduce's tensor) and the bytes each rank
 algorithm NCCL and gloo use for large messages: ``2 (n-1)/n`` of the payload for an all-reduce, ``(n-1)/n`` for an
 all-gather, reduce-scatter or all-to-all, the payload for a broadcast.
 
-:func:`forward_traffic` runs a few forwards of a loaded model under it, every rank together (they are collective
+:func:`forward_traffic` runs a few forwards (``run/probes.py`` gives a loaded model's) of a loaded model under it, every rank together (they are collective
 with sharded or tensor-parallel weights), and fits bytes as ``fixed + per_unit * units``: per decode step
 (``rows`` one-token rows) and per scored token. A forward without collectives (one process holding the whole model)
 counts zero. The mode slows every op while active, so only these probe forwards run under it.
@@ -157,35 +157,3 @@ def forward_traffic(decode: Callable[[int], None], score: Callable[[int], None],
     fixed, per_token = _fit({t: v["received"] for t, v in out["scoring"].items()})
     out["scoring_received_bytes"] = {"fixed": round(fixed), "per_token": round(per_token)}
     return out
-
-
-def model_probes(model: torch.nn.Module, device: torch.device, pad_token_id: int | None
-                 ) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    """``(decode, score)`` probes of :func:`forward_traffic` for a loaded model (the real scoring path, no
-    reference)."""
-    from distperp_harness.planning.requests import Unit
-    from distperp_harness.run.scoring import score_batch
-
-    pad = pad_token_id if pad_token_id is not None else 0
-
-    def decode(rows: int) -> None:
-        with torch.no_grad():
-            model(input_ids=torch.full((rows, 1), pad, device=device), use_cache=False, logits_to_keep=1)
-
-    def score(tokens: int) -> None:
-        score_batch(model, [Unit(tuple([pad] * (tokens + 1)), tokens)], device=device, pad_token_id=pad)
-
-    return decode, score
-
-
-def model_traffic(model: torch.nn.Module, device: torch.device, pad_token_id: int | None, *, sharded: bool,
-                  tensor_parallel: bool) -> dict | None:
-    """:func:`forward_traffic` of a loaded model whose forwards are collective (``sharded``: FSDP2, its root
-    gathered around each forward as scoring and generation do; ``tensor_parallel``), else ``None`` (no
-    collectives). Every rank calls this together."""
-    if not (sharded or tensor_parallel):
-        return None
-    from distperp_harness.model.sharding import gathered
-
-    decode, score = model_probes(model, device, pad_token_id)
-    return forward_traffic(decode, score, (lambda: gathered(model)) if sharded else contextlib.nullcontext)

@@ -1,0 +1,43 @@
+"""The traffic probe of a loaded model: a few forwards at start, counted by
+:func:`~distperp_harness.distributed.traffic.forward_traffic` (``config.distperp.traffic``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from distperp_harness.distributed.traffic import forward_traffic
+
+
+def model_probes(model: torch.nn.Module, device: torch.device, pad_token_id: int | None
+                 ) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """``(decode, score)`` probes of :func:`forward_traffic` for a loaded model (the real scoring path, no
+    reference)."""
+    from distperp_harness.planning.requests import Unit
+    from distperp_harness.run.scoring import score_batch
+
+    pad = pad_token_id if pad_token_id is not None else 0
+
+    def decode(rows: int) -> None:
+        with torch.no_grad():
+            model(input_ids=torch.full((rows, 1), pad, device=device), use_cache=False, logits_to_keep=1)
+
+    def score(tokens: int) -> None:
+        score_batch(model, [Unit(tuple([pad] * (tokens + 1)), tokens)], device=device, pad_token_id=pad)
+
+    return decode, score
+
+
+def model_traffic(model: torch.nn.Module, device: torch.device, pad_token_id: int | None, *, sharded: bool,
+                  tensor_parallel: bool) -> dict | None:
+    """:func:`forward_traffic` of a loaded model whose forwards are collective (``sharded``: FSDP2, its root
+    gathered around each forward as scoring and generation do; ``tensor_parallel``), else ``None`` (no
+    collectives). Every rank calls this together."""
+    if not (sharded or tensor_parallel):
+        return None
+    from distperp_harness.model.sharding import gathered
+
+    decode, score = model_probes(model, device, pad_token_id)
+    return forward_traffic(decode, score, (lambda: gathered(model)) if sharded else contextlib.nullcontext)
