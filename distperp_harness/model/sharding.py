@@ -41,16 +41,24 @@ def resolve_shard_size(option: int | str, world_size: int, local_world_size: int
         ValueError: when the size does not divide the processes per node (groups must not span nodes; every rank
         must belong to exactly one group) — with the value, what is allowed and the fix.
     """
-    size = local_world_size if option == "node" else int(option)
+    return resolve_group_size("shard_size", option, world_size, local_world_size,
+                              "each group of processes sharing one copy of the weights")
+
+
+def resolve_group_size(key: str, option: int | str, world_size: int, local_world_size: int, group: str) -> int:
+    """The size of the groups of consecutive ranks that ``key=option`` asks for (``"node"``/``"auto"``: the
+    processes per node); ``ValueError`` naming ``group`` (what must lie within one node) when it does not divide
+    the processes per node."""
+    size = local_world_size if option in ("node", "auto") else int(option)
     if size == 1:
         return 1
     divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
     if local_world_size % size or world_size % size:
         raise ValueError(
-            f"shard_size={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
-            f"shard_size must divide the processes per node, so that each group of processes sharing one copy of "
-            f"the weights lies within one node; allowed here: {', '.join(map(str, divisors))} or 'node'. Fix: "
-            f"shard_size=node, or launch a multiple of {size} processes per node.")
+            f"{key}={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
+            f"{key} must divide the processes per node, so that {group} lies within one node; allowed here: "
+            f"{', '.join(map(str, divisors))} or 'node'. Fix: {key}=node, or launch a multiple of {size} processes "
+            f"per node.")
     return size
 
 

@@ -37,17 +37,10 @@ def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -
         ValueError: when the size does not divide the processes per node (a group's all-reduces run at every
         layer, so it must lie within one node) — with the value, what is allowed and the fix.
     """
-    size = local_world_size if option in ("node", "auto") else int(option)
-    if size == 1:
-        return 1
-    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
-    if local_world_size % size or world_size % size:
-        raise ValueError(
-            f"tp_size={option!r} is not valid with {world_size} process(es), {local_world_size} per node: tp_size "
-            f"must divide the processes per node, so that each tensor-parallel group (all-reduces at every layer) "
-            f"lies within one node; allowed here: {', '.join(map(str, divisors))} or 'node'. Fix: tp_size=node, or "
-            f"launch a multiple of {size} processes per node.")
-    return size
+    from distperp_harness.model.sharding import resolve_group_size
+
+    return resolve_group_size("tp_size", option, world_size, local_world_size,
+                              "each tensor-parallel group (all-reduces at every layer)")
 
 
 def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
