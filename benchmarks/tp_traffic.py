@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the one-process launch (no wall-time ratio, no text comparison)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -108,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     n = args.size
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {"1 process": launch(args, {}, 1, Path(tmp) / "one.json"),
-                f"shard_size={n}": launch(args, {"shard_size": n}, n, Path(tmp) / "shard.json"),
-                f"tp_size={n}": launch(args, {"tp_size": n}, n, Path(tmp) / "tp.json")}
-    base = runs["1 process"]
+        runs = {} if args.no_baseline else {"1 process": launch(args, {}, 1, Path(tmp) / "one.json")}
+        runs[f"shard_size={n}"] = launch(args, {"shard_size": n}, n, Path(tmp) / "shard.json")
+        runs[f"tp_size={n}"] = launch(args, {"tp_size": n}, n, Path(tmp) / "tp.json")
+    base = runs.get("1 process", runs[f"shard_size={n}"])  # shard_size's bits and texts are one process's
     cfg = base["config"]
     print(f"model {args.model}: {cfg}, {base['weight_bytes'] / 1e6:.1f} MB of weights (float32); {args.prompts} "
           f"prompts x {args.new} new tokens, median of {args.repeats}")

@@ -84,20 +84,26 @@ def test_a_rowwise_slice_that_splits_a_quantization_group_stays_in_full_precisio
 # ------------------------------------------------------------------------------------------ real launches
 @pytest.fixture(scope="module")
 def tp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
-    """Each launch once: 1 process without TP; ``tp_size=2`` on 2 and 4 processes; ``tp_plan=auto`` on 2 nodes x 2
+    """Each run once: 1 process without TP (in this process); ``tp_size=2`` on 2 and 4 processes; ``tp_plan=auto`` on 2 nodes x 2
     processes; int4 with its unquantized reference at ``tp_size=2`` on 2 and 4 processes."""
     root = tmp_path_factory.mktemp("tp")
-    out = {name: root / name for name in ("1p", "2p", "4p", "2nodes", "2p-int4", "4p-int4")}
+    out = {name: root / name for name in ("2p", "4p", "2nodes", "2p-int4", "4p-int4")}
 
     def args(name, extra, tasks=TASKS):
         return [*distperp_args(tiny_model_dir, tasks_dir, out[name], extra, tasks), "--log_samples"]
 
-    run_command([*accelerate_launch_prefix(1), *args("1p", "")], cwd=root)
-    run_command([*accelerate_launch_prefix(2), *args("2p", ",tp_size=2")], cwd=root)
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out["1p"] = lm_eval.simple_evaluate(  # one process without TP: in this process (no launch to wait for)
+        model="distperp", model_args=f"pretrained={tiny_model_dir},max_length=128", tasks=INT4_TASKS.split(","),
+        task_manager=TaskManager(include_path=str(tasks_dir)), batch_size=3, device="cpu", log_samples=True)
+    run_command([*accelerate_launch_prefix(2), *args("2p", f",tp_size=2,resume_dir={root / 'saved'}")], cwd=root)
     run_command([*accelerate_launch_prefix(4), *args("4p", ",tp_size=2")], cwd=root)
     run_two_nodes(args("2nodes", ",tp_plan=auto"), cwd=root, per_node=2)
     for n in (2, 4):
         run_command([*accelerate_launch_prefix(n), *args(f"{n}p-int4", f",tp_size=2{INT4}", INT4_TASKS)], cwd=root)
+    out["saved"] = root / "saved"
     return out
 
 
@@ -105,6 +111,18 @@ def _per_doc(samples):
     """Each document's first response per request (lm-eval pads a short rank with copies of its last request, so
     the number of copies depends on the world size)."""
     return {r["doc_id"]: [resp[0] for resp in r["resps"]] for r in samples}
+
+
+def _one(tp_runs, task=None):
+    """The one-process run's ``config.distperp``, or its per-document responses of ``task``."""
+    if task is None:
+        return tp_runs["1p"]["config"]["distperp"]
+    return _per_doc(tp_runs["1p"]["samples"][task])
+
+
+def _value(response) -> float:
+    """A log-likelihood: rolling gives the value, multiple choice ``[value, is_greedy]`` (a tuple in process)."""
+    return float(response[0] if isinstance(response, (list, tuple)) else response)
 
 
 @pytest.mark.distributed
@@ -129,24 +147,24 @@ def test_a_fixed_tp_size_gives_the_same_bits_on_any_number_of_data_parallel_grou
 
 @pytest.mark.distributed
 def test_tp_size_2_agrees_with_one_process_within_float32_and_greedy_texts_are_equal(tp_runs):
-    one, two = load_results(tp_runs["1p"])["config"]["distperp"], load_results(tp_runs["2p"])["config"]["distperp"]
+    one, two = _one(tp_runs), load_results(tp_runs["2p"])["config"]["distperp"]
     assert one["sharding"]["tp_size"] == 1 and not one["fingerprint"].startswith("tp")
     assert one["fingerprint"] != two["fingerprint"].removeprefix("tp2:")  # the sums run in another order
     for task in ("dptest_rolling", "dptest_mc"):
-        base, tp = _per_doc(load_samples(tp_runs["1p"], task)), _per_doc(load_samples(tp_runs["2p"], task))
+        base, tp = _one(tp_runs, task), _per_doc(load_samples(tp_runs["2p"], task))
         assert base.keys() == tp.keys()
         for doc, answers in base.items():
-            for a, b in zip(answers, tp[doc]):  # rolling: the value; multiple choice: [value, is_greedy]
-                a, b = (float(x[0] if isinstance(x, list) else x) for x in (a, b))
+            for a, b in zip(answers, tp[doc]):
+                a, b = _value(a), _value(b)
                 assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-4), (task, doc, a, b)
-    base, tp = _per_doc(load_samples(tp_runs["1p"], "dptest_gen")), _per_doc(load_samples(tp_runs["2p"], "dptest_gen"))
+    base, tp = _one(tp_runs, "dptest_gen"), _per_doc(load_samples(tp_runs["2p"], "dptest_gen"))
     differ = {doc: (base[doc], tp[doc]) for doc in base if base[doc] != tp[doc]}
     assert not differ, f"greedy texts differ (a near-tie of two tokens within float32 rounding?): {differ}"
 
 
 @pytest.mark.distributed
 def test_weights_are_split_and_the_layout_recorded(tp_runs):
-    base = load_results(tp_runs["1p"])["config"]["distperp"]
+    base = _one(tp_runs)
     for setup in ("2p", "4p-int4"):
         info = load_results(tp_runs[setup])["config"]["distperp"]
         sharding = info["sharding"]
@@ -177,7 +195,21 @@ def test_the_bytes_counted_from_the_collectives_are_the_tp_formula(tp_runs, setu
     per_row = 2 * (n - 1) / n * (2 * spec.num_layers + 1) * spec.hidden_size * b + (n - 1) / n * spec.vocab_size * b
     assert traffic["decode_step_received_bytes"] == {"fixed": 0, "per_row": per_row}
     assert traffic["scoring_received_bytes"] == {"fixed": 0, "per_token": per_row}
-    assert load_results(tp_runs["1p"])["config"]["distperp"]["traffic"] is None  # one process: no collectives
+    assert _one(tp_runs)["traffic"] is None  # one process: no collectives
+
+
+@pytest.mark.distributed
+def test_a_tp_run_resumes_what_the_same_command_saved(tp_runs, tiny_model_dir, tasks_dir, tmp_path):
+    """The 2-process ``tp_size=2`` run saved every batch and lane; the same command again reads them all back (the
+    leader reads, its member follows without a forward): nothing recomputed, the same bits and texts."""
+    out = tmp_path / "again"
+    run_command([*accelerate_launch_prefix(2), *distperp_args(tiny_model_dir, tasks_dir, out,
+                                                              f",tp_size=2,resume_dir={tp_runs['saved']}", TASKS),
+                 "--log_samples"], cwd=tmp_path)
+    again = load_results(out)["config"]["distperp"]
+    assert again["resume"]["reused"] > 0 and again["resume"]["saved"] == 0, again["resume"]
+    for task in TASKS.split(","):
+        assert _per_doc(load_samples(out, task)) == _per_doc(load_samples(tp_runs["2p"], task)), task
 
 
 @pytest.mark.distributed
