@@ -18,6 +18,8 @@
 #      random Llama-3.2-1B-shaped model in float32 (chosen answers must equal hf's: a float32 check);
 #   5. bench_scoring: rolling perplexity, hf vs distperp vs the bare forward, same model in bfloat16, tokens/s
 #      and the allocator's scoring peak of hf and distperp.
+#   6. tp_traffic (2+ GPUs): 1 GPU vs shard_size=2 vs tp_size=2 on the 1B-shaped model in bf16: bytes counted from
+#      the collectives (NCCL), formulas checked, generation wall time, texts vs one GPU (make test runs its CPU smoke).
 # The CPU dry mode runs every step on tiny models: bench_mc and bench_scoring use a random model of the test
 # model's shape instead of the 1B shape (said in the table). Text: ../shared/data/wikitext-2 when present, else
 # copies of the packaged sample. Exits non-zero when any check fails; the table says which.
@@ -31,7 +33,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE," \
-            "--only gpu_check,shard_check,shard_check_one,bench_mc,bench_scoring)" >&2; exit 2 ;;
+            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -120,6 +122,12 @@ else
   run bench_mc "$PY" "$HERE/bench_mc.py" --random-shape llama-1b --device cuda --dtype float32 \
     --workdir "$WORK/random" --text "$VALID_TEXT" --shapes mmlu0,hellaswag,mmlupro5 --questions 24 --repeats 1 \
     --max-length 2048 --batch-size 8
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then  # TP needs a GPU per rank
+    run tp_traffic "$PY" "$HERE/tp_traffic.py" --size 2 --dtype bfloat16 --prompts 8 --new 64 \
+      ${ONE_MODEL[@]+"${ONE_MODEL[@]}"}
+  elif want tp_traffic; then
+    printf '\n## tp_traffic\nskipped: one GPU (tensor parallelism needs a GPU per rank)\n' >> "$OUT"
+  fi
   run bench_scoring "$PY" "$HERE/bench_scoring.py" --random-shape llama-1b --device cuda --dtype bfloat16 \
     --workdir "$WORK/random" --text "$TEST_TEXT" --scorers hf,distperp,bare --tokens 16384 --repeats 2 \
     --max-length 2048 --batch-size 8 --memory-scorers hf,distperp --memory-tokens 8192

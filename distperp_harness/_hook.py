@@ -1,10 +1,14 @@
-"""Zero-config registration of ``--model distperp`` with lm-eval.
+"""Zero-config registration of ``--model distperp`` and of distperp's tasks with lm-eval.
 
 lm-eval has no entry-point discovery for models. The installed ``distperp_harness_hook.pth`` imports this
 module at interpreter start-up; it only puts a finder on ``sys.meta_path`` (stdlib, no torch, no lm-eval).
 When ``lm_eval.api.registry`` is first imported, the finder lets it load normally, then registers the lazy
 target ``distperp_harness.lm:DistPerpLM`` under the name ``distperp``. lm-eval's built-in models are
 registered first (``import lm_eval.models``, itself lazy), so ``hf`` and ``dummy`` still resolve.
+
+Likewise, when ``lm_eval.tasks.manager`` is first imported, its ``TaskManager`` learns to index distperp's task
+folder next to lm-eval's own (:func:`add_tasks`), so ``--tasks distperp_wikitext2`` needs no ``--include_path``;
+a handful of YAML files more in the index lm-eval builds anyway.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from types import ModuleType
 from typing import Callable
 
 _TARGET_MODULE = "lm_eval.api.registry"
+_TASKS_MODULE = "lm_eval.tasks.manager"
 
 
 def register(registry_module) -> None:
@@ -70,9 +75,46 @@ def after_import(fullname: str, after: Callable[[ModuleType], None]) -> None:
         sys.meta_path.insert(0, AfterImportFinder(fullname, after))
 
 
+def add_tasks(manager_module) -> None:
+    """Make ``manager_module.TaskManager`` index distperp's task folder whenever it indexes lm-eval's built-in
+    tasks (``include_defaults``), after them and before the caller's ``include_path`` (which may override a task);
+    not twice when the caller names the folder itself. Idempotent."""
+    import functools
+    import inspect
+    from pathlib import Path
+
+    cls = manager_module.TaskManager
+    original = cls.__init__
+    if getattr(original, "_distperp", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments.get("include_defaults", True):
+            try:
+                from distperp_harness.commands.taskdir import tasks_path
+
+                ours = tasks_path().resolve()
+            except (FileNotFoundError, ImportError):
+                ours = None
+            given = bound.arguments.get("include_path")
+            paths = list(given) if isinstance(given, (list, tuple)) else [] if given is None else [given]
+            if ours is not None and all(Path(p).resolve() != ours for p in paths):
+                bound.arguments["include_path"] = [ours, *paths]
+        original(*bound.args, **bound.kwargs)
+
+    __init__._distperp = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
 def install() -> None:
-    """Register ``distperp`` once lm-eval's registry is loaded (at once if it already is)."""
+    """Register ``distperp`` once lm-eval's registry is loaded, and its tasks once lm-eval's task manager is (at
+    once where they already are)."""
     after_import(_TARGET_MODULE, register)
+    after_import(_TASKS_MODULE, add_tasks)
 
 
 install()

@@ -45,3 +45,16 @@ def test_simple_evaluate_by_name(tiny_model_dir, tasks_dir):
                                   tasks=["dptest_rolling"], task_manager=TaskManager(include_path=str(tasks_dir)),
                                   limit=2)
     assert out["config"]["distperp"]["world_size"] == 1
+
+
+def test_distperp_tasks_resolve_without_include_path():
+    """Installed, distperp's tasks are in lm-eval's index next to its own: ``--tasks distperp_wikitext2`` needs no
+    ``--include_path``; naming the folder anyway indexes it once; without lm-eval's defaults, nothing is added."""
+    from lm_eval.tasks import TaskManager
+
+    from distperp_harness.commands.taskdir import tasks_path
+
+    assert {"distperp_wikitext2", "distperp_wikitext103"} <= set(TaskManager().all_tasks)
+    named = TaskManager(include_path=str(tasks_path()))
+    assert named.include_path == str(tasks_path()) and "distperp_wikitext2" in named.all_tasks
+    assert "distperp_wikitext2" not in TaskManager(include_defaults=False).all_tasks
