@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,16 +45,35 @@ class Run:
         return f"{self.model} {self.scheme} x{self.processes}"
 
 
-def _resolve(path: str | Path) -> Path:
+def results_files(path: str | Path) -> list[Path]:
+    """The results JSON ``path`` names, or every ``results_*.json`` under the folder ``path``, oldest first.
+
+    Raises:
+        FileNotFoundError: no such file or folder, or a folder without results (the message says which).
+    """
     path = Path(path)
     if path.is_dir():
         found = sorted(path.rglob("results_*.json"), key=lambda p: p.stat().st_mtime_ns)
         if not found:
-            raise FileNotFoundError(f"no results_*.json under {path}")
-        return found[-1]
+            raise FileNotFoundError(f"no results_*.json under {path} (lm-eval writes them under --output_path)")
+        return found
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such results file")
-    return path
+        raise FileNotFoundError(f"{path}: no such results file or folder")
+    return [path]
+
+
+def _resolve(path: str | Path) -> Path:
+    return results_files(path)[-1]
+
+
+def _model_name(options: dict[str, Any], config: dict[str, Any]) -> str:
+    """The model's name (the last part of its path or hub id): distperp's ``pretrained`` option, else lm-eval's
+    ``model_args`` (a dict, or a ``k=v,...`` string)."""
+    args = config.get("model_args")
+    if isinstance(args, str):
+        args = dict(part.split("=", 1) for part in args.split(",") if "=" in part)
+    source = options.get("pretrained") or (args or {}).get("pretrained") or config.get("model", "?")
+    return Path(str(source).rstrip("/")).name or str(source)
 
 
 def load_run(path: str | Path) -> Run:
@@ -70,10 +90,9 @@ def load_run(path: str | Path) -> Run:
     stamp = path.stem.removeprefix("results_")
     samples = {task: s for task in data.get("results", {})
                for s in path.parent.glob(f"samples_{task}_{stamp}.jsonl")}
-    model = str(options.get("pretrained") or config.get("model_args") or config.get("model", "?"))
     return Run(
         path=path,
-        model=Path(model.split(",")[0].removeprefix("pretrained=")).name or model,
+        model=_model_name(options, config),
         scheme=_scheme(options, config),
         processes=int(info.get("world_size", 1)),
         tasks=data.get("results", {}),
@@ -222,8 +241,14 @@ def plot_runs(runs: list[Run], out: str | Path) -> Path:
 
 
 def run_compare(paths: list[str], plot: str | None = None) -> int:
-    """CLI body: print the table; write the plot when asked, and say in one line what it drew (exit 1: no plot)."""
-    runs = [load_run(p) for p in paths]
+    """CLI body: print the table of every results file the paths name (a folder: all of them, oldest first); write
+    the plot when asked, and say in one line what it drew. Exit 1 with one line on a missing path or no plot."""
+    try:
+        files = [f for p in paths for f in results_files(p)]
+    except FileNotFoundError as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 1
+    runs = [load_run(f) for f in files]
     print(markdown_table(runs))
     if plot:
         from distperp_harness.commands.plots import PlotUnavailable, plot_compare

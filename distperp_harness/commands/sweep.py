@@ -130,6 +130,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=args.limit,
                                           log_samples=args.log_samples, evaluation_tracker=tracker)
         if results is not None and tracker is not None:
+            # lm-eval names an in-process model object by its class and a random folder: say what ran, and write
+            # straight into <output_path>/<scheme>/
+            results["config"].update(model="distperp", model_args={**kwargs, **scheme.model_args()})
+            tracker.general_config_tracker.model_name = str(args.pretrained)
+            tracker.general_config_tracker.model_name_sanitized = ""
             samples = results.pop("samples", None)
             tracker.save_results_aggregated(results=results, samples=samples)
             for task in results["configs"] if samples else ():

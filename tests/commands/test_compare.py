@@ -144,3 +144,36 @@ def test_plot_with_samples_adds_per_document_panels(runs):
     assert skipped == ["flips (no multiple-choice task with reference=)"]
     fig.canvas.draw()
     assert text_overlaps(fig) == []
+
+
+def _write(folder, name, config):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"results_{name}.json"
+    path.write_text(json.dumps({"results": {"t": {"word_perplexity,none": 2.0}}, "config": config}))
+    return path
+
+
+def test_runs_are_labelled_by_model_and_backend_whatever_form_model_args_takes(tmp_path):
+    from distperp_harness.commands.compare import load_run
+
+    as_dict = _write(tmp_path / "a", "1", {"model": "hf", "model_args": {"pretrained": "/m/wt2-llama-5m"}})
+    as_text = _write(tmp_path / "b", "1", {"model": "hf", "model_args": "pretrained=org/wt2-llama-5m,dtype=float32"})
+    ours = _write(tmp_path / "c", "1", {"model": "distperp", "distperp": {"options": {
+        "pretrained": "/m/wt2-llama-5m/", "quantize": "int4", "group_size": 128}, "world_size": 2}})
+    assert [load_run(p).label for p in (as_dict, as_text, ours)] == [
+        "wt2-llama-5m hf x1", "wt2-llama-5m hf x1", "wt2-llama-5m int4:128 x2"]
+
+
+def test_a_folder_of_several_results_compares_them_all_and_a_missing_path_is_one_line(tmp_path, capsys):
+    from distperp_harness.commands.compare import run_compare
+
+    _write(tmp_path / "sweep" / "int8", "1", {"model": "distperp", "distperp": {"options": {
+        "pretrained": "m", "quantize": "int8"}}})
+    _write(tmp_path / "sweep" / "int4", "2", {"model": "distperp", "distperp": {"options": {
+        "pretrained": "m", "quantize": "int4", "group_size": 32}}})
+    assert run_compare([str(tmp_path / "sweep")]) == 0
+    table = capsys.readouterr().out
+    assert "int8" in table and "int4:32" in table
+    assert run_compare([str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"compare: {tmp_path / 'nowhere'}: no such results file or folder"]

@@ -3,6 +3,7 @@ the leaderboard is ranked by pooled KL; 2 processes give the same per-task entri
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,11 @@ def test_reference_is_loaded_once(sweep):
 def test_one_results_folder_per_scheme_ranked_by_pooled_kl(sweep):
     runs = {label: load_run(sweep["out"] / Scheme(label, "", None).folder) for label in SCHEMES.split(",")}
     assert runs["int4:32"].scheme == "int4:32" and runs["int8"].scheme == "int8"
+    for label, run in runs.items():  # straight in <output_path>/<scheme>/, saying what ran
+        assert run.path.parent == sweep["out"] / Scheme(label, "", None).folder
+        config = json.loads(run.path.read_text())["config"]
+        assert config["model"] == "distperp" and config["model_args"]["pretrained"] == str(sweep["model"])
+        assert run.model == Path(str(sweep["model"])).name
     for run in runs.values():
         assert sorted(run.reference) == ["dptest_mc", "dptest_rolling"]
     kl = {label: sum(e["kl_divergence"] * e["n_tokens"] for e in r.reference.values())
