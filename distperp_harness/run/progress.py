@@ -30,8 +30,30 @@ def token_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int], 
     return start
 
 
+QUIET = {
+    "torch.utils._pytree": "is an Enum subclass and is now natively supported",
+    "torchao": "Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1",
+}
+"""Dependencies' lines that nobody can act on, by logger: torch's deprecation note on the Enum types torchao
+registers (twice per rank as torchao loads), and torchao's echo of a variable the user (or the Makefile) set."""
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 def setup_logging() -> None:
-    """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0."""
+    """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0. The
+    :data:`QUIET` lines of dependencies are dropped at their loggers."""
+    for name, text in QUIET.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in target.filters):
+            target.addFilter(_Drop(text))
     logger = logging.getLogger("distperp_harness")
     if not logger.handlers:
         handler = logging.StreamHandler()
