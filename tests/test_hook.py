@@ -1,6 +1,7 @@
 """Zero-config registration: ``--model distperp`` resolves wherever lm-eval looks, with nothing heavy at start-up."""
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from helpers import load_results, run_command
@@ -28,11 +29,15 @@ def _bin(name: str) -> str:
 def test_cli_entry_points_run_distperp(tiny_model_dir, tasks_dir, tmp_path):
     common = ["--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},max_length=128",
               "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--limit", "2"]
-    for name, cmd in [("module", [sys.executable, "-m", "lm_eval"]), ("lm_eval", [_bin("lm_eval")]),
-                      ("lm-eval-run", [_bin("lm-eval"), "run"])]:
-        out = tmp_path / name
-        run_command([*cmd, *common, "--output_path", str(out)], cwd=tmp_path)
-        results = load_results(out)
+    entries = {"module": [sys.executable, "-m", "lm_eval"], "lm_eval": [_bin("lm_eval")],
+               "lm-eval-run": [_bin("lm-eval"), "run"]}
+    with ThreadPoolExecutor(len(entries)) as pool:  # three one-process runs, mostly start-up: side by side
+        runs = [pool.submit(run_command, [*cmd, *common, "--output_path", str(tmp_path / name)], cwd=tmp_path)
+                for name, cmd in entries.items()]
+        for done in runs:
+            done.result()
+    for name in entries:
+        results = load_results(tmp_path / name)
         assert results["config"]["model"] == "distperp"
         assert "word_perplexity,none" in results["results"]["dptest_rolling"]
 

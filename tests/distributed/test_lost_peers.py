@@ -38,27 +38,30 @@ def _assert_survivor_named(text, survivor, lost, words, lost_stage, own_stage):
     assert "no results were written" in said
 
 
+@pytest.mark.parametrize("layout", ["", ",tp_plan=auto"], ids=["data-parallel", "tensor-parallel"])
 def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(tiny_model_dir, tasks_dir,
-                                                                                 tmp_path):
-    """Two loopback nodes of two processes; every rank stalls in its first generation lane (a long decode step,
-    longer than the bound: slow, not lost, and nobody is named). Then node 1 (its launcher and both workers) is
-    SIGKILLed. Rank 1 watches rank 2: it names it gone, and rank 0 stops too, while both still sit in their lanes
-    (no collective would have noticed before their ten-minute step ended), well within ``timeout=60``."""
+                                                                                 tmp_path, layout):
+    """Two loopback nodes of two processes. Data-parallel: every rank stalls in its first generation lane (a long
+    decode step, longer than the bound: slow, not lost, and nobody is named). Tensor-parallel (one TP group a node):
+    each group's leader stalls there while its member waits on it (for the leader's next decision or inside the
+    forward's all-reduce). Then node 1 (its launcher and both workers) is SIGKILLed. Rank 1 watches rank 2: it names
+    it gone, and rank 0 stops too, while both still sit where they were (no collective would have noticed before
+    their ten-minute step ended), well within ``timeout=60``."""
     out = tmp_path / "out"
-    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=60", "dptest_chain", batch_size=1)
-    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, per_node=2,
-                                        envs=[{"DISTPERP_TEST_HOLD_LANE": "0:1,1:1"},
-                                              {"DISTPERP_TEST_HOLD_LANE": "2:1,3:1"}],
+    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=60" + layout, "dptest_chain", batch_size=1)
+    holds = [{"DISTPERP_TEST_HOLD_LANE": "0:1,1:1"}, {"DISTPERP_TEST_HOLD_LANE": "2:1,3:1"}] if not layout else \
+        [{"DISTPERP_TEST_HOLD_LANE": "0:1"}, {"DISTPERP_TEST_HOLD_LANE": "2:1"}]
+    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, per_node=2, envs=holds,
                                         outputs=[subprocess.PIPE, subprocess.PIPE]))
     run.wait_for("distperp generate_until", timeout=240)
-    time.sleep(silence_bound(60) + 2)  # every rank holds in its lane, silent in the main thread, past the bound
+    time.sleep(silence_bound(60) + 2)  # every rank holds or waits, silent in the main thread, past the bound
     assert "stops because" not in run.texts[0] + run.texts[1], run.texts[0][-3000:]
     killed_at = time.monotonic()
     run.kill_node(1)
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
     assert run.procs[0].returncode != 0
-    for survivor in (0, 1):
+    for survivor in (0, 1):  # a TP member waiting on its leader is in the leader's lane too
         _assert_survivor_named(text, survivor, 2, "is gone: no heartbeat for", "generating (lane",
                                "generating (lane")
     assert "noticed by rank 1" in text and "refuses connections (it was killed or crashed)" in text

@@ -213,22 +213,26 @@ def test_a_tp_run_on_more_processes_resumes_what_another_saved(tp_runs):
 
 
 @pytest.mark.distributed
-def test_one_failing_rank_of_a_tp_group_is_named_and_every_rank_stops(tiny_model_dir, tasks_dir, tmp_path):
-    """4 processes, ``tp_size=2``: rank 3 (a member of the second TP group) raises before its 2nd forward, while its
-    leader waits in the forward's all-reduce and the first group computes on; with ``timeout=600`` only the failure
-    channel can end them: every rank stops within seconds, naming rank 3."""
+@pytest.mark.parametrize("procs,failing,peers", [(4, 3, (0, 1, 2)), (2, 0, (1,))], ids=["member", "leader"])
+def test_one_failing_rank_of_a_tp_group_is_named_and_every_rank_stops(tiny_model_dir, tasks_dir, tmp_path, procs,
+                                                                       failing, peers):
+    """``tp_size=2``, ``timeout=600`` (only the failure channel can end the others in time). Member: on 4
+    processes, rank 3 (the second group's member) raises before its 2nd forward, while its leader waits in the
+    forward's all-reduce and the first group computes on. Leader: on 2 processes, rank 0 raises before its 2nd
+    forward, while its member waits for the leader's next decision or inside the forward. Every rank stops within
+    seconds, naming the failed rank; no results are written."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([*accelerate_launch_prefix(4), *distperp_args(tiny_model_dir, tasks_dir, out,
-                                                                          ",tp_size=2,timeout=600")],
-                            cwd=tmp_path, env=offline_env({"DISTPERP_TEST_FAIL": "3:2"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([*accelerate_launch_prefix(procs), *distperp_args(tiny_model_dir, tasks_dir, out,
+                                                                              ",tp_size=2,timeout=600")],
+                            cwd=tmp_path, env=offline_env({"DISTPERP_TEST_FAIL": f"{failing}:2"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     run = LaunchOutputs([proc])
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
     assert proc.returncode != 0
-    for peer in (0, 1, 2):
-        assert f"distperp: rank {peer} stops because rank 3 (" in text, text[-4000:]
+    for peer in peers:
+        assert f"distperp: rank {peer} stops because rank {failing} (" in text, text[-4000:]
     assert "failed while scoring: RuntimeError: injected failure for tests" in text, text[-4000:]
     assert not list(out.rglob("results_*.json"))
     assert ended - failed_at < 30

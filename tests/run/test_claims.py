@@ -60,9 +60,10 @@ def test_the_helper_is_on_another_node_when_there_are_several():
 
 
 def test_a_slow_node_does_not_set_the_pace(tmp_path):
-    """Two single-process nodes on loopback, each on its own core; then a CPU hog on the second node's core. The
-    call takes at most 1.7x the quiet run's time (static plan: about 2.2x; ideal: 1.33x), with the same bits. Run
-    alone: another process on these cores would halve a figure."""
+    """Two single-process nodes on loopback, each on its own core; then a CPU hog on the second node's core. Quiet,
+    both nodes claim work; slowed, the quiet node claims clearly more batches (a static plan would give each half),
+    and both runs give the same bits. The wall-time ratio is printed, not asserted (one pair of timings on a shared
+    machine is noisy: ``benchmarks/`` measures it); run alone: another process on these cores would blur the split."""
     import json
     import os
     import subprocess
@@ -103,21 +104,16 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
         finally:
             hog.kill()
 
-    quiets, slows = [], []
-    for k in range(2):  # alternate, and compare the best of each: timings on a shared machine are noisy
-        quiets.append(run(f"quiet{k}"))
-        slows.append(slowed_run(f"slowed{k}"))
-    for out in quiets[1:] + slows:
-        assert out["fingerprint"] == quiets[0]["fingerprint"] and out["scores"] == quiets[0]["scores"]
-    quiet = min(quiets, key=lambda o: o["call"]["seconds_after_arrival"])
-    slowed = min(slows, key=lambda o: o["call"]["seconds_after_arrival"])
+    quiet, slowed = run("quiet"), slowed_run("slowed")
+    assert slowed["fingerprint"] == quiet["fingerprint"] and slowed["scores"] == quiet["scores"]
     assert quiet["call"]["claiming"] == "dynamic" and quiet["call"]["batches"] >= 40
     ratio = slowed["call"]["seconds_after_arrival"] / quiet["call"]["seconds_after_arrival"]
     per_rank = [r["batches"] for r in slowed["call"]["per_rank"]]
+    quiet_per_rank = [r["batches"] for r in quiet["call"]["per_rank"]]
     print(f"slow node: {ratio:.2f}x the quiet call ({quiet['call']['seconds_after_arrival']:.1f} s); batches per rank "
-          f"{per_rank} (quiet {[r['batches'] for r in quiet['call']['per_rank']]})")
-    assert ratio <= 1.7, (ratio, per_rank, quiet["call"]["per_rank"])
-    assert per_rank[0] > per_rank[1]  # the quiet node computed more batches
+          f"{per_rank} (quiet {quiet_per_rank})")
+    assert min(quiet_per_rank) >= quiet["call"]["batches"] // 4, quiet_per_rank  # both nodes take a real share
+    assert per_rank[0] >= 1.4 * per_rank[1], (per_rank, quiet_per_rank)  # the hogged node computed far fewer
 
 
 def test_a_shard_group_member_that_never_arrives_is_named():
