@@ -6,7 +6,10 @@ below are the stages it wires (README: Layout): ``planning``, ``run``, ``model``
 ``commands`` above the face.
 """
 
+from distperp_harness.errors import InputError  # the exception for a value a user gave (stdlib only)
+
 __version__ = "0.1.0"
 
 MODEL_NAME = "distperp"
 MODEL_TARGET = "distperp_harness.lm:DistPerpLM"
+__all__ = ["InputError", "MODEL_NAME", "MODEL_TARGET"]

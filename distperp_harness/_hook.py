@@ -83,6 +83,9 @@ def add_tasks(manager_module) -> None:
     import inspect
     from pathlib import Path
 
+    from distperp_harness.errors import install_excepthook
+
+    install_excepthook()  # an lm-eval run: distperp's input errors print as one line (stdlib only, cheap)
     cls = manager_module.TaskManager
     original = cls.__init__
     if getattr(original, "_distperp", False):

@@ -17,6 +17,7 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
+from distperp_harness.errors import InputError
 from distperp_harness import __version__
 from distperp_harness.distributed.collective import Collective
 from distperp_harness.run.compiling import compile_extra_bytes, compile_models
@@ -83,7 +84,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         if given is not None:
             check_given(self.options, given)
         if reference_model is not None and self.options.reference is None:
-            raise ValueError("reference_model was given without reference=; it would be ignored. Fix: pass "
+            raise InputError("reference_model was given without reference=; it would be ignored. Fix: pass "
                              "reference=base (or the reference's path) with it.")
         wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
         self.collective = Collective(self.options.timeout, cpu=wants_cpu)
@@ -192,7 +193,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                                                      "compare configurations")
         problem = find_disagreement([mine for mine, _ in everyone]) or find_shared_gpus([w for _, w in everyone])
         if problem:
-            raise ValueError(problem)
+            raise InputError(problem, same_on_every_rank=True)
         hosts = [where["host"] for _, where in everyone]
         check_groups_within_hosts(hosts, self.shard_size)
         check_groups_within_hosts(hosts, self.tp_size, "tp_size")
@@ -359,7 +360,7 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def set_cache_hook(self, cache_hook) -> None:
         if self.world_size > 1 and getattr(cache_hook, "dbdict", None) is not None:
-            raise ValueError(
+            raise InputError(
                 f"--use_cache with {self.world_size} processes is not supported by --model distperp: each rank "
                 "would skip the requests it finds in its own cache, and the ranks would no longer score the same "
                 "global plan together. Fix: run without --use_cache (results are exact and reproducible), or "

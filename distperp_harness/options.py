@@ -12,6 +12,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from distperp_harness.errors import OptionError
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 QUANT_SCHEMES = ("none", "int4", "int8", "8da4w")
@@ -234,12 +236,12 @@ class Options:
             for key in unknown:
                 close = difflib.get_close_matches(key, known, n=1)
                 hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ValueError(
+            raise OptionError(
                 f"Unknown --model_args key(s) for --model distperp: {', '.join(hints)}. "
                 f"Allowed keys: {', '.join(sorted(known))}."
             )
         if "pretrained" not in kwargs or kwargs["pretrained"] in (None, ""):
-            raise ValueError("--model distperp needs pretrained=<hub id or local model folder>, "
+            raise OptionError("--model distperp needs pretrained=<hub id or local model folder>, "
                              "e.g. --model_args pretrained=EleutherAI/pythia-160m")
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
@@ -277,7 +279,7 @@ def _cast(key: str, value: Any) -> Any:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{key}={value!r} is not a number; give seconds, e.g. {key}=600") from None
+            raise OptionError(f"{key}={value!r} is not a number; give seconds, e.g. {key}=600") from None
     if key == "dtype":
         text = str(value).strip().lower().removeprefix("torch.")
         return _DTYPE_ALIASES.get(text, text)
@@ -320,7 +322,7 @@ def _as_json_object(key: str, value: Any) -> dict:
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise ValueError(f"{key}={value!r} is not a JSON object; allowed: a dict (simple_evaluate) or a JSON "
+        raise OptionError(f"{key}={value!r} is not a JSON object; allowed: a dict (simple_evaluate) or a JSON "
                          f"object string. Fix: e.g. {key}='{{\"enable_thinking\": false}}' (lm-eval splits "
                          "--model_args on commas, so one key per --model_args value; pass more from Python)")
     return parsed
@@ -328,13 +330,13 @@ def _as_json_object(key: str, value: Any) -> dict:
 
 def _as_int(key: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{key}={value!r} is not an integer; e.g. {key}=128")
+        raise OptionError(f"{key}={value!r} is not an integer; e.g. {key}=128")
     if isinstance(value, float) and value.is_integer():
         return int(value)
     try:
         return int(str(value).strip())
     except ValueError:
-        raise ValueError(f"{key}={value!r} is not an integer; e.g. {key}=128") from None
+        raise OptionError(f"{key}={value!r} is not an integer; e.g. {key}=128") from None
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -345,7 +347,7 @@ def _as_bool(key: str, value: Any) -> bool:
         return True
     if text in ("false", "0", "no"):
         return False
-    raise ValueError(f"{key}={value!r} is not a boolean; use {key}=true or {key}=false")
+    raise OptionError(f"{key}={value!r} is not a boolean; use {key}=true or {key}=false")
 
 
 def _as_batch_size(value: Any) -> int | str:
@@ -359,7 +361,7 @@ def _as_batch_size(value: Any) -> int | str:
         return "auto"
     if text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 1:
         return f"auto:{int(text[5:])}"
-    raise ValueError(f"batch_size={value!r} is not valid; allowed: an integer >= 1, 'auto' or 'auto:N' "
+    raise OptionError(f"batch_size={value!r} is not valid; allowed: an integer >= 1, 'auto' or 'auto:N' "
                      "(N >= 1), e.g. --batch_size 8 or --batch_size auto")
 
 
@@ -368,4 +370,4 @@ def _require(ok: bool, key: str, value: Any, allowed: str, fix: str) -> None:
         message = f"{key}={value!r} is not valid for --model distperp; allowed: {allowed}."
         if fix:
             message += f" Fix: {fix}."
-        raise ValueError(message)
+        raise OptionError(message)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
+from distperp_harness.errors import InputError
+
 
 class Tokenization:
     """``tok_encode`` / ``tok_decode`` / ``eot_token_id`` / ``prefix_token_id`` for lm-eval's ``TemplateLM``."""
@@ -46,5 +48,5 @@ class Tokenization:
             return self.tokenizer.bos_token_id
         if self.tokenizer.eos_token_id is not None:
             return self.tokenizer.eos_token_id
-        raise ValueError("the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
+        raise InputError("the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
                          "first token on. Fix: pass prefix_token_id=<id> in --model_args.")

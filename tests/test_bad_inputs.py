@@ -1,7 +1,7 @@
 """Every bad input answered with one clear message (and a non-zero exit from the CLI), in seconds.
 
-Rows of the README's bad-input table; the model-side rows are exercised through the same constructor the lm-eval
-CLI calls (``create_from_arg_string``), and two rows through the real CLI for the exit code.
+Rows of the bad-input table (docs/faults.md); the model-side rows are exercised through the same constructor the
+lm-eval CLI calls (``create_from_arg_string``), and the command line's one-line form through the real CLI.
 """
 
 import sys
@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from distperp_harness.errors import TASKS_HINT, InputError
 from helpers import accelerate_launch_prefix, make_lm, run_command, score_rolling
 
 
@@ -26,7 +27,7 @@ from helpers import accelerate_launch_prefix, make_lm, run_command, score_rollin
     (",reference=base", "reference=base compares against the unquantized checkpoint"),
 ])
 def test_bad_model_args(tiny_model_dir, args, fragment):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InputError) as info:  # library callers get the exception (a ValueError)
         make_lm(tiny_model_dir, args)
     assert fragment in str(info.value)
 
@@ -86,12 +87,36 @@ def test_tokenizer_without_bos_eos_needs_prefix_token_id(tiny_model_dir, tmp_pat
     assert score_rolling(lm, ["hello there"])[0].n_tokens > 0
 
 
-def test_cli_exits_non_zero_with_the_message(tiny_model_dir, tasks_dir, tmp_path):
-    proc = run_command([sys.executable, "-m", "lm_eval", "--model", "distperp", "--model_args",
-                        f"pretrained={tiny_model_dir},quantize=int5", "--tasks", "dptest_rolling",
-                        "--include_path", str(tasks_dir)], cwd=tmp_path, check=False, timeout=120)
-    assert proc.returncode != 0
-    assert "quantize='int5' is not valid for --model distperp; allowed: one of none, int4, int8, 8da4w" in proc.stderr
+def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_dir, tmp_path):
+    """From the command line (run side by side, mostly start-up): a bad option is one line on stderr and exit 1,
+    on one process and once for a 2-process launch (rank 0 says it for both); ``DISTPERP_TRACEBACK=1`` brings the
+    traceback back; a task lm-eval does not know keeps lm-eval's error and gains the fix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bad = ["--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},quantize=int5", "--tasks",
+           "dptest_rolling", "--include_path", str(tasks_dir)]
+    lm_eval = [sys.executable, "-m", "lm_eval"]
+    runs = {"one": (lm_eval + bad, {}), "traceback": (lm_eval + bad, {"DISTPERP_TRACEBACK": "1"}),
+            "task": (lm_eval + [*bad[:3], f"pretrained={tiny_model_dir}", "--tasks", "no_such_task"], {}),
+            "launch": ([*accelerate_launch_prefix(2), "-m", "lm_eval", *bad], {})}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = {name: pool.submit(run_command, cmd, cwd=tmp_path, env=env, check=False, timeout=180)
+                for name, (cmd, env) in runs.items()}
+        out = {name: future.result() for name, future in done.items()}
+    line = ("distperp: error: quantize='int5' is not valid for --model distperp; allowed: one of none, int4, int8, "
+            "8da4w. Fix: e.g. quantize=int4,group_size=128.")
+    one = out["one"]
+    assert one.returncode == 1 and line in one.stderr.splitlines() and "Traceback" not in one.stderr, one.stderr
+    assert [t for t in one.stderr.splitlines() if t.startswith("distperp: error")] == [line]
+    assert out["traceback"].returncode == 1 and "Traceback (most recent call last)" in out["traceback"].stderr
+    assert "OptionError: quantize='int5' is not valid" in out["traceback"].stderr
+    task = out["task"]
+    assert task.returncode == 1 and "Tasks not found: no_such_task" in task.stderr
+    assert task.stderr.rstrip().splitlines()[-1] == TASKS_HINT
+    launch = out["launch"]
+    said = launch.stdout + launch.stderr
+    assert launch.returncode != 0 and said.count("distperp: error") == 1 and line in said, said[-3000:]
+    assert "OptionError" not in said  # the launcher's own summary follows, but no worker's traceback
 
 
 def test_ranks_with_different_configurations_are_refused(tiny_model_dir, tmp_path):

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distperp_harness"
 
 TOP_LEVEL: dict[str, str] = {
     # the modules left at the top of the package, and the unit each belongs to
-    "__init__": "base", "options": "base",  # leaves every layer may use: constants and the validated model_args
+    "__init__": "base", "options": "base", "errors": "base",  # leaves every layer may use: constants, the
+    # validated model_args, the input-error type
     "lm": "face", "docsplit": "face", "tokens": "face",  # the lm-eval face
     "__main__": "entry", "_hook": "entry",  # ``python -m distperp_harness`` and the .pth registration hook
 }

@@ -1,4 +1,4 @@
-"""Command line: ``python -m distperp_harness {demo,tasks-path,compare,sweep}`` (also the ``distperp`` script)."""
+"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,compare,sweep}`` (also the ``distperp`` script)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from distperp_harness.commands.taskdir import tasks_path
+from distperp_harness.errors import install_excepthook
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--processes", type=int, default=2, help="processes for the distributed runs (default 2)")
 
     sub.add_parser("tasks-path", help="print the folder to pass to lm-eval as --include_path")
+    sub.add_parser("demo-model", help="print the demo model's folder (a small Llama trained on the packaged "
+                                      "sample; built once, about 30 s, then cached)")
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
     compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
@@ -28,8 +31,20 @@ def main(argv: list[str] | None = None) -> int:
                                                  "on lm-eval tasks (works under accelerate launch)"))
 
     args = parser.parse_args(argv)
+    install_excepthook()
     if args.command == "tasks-path":
         print(tasks_path())
+        return 0
+    if args.command == "demo-model":
+        from distperp_harness.run.progress import setup_logging
+
+        setup_logging()  # before torchao loads: its import notes are dropped
+        from transformers.utils import logging as transformers_logging
+
+        from distperp_harness.commands.tiny import DEMO_SPEC, cached_tiny_model
+
+        transformers_logging.disable_progress_bar()  # stdout is the folder alone; stderr stays quiet
+        print(cached_tiny_model(DEMO_SPEC))
         return 0
     if args.command == "demo":
         from distperp_harness.commands.demo import run_demo

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distperp_harness.errors import InputError
 from distperp_harness.options import GROUP_SIZES, QUANT_SCHEMES
 
 
@@ -61,17 +62,17 @@ def parse_schemes(text: str) -> list[Scheme]:
     for item in (part.strip() for part in text.split(",")):
         name, _, group = item.partition(":")
         if name not in allowed:
-            raise ValueError(f"--schemes item {item!r}: scheme {name!r} is not one of {', '.join(allowed)}. "
+            raise InputError(f"--schemes item {item!r}: scheme {name!r} is not one of {', '.join(allowed)}. "
                              f"Fix: {fix}")
         if group and (not group.isdigit() or int(group) not in GROUP_SIZES):
-            raise ValueError(f"--schemes item {item!r}: group size {group!r} is not one of "
+            raise InputError(f"--schemes item {item!r}: group size {group!r} is not one of "
                              f"{', '.join(map(str, GROUP_SIZES))}. Fix: {fix}")
         if group and name == "int8":
-            raise ValueError(f"--schemes item {item!r}: int8 uses per-row scales and takes no group size. Fix: {fix}")
+            raise InputError(f"--schemes item {item!r}: int8 uses per-row scales and takes no group size. Fix: {fix}")
         schemes.append(Scheme(item, name, int(group) if group else None))
     labels = [s.label for s in schemes]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"--schemes {text!r} names a scheme twice. Fix: {fix}")
+        raise InputError(f"--schemes {text!r} names a scheme twice. Fix: {fix}")
     return schemes
 
 
@@ -100,7 +101,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     extra = simple_parse_args_string(args.model_args) if args.model_args else {}
     clash = {"pretrained", "quantize", "group_size", "reference"} & set(extra)
     if clash:
-        raise ValueError(f"--model_args {args.model_args!r} sets {', '.join(sorted(clash))}, which the sweep sets "
+        raise InputError(f"--model_args {args.model_args!r} sets {', '.join(sorted(clash))}, which the sweep sets "
                          "itself. Fix: use --pretrained, --schemes and --reference for them.")
     return {"pretrained": args.pretrained, "reference": args.reference, "batch_size": args.batch_size, **extra}
 

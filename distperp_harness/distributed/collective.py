@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 import torch
 
+from distperp_harness.errors import install_excepthook
 from distperp_harness.distributed import failfast
 from distperp_harness.distributed.controlplane import control_group as _control_group
 from distperp_harness.distributed.failfast import start_watch, stop_watch
@@ -237,6 +238,7 @@ def _watch_for_failure() -> None:
     traceback, tell the other ranks (:func:`~distperp_harness.distributed.failfast.uncaught`)."""
     if getattr(sys.excepthook, "_distperp", False):
         return
+    install_excepthook()  # innermost: it prints an input error as one line, then this hook tells the peers
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
@@ -247,6 +249,7 @@ def _watch_for_failure() -> None:
         failfast.uncaught(value)
 
     hook._distperp = True  # type: ignore[attr-defined]
+    hook._distperp_input = True  # type: ignore[attr-defined]  # it wraps the input-error hook
     sys.excepthook = hook
 
 

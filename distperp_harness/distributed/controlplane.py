@@ -21,6 +21,7 @@ import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
+from distperp_harness.errors import InputError
 from distperp_harness.distributed.store import default_store
 
 VARIABLE = "GLOO_SOCKET_IFNAME"
@@ -104,7 +105,7 @@ def control_group(rank: int, world_size: int, timeout_s: float) -> Any:
     if store is not None:
         problem = binding_problem(exchange(store, rank, world_size, (host_name(), address, how)))
         if problem:
-            raise ValueError(problem)
+            raise InputError(problem, same_on_every_rank=True)
     try:
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError variants

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.errors import InputError
+
 log = get_logger(__name__)
 
 
@@ -51,7 +53,7 @@ class AdapterReport:
 
 def _require_peft() -> None:
     if importlib.util.find_spec("peft") is None:
-        raise ValueError("peft= needs the 'peft' package, which is not installed. Fix: pip install 'peft>=0.13' "
+        raise InputError("peft= needs the 'peft' package, which is not installed. Fix: pip install 'peft>=0.13' "
                          "(or pip install 'distperp-harness[checkpoints]').")
 
 
@@ -78,7 +80,7 @@ def apply_peft(model: torch.nn.Module, options: Any, tokenizer: Any) -> tuple[to
         peft_model = PeftModel.from_pretrained(model, os.path.expanduser(source), revision=options.revision,
                                                torch_device=str(device), is_trainable=False)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a PEFT adapter from peft={source!r}: {exc}. Fix: give the folder (or hub "
+        raise InputError(f"could not load a PEFT adapter from peft={source!r}: {exc}. Fix: give the folder (or hub "
                          "id) holding adapter_config.json and adapter_model.safetensors.") from exc
     config = peft_model.peft_config[peft_model.active_adapter]
     targets = getattr(config, "target_modules", None)
@@ -105,10 +107,10 @@ def apply_delta(model: torch.nn.Module, delta: torch.nn.Module, source: str) -> 
                 continue
             seen.add(param.data_ptr())
             if name not in theirs:
-                raise ValueError(f"delta={source!r} has no weight {name!r} of the base model. Fix: give a delta "
+                raise InputError(f"delta={source!r} has no weight {name!r} of the base model. Fix: give a delta "
                                  "checkpoint saved from the same architecture as pretrained=.")
             if theirs[name].shape != param.shape:
-                raise ValueError(f"delta={source!r}: weight {name!r} has shape {tuple(theirs[name].shape)}, the "
+                raise InputError(f"delta={source!r}: weight {name!r} has shape {tuple(theirs[name].shape)}, the "
                                  f"base's is {tuple(param.shape)}. Fix: a delta of the same architecture.")
             param.add_(theirs[name].to(device=param.device, dtype=param.dtype))
     return AdapterReport(kind="delta", source=source, merged=True,

@@ -20,6 +20,8 @@ import importlib.util
 import os
 from typing import Any
 
+from distperp_harness.errors import InputError
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -40,7 +42,7 @@ def check_gguf(options: Any) -> None:
     if not options.gguf_file:
         return
     if importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"gguf_file={options.gguf_file!r} needs the 'gguf' package (transformers reads GGUF "
+        raise InputError(f"gguf_file={options.gguf_file!r} needs the 'gguf' package (transformers reads GGUF "
                          "files with it), which is not installed. Fix: pip install 'gguf>=0.10' "
                          "(or pip install 'distperp-harness[checkpoints]').")
     folder = os.path.expanduser(options.pretrained)
@@ -49,7 +51,7 @@ def check_gguf(options: Any) -> None:
         if not os.path.isfile(path):
             found = sorted(f for f in os.listdir(os.path.dirname(path) or ".") if f.endswith(".gguf")) \
                 if os.path.isdir(os.path.dirname(path)) else []
-            raise ValueError(f"gguf_file={options.gguf_file!r}: no such file in {os.path.dirname(path)!r}; "
+            raise InputError(f"gguf_file={options.gguf_file!r}: no such file in {os.path.dirname(path)!r}; "
                              f"GGUF files there: {', '.join(found) or 'none'}. Fix: give gguf_file=<one of them> "
                              "(a file name inside pretrained=).")
 
@@ -75,13 +77,13 @@ def refuse_on_stored(options: Any, stored: dict | None) -> None:
         return
     method = quant_method(stored)
     if options.quantize != "none":
-        raise ValueError(
+        raise InputError(
             f"quantize={options.quantize} was asked for, but pretrained={options.pretrained!r} is already "
             f"quantized (its config.json stores a quantization_config, quant_method={method!r}): quantizing "
             "quantized weights again would measure neither scheme. Fix: drop quantize= to evaluate the checkpoint "
             "as saved, or give pretrained=<its full-precision source> with quantize=.")
     if options.reference == "base":
-        raise ValueError(
+        raise InputError(
             f"reference=base means the same weights unquantized, but pretrained={options.pretrained!r} was saved "
             f"already quantized (quant_method={method!r}) and holds no unquantized copy. Fix: give "
             "reference=<the full-precision checkpoint it was made from>.")

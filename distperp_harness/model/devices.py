@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.errors import InputError
 from distperp_harness.options import CLI_DEFAULT_DEVICE, Options
 
 log = get_logger(__name__)
@@ -43,7 +44,7 @@ def resolve_device(options: Options, local_rank: int, world_size: int = 1) -> to
                 log.info("device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU",
                          main_process_only=True)
                 return torch.device("cpu")
-            raise ValueError(f"device={options.device!r} was asked for, but this machine has no CUDA device "
+            raise InputError(f"device={options.device!r} was asked for, but this machine has no CUDA device "
                              "(torch.cuda.is_available() is False). Fix: device=cpu, or run on a GPU machine.")
         count = torch.cuda.device_count()
         if world_size > 1 or requested == "cuda":
@@ -51,9 +52,9 @@ def resolve_device(options: Options, local_rank: int, world_size: int = 1) -> to
         try:
             index = int(requested.split(":")[1]) if ":" in requested else 0
         except ValueError:
-            raise ValueError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
+            raise InputError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
         if not 0 <= index < count:
-            raise ValueError(f"device={options.device!r}: this process sees {count} CUDA device(s) "
+            raise InputError(f"device={options.device!r}: this process sees {count} CUDA device(s) "
                              f"(cuda:0..cuda:{count - 1}). Fix: device=cuda:0, or check CUDA_VISIBLE_DEVICES.")
         return _use_cuda(index)
     if requested == "cpu":
@@ -61,7 +62,7 @@ def resolve_device(options: Options, local_rank: int, world_size: int = 1) -> to
     try:
         return torch.device(requested)  # other accelerators torch knows (mps, xpu, ...)
     except RuntimeError:
-        raise ValueError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
+        raise InputError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
 
 
 def _use_cuda(index: int) -> torch.device:

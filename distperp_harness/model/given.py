@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from distperp_harness.errors import InputError
+
 
 @dataclass
 class Given:
@@ -31,12 +33,12 @@ class Given:
 def split_given(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Given | None]:
     """``(kwargs with strings in place of objects, the objects or None)`` (module doc)."""
     if "in_memory" in kwargs:  # set here only, from the type of pretrained
-        raise ValueError("Unknown --model_args key(s) for --model distperp: 'in_memory' (it is set when "
+        raise InputError("Unknown --model_args key(s) for --model distperp: 'in_memory' (it is set when "
                          "pretrained is a model object). Fix: drop in_memory.")
     model, tokenizer = kwargs.get("pretrained"), kwargs.get("tokenizer")
     if not isinstance(model, torch.nn.Module):
         if tokenizer is not None and not isinstance(tokenizer, str):
-            raise ValueError(f"tokenizer={type(tokenizer).__name__} object was given with pretrained={model!r}. "
+            raise InputError(f"tokenizer={type(tokenizer).__name__} object was given with pretrained={model!r}. "
                              "Fix: pass a tokenizer object only with an in-memory model (pretrained=<model>), "
                              "or tokenizer=<path or hub id>.")
         return kwargs, None
@@ -53,7 +55,7 @@ def split_given(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Given | None]:
 def check_given(options: Any, given: Given) -> None:
     """ValueError for the options an in-memory model cannot take (module doc)."""
     if not hasattr(given.model, "config") or not hasattr(given.model, "get_input_embeddings"):
-        raise ValueError(f"pretrained={type(given.model).__name__} is not a transformers causal LM. Fix: pass a "
+        raise InputError(f"pretrained={type(given.model).__name__} is not a transformers causal LM. Fix: pass a "
                          "PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained) or its folder.")
     refused = [f"{key}={getattr(options, key)}" for key in ("peft", "delta", "gguf_file", "subfolder")
                if getattr(options, key)]
@@ -66,7 +68,7 @@ def check_given(options: Any, given: Given) -> None:
     if options.tensor_parallel != 1:
         refused.append(f"tp_size={options.tensor_parallel}")
     if refused:
-        raise ValueError(f"{', '.join(refused)} with an in-memory model (pretrained={type(given.model).__name__}) "
+        raise InputError(f"{', '.join(refused)} with an in-memory model (pretrained={type(given.model).__name__}) "
                          "would change the caller's model in place or needs its files. Fix: "
                          "model.save_pretrained(DIR) and pass pretrained=DIR, or drop those keys "
                          "(reference=<path> works with an in-memory model).")
@@ -74,7 +76,7 @@ def check_given(options: Any, given: Given) -> None:
         import os
 
         if not os.path.isdir(os.path.expanduser(options.pretrained)):
-            raise ValueError(f"an in-memory model needs its tokenizer: its name_or_path {options.pretrained!r} is "
+            raise InputError(f"an in-memory model needs its tokenizer: its name_or_path {options.pretrained!r} is "
                              "not a folder to load one from. Fix: model_args={'pretrained': model, "
                              "'tokenizer': tokenizer} (an object or a path).")
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.errors import InputError
 from distperp_harness.model.adapters import AdapterReport, apply_delta, apply_peft
 from distperp_harness.model.checkpoint import check_gguf, refuse_on_stored, source_kwargs, stored_quantization
 from distperp_harness.options import Options
@@ -36,7 +37,7 @@ def _check_source(name: str, what: str) -> None:
     if os.path.isdir(os.path.expanduser(name)):
         return
     if looks_local or os.path.exists(name):
-        raise ValueError(f"{what}={name!r}: no such model folder (expected a directory with config.json); "
+        raise InputError(f"{what}={name!r}: no such model folder (expected a directory with config.json); "
                          "give an existing local folder or a Hugging Face hub id like 'org/name'")
 
 
@@ -55,7 +56,7 @@ def load_tokenizer(options: Options):
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a tokenizer from {source!r}: {exc}") from exc
+        raise InputError(f"could not load a tokenizer from {source!r}: {exc}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
@@ -94,7 +95,7 @@ def load_model(options: Options, device: torch.device, dtype: torch.dtype | str,
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+        raise InputError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
     if quantization_config is None:
         _to_device(model, device, source)
     model.eval()
@@ -111,7 +112,7 @@ def _to_device(model: torch.nn.Module, device: torch.device, source: str) -> Non
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
             placed = next(model.parameters()).device
             if placed.type != device.type:
-                raise ValueError(f"{source!r} is a bitsandbytes checkpoint placed on {placed} by its quantizer, "
+                raise InputError(f"{source!r} is a bitsandbytes checkpoint placed on {placed} by its quantizer, "
                                  f"which cannot be moved to {device} ({exc}). Fix: device={placed.type}.") from exc
             return
         raise
@@ -139,7 +140,7 @@ def load_config(options: Options, source: str | None = None, key: str = "pretrai
                                                        trust_remote_code=options.trust_remote_code,
                                                        **source_kwargs(options, key))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+        raise InputError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
 
 
 def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = None, key: str = "pretrained"):
@@ -185,7 +186,7 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
         skipped.update(narrow)
     if notes:  # quantizing a tied head unties it, which transformers' loader does not do
         if distributed_config is not None:
-            raise ValueError(f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "
+            raise InputError(f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "
                              "head is tied to its input embeddings, and quantizing it means untying it after "
                              "loading, which a tensor-parallel slice cannot do. Fix: quantize_lm_head=false, or "
                              "tp_size=1.")
@@ -299,7 +300,7 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
     tokenizer = load_tokenizer(options)
     asked = torch_dtype(options.dtype)
     if options.reference == "base" and options.quantize == "none":
-        raise ValueError("reference=base compares against the unquantized checkpoint, but quantize=none. "
+        raise InputError("reference=base compares against the unquantized checkpoint, but quantize=none. "
                          "Fix: add quantize=int4 (or int8, 8da4w), give reference=<other model path>"
                          + (", or reference=pretrained (the base without the adapter)"
                             if options.peft or options.delta else "") + ".")
@@ -348,7 +349,7 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
         log.info(shard_report.note, main_process_only=True)
     max_length = model_max_length(options, model, tokenizer)
     if options.stride is not None and options.stride > max_length:
-        raise ValueError(f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
+        raise InputError(f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
                          "Fix: lower stride or set max_length.")
     return Loaded(device, tokenizer, model, reference, report, model_bytes, max_length,
                   reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop(),
@@ -381,5 +382,5 @@ def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -
     rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
     if not 0 <= token < rows:
         what = "prefix_token_id" if given else "the tokenizer's BOS/EOS id"
-        raise ValueError(f"{what}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
+        raise InputError(f"{what}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
                          f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distperp_harness.errors import InputError
 from distperp_harness.options import DTYPES, GROUP_SIZES
 
 # torchao's wheel loads CUDA-only .so files (cutlass sm90a, mxfp8) at import and logs failures where they cannot
@@ -179,14 +180,14 @@ def _name(dtype: torch.dtype) -> str:
 
 def _scheme(scheme: str) -> Scheme:
     if scheme not in SCHEMES:
-        raise ValueError(f"quantize={scheme!r} is not a known scheme; allowed: {', '.join(SCHEMES)}. "
+        raise InputError(f"quantize={scheme!r} is not a known scheme; allowed: {', '.join(SCHEMES)}. "
                          "Fix: e.g. quantize=int4,group_size=128.")
     return SCHEMES[scheme]
 
 
 def _check_device_type(scheme: str, device_type: str) -> None:
     if scheme != "none" and device_type not in ("cpu", "cuda"):
-        raise ValueError(f"quantize={scheme} runs on cpu or cuda devices, not {device_type!r}. "
+        raise InputError(f"quantize={scheme} runs on cpu or cuda devices, not {device_type!r}. "
                          "Fix: use device=cpu or device=cuda, or quantize=none.")
 
 
@@ -200,7 +201,7 @@ def resolve_model_dtype(scheme: str, requested: str, device: torch.device | str)
     """
     spec = _scheme(scheme)
     if requested not in DTYPES:
-        raise ValueError(f"dtype={requested!r} is not valid; allowed: {', '.join(DTYPES)}.")
+        raise InputError(f"dtype={requested!r} is not valid; allowed: {', '.join(DTYPES)}.")
     device = torch.device(device)
     _check_device_type(scheme, device.type)
     preferred = spec.preferred_dtype
@@ -321,10 +322,10 @@ def _placement(model: nn.Module, scheme: str) -> tuple[torch.device, torch.dtype
     params = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     params = params or [p for p in model.parameters() if p.is_floating_point()]
     if not params:
-        raise ValueError(f"quantize={scheme}: the model has no floating-point weights to quantize.")
+        raise InputError(f"quantize={scheme}: the model has no floating-point weights to quantize.")
     types = sorted({p.device.type for p in params})
     if len(types) > 1:
-        raise ValueError(f"quantize={scheme}: the model's weights are spread over {', '.join(types)}; quantize a "
+        raise InputError(f"quantize={scheme}: the model's weights are spread over {', '.join(types)}; quantize a "
                          "model that sits on one device type (no CPU/disk offload).")
     _check_device_type(scheme, types[0])
     return params[0].device, params[0].dtype
@@ -350,7 +351,7 @@ def quantize_model(model: nn.Module, scheme: str, *, group_size: int = 128,
     """
     spec = _scheme(scheme)
     if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size={group_size!r} is not valid; allowed: {', '.join(map(str, GROUP_SIZES))}. "
+        raise InputError(f"group_size={group_size!r} is not valid; allowed: {', '.join(map(str, GROUP_SIZES))}. "
                          "Fix: e.g. group_size=128.")
     device, dtype = _placement(model, scheme)
     if scheme != "none":

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from distperp_harness.errors import InputError
 from distperp_harness.model.layers import decoder_layers
 from distperp_harness.model.quantize import is_tensor_subclass
 
@@ -54,7 +55,7 @@ def resolve_group_size(key: str, option: int | str, world_size: int, local_world
         return 1
     divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
     if local_world_size % size or world_size % size:
-        raise ValueError(
+        raise InputError(
             f"{key}={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
             f"{key} must divide the processes per node, so that {group} lies within one node; allowed here: "
             f"{', '.join(map(str, divisors))} or 'node'. Fix: {key}=node, or launch a multiple of {size} processes "
@@ -69,7 +70,7 @@ def check_groups_within_hosts(hosts: Sequence[str], shard_size: int, key: str = 
     for group in shard_groups(len(hosts), shard_size):
         names = sorted({hosts[r] for r in group})
         if len(names) > 1:
-            raise ValueError(
+            raise InputError(
                 f"{key}={shard_size}: the group of ranks {group[0]}..{group[-1]} spans the hosts "
                 f"{', '.join(names)}; a group must lie within one node (it communicates at every forward). Fix: "
                 f"launch with accelerate launch or torchrun (they set LOCAL_WORLD_SIZE), or give {key}=<a "

@@ -29,6 +29,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from distperp_harness.errors import InputError
+
 
 def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -> int:
     """The TP group size for ``tp_size=option`` (``"node"``/``"auto"``: the processes per node).
@@ -51,7 +53,7 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
     plan = getattr(config, "base_model_tp_plan", None)
     kind = getattr(config, "model_type", type(config).__name__)
     if not plan:
-        raise ValueError(
+        raise InputError(
             f"tp_size={tp_size}: {source!r} ({kind}) has no tensor-parallel plan in transformers (its config's "
             f"base_model_tp_plan is empty), so its layers cannot be split over {tp_size} processes. Fix: "
             f"shard_size={tp_size} (FSDP2 works for any model), or tp_size=1.")
@@ -61,7 +63,7 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
     for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if count is not None and count % tp_size:
             allowed = [d for d in range(2, int(count) + 1) if heads % d == 0 and (kv_heads or heads) % d == 0]
-            raise ValueError(
+            raise InputError(
                 f"tp_size={tp_size}: {source!r} has {name}={count}, which does not divide by tp_size={tp_size} "
                 f"(each process takes whole heads). Allowed tp_size for this model: "
                 f"{', '.join(map(str, allowed)) or 'none above 1'}. Fix: one of those, or shard_size={tp_size}.")

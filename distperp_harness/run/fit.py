@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from distperp_harness.errors import InputError
 from distperp_harness.model.memory import activation_bytes_per_token, free_memory_bytes
 from distperp_harness.options import Options
 from distperp_harness.model.layers import decoder_layers
@@ -235,7 +236,7 @@ def check_fits(collective: "Collective", options: Options, device: torch.device,
             log.warning(f"distperp: no memory estimate before loading ({type(exc).__name__}: {exc}); loading anyway")
     problem, need = collective.all_gather_object((problem, need), "agree on the memory estimate")[0]
     if problem:
-        raise ValueError(problem)
+        raise InputError(problem, same_on_every_rank=True)
     return need
 
 

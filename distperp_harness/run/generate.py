@@ -40,6 +40,7 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 
+from distperp_harness.errors import InputError
 from distperp_harness.planning.records import FlatUnits
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.batchgen import generate_batch
@@ -233,7 +234,7 @@ def _local_jobs(setup: GenerationSetup, keys: Sequence[tuple[str, str, bool]],
             continue
         prepared = _prepare(setup, Job(key, tuple(_encode(setup, context)), kwargs_key, gen_kwargs))
         if not prepared.prompt:
-            raise ValueError(f"generate_until got a request whose prompt has no tokens (context {context!r}); "
+            raise InputError(f"generate_until got a request whose prompt has no tokens (context {context!r}); "
                              "the model needs at least one token to continue. Fix: give the task a non-empty "
                              "prompt, or set add_bos_token=true so that every prompt starts with the BOS token")
         group = group_hash(kwargs_key)
@@ -289,7 +290,7 @@ def _prepare(setup: GenerationSetup, job: Job) -> _Prepared:
     max_new = int(kwargs.pop("max_gen_toks"))
     max_ctx = setup.max_length - max_new
     if max_ctx <= 0:
-        raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt with max_length={setup.max_length}; "
+        raise InputError(f"max_gen_toks={max_new} leaves no room for a prompt with max_length={setup.max_length}; "
                          "raise max_length or lower max_gen_toks in the task's generation_kwargs")
     return _Prepared(job.tokens[-max_ctx:], max_new, tuple(until), kwargs)
 
@@ -347,7 +348,7 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
             except CacheNotShareable as exc:
                 reason = f"its {exc} cache cannot be edited row by row"
         if setup.executor.shard_size > 1:
-            raise ValueError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane would run "
+            raise InputError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane would run "
                              "as model.generate batches, whose forwards a shard group cannot keep in step. Fix: drop "
                              "those generation arguments, or run this task with shard_size=1.")
         _note_fallback(reason)

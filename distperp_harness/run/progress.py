@@ -38,22 +38,34 @@ QUIET = {
 registers (twice per rank as torchao loads), and torchao's echo of a variable the user (or the Makefile) set."""
 
 
+CUDA_ONLY = ("torchao", "Failed to load ")
+"""torchao's warning for each of its CUDA kernel libraries that cannot load, dropped where no CUDA device exists
+(on a CPU-only machine they cannot load, and nothing uses them); with a GPU the warning stays."""
+
+
 class _Drop(logging.Filter):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, unless_cuda: bool = False) -> None:
         super().__init__()
-        self.text = text
+        self.text, self.unless_cuda = text, unless_cuda
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
+        if self.text not in record.getMessage():
+            return True
+        if self.unless_cuda:
+            import torch
+
+            return torch.cuda.is_available()
+        return False
 
 
 def setup_logging() -> None:
     """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0. The
-    :data:`QUIET` lines of dependencies are dropped at their loggers."""
-    for name, text in QUIET.items():
+    :data:`QUIET` lines of dependencies are dropped at their loggers, and :data:`CUDA_ONLY` where no CUDA device
+    exists."""
+    for name, text, unless_cuda in [*((n, t, False) for n, t in QUIET.items()), (*CUDA_ONLY, True)]:
         target = logging.getLogger(name)
-        if not any(isinstance(f, _Drop) for f in target.filters):
-            target.addFilter(_Drop(text))
+        if not any(isinstance(f, _Drop) and f.text == text for f in target.filters):
+            target.addFilter(_Drop(text, unless_cuda))
     logger = logging.getLogger("distperp_harness")
     if not logger.handlers:
         handler = logging.StreamHandler()

@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from distperp_harness.errors import InputError
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
 from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
@@ -77,7 +78,7 @@ class BatchStore:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"resume_dir={str(folder)!r} cannot be created: {exc}") from exc
+            raise InputError(f"resume_dir={str(folder)!r} cannot be created: {exc}") from exc
         self.with_kl = with_kl
         self.is_main = is_main
         config_text = json.dumps({"config": config, "format": FORMAT}, sort_keys=True, default=str)

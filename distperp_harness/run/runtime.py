@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from distperp_harness.errors import InputError
 from distperp_harness.model.memory import activation_bytes_per_token, free_memory_bytes, is_out_of_memory, room_bytes, \
     total_memory_bytes
 from distperp_harness.options import Options
@@ -301,11 +302,11 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
     problems = collective.all_gather_object((problem, str(device)), "check the batch budget")
     bad = [f"rank {rank} ({where}): {why}" for rank, (why, where) in enumerate(problems) if why]
     if bad:
-        raise ValueError(
+        raise InputError(
             f"batch_size=auto chose {batching.token_budget} tokens per batch (on rank 0, from the model and the "
             f"device's total memory, so that every rank computes the same batches), but not every rank can hold "
             f"it: {'; '.join(bad)}. Another process may be using that device's memory. Fix: free it, or pass "
-            f"batch_size=N (rows per batch) or a smaller max_batch_size.")
+            f"batch_size=N (rows per batch) or a smaller max_batch_size.", same_on_every_rank=True)
     return batching
 
 

@@ -15,6 +15,8 @@ import torch
 from accelerate.logging import get_logger
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from distperp_harness.errors import InputError
+
 log = get_logger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -34,7 +36,7 @@ def warpers_for(model: torch.nn.Module, kwargs: dict) -> LogitsProcessorList:
     from transformers.generation import logits_process as lp
 
     if int(kwargs.get("num_beams", 1) or 1) > 1:
-        raise ValueError(f"do_sample=True with num_beams={kwargs['num_beams']} (beam sampling) is not supported; "
+        raise InputError(f"do_sample=True with num_beams={kwargs['num_beams']} (beam sampling) is not supported; "
                          "use num_beams=1 or do_sample=False in the task's generation_kwargs")
     config = copy.deepcopy(model.generation_config)
     asked = {k: kwargs.pop(k) for k in SAMPLING_KEYS if k in kwargs}
@@ -42,7 +44,7 @@ def warpers_for(model: torch.nn.Module, kwargs: dict) -> LogitsProcessorList:
         log.info(f"do_sample=true without a temperature: sampling at the model's generation_config temperature "
                  f"({config.temperature if config.temperature is not None else 1.0})", main_process_only=True)
     elif not float(asked["temperature"]) > 0:
-        raise ValueError(f"do_sample=True with temperature={asked['temperature']}: sampling needs a temperature > 0; "
+        raise InputError(f"do_sample=True with temperature={asked['temperature']}: sampling needs a temperature > 0; "
                          "set do_sample=False for greedy decoding or a positive temperature")
     config.update(**asked)
     warpers = LogitsProcessorList()

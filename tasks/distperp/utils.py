@@ -6,7 +6,8 @@ lm-eval print the standard errors of our aggregations (:func:`distperp_harness.r
 Data sources (lm-eval passes ``--metadata`` and ``--model_args`` as keyword arguments to ``custom_dataset``):
 
 - WikiText tasks: ``EleutherAI/wikitext_document_level`` from the hub (as lm-eval's ``wikitext``), unless
-  ``--metadata '{"wikitext_path": PATH}'`` or ``$DISTPERP_WIKITEXT_PATH`` names a local WikiText file or folder.
+  ``--metadata '{"wikitext_path": PATH}'`` or ``$DISTPERP_WIKITEXT_PATH`` names a local WikiText file or folder
+  (``sample``: the WikiText-format sample packaged with distperp).
 - ``distperp_local_docs``: ``--metadata '{"docs_path": PATH}'`` or ``$DISTPERP_DOCS_PATH``.
 
 Relative paths resolve from the current directory.
@@ -22,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from distperp_harness.errors import InputError, MissingInput
 from distperp_harness.report import metrics as _metrics
 from distperp_harness.report.results import n_tokens_of
 
@@ -40,6 +42,7 @@ maximum = _metrics.maximum
 total = _metrics.total
 
 WIKITEXT_PATH_ENV = "DISTPERP_WIKITEXT_PATH"
+SAMPLE = "sample"  # wikitext_path=sample: the WikiText-format sample packaged with distperp
 DOCS_PATH_ENV = "DISTPERP_DOCS_PATH"
 
 # lm-eval's split names -> the names WikiText files use.
@@ -81,7 +84,11 @@ def _configured_path(metadata_key: str, value: Any, env_var: str) -> tuple[Path,
     else:
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise ValueError(f"{source} must be a path string, got {value!r}")
+        raise InputError(f"{source} must be a path string, got {value!r}")
+    if metadata_key == "wikitext_path" and value == SAMPLE:
+        from distperp_harness.commands.tiny import sample_text_path
+
+        return sample_text_path(), f"{source} {SAMPLE} (the sample packaged with distperp)"
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = Path.cwd() / path
@@ -99,16 +106,16 @@ def read_utf8(path: Path, source: str, *, newline: str | None = None) -> str:
         with open(path, encoding="utf-8", newline=newline) as f:
             return f.read()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} (from {source}) does not exist") from None
+        raise MissingInput(f"{path} (from {source}) does not exist") from None
     except IsADirectoryError:
-        raise ValueError(f"{path} (from {source}) is a folder where a file was expected") from None
+        raise InputError(f"{path} (from {source}) is a folder where a file was expected") from None
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise InputError(
             f"{path} (from {source}) is not UTF-8 text: invalid byte at offset {e.start}; convert it with "
             f"e.g. `iconv -t UTF-8`"
         ) from None
     except OSError as e:
-        raise ValueError(f"{path} (from {source}) cannot be read: {e.strerror or e}") from None
+        raise InputError(f"{path} (from {source}) cannot be read: {e.strerror or e}") from None
 
 
 def wikitext_candidates(folder: Path, dataset: str, split: str) -> list[Path]:
@@ -132,13 +139,13 @@ def wikitext_candidates(folder: Path, dataset: str, split: str) -> list[Path]:
 def _wikitext_file(path: Path, source: str, dataset: str, split: str) -> Path:
     """The file to read for ``dataset``/``split``: ``path`` itself, or the first candidate in the folder."""
     if not path.exists():
-        raise FileNotFoundError(f"{path} (from {source}) does not exist")
+        raise MissingInput(f"{path} (from {source}) does not exist")
     if path.is_dir():
         candidates = wikitext_candidates(path, dataset, split)
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
             tried = ", ".join(str(c.relative_to(path)) for c in candidates)
-            raise ValueError(f"{path} (from {source}) holds no {dataset} {split} file; looked for: {tried}")
+            raise InputError(f"{path} (from {source}) holds no {dataset} {split} file; looked for: {tried}")
         path = found
     _warn_on_suspicious_name(path, dataset, split)
     return path
@@ -199,7 +206,7 @@ def load_wikitext(
     file = _wikitext_file(*configured, dataset=dataset, split=split)
     articles = split_wikitext_articles(read_utf8(file, configured[1]))
     if not any(a.strip() for a in articles):
-        raise ValueError(f"{file} (from {configured[1]}) holds no text")
+        raise InputError(f"{file} (from {configured[1]}) holds no text")
     logger.info(f"distperp: {dataset} {split}: {len(articles)} articles from {file}")
     return _to_dataset_dict(split, "page", articles)
 
@@ -212,9 +219,9 @@ def _docs_from_jsonl(path: Path, source: str) -> list[tuple[str, str]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} (from {source}) is not valid JSON: {e.msg}") from None
+            raise InputError(f"{path}:{number} (from {source}) is not valid JSON: {e.msg}") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f'{path}:{number} (from {source}) needs a string field "text"')
+            raise InputError(f'{path}:{number} (from {source}) needs a string field "text"')
         docs.append((record["text"], f"{path}:{number}"))
     return docs
 
@@ -227,7 +234,7 @@ def read_local_docs(path: Path, source: str) -> list[tuple[str, str]]:
     entries skipped). Blank documents are skipped with a warning.
     """
     if not path.exists():
-        raise FileNotFoundError(f"{path} (from {source}) does not exist")
+        raise MissingInput(f"{path} (from {source}) does not exist")
     if path.is_dir():
         files = sorted(
             p
@@ -237,11 +244,11 @@ def read_local_docs(path: Path, source: str) -> list[tuple[str, str]]:
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
         if not files:
-            raise ValueError(f"{path} (from {source}) holds no .txt or .jsonl files")
+            raise InputError(f"{path} (from {source}) holds no .txt or .jsonl files")
     elif path.suffix in (".txt", ".jsonl"):
         files = [path]
     else:
-        raise ValueError(f"{path} (from {source}) is neither a folder nor a .txt or .jsonl file")
+        raise InputError(f"{path} (from {source}) is neither a folder nor a .txt or .jsonl file")
     docs: list[tuple[str, str]] = []
     for file in files:
         if file.suffix == ".jsonl":
@@ -252,7 +259,7 @@ def read_local_docs(path: Path, source: str) -> list[tuple[str, str]]:
     if len(kept) < len(docs):
         logger.warning(f"distperp: skipped {len(docs) - len(kept)} blank document(s) under {path}")
     if not kept:
-        raise ValueError(f"{path} (from {source}) holds no non-blank documents")
+        raise InputError(f"{path} (from {source}) holds no non-blank documents")
     return kept
 
 
@@ -260,7 +267,7 @@ def load_local_docs(*, split: str = "test", docs_path: str | None = None, **_ign
     """``{split: Dataset}`` with ``text`` and ``source`` columns from ``docs_path`` or ``$DISTPERP_DOCS_PATH``."""
     configured = _configured_path("docs_path", docs_path, DOCS_PATH_ENV)
     if configured is None:
-        raise ValueError(
+        raise InputError(
             "distperp_local_docs needs documents: pass --metadata '{\"docs_path\": \"FOLDER\"}' or set "
             f"${DOCS_PATH_ENV} (a folder of .txt files, one document each, and/or .jsonl files with a \"text\" field)"
         )

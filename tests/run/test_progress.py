@@ -2,15 +2,33 @@
 
 import logging
 
-from distperp_harness.run.progress import QUIET, setup_logging
+import pytest
+
+from distperp_harness.run.progress import CUDA_ONLY, QUIET, setup_logging
+
+
+def _record(name, message):
+    return logging.getLogger(name).makeRecord(name, logging.WARNING, __file__, 1, message, (), None)
 
 
 def test_quiet_lines_are_dropped_and_others_pass():
     setup_logging()
-    setup_logging()  # idempotent: one filter per logger
+    setup_logging()  # idempotent: one filter per (logger, text)
     for name, text in QUIET.items():
         logger = logging.getLogger(name)
-        assert len(logger.filters) == 1
-        drop = logger.makeRecord(name, logging.WARNING, __file__, 1, f"<enum 'X'> {text} ...", (), None)
-        keep = logger.makeRecord(name, logging.WARNING, __file__, 1, "Failed to load kernel.so", (), None)
-        assert not logger.filter(drop) and logger.filter(keep)
+        assert sum(f.text == text for f in logger.filters) == 1
+        assert not logger.filter(_record(name, f"<enum 'X'> {text} ..."))
+        assert logger.filter(_record(name, "Config is deprecated; use IntxWeightOnlyConfig"))
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_torchao_kernel_libraries_that_cannot_load_are_dropped_only_without_cuda(monkeypatch, cuda):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    setup_logging()
+    name, text = CUDA_ONLY
+    logger = logging.getLogger(name)
+    failed = _record(name, f"{text}/site-packages/torchao/_C_mxfp8.so: Could not load this library")
+    assert logger.filter(failed) is cuda  # with a GPU, a kernel library that fails to load is worth a line
+    assert logger.filter(_record(name, "Loading /site-packages/torchao/_C.so"))

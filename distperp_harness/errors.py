@@ -1,0 +1,89 @@
+"""Errors a user fixes by changing what they gave, and how the command line shows them.
+
+:class:`InputError` is a ``ValueError`` whose message names the value given, what is allowed and the fix. Library
+callers (``lm_eval.simple_evaluate``) get it as any exception. From the command line, where nothing catches it,
+:func:`install_excepthook` prints it as one line on stderr, ``distperp: error: <message>``, and the process exits
+with code 1, on every rank of a launch; an error every rank meets alike (one that follows from the command line
+or that the ranks agreed on) is printed by rank 0 only. ``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity
+DEBUG`` brings the traceback back. lm-eval's own "Tasks not found" error keeps its traceback and gains a line that
+says how to fix it.
+
+Standard library only: the start-up hook installs the excepthook before lm-eval runs a task.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+TRACEBACK_ENV = "DISTPERP_TRACEBACK"
+TASKS_HINT = ("distperp: hint: lm-eval knows the tasks of its own folder, distperp's (distperp_wikitext2, "
+              "distperp_wikitext103, distperp_local_docs, ...) and those under --include_path; for a task of your "
+              "own pass --include_path FOLDER (the folder of its YAML file); `lm-eval ls tasks` lists every name.")
+
+
+class InputError(ValueError):
+    """A value the user gave cannot work: the message says what was given, what is allowed and how to fix it.
+
+    ``same_on_every_rank``: every rank of a launch raises it alike (it follows from the command line, or the ranks
+    agreed on it), so only rank 0 prints it."""
+
+    def __init__(self, message: str, *, same_on_every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
+
+class OptionError(InputError):
+    """A ``--model_args`` value that cannot work. Every rank parses the same command line, so rank 0 alone
+    prints it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, same_on_every_rank=True)
+
+
+class MissingInput(InputError, FileNotFoundError):
+    """A file or folder the user named does not exist (also a ``FileNotFoundError``)."""
+
+
+def wants_traceback() -> bool:
+    """``DISTPERP_TRACEBACK`` set to anything but ``0``, or lm-eval's logger at DEBUG."""
+    import logging
+
+    if os.environ.get(TRACEBACK_ENV, "0") not in ("", "0"):
+        return True
+    return logging.getLogger("lm_eval").getEffectiveLevel() <= logging.DEBUG
+
+
+def one_line(error: InputError) -> str | None:
+    """The line this rank prints for ``error``, or ``None`` where rank 0 prints it for every rank."""
+    rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if rank != 0 and error.same_on_every_rank:
+        return None
+    where = f" (rank {rank})" if world > 1 and not error.same_on_every_rank else ""
+    message = " ".join(str(error).split("\n"))
+    return f"distperp: error{where}: {message}"
+
+
+def _is_tasks_not_found(value: BaseException) -> bool:
+    return isinstance(value, ValueError) and str(value).startswith("Tasks not found")
+
+
+def install_excepthook() -> None:
+    """Show uncaught :class:`InputError` as one line (see the module docstring). Idempotent; a hook installed
+    later that wraps this one (the fail-fast channel's) must call it for the printing."""
+    if getattr(sys.excepthook, "_distperp_input", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if isinstance(value, InputError) and not wants_traceback():
+            line = one_line(value)
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
+            return
+        previous(kind, value, traceback)
+        if _is_tasks_not_found(value):
+            print(TASKS_HINT, file=sys.stderr, flush=True)
+
+    hook._distperp_input = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
