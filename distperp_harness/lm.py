@@ -24,7 +24,8 @@ from distperp_harness.run.compiling import compile_extra_bytes, compile_models
 from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
     physical_device, resolve_device
 from distperp_harness.docsplit import fill_empty_ranks, install_document_split
-from distperp_harness.distributed.failfast import fail_for_tests, set_device, stop_together
+from distperp_harness.distributed.failfast import set_device, stop_together
+from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.distributed.liveness import set_base_stage
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.static_slots import StaticDecoding
@@ -37,6 +38,7 @@ from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_b
 from distperp_harness.options import Options
 from distperp_harness.run.calls import RunStats
 from distperp_harness.run.probes import model_traffic
+from distperp_harness.run.record import run_record
 from distperp_harness.run.executor import Executor, model_forwards
 from distperp_harness.run.pipeline import Batching, ScoringRule, Sharing, score_requests
 from distperp_harness.run.progress import generation_progress, setup_logging, token_progress
@@ -48,8 +50,7 @@ from distperp_harness.report.results import Score
 from distperp_harness.run.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
     head_coefficient
 from distperp_harness.tokens import Tokenization
-from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size, \
-    sharding_report
+from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size
 from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
 
 log = get_logger(__name__)
@@ -150,8 +151,9 @@ class DistPerpLM(Tokenization, TemplateLM):
                                             self.tok_decode, self.shard_size, self.collective, self.tp_size),
             device=self._device, store=self.store, claiming=self.options.claim,
             local_world_size=local_world_size(self._world_size), shard_size=self.shard_size, tp_size=self.tp_size)
-        self.traffic = model_traffic(self._model, self._device, self.tokenizer.pad_token_id,
-                                     sharded=self.shard_size > 1, tensor_parallel=self.tp_size > 1)
+        with stop_together(self.collective, self._device, "probing the forwards' collective traffic"):
+            self.traffic = model_traffic(self._model, self._device, self.tokenizer.pad_token_id,
+                                         sharded=self.shard_size > 1, tensor_parallel=self.tp_size > 1)
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
         self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
                                  functools.partial(log.warning, main_process_only=True))
@@ -371,49 +373,8 @@ class DistPerpLM(Tokenization, TemplateLM):
         return self.chat(self.tokenizer, chat_history, add_generation_prompt)
 
     def get_model_info(self) -> dict:
-        """Model and run metadata merged into the results JSON's ``config``."""
-        info = {
-            "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
-            "model_dtype": str(next(self._model.parameters()).dtype),
-            "model_revision": self.options.revision,
-            **self.checkpoint_identity,
-            "distperp": {
-                "version": __version__,
-                "options": self.options.to_dict(),
-                "device": str(self._device),
-                "device_identity": self.device_identity,
-                "control_plane": self.collective.control_backend,
-                "world_size": self.world_size,
-                "num_nodes": self.collective.num_nodes,
-                "max_length": self.max_length,
-                "weight_bytes": self.weight_bytes,
-                "batching": {"batch_size": self.batching.batch_size, "token_budget": self.batching.token_budget,
-                             "max_batch_size": self.batching.max_batch_size},
-                "sharing": {"mode": self.sharing.mode, "max_row_length": self.sharing.max_row_length,
-                            "row_budget": self.row_budget_reason, "fallback_reason": self.sharing_fallback},
-                "load_seconds": self.load_seconds,
-                "compile": self.compiled.to_dict(),
-                "calls": self.stats.to_dicts(),
-                "fingerprint": self.stats.fingerprint,
-                "quantization": self.quant_report.to_dict() if self.quant_report else None,
-                "adapter": self.loaded.adapter.to_dict() if self.loaded.adapter else None,
-                "stored_quantization": self.loaded.stored_quantization,
-                "chat": self.chat.to_dict(),
-                "resume": self.store.report() if self.store else None,
-                "reference": None if self.reference is None else {
-                    "source": self.options.reference, "dtype": str(next(self.reference.parameters()).dtype),
-                    "tasks": self.comparison.entries(),
-                    "weight_bytes": self.reference_weight_bytes},
-                "sharding": sharding_report(self.shard_size, self.loaded.sharding, self.per_rank,
-                                            self.collective.world_size, tp_size=self.tp_size),
-                "traffic": self.traffic,
-                "load_memory_per_rank": [r["load_memory"] for r in self.per_rank],
-                "memory_estimate": dataclasses.asdict(self.estimate) if self.estimate else None,
-                "warnings": self.warnings,
-                "document_split": self.document_split,
-            },
-        }
-        return info
+        """Model and run metadata merged into the results JSON's ``config`` (:func:`run_record`)."""
+        return run_record(self)
 
     # lm-eval passes the CLI's batch_size/max_batch_size/device as extra keyword arguments; a value the user gave
     # in --model_args wins, and the CLI's device default is marked so a missing GPU can fall back to the CPU.

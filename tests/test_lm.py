@@ -66,7 +66,8 @@ def test_loglikelihood_parity(runs, task, ours):
 def test_shared_rows_are_recorded(runs):
     shared = runs["distperp"]["config"]["distperp"]
     unshared = runs["unshared"]["config"]["distperp"]
-    assert shared["sharing"] == {"mode": "prefix", "max_row_length": 128, "fallback_reason": None,
+    assert shared["sharing"] == {"mode": "prefix", "requests": "loglikelihood", "max_row_length": 128,
+                                 "fallback_reason": None,
                                  "row_budget": "batch_size=4: rows of at most max_length=128 tokens"}
     assert unshared["sharing"]["mode"] == "off"
     call = next(c for c in shared["calls"] if c["kind"] == "loglikelihood")

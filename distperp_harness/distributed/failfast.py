@@ -53,7 +53,6 @@ from distperp_harness.distributed.liveness import current_stage, pop_stage, push
 from distperp_harness.distributed.controlplane import bound_address, host_name
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, \
     private_client, store_gone
-from distperp_harness.distributed.testfaults import inject
 
 FAILURE_KEY = "distperp/failure"
 ACK_KEY = "distperp/failure_acks"
@@ -390,27 +389,3 @@ def uncaught(exc: BaseException) -> None:
         except Exception:  # noqa: BLE001 - store host gone
             pass
         hard_exit(1)  # at once, before the peers (which wait EXIT_GRACE_S): the launcher then names this rank first
-
-
-_POINTS = {"forward": "DISTPERP_TEST_FAIL", "planning": "DISTPERP_TEST_FAIL_PLANNING",
-           "generation": "DISTPERP_TEST_FAIL_GENERATION", "lane": "DISTPERP_TEST_FAIL_LANE"}
-
-
-def fail_for_tests(rank: int, point: str = "forward") -> None:
-    """Fault injection for the failure tests; unset in normal runs. ``<VARIABLE>=<rank>:<n>`` makes that rank raise
-    at its n-th call of ``point`` as an error of its own would:
-
-    * ``DISTPERP_TEST_FAIL`` (``forward``): before a forward's first gather (real or idle forward);
-    * ``DISTPERP_TEST_FAIL_PLANNING`` (``planning``): at the start of a scoring call, before the exchange of units;
-    * ``DISTPERP_TEST_FAIL_GENERATION`` (``generation``): at the start of a ``generate_until`` call;
-    * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane);
-      ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost).
-    """
-    actions = {_POINTS[point]: _raise_injected}
-    if point == "lane":
-        actions["DISTPERP_TEST_HOLD_LANE"] = lambda _: time.sleep(600)
-    inject(point, rank, actions)
-
-
-def _raise_injected(spec: str) -> None:
-    raise RuntimeError(f"injected failure for tests ({spec})")

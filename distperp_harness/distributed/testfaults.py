@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from typing import Callable, Mapping
 
 _calls: collections.Counter = collections.Counter()
@@ -24,3 +25,27 @@ def inject(point: str, rank: int, actions: Mapping[str, Callable[[str], None]]) 
                 fault_rank, after = (int(x) for x in part.split(":"))
                 if rank == fault_rank and _calls[point] == after:
                     act(f"{name}={spec}")
+
+
+_POINTS = {"forward": "DISTPERP_TEST_FAIL", "planning": "DISTPERP_TEST_FAIL_PLANNING",
+           "generation": "DISTPERP_TEST_FAIL_GENERATION", "lane": "DISTPERP_TEST_FAIL_LANE"}
+
+
+def fail_for_tests(rank: int, point: str = "forward") -> None:
+    """Fault injection for the failure tests; unset in normal runs. ``<VARIABLE>=<rank>:<n>`` makes that rank raise
+    at its n-th call of ``point`` as an error of its own would:
+
+    * ``DISTPERP_TEST_FAIL`` (``forward``): before a forward's first gather (real or idle forward);
+    * ``DISTPERP_TEST_FAIL_PLANNING`` (``planning``): at the start of a scoring call, before the exchange of units;
+    * ``DISTPERP_TEST_FAIL_GENERATION`` (``generation``): at the start of a ``generate_until`` call;
+    * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane);
+      ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost).
+    """
+    actions = {_POINTS[point]: _raise_injected}
+    if point == "lane":
+        actions["DISTPERP_TEST_HOLD_LANE"] = lambda _: time.sleep(600)
+    inject(point, rank, actions)
+
+
+def _raise_injected(spec: str) -> None:
+    raise RuntimeError(f"injected failure for tests ({spec})")

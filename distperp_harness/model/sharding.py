@@ -86,18 +86,26 @@ def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s:
     """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by
     ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`distperp_harness.distributed.collective.naming_failures`).
     Every rank must call this together (it creates process groups)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    backend = dist.get_backend()
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        options = dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=timeout_s)  # DeviceMesh passes it on as new_group's timeout
+    override = mesh_backend(timeout_s)
     return init_device_mesh(device.type, (world_size // shard_size, shard_size),
                             mesh_dim_names=("replicate", "shard"),
-                            backend_override={"replicate": (backend, options), "shard": (backend, options)})
+                            backend_override={"replicate": override, "shard": override})
+
+
+def mesh_backend(timeout_s: float) -> tuple[str, Any]:
+    """``(backend, options)`` for a device mesh's groups: NCCL where the default group has it (also in a combined
+    ``"cuda:nccl,cpu:gloo"`` one, as Accelerate makes for some FSDP settings), else gloo; each group's collectives
+    bounded by ``timeout_s`` (DeviceMesh passes the options' timeout on to ``new_group``)."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend()):
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return backend, options
 
 
 @dataclass(frozen=True)
@@ -182,21 +190,14 @@ def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], wo
     order (local shards plus replicated weights; parameters gathered only during a forward are not counted;
     ``None`` without a reference). ``replicated``: weights every rank holds whole, per model.
     """
-    if tp_size > 1:
-        return {
-            "shard_size": 1, "tp_size": tp_size,
-            "engine": "transformers tensor-parallel plan (DTensor) on a (dp, tp) DeviceMesh",
-            "mesh": [world_size // tp_size, tp_size], "groups": shard_groups(world_size, tp_size),
-            "model_bytes_per_rank": [r["model_bytes"] for r in per_rank],
-            "reference_bytes_per_rank": [r["reference_bytes"] for r in per_rank],
-            "replicated": {what: list(r.replicated) for what, r in reports.items()},
-            "notes": [r.note for r in reports.values()],
-        }
+    size = tp_size if tp_size > 1 else shard_size
+    engine = ("transformers tensor-parallel plan (DTensor) on a (dp, tp) DeviceMesh" if tp_size > 1
+              else "torch FSDP2 fully_shard, no mixed precision")
     return {
-        "shard_size": shard_size, "tp_size": 1,
-        "engine": "torch FSDP2 fully_shard, no mixed precision" if shard_size > 1 else None,
-        "mesh": [world_size // shard_size, shard_size] if shard_size > 1 else None,
-        "groups": shard_groups(world_size, shard_size) if shard_size > 1 else None,
+        "shard_size": 1 if tp_size > 1 else shard_size, "tp_size": tp_size,
+        "engine": engine if size > 1 else None,
+        "mesh": [world_size // size, size] if size > 1 else None,
+        "groups": shard_groups(world_size, size) if size > 1 else None,
         "model_bytes_per_rank": [r["model_bytes"] for r in per_rank],
         "reference_bytes_per_rank": [r["reference_bytes"] for r in per_rank],
         "replicated": {what: list(r.replicated) for what, r in reports.items()},

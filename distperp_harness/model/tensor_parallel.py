@@ -23,13 +23,13 @@ so quantized results are comparable between runs of the same ``tp_size`` only.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from datetime import timedelta
+import re
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from distperp_harness.errors import InputError
+from distperp_harness.model.sharding import ShardReport, mesh_backend, resolve_group_size
 
 
 def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -> int:
@@ -39,7 +39,6 @@ def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -
         ValueError: when the size does not divide the processes per node (a group's all-reduces run at every
         layer, so it must lie within one node) — with the value, what is allowed and the fix.
     """
-    from distperp_harness.model.sharding import resolve_group_size
 
     return resolve_group_size("tp_size", option, world_size, local_world_size,
                               "each tensor-parallel group (all-reduces at every layer)")
@@ -69,17 +68,29 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
                 f"{', '.join(map(str, allowed)) or 'none above 1'}. Fix: one of those, or shard_size={tp_size}.")
 
 
+def plan_rules(model: torch.nn.Module, style: str = "") -> list[re.Pattern[str]]:
+    """Patterns of the module names transformers' TP plan covers with a style starting with ``style``: the model's
+    full plan (``tp_plan``: its class's, its config's base plan, the input embeddings), else the config's."""
+    plan = dict(getattr(model, "tp_plan", None) or getattr(model.config, "base_model_tp_plan", None) or {})
+    return [re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+            for pattern, kind in plan.items() if str(kind).startswith(style)]
+
+
+def planned_matrices(model: torch.nn.Module) -> set[int]:
+    """``id`` of each matrix (2+ dimensions) of a module the TP plan splits: what a member holds a slice of. The
+    rest (norms, biases, modules the plan leaves out) stays whole on every member."""
+    rules = plan_rules(model)
+    return {id(p) for name, module in model.named_modules() if any(rule.search(name) for rule in rules)
+            for p in module.parameters(recurse=False) if p.dim() >= 2}
+
+
 def rowwise_slices_too_narrow(model: torch.nn.Module, tp_size: int, group_size: int,
                               names: Sequence[str]) -> dict[str, str]:
     """Of the Linear layers ``names`` (to be quantized in groups of ``group_size`` inputs), those whose input slice
     under the model's TP plan (a ``rowwise`` rule: inputs split over ``tp_size`` processes) does not divide into
     whole groups: ``{name: reason}``. transformers quantizes each slice on its own, so such a layer stays in full
     precision (a group would straddle two processes)."""
-    import re
-
-    plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    rules = [re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
-             for pattern, style in plan.items() if str(style).startswith("rowwise")]
+    rules = plan_rules(model, "rowwise")
     modules = dict(model.named_modules())
     out = {}
     for name in names:
@@ -90,23 +101,15 @@ def rowwise_slices_too_narrow(model: torch.nn.Module, tp_size: int, group_size: 
     return out
 
 
-def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
-    """Ranks of each TP group, in order: ``[[0..N-1], [N..2N-1], ...]`` (the rows of the mesh)."""
-    return [list(range(g, g + tp_size)) for g in range(0, world_size, tp_size)]
-
-
 def make_tp_mesh(device: torch.device, world_size: int, tp_size: int, timeout_s: float):
     """transformers' dense mesh ``(pp, dp_replicate, fsdp, tp)`` of shape ``(1, world // tp_size, 1, tp_size)`` on
     the default group's backend, every group bounded by ``timeout_s``. Every rank must call this together."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    backend = dist.get_backend()
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=timeout_s)  # DeviceMesh passes it on as new_group's timeout
+    override = mesh_backend(timeout_s)
     names = ("pp", "dp_replicate", "fsdp", "tp")
     return init_device_mesh(device.type, (1, world_size // tp_size, 1, tp_size), mesh_dim_names=names,
-                            backend_override={n: (backend, options) for n in names})
+                            backend_override={n: override for n in names})
 
 
 @contextlib.contextmanager
@@ -138,17 +141,6 @@ def is_tensor_parallel(model: torch.nn.Module | None) -> bool:
     return model is not None and int(getattr(model, "_tp_size", None) or 1) > 1
 
 
-@dataclass(frozen=True)
-class TPReport:
-    """How a model was laid out: ``tp_size``; ``sliced``: how many parameters are split over the group;
-    ``replicated``: names of the parameters every member holds whole; ``note``: one sentence for the log."""
-
-    tp_size: int
-    sliced: int
-    replicated: tuple[str, ...]
-    note: str
-
-
 def _layout(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, bool]]:
     """``(name, parameter, sliced)`` of each parameter: a DTensor not replicated everywhere, or a torchao weight of
     a layer transformers quantized slice by slice (``_hf_quantized_needs_local_tp``), is split over the group."""
@@ -161,14 +153,13 @@ def _layout(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, b
             yield f"{module_name}.{name}" if module_name else name, p, split or local_slices
 
 
-def tp_report(model: torch.nn.Module, tp_size: int, what: str = "model") -> TPReport:
-    """Which of ``model``'s parameters the TP plan split and which stay whole on every member."""
+def tp_report(model: torch.nn.Module, tp_size: int, what: str = "model") -> ShardReport:
+    """Which of ``model``'s parameters the TP plan split and which stay whole on every member (``replicated``)."""
     layout = list(_layout(model))
     whole = tuple(name for name, _, split in layout if not split)
-    sliced = len(layout) - len(whole)
-    note = (f"{what}: tensor-parallel over {tp_size} processes (transformers' TP plan): {sliced} weight tensors "
-            f"split, {len(whole)} whole on every process (norms, and what the plan leaves out)")
-    return TPReport(tp_size, sliced, whole, note)
+    note = (f"{what}: tensor-parallel over {tp_size} processes (transformers' TP plan): {len(layout) - len(whole)} "
+            f"weight tensors split, {len(whole)} whole on every process (norms, and what the plan leaves out)")
+    return ShardReport(tp_size, whole, note)
 
 
 def whole_bytes(model: torch.nn.Module, tp_size: int) -> int:
@@ -188,7 +179,3 @@ def whole_bytes(model: torch.nn.Module, tp_size: int) -> int:
         else:
             total += _storage_bytes(p, seen) * (tp_size if split else 1)
     return total
-
-
-def describe_groups(world_size: int, tp_size: int) -> Sequence[Sequence[int]] | None:
-    return tp_groups(world_size, tp_size) if tp_size > 1 else None

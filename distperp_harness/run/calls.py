@@ -131,7 +131,7 @@ Call = ScoringCall | GenerationCall
 
 @dataclass
 class RunStats:
-    """The calls of one model instance, and the fingerprint of every scoring batch's results so far."""
+    """The calls of one model instance, and the fingerprint of their scoring results so far."""
 
     calls: list[Call] = field(default_factory=list)
     _digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
@@ -139,7 +139,9 @@ class RunStats:
 
     @property
     def fingerprint(self) -> str:
-        """16 hex digits of every batch's results; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
+        """16 hex digits of every scoring call's per-unit results, in call order (each call's part:
+        :func:`~distperp_harness.run.pipeline.unit_mark`): equal exactly when the results are, whatever the batch
+        size, batch order or number of processes; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
         in another order: its bits compare with runs of the same ``tp_size`` only)."""
         digits = self._digest.hexdigest()[:16]
         return digits if self.tp_size == 1 else f"tp{self.tp_size}:{digits}"

@@ -30,7 +30,8 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 
 from distperp_harness.distributed.collective import naming_failures
-from distperp_harness.distributed.failfast import fail_for_tests, stop_together
+from distperp_harness.distributed.failfast import stop_together
+from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.distributed.store import default_store
 from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.model.sharding import gathered, regather
@@ -145,19 +146,24 @@ class Executor:
             raise RuntimeError("tensor parallelism needs the process group's store to keep a group's decisions "
                                "together, and torch.distributed did not provide it")
         follow = self._follow = Follow(store, f"{prefix}/walk", self.rank, self.tp_size)
-        if follow.leader:
-            for unit in claims:
-                follow.share(unit)
+        try:
+            if follow.leader:
+                for unit in claims:
+                    follow.share(unit)
+                    yield unit
+                follow.share(-1)
+                return
+            while (unit := follow.share(-1)) >= 0:
                 yield unit
-            follow.share(-1)
-            return
-        while (unit := follow.share(-1)) >= 0:
-            yield unit
+        finally:
+            self._follow = None  # decisions belong to this walk: a later call must not read past its end
 
     def _computes(self, saved: bool) -> bool:
         """Whether this rank computes the unit at hand: not when ``resume_dir`` holds it; in a TP group, the
         leader's answer (published), so that every member makes the forwards the leader makes."""
         if self._follow is None:
+            if self.tp_size > 1:
+                raise RuntimeError("a tensor-parallel rank decided outside a walk: its group could split")
             return not saved
         return bool(self._follow.share(int(not saved)))
 

@@ -117,11 +117,13 @@ def _parts(model: nn.Module, shard_size: int, *, scheme: str = "none", group_siz
            tensor_parallel: bool = False) -> tuple[int, int, int]:
     """``(resident bytes per rank, root group bytes, largest decoder layer bytes)``; the last two are what FSDP
     gathers (0 when unsharded; torchao-quantized weights are never gathered: they stay whole on every rank).
-    ``tensor_parallel``: ``shard_size`` is a TP group's size: every matrix (projections, embeddings, head;
-    quantized or not) is split over it, vectors (norms, biases) stay whole, nothing is gathered."""
+    ``tensor_parallel``: ``shard_size`` is a TP group's size: every matrix the TP plan covers (projections,
+    embeddings, head; quantized or not) is split over it, the rest stays whole, nothing is gathered."""
     sizes, quantized = _stored(model, scheme, group_size, include_lm_head, device)
     if tensor_parallel and shard_size > 1:
-        split = {id(p) for p in model.parameters() if p.dim() >= 2}
+        from distperp_harness.model.tensor_parallel import planned_matrices
+
+        split = planned_matrices(model)
         return int(sum(b / shard_size if pid in split else b for pid, b in sizes.items())), 0, 0
     if shard_size <= 1:
         return int(sum(sizes.values())), 0, 0
@@ -163,8 +165,8 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
 
     kept, root, layer = _parts(model, shard_size, scheme=options.quantize, group_size=options.group_size,
                                include_lm_head=options.quantize_lm_head, device=device, tensor_parallel=tensor_parallel)
-    if stored_bytes is not None:
-        kept, root, layer = stored_bytes, 0, 0
+    if stored_bytes is not None:  # torchao weights stay whole on an FSDP rank; a TP member reads its slices
+        kept, root, layer = (stored_bytes // shard_size if tensor_parallel else stored_bytes), 0, 0
     ref_kept, ref_root, ref_layer = (0, 0, 0) if reference is None else \
         _parts(reference, shard_size, tensor_parallel=tensor_parallel)
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
@@ -182,12 +184,13 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int,
-           stored: bool = False, key: str = "shard_size") -> list[str]:
+           stored: bool = False, key: str = "shard_size", runs_on=lambda size: True) -> list[str]:
     """Options that would make the estimate fit ``room``, each with its total (``stored``: a pre-quantized
-    checkpoint, which ``quantize=`` cannot apply to; ``key``: the group option in use, shard_size or tp_size)."""
+    checkpoint, which ``quantize=`` cannot apply to; ``key``: the group option in use, shard_size or tp_size;
+    ``runs_on(size)``: whether the model runs on groups of that size)."""
     fixes = []
     for size in range(shard_size + 1, local_world + 1):
-        if local_world % size == 0 and need_for(options, size, None).total <= room:
+        if local_world % size == 0 and runs_on(size) and need_for(options, size, None).total <= room:
             fixes.append(f"{key}={size} ({need_for(options, size, None).total / GiB:.2f} GiB)")
             break
     if options.quantize == "none" and not stored:
@@ -200,6 +203,17 @@ def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: 
                 fixes.append(f"batch_size={rows} ({need_for(options, shard_size, rows).total / GiB:.2f} GiB)")
                 break
     return fixes
+
+
+def _tp_runs_on(config, tp_size: int) -> bool:
+    """Whether the model's heads divide over ``tp_size`` processes (a ``tp_size=`` worth suggesting)."""
+    from distperp_harness.model.tensor_parallel import check_tp_plan
+
+    try:
+        check_tp_plan(config, tp_size, "")
+    except ValueError:
+        return False
+    return True
 
 
 def _skeletons(options: Options, device: torch.device) -> tuple[nn.Module, nn.Module | None]:
@@ -267,7 +281,8 @@ def _verdict(options: Options, device: torch.device, shard_size: int, local_worl
     if need.total <= room:
         return None, need
     worst = min(range(len(free)), key=free.__getitem__)
-    fixes = _fixes(options, need_for, room, size, local_world, stored, key)
+    fixes = _fixes(options, need_for, room, size, local_world, stored, key,
+                   lambda n: key != "tp_size" or _tp_runs_on(cache[options.quantize][0].config, n))
     source = "the stored weight files and the model config" if stored_bytes else "the model config"
     return (f"the run does not fit: each rank needs about {need.describe()} (estimated from {source}, "
             f"{key}={size}, quantize={options.quantize}, batch_size={options.batch_size}, "

@@ -49,7 +49,7 @@ class Workers:
             return workers
         members = workers[..., None] * self.tp + np.arange(self.tp)
         members[workers < 0] = -1
-        return members.reshape(workers.shape[0], -1)
+        return members.reshape(len(workers), workers.shape[1] * self.tp)  # no -1: n may be 0
 
 
 class Follow:
@@ -76,14 +76,15 @@ class Follow:
         """
         key = f"{self.prefix}/{self.position}"
         self.position += 1
-        if self.leader:
-            self.store.set(key, str(int(value)))
-            return int(value)
         try:
+            if self.leader:
+                self.store.set(key, str(int(value)))
+                return int(value)
             return int(self.store.get(key))  # waits for the key
         except Exception as exc:  # noqa: BLE001 - the store raises DistStoreError variants (timeout, host gone)
+            what = ("could not publish its next decision to its tensor-parallel group (the store is gone)"
+                    if self.leader else f"waited for the next decision of its tensor-parallel group's leader, rank "
+                    f"{self.first}, and none came (it died, hung, or the store is gone)")
             raise CollectiveError(
-                f"distperp: rank {self.rank} waited for the next decision of its tensor-parallel group's leader, rank "
-                f"{self.first}, and none came (it died, hung, or the store is gone). The evaluation is incomplete and "
-                f"no results were written. Underlying error: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+                f"distperp: rank {self.rank} {what}. The evaluation is incomplete and no results were written. "
+                f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc

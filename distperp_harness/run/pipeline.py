@@ -168,7 +168,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
     prefix = f"distperp/claims/{collective.sequence}"
     claims = executor.claims(plan.batches_of, prefix)
     computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
-    done: list[tuple[int, bytes]] = []
+    done: list[int] = []
+    mark = 0  # the sum of this rank's unit marks (:func:`unit_mark`)
     local_checks = flat.check_hashes()
     checks = available.check_hashes(local_checks)
     tokens_here = 0
@@ -187,25 +188,23 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
         kl = scores.kl if with_reference else [None] * len(ids)
         for j, uid in enumerate(ids):
             computed[uid] = (scores.stats[j], checks[uid], kl[j])
-        order = np.argsort(ids)
-        done.append((b, hashlib.blake2b(scores.stats[order].tobytes(), digest_size=8).digest()))
+            mark += unit_mark(uid, scores.stats[j])
+        done.append(b)
     t_score = time.perf_counter() - t0
     share = RankShare(me, len(done), claims.taken_from_ward, round(t_score - t_plan, 4), tokens_here)
-    everyone = collective.all_gather_object((done, share), "gather which batches each rank computed")
+    everyone = collective.all_gather_object((done, share, mark), "gather which batches each rank computed")
     computer = np.full(len(batches), -1, dtype=np.int64)
-    digests: list[bytes] = [b""] * len(batches)
-    for rank, (part, _) in enumerate(everyone):
-        for b, digest in part:
-            computer[b], digests[b] = rank, digest
+    for rank, (part, _, _) in enumerate(everyone):
+        computer[np.asarray(part, dtype=np.int64)] = rank
     if (computer < 0).any():
         raise RuntimeError("internal error: some batches of the plan were not computed by any rank")
     results = return_results(collective, table, unit_batch, computer, computed, local_ids,
                              local_checks, N_COLUMNS, with_reference)
     out = [_assemble([results[index_of[u.key()]] for u in units], with_reference) for units in per_request_units]
     if stats is not None:
-        stats._digest.update(hashlib.sha256(b"".join(digests)).digest())
+        stats._digest.update((sum(m for _, _, m in everyone) % (1 << 8 * MARK_BYTES)).to_bytes(MARK_BYTES, "little"))
         balance = balance_report(plan, rule.attention_coef, rule.head_coef)
-        per_rank = [s for _, s in everyone]
+        per_rank = [s for _, s, _ in everyone]
         tokens = sum(s.tokens for s in per_rank)
         input_tokens = int((table.units["length"].astype(np.int64) - 1).sum())
         stats.calls.append(ScoringCall(
@@ -220,6 +219,17 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
             total_seconds=time.perf_counter() - t0, seconds_after_arrival=time.perf_counter() - t_met,
             facts=executor.facts(received_before)))
     return out
+
+
+MARK_BYTES = 16
+
+
+def unit_mark(uid: int, stats: np.ndarray) -> int:
+    """A unit's mark: a 128-bit hash of its id (its place in the call's canonical unit order) and its results. The
+    call's fingerprint is the sum of all marks: equal exactly when every unit's results are (up to a hash
+    collision), whichever batch, rank or order computed them, and each rank adds only its own units."""
+    return int.from_bytes(hashlib.blake2b(int(uid).to_bytes(8, "little") + np.ascontiguousarray(stats).tobytes(),
+                                          digest_size=MARK_BYTES).digest(), "little")
 
 
 def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: str) -> None:

@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from distperp_harness.model.tensor_parallel import check_tp_plan, resolve_tp_size, rowwise_slices_too_narrow, \
-    tp_groups
+from distperp_harness.model.sharding import shard_groups
+from distperp_harness.model.tensor_parallel import check_tp_plan, resolve_tp_size, rowwise_slices_too_narrow
 from helpers import (LaunchOutputs, accelerate_launch_prefix, distperp_args, load_results, load_samples,
                      offline_env, run_command, run_two_nodes)
 
@@ -37,7 +37,7 @@ def test_a_tp_size_that_does_not_divide_the_node_fails_with_the_fix():
 
 
 def test_tp_groups_are_consecutive_ranks():
-    assert tp_groups(4, 2) == [[0, 1], [2, 3]] and tp_groups(2, 2) == [[0, 1]]
+    assert shard_groups(4, 2) == [[0, 1], [2, 3]] and shard_groups(2, 2) == [[0, 1]]
 
 
 class _Config:
@@ -79,6 +79,24 @@ def test_a_rowwise_slice_that_splits_a_quantization_group_stays_in_full_precisio
     assert "96 inputs are split over tp_size=2 processes, and a slice of 48 does not divide into groups of 32" in \
         narrow["model.layers.0.mlp.down_proj"]
     assert rowwise_slices_too_narrow(model, 2, 16, names) == {}
+
+
+def test_the_matrices_the_plan_splits_are_transformers_full_plan():
+    """Projections and the head from the plan, the input embeddings transformers adds to it; norms stay whole."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distperp_harness.model.tensor_parallel import planned_matrices
+    from distperp_harness.run.fit import _tp_runs_on
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    split = sorted(names[i] for i in planned_matrices(model))
+    assert "model.embed_tokens.weight" in split and "lm_head.weight" in split
+    assert "model.layers.1.mlp.down_proj.weight" in split and len(split) == 2 + 2 * 7
+    assert not any("norm" in n for n in split)
+    assert [n for n in (2, 3, 4) if _tp_runs_on(config, n)] == [2]  # 2 key/value heads: only 2 divides both
 
 
 # ------------------------------------------------------------------------------------------ real launches
@@ -138,7 +156,7 @@ def test_a_fixed_tp_size_gives_the_same_bits_on_any_number_of_data_parallel_grou
     for setup, result in results.items():
         info = result["config"]["distperp"]
         assert info["world_size"] == worlds[setup] and info["sharding"]["tp_size"] == 2
-        assert info["sharding"]["groups"] == tp_groups(worlds[setup], 2)
+        assert info["sharding"]["groups"] == shard_groups(worlds[setup], 2)
         assert info["fingerprint"].startswith("tp2:")
     assert len({r["config"]["distperp"]["fingerprint"] for r in results.values()}) == 1
     first = setups[0]

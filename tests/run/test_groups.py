@@ -18,6 +18,7 @@ def test_workers_map_ranks_and_expand_to_every_member():
     assert w.count == 3 and [w.of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
     assert [w.leads(r) for r in range(6)] == [True, False] * 3
     assert w.ranks(np.array([[2, 0], [1, -1]])).tolist() == [[4, 5, 0, 1], [2, 3, -1, -1]]
+    assert w.ranks(np.zeros((0, 2), dtype=np.int64)).shape == (0, 4)  # a call with no units at all
     one = Workers(3)
     assert one.count == 3 and one.ranks(np.array([[2, -1]])).tolist() == [[2, -1]] and one.leads(2)
 

@@ -50,7 +50,9 @@ def _requests(seed=0):
     return out
 
 
-def _score_fn(slow_rank=None, rank=None, delay=0.0):
+def _score_fn(slow_rank=None, rank=None, delay=0.0, batch_terms=True, nudge=None):
+    """Scores that depend on the unit and (``batch_terms``) on the batch it is computed in; ``nudge``: the key of
+    one unit whose score moves by one ulp."""
     def score(rows, shared):
         if rank == slow_rank:
             time.sleep(delay)
@@ -58,7 +60,11 @@ def _score_fn(slow_rank=None, rank=None, delay=0.0):
         for row in rows:  # a number that depends on the unit and on the batch it is computed in
             for u in row.units:
                 v = np.zeros(N_COLUMNS)
-                v[0] = -sum(u.tokens) / 1e3 - 1e-6 * len(rows) - 1e-9 * shared - 1e-12 * row.length
+                v[0] = -sum(u.tokens) / 1e3
+                if batch_terms:
+                    v[0] -= 1e-6 * len(rows) + 1e-9 * shared + 1e-12 * row.length
+                if u.key() == nudge:
+                    v[0] = np.nextafter(v[0], 0.0)
                 v[1], v[2] = 1.0, u.n_score
                 stats.append(v)
                 kl.append(np.full(u.n_score, 0.25) + 1e-3 * len(rows))
@@ -67,13 +73,13 @@ def _score_fn(slow_rank=None, rank=None, delay=0.0):
 
 
 def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_reference=True, shard_size=1,
-          forwards=None, batch_size=3, tp_size=1, seen=None):
+          forwards=None, batch_size=3, tp_size=1, seen=None, batch_terms=True, nudge=None):
     store = _Store()
     shares = [[k for k in range(len(requests)) if k % world == r] for r in range(world)]
 
     def body(c):
         stats = RunStats()
-        score = _score_fn(slow, c.rank, delay)
+        score = _score_fn(slow, c.rank, delay, batch_terms, nudge)
 
         def counted(rows, shared):
             if forwards is not None:
@@ -120,6 +126,17 @@ def test_the_same_bits_on_one_two_and_three_ranks(mode):
     assert one[-1].n_tokens == 0 and one[-1].loglikelihood == 0.0
     expected = -sum(requests[0][0].tokens) / 1e3
     assert abs(one[0].loglikelihood - expected) < 1e-3  # the unit's own number came back to its request
+
+
+def test_the_fingerprint_is_equal_exactly_when_the_per_unit_results_are():
+    """Results that do not depend on their batch (as a model's do not): batch sizes 1 and 5 on 1 and 2 ranks give
+    one fingerprint; one unit's score moved by one ulp gives another."""
+    requests = _requests(2)
+    runs = [_call(world, requests, "prefix", batch_size=b, batch_terms=False) for world, b in ((1, 1), (2, 5), (1, 5))]
+    assert len({s.fingerprint for _, stats in runs for s in stats}) == 1
+    assert [r.loglikelihood for r in runs[0][0]] == [r.loglikelihood for r in runs[1][0]]
+    _, moved = _call(1, requests, "prefix", batch_size=5, batch_terms=False, nudge=requests[3][0].key())
+    assert moved[0].fingerprint != runs[0][1][0].fingerprint
 
 
 def test_a_slow_rank_computes_fewer_batches_and_changes_no_bit():

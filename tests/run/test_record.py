@@ -1,0 +1,23 @@
+"""The run's record in the results JSON reads as what the run used."""
+
+import json
+
+import torch
+
+from helpers import make_lm
+
+
+def test_options_say_the_device_and_compile_mode_the_run_used(tiny_model_dir):
+    from distperp_harness.lm import DistPerpLM
+
+    lm = DistPerpLM.create_from_arg_string(f"pretrained={tiny_model_dir},max_length=128", {"device": "cuda:0"})
+    info = json.loads(json.dumps(lm.get_model_info(), default=str))["distperp"]
+    if not torch.cuda.is_available():  # lm-eval's default device fell back to the CPU: the record says so
+        assert info["options"]["device"] == info["device"] == "cpu"
+    assert info["options"]["compile"] is False
+    assert info["sharing"]["requests"] == "loglikelihood"
+
+
+def test_a_device_the_user_gave_is_recorded_as_given(tiny_model_dir):
+    info = make_lm(tiny_model_dir, ",device=cpu").get_model_info()["distperp"]
+    assert info["options"]["device"] == "cpu" and info["options"]["compile"] is False
