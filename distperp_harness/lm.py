@@ -133,7 +133,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         for line in self.warnings:
             log.warning(line, main_process_only=True)
         self.stats = RunStats(tp_size=self.tp_size)
-        self.sharing, self.sharing_fallback, self.row_budget_reason = choose_sharing(
+        self.sharing, self.sharing_fallback, self.row_budget_reason, self._sharing_line = choose_sharing(
             self.options.share_prefix, [m for m in (self._model, self.reference) if m is not None], self.batching,
             self._max_length)
         self.compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
@@ -206,6 +206,9 @@ class DistPerpLM(Tokenization, TemplateLM):
         (which needs the ``Instance``s that ``_loglikelihood_tokens`` no longer sees). Within the call, a context
         shared by several answers is tokenized once (TemplateLM encodes it again for every answer)."""
         self._encoded = {}
+        if self._sharing_line:  # said where it applies: loglikelihood requests (a rolling task never shares rows)
+            log.info(self._sharing_line, main_process_only=True)
+            self._sharing_line = None
         try:
             with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood requests"):
                 answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)

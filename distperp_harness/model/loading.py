@@ -57,6 +57,9 @@ def load_tokenizer(options: Options):
         tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError) as exc:
         raise InputError(f"could not load a tokenizer from {source!r}: {exc}") from exc
+    # Whole documents are tokenized, then cut into windows of max_length: a text longer than the tokenizer's
+    # model_max_length is expected, and transformers' warning about it ("indexing errors") does not apply.
+    getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer

@@ -116,8 +116,9 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
             resume, the failure channel, a shard group's steps); its forwards' statistics are per unit, in row order.
         rule: how rows, batches and costs are planned; batches hold ``rule.batching`` rows each.
         stats: when given, the call's :class:`~distperp_harness.run.calls.ScoringCall` is appended (with every
-            rank's :class:`~distperp_harness.run.calls.RankFacts`) and the fingerprint takes every batch's results.
-        progress: given the number of padded tokens this rank is planned to compute, returns an update callback.
+            rank's :class:`~distperp_harness.run.calls.RankFacts`) and the fingerprint takes every unit's results.
+        progress: given the number of tokens this rank is planned to score (the results' ``n_tokens``), returns
+            an update callback.
         log: where rank 0's notes about the plan go (idle ranks).
         prepare: called on every rank, together, once the global plan is known, with whether any batch computed
             without a shared prefix cache has a row of several units (tree rows; compiling warms their graph then).
@@ -164,7 +165,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
             f"batch (batches never depend on the number of processes; batch_size="
             f"{max(1, len(planned.members) // workers.count)} or smaller would give every worker one)")
 
-    update = progress(sum(batches[i].padded_tokens for i in plan.batches_of(executor.worker))) if progress else None
+    scored = np.bincount(unit_batch, weights=table.units["n_score"], minlength=len(batches)).astype(np.int64)
+    update = progress(int(sum(scored[i] for i in plan.batches_of(executor.worker)))) if progress else None
     prefix = f"distperp/claims/{collective.sequence}"
     claims = executor.claims(plan.batches_of, prefix)
     computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
@@ -183,7 +185,7 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
             continue  # a tensor-parallel member: its leader reports the same bits and counts the tokens
         tokens_here += shared + sum(row.length - shared for row in rows)
         if update:
-            update(batch.padded_tokens)
+            update(int(scored[b]))  # the tokens the results count (n_tokens), as the bar's total does
         ids = [uid for row in rows for uid in row.unit_ids]
         kl = scores.kl if with_reference else [None] * len(ids)
         for j, uid in enumerate(ids):

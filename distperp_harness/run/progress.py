@@ -1,4 +1,4 @@
-"""What rank 0 prints: distperp's log format, and one progress bar counting padded tokens (tokens/s and ETA)."""
+"""What rank 0 prints: distperp's log format, and one progress bar counting scored tokens (tokens/s and ETA)."""
 
 from __future__ import annotations
 
@@ -30,26 +30,30 @@ def token_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int], 
     return start
 
 
-QUIET = {
-    "torch.utils._pytree": "is an Enum subclass and is now natively supported",
-    "torchao": "Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1",
+QUIET: dict[str, tuple[str, ...]] = {  # logger -> the texts a dropped line holds, all of them
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "torchao": ("Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1",),
+    "lm_eval.api.task": ("distperp_wikitext", "Custom kwargs can be passed to `--metadata`"),
 }
 """Dependencies' lines that nobody can act on, by logger: torch's deprecation note on the Enum types torchao
-registers (twice per rank as torchao loads), and torchao's echo of a variable the user (or the Makefile) set."""
+registers (twice per rank as torchao loads), torchao's echo of a variable the user (or the Makefile) set, and
+lm-eval's advice to pass ``--metadata`` that it gives for every task with a data-loading function, here for
+distperp's WikiText tasks (whose data options are documented). Every other line of these loggers passes."""
 
 
-CUDA_ONLY = ("torchao", "Failed to load ")
+CUDA_ONLY = ("torchao", ("Failed to load ",))
 """torchao's warning for each of its CUDA kernel libraries that cannot load, dropped where no CUDA device exists
 (on a CPU-only machine they cannot load, and nothing uses them); with a GPU the warning stays."""
 
 
 class _Drop(logging.Filter):
-    def __init__(self, text: str, unless_cuda: bool = False) -> None:
+    def __init__(self, texts: tuple[str, ...], unless_cuda: bool = False) -> None:
         super().__init__()
-        self.text, self.unless_cuda = text, unless_cuda
+        self.texts, self.unless_cuda = texts, unless_cuda
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.text not in record.getMessage():
+        message = record.getMessage()
+        if not all(text in message for text in self.texts):
             return True
         if self.unless_cuda:
             import torch
@@ -62,10 +66,10 @@ def setup_logging() -> None:
     """INFO lines from distperp, formatted like lm-eval's; accelerate's logger keeps them on rank 0. The
     :data:`QUIET` lines of dependencies are dropped at their loggers, and :data:`CUDA_ONLY` where no CUDA device
     exists."""
-    for name, text, unless_cuda in [*((n, t, False) for n, t in QUIET.items()), (*CUDA_ONLY, True)]:
+    for name, texts, unless_cuda in [*((n, t, False) for n, t in QUIET.items()), (*CUDA_ONLY, True)]:
         target = logging.getLogger(name)
-        if not any(isinstance(f, _Drop) and f.text == text for f in target.filters):
-            target.addFilter(_Drop(text, unless_cuda))
+        if not any(isinstance(f, _Drop) and f.texts == texts for f in target.filters):
+            target.addFilter(_Drop(texts, unless_cuda))
     logger = logging.getLogger("distperp_harness")
     if not logger.handlers:
         handler = logging.StreamHandler()

@@ -311,20 +311,21 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
 
 
 def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: Batching,
-                   max_length: int) -> tuple[Sharing, str | None, str | None]:
-    """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any), why tree rows are off
-    when a model cannot take their mask, and how the row budget was chosen (both logged on rank 0)."""
+                   max_length: int) -> tuple[Sharing, str | None, str | None, str | None]:
+    """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any): ``(sharing, why
+    tree rows are off when a model cannot take their mask, how the row budget was chosen, the line to log at the
+    first loglikelihood call)``."""
     from distperp_harness.run.scoring import cached_prefix_unsupported, packed_rows_unsupported
 
     if not share_prefix:
-        return Sharing("off"), None, None
+        return Sharing("off"), None, None, None
     why = next((r for r in (packed_rows_unsupported(m, max_length) for m in models) if r), None)
     if why is not None:
-        _log_main("shared-prefix rows are off: %s; units with the same input still share a row, every other answer "
-                  "gets a row of its own", why)
-        return Sharing("inputs", max_length), why, None
+        line = (f"shared-prefix rows are off: {why}; units with the same input still share a row, every other answer "
+                "gets a row of its own")
+        return Sharing("inputs", max_length), why, None, line
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
     cached = not any(cached_prefix_unsupported(m) for m in models)
-    _log_main("tree rows of at most %d tokens (%s)%s", tokens, how,
-              "" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r))
-    return Sharing("prefix", tokens, cached), None, how
+    line = f"tree rows of at most {tokens} tokens ({how})" + \
+        ("" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r))
+    return Sharing("prefix", tokens, cached), None, how, line

@@ -399,7 +399,7 @@ def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
     assert shared >= 40 and all(r.packed for r in rows)
     assert scoring.cached_prefix_unsupported(models["flex_attention"]) and \
         scoring.cached_prefix_unsupported(models["sdpa"]) is None
-    sharing, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
+    sharing, _, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
     assert sharing.mode == "prefix" and not sharing.cached_prefix
     for prefix in (0,):
         out = {impl: score_batch(m, rows, device=torch.device("cpu"), pad_token_id=3, shared=prefix).stats
