@@ -17,7 +17,7 @@ Per rank count and batch size it prints max/mean over ranks of
 * **bound**: the best max/mean any assignment of these whole batches can reach in compute
   (:func:`~distperp_harness.planning.plan.whole_batch_bound`).
 
-Targets (issue 3): ours <= 1.05 at batch size 1 for 2-64 ranks, and within 5 % of the bound for larger batches.
+Targets: ours <= 1.05 at batch size 1 for 2-64 ranks, and within 5 % of the bound for larger batches.
 Then a pure simulation: 1,024 ranks, ``--sim-tokens`` tokens of documents with log-normal lengths fitted to the
 WikiText-2 test articles, planned at batch sizes 1 and 8, with its wall time.
 """

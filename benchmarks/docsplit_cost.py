@@ -1,4 +1,4 @@
-"""What distperp's document split costs a rank at MMLU size (README: "Document splitting").
+"""What distperp's document split costs a rank at MMLU size (docs/scale.md: "Document splitting").
 
 A synthetic task in a temporary folder: 14,042 documents of MMLU-like length (a 40-80 word question, four 3-10 word
 choices, MMLU's prompt template), multiple choice with 4 choices, 5-shot from a 285-document dev split with lm-eval's

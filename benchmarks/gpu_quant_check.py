@@ -7,7 +7,7 @@ embeddings) in bfloat16, against itself quantized with ``int4`` (and ``int8``, `
     python benchmarks/gpu_quant_check.py                       # writes a markdown table and JSON to stdout
     python benchmarks/gpu_quant_check.py --device cpu --model ../shared/models/wt2-llama-5m \\
         --runs none:float32,none:bfloat16,int4:auto,int4:float32,int8:auto,int8:bfloat16,8da4w:auto \\
-        --text ../shared/data/wikitext-2/test.txt --agree 8     # the CPU table of the README
+        --text ../shared/data/wikitext-2/test.txt --agree 8     # the CPU table of docs/quantization.md
 
 Each ``--runs`` entry is ``scheme:dtype``; the first is the reference. Per run: forward time of one ``--batch`` x
 ``--seq`` batch (best of ``--repeats``, robust to other load), tokens/s, weight bytes, peak CUDA memory of the

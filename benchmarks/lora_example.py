@@ -1,4 +1,4 @@
-"""A small LoRA fine-tune to evaluate against its base (README, "Checkpoints"): ``wt2-llama-5m`` with a rank-8
+"""A small LoRA fine-tune to evaluate against its base (docs/checkpoints.md): ``wt2-llama-5m`` with a rank-8
 LoRA on every attention and MLP projection, trained on WikiText-2 *valid* for ``--steps`` steps (seed 0, one
 thread, AdamW), saved as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
 

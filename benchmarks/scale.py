@@ -21,7 +21,7 @@ shared prefixes once; millions), and for that rank: bytes received (records / to
 them / results), peak traced memory and CPU seconds of those steps, and the number of batches against W (fewer
 batches than ranks: idle ranks).
 
-Targets (issue 18), MMLU 5-shot: W = 64: <= 0.5 s CPU, <= 200 MB, <= 20 MB received; W = 1,024: <= 30 MB received.
+Targets, MMLU 5-shot: W = 64: <= 0.5 s CPU, <= 200 MB, <= 20 MB received; W = 1,024: <= 30 MB received.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sharded-weights check (issue 12): peak memory of loading and scoring, sharded vs not, and equal bits.
+"""The sharded-weights check: peak memory of loading and scoring, sharded vs not, and equal bits.
 
     python benchmarks/shard_check.py                       # every visible GPU, one process each (>= 2 GPUs)
     python benchmarks/shard_check.py --device cpu          # dry mode: 2 CPU processes, the tiny test model

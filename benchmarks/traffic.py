@@ -11,7 +11,7 @@ Builds ``--questions`` leaderboard MMLU-Pro 5-shot questions (``bench_mc``'s ``m
 * the machine's loopback traffic over the same span (``/proc/net/dev``, every byte on ``lo``: payloads, gloo and
   store framing, and anything else running — run it on a quiet machine).
 
-Target (issue 18): at most 4 MB in all for 300 questions (19.6 MB before records replaced tokens in the exchange).
+Target: at most 4 MB in all for 300 questions (19.6 MB before records replaced tokens in the exchange).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Contract of the wrapper installed by :func:`install_document_split` (``DistPerpL
 ``limit``/``samples`` than ranks — the original runs unchanged. When it acts (:func:`build_split`):
 
 1. the original runs with ``rank=0, world_size=1``: the sampler's generator advances exactly as in one process, and
-   every rank builds every document's prompt (cost: see the README, "Document splitting");
+   every rank builds every document's prompt (cost: see docs/scale.md, "Document splitting");
 2. the rank keeps the instances of exactly the documents ``task.doc_iterator(rank=, limit=, samples=,
    world_size=)`` yields for it — what ``evaluate()`` iterates when it computes metrics, so metrics are those of one
    process;
@@ -99,7 +99,7 @@ def install_document_split(world_size: int) -> dict:
             if entry["reason"]:
                 log.info(f"document split: {name}: {entry['reason']}: every rank built the requests of all "
                          f"{entry['documents']} document(s) and keeps its own, as one process would "
-                         "(README: document splitting)", main_process_only=True)
+                         "(docs/scale.md: document splitting)", main_process_only=True)
 
         setattr(build_all_requests, _MARK, True)
         Task.build_all_requests = build_all_requests

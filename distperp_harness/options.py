@@ -33,7 +33,7 @@ CLI_DEFAULT_DEVICE = "cuda:0"
 class Options:
     """Validated configuration of one distperp model instance.
 
-    Attributes mirror the ``--model_args`` keys one to one; see the README's reference table.
+    Attributes mirror the ``--model_args`` keys one to one; see the README's options table.
     """
 
     pretrained: str
@@ -49,30 +49,30 @@ class Options:
     attn_implementation: str | None = None
     batch_size: int | str = 1
     max_batch_size: int = 64
-    # distributed (issue 3)
+    # distributed
     timeout: float = 1800.0
-    # quantization (issue 4)
+    # quantization
     quantize: str = "none"
     group_size: int = 128
     quantize_lm_head: bool = False
-    # perplexity (issue 5)
+    # perplexity
     stride: int | None = None
     reference: str | None = None
-    # reliability (issue 7)
+    # reliability
     resume_dir: str | None = None
-    # multiple choice (issue 11): units of one context share rows; false computes every unit on its own row
+    # multiple choice: units of one context share rows; false computes every unit on its own row
     share_prefix: bool = True
-    # models bigger than one device (issue 12): processes that together hold one copy of the weights
+    # models bigger than one device: processes that together hold one copy of the weights
     shard_size: int | str = 1
-    # tensor parallelism (issue 37): processes that together compute each forward, each holding a slice of every
+    # tensor parallelism: processes that together compute each forward, each holding a slice of every
     # large matrix; tp_plan=auto is lm-eval hf's spelling (= tp_size=node unless tp_size is given)
     tp_size: int | str = 1
     tp_plan: str | None = None
-    # compiled decoder layers (issue 20): "false" (eager) or a torch.compile mode; compile=true is "default"
+    # compiled decoder layers: "false" (eager) or a torch.compile mode; compile=true is "default"
     compile: str = "false"
-    # stragglers (issue 18): ranks take batches as they go (a slow rank computes fewer); false: the static plan
+    # stragglers: ranks take batches as they go (a slow rank computes fewer); false: the static plan
     claim: bool = True
-    # checkpoints as users have them (issue 28)
+    # checkpoints as users have them
     subfolder: str | None = None
     gguf_file: str | None = None
     peft: str | None = None

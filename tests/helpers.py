@@ -382,7 +382,7 @@ def write_results_json(folder: str | os.PathLike[str], *, quantize: str | None =
     return path
 
 
-# --- checkpoints as users have them (issue 28) -------------------------------------------------------------------
+# --- checkpoints as users have them -------------------------------------------------------------------
 
 
 def lora_adapter(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, seed: int = 0, r: int = 4,

@@ -1,4 +1,4 @@
-"""The package's folders are its stages, and imports walk down them (README: Layout).
+"""The package's folders are its stages, and imports walk down them (docs/design.md: Layout).
 
 Every ``distperp_harness`` import between modules — at module level or inside a function — is an arrow. Between
 folders every arrow points down :data:`LAYERS`; peers on one layer do not import each other; nothing but the
@@ -81,7 +81,7 @@ def import_edges() -> list[tuple[str, str, bool]]:
 def test_every_module_has_a_layer():
     top = {p.stem for p in PACKAGE.glob("*.py")}
     folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert top <= set(TOP_LEVEL), f"place {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL (and the README's Layout)"
+    assert top <= set(TOP_LEVEL), f"place {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL (and docs/design.md's Layout)"
     assert folders == FOLDERS, f"folders {sorted(folders)} differ from LAYERS' {sorted(FOLDERS)}"
 
 

@@ -17,7 +17,7 @@ The rendezvous store (:mod:`~distperp_harness.distributed.store`) is the channel
   the error propagate (and the traceback print). After the traceback, :data:`DONE_KEY` lets the peers go.
 * **Every rank** runs a :class:`FailureWatch` daemon thread, on **its own store connection** (a store client
   serializes its calls: a watch sharing the main thread's client waited behind the main thread's blocking ``get``
-  of a shard group's step, up to ``timeout``, so it never saw rank 0's record; see the README, "Faults"). It polls
+  of a shard group's step, up to ``timeout``, so it never saw rank 0's record; see docs/faults.md). It polls
   every :data:`POLL_S` seconds. A peer's record: print ``distperp: rank r stops because rank R ... failed ...``,
   acknowledge, wait up to :data:`DONE_WAIT_S` for the failing rank's traceback and :data:`EXIT_GRACE_S` more (so
   that the failing rank exits first and its launcher reports it as the first failure), ``os._exit(1)``. The store

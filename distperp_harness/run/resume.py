@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 3
 """File layout version. It is part of every file's key, so files of another layout are not found (not damaged). 3: rows
-planned from unit records (issue 18) may group units differently, so files of format 2 are recomputed, never read."""
+planned from unit records may group units differently, so files of format 2 are recomputed, never read."""
 
 COUNTS = ("reused", "saved", "recomputed_corrupt", "save_failures")
 

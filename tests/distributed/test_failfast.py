@@ -62,9 +62,9 @@ def test_a_broken_collective_is_not_recorded_as_a_failure_of_this_rank(monkeypat
 
 
 def test_the_watch_is_not_queued_behind_a_store_call_of_the_main_thread():
-    """The cause of issue 29: one store client serializes its calls, so a watch sharing the main thread's client
-    waited behind its blocking ``get`` (a shard group's step that a failed rank 0 never announces). The watch polls
-    on a clone: it sees the record while the main thread still waits."""
+    """Why each watch has a store client of its own: one store client serializes its calls, so a watch sharing the
+    main thread's client would wait behind its blocking ``get`` (a shard group's step that a failed rank 0 never
+    announces). The watch polls on a clone: it sees the record while the main thread still waits."""
     from datetime import timedelta
 
     from torch.distributed import PrefixStore, TCPStore
@@ -209,7 +209,7 @@ def _nan_model_and_task(model_dir, tmp_path):
 
 @pytest.mark.distributed
 def test_nan_logits_on_rank_0_only_are_named_by_rank_1(tiny_model_dir, tmp_path):
-    """The run of issue 29: ``shard_size=2,timeout=600``, only rank 0's window gives non-finite logits. Rank 0's
+    """``shard_size=2,timeout=600``, only rank 0's window gives non-finite logits. Rank 0's
     error stays as clear as in one process (the window's text); rank 1, which then waits in the store's ``get``
     for the group's next step, names rank 0 within seconds. (With the watch on the main thread's store client, as
     before, its poll queued behind that ``get``: rank 1 died of the launcher's SIGTERM, unnamed.)"""

@@ -1,4 +1,4 @@
-"""The plan's scored-token balance, head cost term and whole-batch bound (issue 3, item 4)."""
+"""The plan's scored-token balance, head cost term and whole-batch bound."""
 
 import math
 import random
