@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) -m distperp_harness demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -x --durations=30 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_scoring.py
