@@ -4,8 +4,8 @@
 callers (``lm_eval.simple_evaluate``) get it as any exception. From the command line, where nothing catches it,
 :func:`install_excepthook` prints it as one line on stderr, ``distperp: error: <message>``, and the process exits
 with code 1, on every rank of a launch; an error every rank meets alike (one that follows from the command line
-or that the ranks agreed on) is printed by rank 0 only. ``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity
-DEBUG`` brings the traceback back. lm-eval's own "Tasks not found" error keeps its traceback and gains a line that
+or that the ranks agreed on) is printed once per node, by its first process (``LOCAL_RANK`` 0).
+``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity DEBUG`` brings the traceback back. lm-eval's own "Tasks not found" error keeps its traceback and gains a line that
 says how to fix it.
 
 Standard library only: the start-up hook installs the excepthook before lm-eval runs a task.
@@ -27,15 +27,16 @@ class InputError(ValueError):
     """A value the user gave cannot work: the message says what was given, what is allowed and how to fix it.
 
     ``same_on_every_rank``: every rank of a launch raises it alike (it follows from the command line, or the ranks
-    agreed on it), so only rank 0 prints it."""
+    agreed on it), so only each node's first process prints it."""
 
     def __init__(self, message: str, *, same_on_every_rank: bool = False) -> None:
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
 
+
 class OptionError(InputError):
-    """A ``--model_args`` value that cannot work. Every rank parses the same command line, so rank 0 alone
-    prints it."""
+    """A ``--model_args`` value that cannot work. Every rank parses the same command line, so each node's first
+    process alone prints it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, same_on_every_rank=True)
@@ -55,10 +56,10 @@ def wants_traceback() -> bool:
 
 
 def one_line(error: InputError) -> str | None:
-    """The line this rank prints for ``error``, or ``None`` where rank 0 prints it for every rank."""
+    """The line this rank prints for ``error``, or ``None`` where its node's first process prints it for all."""
     rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if rank != 0 and error.same_on_every_rank:
-        return None
+    if error.same_on_every_rank and int(os.environ.get("LOCAL_RANK", rank) or 0) != 0:
+        return None  # each node's first process says it: every node's log holds it once
     where = f" (rank {rank})" if world > 1 and not error.same_on_every_rank else ""
     message = " ".join(str(error).split("\n"))
     return f"distperp: error{where}: {message}"

@@ -342,16 +342,21 @@ def compare_figure(runs: list[Any]):
     grid = [cells[i:i + ncols] for i in range(0, len(cells), ncols)]
     heights = [max(3.4, 1.6 + max(len(c.rows) * max(0.3, 0.11 * len(c.series)) if isinstance(c, Panel) else 0
                                   for _, c in row)) for row in grid]
+    from matplotlib.ticker import MaxNLocator
+
     fig = _figure(figsize=(6.2 * ncols, sum(heights) + 0.6), layout="constrained")
     spec = fig.add_gridspec(len(grid), ncols, height_ratios=heights)
+    drawn: set[str] = set()  # the runs with a point or bar somewhere: the legend lists those only
     for i, row in enumerate(grid):
         for k, (name, content) in enumerate(row):
             ax = fig.add_subplot(spec[i, k])
             if isinstance(content, Panel):
                 _dot_panel(ax, content, content.rows, styles, labels=True)
+                drawn.update(s for r, s in content.values)
                 continue
             key = "nll_per_token" if name.startswith("nll") else "kl_per_token"
             shown = [j for j, d in docs[content].items() if d[key]]
+            drawn.update(labels[j] for j in shown)
             width = 0.8 / len(shown)
             for slot, j in enumerate(shown):
                 values = docs[content][j][key]
@@ -360,11 +365,14 @@ def compare_figure(runs: list[Any]):
             what = "NLL" if key == "nll_per_token" else "KL(reference ‖ model)"
             ax.set_title(f"{content}: {what} per token, by document", fontsize=FONT + 1)
             ax.set_xlabel("document", fontsize=FONT)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # documents are counted, not measured
             ax.set_ylabel("nats / token", fontsize=FONT)
             ax.tick_params(labelsize=FONT)
             ax.set_gid(name)
-    fig.legend(handles=_legend_handles(styles), loc="outside lower center", ncols=min(len(labels), 3),
+    shown_runs = {label: style for label, style in styles.items() if label in drawn}
+    fig.legend(handles=_legend_handles(shown_runs), loc="outside lower center", ncols=min(len(shown_runs), 3),
                fontsize=FONT, title="runs", title_fontsize=FONT, frameon=False)
+    skipped += [f"run {label} (no value in any panel)" for label in labels if label not in drawn]
     return fig, [name for name, _ in cells], skipped
 
 

@@ -144,6 +144,9 @@ def test_plot_with_samples_adds_per_document_panels(runs):
     assert skipped == ["flips (no multiple-choice task with reference=)"]
     fig.canvas.draw()
     assert text_overlaps(fig) == []
+    for ax in fig.axes:
+        if "per_document" in str(ax.get_gid()):
+            assert all(float(t).is_integer() for t in ax.get_xticks())  # documents are counted
 
 
 def _write(folder, name, config):
@@ -177,3 +180,20 @@ def test_a_folder_of_several_results_compares_them_all_and_a_missing_path_is_one
     assert run_compare([str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"compare: {tmp_path / 'nowhere'}: no such results file or folder"]
+
+
+def test_the_legend_lists_the_runs_a_panel_shows_and_names_the_others(tmp_path):
+    """A run with no value in any drawn panel (an ``hf`` run with accuracy only) is left out of the legend and
+    named among the skipped; the per-document axis counts whole documents."""
+    pytest.importorskip("matplotlib")
+    from distperp_harness.commands.plots import compare_figure
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "results_1.json").write_text(json.dumps({"results": {"mc": {"acc,none": 0.4}}, "config": {
+        "model": "hf", "model_args": {"pretrained": "/m/other"}}}))
+    runs = [*_fixed(tmp_path, with_reference=False), load_run(folder)]
+    fig, names, skips = compare_figure(runs)
+    assert names == ["perplexity"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [runs[0].label, runs[1].label]
+    assert f"run {runs[2].label} (no value in any panel)" in skips
