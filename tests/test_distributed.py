@@ -47,22 +47,24 @@ def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASK
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
     root = tmp_path_factory.mktemp("dist")
-    out = {}
-    for n in (1, 2, 3):
-        out[f"{n}p"] = root / f"{n}p"
-        run_command([*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[f"{n}p"])[0:]],
-                    cwd=root)
-    out["2nodes"] = root / "2nodes"
-    run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)
+    out = {name: root / name for name in ("1p", "2p", "3p", "2nodes", "1p-int4", "2p-int4", "torchrun")}
     adapter = lora_adapter(tiny_model_dir, root / "lora", seed=3)
-    for n in (1, 2):  # a LoRA fine-tune merged, then quantized, against its base without the adapter: same exactness
-        out[f"{n}p-int4"] = root / f"{n}p-int4"
-        run_command([*accelerate_launch_prefix(n), *_lm_eval_args(
-            tiny_model_dir, tasks_dir, out[f"{n}p-int4"],
-            model_args=f",peft={adapter},quantize=int4,group_size=32,reference=pretrained", tasks=INT4_TASKS)],
-            cwd=root)
-    out["torchrun"] = root / "torchrun"
+    # a LoRA fine-tune merged, then quantized, against its base without the adapter: same exactness
+    int4 = {"model_args": f",peft={adapter},quantize=int4,group_size=32,reference=pretrained", "tasks": INT4_TASKS}
+
+    def launch(n, name, extra):
+        run_command([*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[name], **extra)],
+                    cwd=root)
+
+    with ThreadPoolExecutor(2) as pool:  # the two one-process runs, mostly start-up: side by side
+        list(pool.map(launch, (1, 1), ("1p", "1p-int4"), ({}, int4)))
+    for n in (2, 3):
+        launch(n, f"{n}p", {})
+    run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)
+    launch(2, "2p-int4", int4)
     run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                  str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
     return out

@@ -55,14 +55,22 @@ def _args(model_dir, tasks_dir, out, model_args, tasks=TASKS):
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     """Each launch once: 1 process unsharded, 2 processes ``shard_size=2``, 2 nodes x 2 ``shard_size=node``;
     fp32 (a LoRA fine-tune, merged: ``peft=`` works sharded) and int4 with the unquantized reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
     root = tmp_path_factory.mktemp("sharding")
     adapter = lora_adapter(tiny_model_dir, root / "lora", seed=4)
     out = {}
-    for name, extra in (("fp32", f",peft={adapter}"), ("int4", INT4)):
+    families = (("fp32", f",peft={adapter}"), ("int4", INT4))
+
+    def one_process(name, extra):
         out[f"1p-{name}"] = root / f"1p-{name}"
-        tasks = FAMILY_TASKS[name]
         run_command([*accelerate_launch_prefix(1), *_args(tiny_model_dir, tasks_dir, out[f"1p-{name}"], extra,
-                                                          tasks)], cwd=root)
+                                                          FAMILY_TASKS[name])], cwd=root)
+
+    with ThreadPoolExecutor(2) as pool:  # the two one-process runs, mostly start-up: side by side
+        list(pool.map(one_process, *zip(*families)))
+    for name, extra in families:
+        tasks = FAMILY_TASKS[name]
         out[f"2p-{name}"] = root / f"2p-{name}"
         run_command([*accelerate_launch_prefix(2), *_args(tiny_model_dir, tasks_dir, out[f"2p-{name}"],
                                                           extra + ",shard_size=2", tasks)], cwd=root)
