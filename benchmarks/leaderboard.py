@@ -26,28 +26,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import Counter  # noqa: E402  (positions through the decoder, prefill and decode)
 from leaderboard_data import FAMILY_OF, GROUP, REAL_COUNTS, build_leaderboard_include, not_computable  # noqa: E402
 
 FAMILIES = list(REAL_COUNTS)
 SUBGROUP = {"mmlu_pro": "leaderboard_mmlu_pro", "bbh": "leaderboard_bbh", "gpqa": "leaderboard_gpqa",
             "math_hard": "leaderboard_math_hard", "ifeval": "leaderboard_ifeval", "musr": "leaderboard_musr"}
 MC_FAMILIES = ("mmlu_pro", "bbh", "gpqa", "musr")
-
-
-class Counter:
-    """Positions through the decoder, by kind (a forward pre-hook on ``base_model``): one-token rows are decode."""
-
-    def __init__(self, model) -> None:
-        self.decode = self.prefill = 0
-        model.base_model.register_forward_pre_hook(self._count, with_kwargs=True)
-
-    def _count(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-        shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
-        if shape[1] == 1:
-            self.decode += int(shape[0])
-        else:
-            self.prefill += int(shape[0] * shape[1])
 
 
 def _evaluate(lm, tasks: list[str], folder: Path, gen_kwargs: str | None) -> tuple[dict, float]:
