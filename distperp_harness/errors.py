@@ -5,8 +5,8 @@ callers (``lm_eval.simple_evaluate``) get it as any exception. From the command 
 :func:`install_excepthook` prints it as one line on stderr, ``distperp: error: <message>``, and the process exits
 with code 1, on every rank of a launch; an error every rank meets alike (one that follows from the command line
 or that the ranks agreed on) is printed once per node, by its first process (``LOCAL_RANK`` 0).
-``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity DEBUG`` brings the traceback back. lm-eval's own "Tasks not found" error keeps its traceback and gains a line that
-says how to fix it.
+``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity DEBUG`` brings the traceback back. lm-eval's own "Tasks not
+found" error keeps its traceback and gains a line that says how to fix it.
 
 Standard library only: the start-up hook installs the excepthook before lm-eval runs a task.
 """

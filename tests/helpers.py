@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -138,6 +138,18 @@ def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node:
     for p in start_two_nodes(args, cwd=cwd, per_node=per_node):
         output, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, output[-3000:]
+
+
+def side_by_side(*calls: Callable[[], Any]) -> list[Any]:
+    """Run each zero-argument call in a thread of its own and return their results in order (the first failure
+    fails the test). For one-process runs: their time goes mostly to start-up on one core, so two or three side by
+    side take about the time of one on this 2-core machine (multi-process launches gain nothing: keep those in
+    turn)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 class DictStore:

@@ -4,6 +4,7 @@ Rows of the bad-input table (docs/faults.md); the model-side rows are exercised 
 lm-eval CLI calls (``create_from_arg_string``), and the command line's one-line form through the real CLI.
 """
 
+import functools
 import sys
 import textwrap
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from distperp_harness.errors import TASKS_HINT, InputError
-from helpers import accelerate_launch_prefix, make_lm, run_command, score_rolling
+from helpers import accelerate_launch_prefix, make_lm, run_command, score_rolling, side_by_side
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -91,18 +92,15 @@ def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_
     """From the command line (run side by side, mostly start-up): a bad option is one line on stderr and exit 1,
     on one process and once for a 2-process launch (rank 0 says it for both); ``DISTPERP_TRACEBACK=1`` brings the
     traceback back; a task lm-eval does not know keeps lm-eval's error and gains the fix."""
-    from concurrent.futures import ThreadPoolExecutor
-
     bad = ["--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},quantize=int5", "--tasks",
            "dptest_rolling", "--include_path", str(tasks_dir)]
     lm_eval = [sys.executable, "-m", "lm_eval"]
     runs = {"one": (lm_eval + bad, {}), "traceback": (lm_eval + bad, {"DISTPERP_TRACEBACK": "1"}),
             "task": (lm_eval + [*bad[:3], f"pretrained={tiny_model_dir}", "--tasks", "no_such_task"], {}),
             "launch": ([*accelerate_launch_prefix(2), "-m", "lm_eval", *bad], {})}
-    with ThreadPoolExecutor(len(runs)) as pool:
-        done = {name: pool.submit(run_command, cmd, cwd=tmp_path, env=env, check=False, timeout=180)
-                for name, (cmd, env) in runs.items()}
-        out = {name: future.result() for name, future in done.items()}
+    done = side_by_side(*(functools.partial(run_command, cmd, cwd=tmp_path, env=env, check=False, timeout=180)
+                          for cmd, env in runs.values()))
+    out = dict(zip(runs, done))
     line = ("distperp: error: quantize='int5' is not valid for --model distperp; allowed: one of none, int4, int8, "
             "8da4w. Fix: e.g. quantize=int4,group_size=128.")
     one = out["one"]

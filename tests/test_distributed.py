@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_results, load_samples, lora_adapter,
-                     offline_env, run_command, run_two_nodes)
+                     offline_env, run_command, run_two_nodes, side_by_side)
 
 pytestmark = pytest.mark.distributed
 
@@ -47,8 +47,6 @@ def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASK
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
-    from concurrent.futures import ThreadPoolExecutor
-
     root = tmp_path_factory.mktemp("dist")
     out = {name: root / name for name in ("1p", "2p", "3p", "2nodes", "1p-int4", "2p-int4", "torchrun")}
     adapter = lora_adapter(tiny_model_dir, root / "lora", seed=3)
@@ -59,8 +57,7 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         run_command([*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[name], **extra)],
                     cwd=root)
 
-    with ThreadPoolExecutor(2) as pool:  # the two one-process runs, mostly start-up: side by side
-        list(pool.map(launch, (1, 1), ("1p", "1p-int4"), ({}, int4)))
+    side_by_side(lambda: launch(1, "1p", {}), lambda: launch(1, "1p-int4", int4))  # the one-process runs
     for n in (2, 3):
         launch(n, f"{n}p", {})
     run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)

@@ -1,10 +1,9 @@
 """Zero-config registration: ``--model distperp`` resolves wherever lm-eval looks, with nothing heavy at start-up."""
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from helpers import load_results, run_command
+from helpers import load_results, run_command, side_by_side
 
 
 def test_registry_resolves_distperp_and_builtins_without_heavy_startup_imports():
@@ -31,11 +30,8 @@ def test_cli_entry_points_run_distperp(tiny_model_dir, tasks_dir, tmp_path):
               "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--limit", "2"]
     entries = {"module": [sys.executable, "-m", "lm_eval"], "lm_eval": [_bin("lm_eval")],
                "lm-eval-run": [_bin("lm-eval"), "run"]}
-    with ThreadPoolExecutor(len(entries)) as pool:  # three one-process runs, mostly start-up: side by side
-        runs = [pool.submit(run_command, [*cmd, *common, "--output_path", str(tmp_path / name)], cwd=tmp_path)
-                for name, cmd in entries.items()]
-        for done in runs:
-            done.result()
+    side_by_side(*(lambda cmd=cmd, name=name: run_command([*cmd, *common, "--output_path", str(tmp_path / name)],
+                                                          cwd=tmp_path) for name, cmd in entries.items()))
     for name in entries:
         results = load_results(tmp_path / name)
         assert results["config"]["model"] == "distperp"

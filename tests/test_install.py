@@ -3,24 +3,20 @@ then used from an empty folder as the README says (the first command, a bad inpu
 
 import json
 import os
-import subprocess
 import sys
 import sysconfig
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from helpers import REPO_ROOT, TESTS_DIR, offline_env
+from helpers import REPO_ROOT, TESTS_DIR, run_command, side_by_side
+
+
+# Nothing of the checkout on the path, only the tests' start-up hook (lm-eval's built-in task index, cached: see
+# tests/startup), which imports no distperp code
+ENV = {"PYTHONPATH": str(TESTS_DIR / "startup")}
 
 
 def _run(cmd, cwd, check=True):
-    env = offline_env()
-    # Nothing of the checkout, only the tests' start-up hook (lm-eval's built-in task index, cached: see
-    # tests/startup), which imports no distperp code
-    env["PYTHONPATH"] = str(TESTS_DIR / "startup")
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+    return run_command(cmd, cwd=cwd, env=ENV, check=check)
 
 
 def _fresh_venv(root: Path) -> Path:
@@ -41,10 +37,9 @@ def _fresh_venv(root: Path) -> Path:
 
 
 def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
-    with ThreadPoolExecutor(1) as pool:  # the demo model (cached, ~40 s the first time) builds while pip works
-        warm = pool.submit(_run, [sys.executable, "-m", "distperp_harness", "demo-model"], tmp_path)
-        venv = _fresh_venv(tmp_path)
-        warm.result()
+    _, venv = side_by_side(  # the demo model (cached, ~40 s the first time) builds while pip works
+        lambda: _run([sys.executable, "-m", "distperp_harness", "demo-model"], tmp_path),
+        lambda: _fresh_venv(tmp_path))
     python, distperp = venv / "bin" / "python", venv / "bin" / "distperp"
     here = tmp_path / "first"
     here.mkdir()
@@ -60,8 +55,8 @@ def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
     bad = [*lm_eval, "--model", "distperp", "--model_args", f"pretrained={model},quantize=int5", *sample]
     hf = [*lm_eval, "--model", "hf", "--model_args", f"pretrained={model}", "--device", "cpu", *sample,
           "--output_path", "results_hf/"]
-    with ThreadPoolExecutor(3) as pool:  # one-process runs, mostly start-up: side by side
-        ours, refused, theirs = pool.map(lambda cmd: _run(cmd, here, check=cmd is not bad), (first, bad, hf))
+    ours, refused, theirs = side_by_side(lambda: _run(first, here), lambda: _run(bad, here, check=False),
+                                         lambda: _run(hf, here))
 
     assert list((here / "results").rglob("results_*.json")), ours.stderr[-3000:]
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]

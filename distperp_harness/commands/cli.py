@@ -1,4 +1,4 @@
-"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,compare,sweep}`` (also the ``distperp`` script)."""
+"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,compare,sweep}`` (also ``distperp``)."""
 
 from __future__ import annotations
 

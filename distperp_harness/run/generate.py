@@ -348,8 +348,8 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lan
             except CacheNotShareable as exc:
                 reason = f"its {exc} cache cannot be edited row by row"
         if setup.executor.shard_size > 1:
-            raise InputError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane would run "
-                             "as model.generate batches, whose forwards a shard group cannot keep in step. Fix: drop "
+            raise InputError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane "
+                             "would run as model.generate batches, whose forwards a shard group cannot keep in step. Fix: drop "
                              "those generation arguments, or run this task with shard_size=1.")
         _note_fallback(reason)
         texts, total = [], LaneStats()

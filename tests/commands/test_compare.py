@@ -6,14 +6,12 @@ import sys
 import pytest
 
 from distperp_harness.commands.compare import load_run, markdown_table, per_document, plot_runs
-from helpers import REPO_ROOT, load_results, run_command
+from helpers import REPO_ROOT, load_results, run_command, side_by_side
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     from distperp_harness.commands.tiny import sample_text_path
-
-    from concurrent.futures import ThreadPoolExecutor
 
     root = tmp_path_factory.mktemp("compare")
 
@@ -25,8 +23,7 @@ def runs(tiny_model_dir, tmp_path_factory):
                      "--output_path", str(root / name)], cwd=root)
         return root / name
 
-    with ThreadPoolExecutor(2) as pool:  # two one-process runs, mostly start-up: side by side
-        return list(pool.map(run, ("base", "int8"), ("", ",quantize=int8,reference=base")))
+    return side_by_side(lambda: run("base", ""), lambda: run("int8", ",quantize=int8,reference=base"))
 
 
 def test_table_rows_carry_the_results(runs):

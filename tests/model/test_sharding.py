@@ -3,12 +3,14 @@ per-document results are bit-identical to one unsharded process, fp32 and ``quan
 2 processes (``shard_size=2``) and 2 nodes x 2 processes on loopback (``shard_size=node``).
 """
 
+import functools
 import json
 
 import pytest
 
 from distperp_harness.model.sharding import check_groups_within_hosts, resolve_shard_size, shard_groups
-from helpers import accelerate_launch_prefix, load_results, load_samples, lora_adapter, run_command, run_two_nodes
+from helpers import (accelerate_launch_prefix, load_results, load_samples, lora_adapter, run_command, run_two_nodes,
+                     side_by_side)
 
 TASKS = "dptest_rolling,dptest_mc,dptest_fewshot,dptest_chain"
 INT4 = ",quantize=int4,group_size=32,reference=base"
@@ -55,8 +57,6 @@ def _args(model_dir, tasks_dir, out, model_args, tasks=TASKS):
 def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     """Each launch once: 1 process unsharded, 2 processes ``shard_size=2``, 2 nodes x 2 ``shard_size=node``;
     fp32 (a LoRA fine-tune, merged: ``peft=`` works sharded) and int4 with the unquantized reference."""
-    from concurrent.futures import ThreadPoolExecutor
-
     root = tmp_path_factory.mktemp("sharding")
     adapter = lora_adapter(tiny_model_dir, root / "lora", seed=4)
     out = {}
@@ -67,8 +67,7 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         run_command([*accelerate_launch_prefix(1), *_args(tiny_model_dir, tasks_dir, out[f"1p-{name}"], extra,
                                                           FAMILY_TASKS[name])], cwd=root)
 
-    with ThreadPoolExecutor(2) as pool:  # the two one-process runs, mostly start-up: side by side
-        list(pool.map(one_process, *zip(*families)))
+    side_by_side(*(functools.partial(one_process, name, extra) for name, extra in families))
     for name, extra in families:
         tasks = FAMILY_TASKS[name]
         out[f"2p-{name}"] = root / f"2p-{name}"
