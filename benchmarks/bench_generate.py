@@ -90,10 +90,10 @@ def task_requests(name: str, count: int, folder: Path):
 
 
 class Counter:
-    """Positions through the decoder, by kind (a forward pre-hook on ``base_model``)."""
+    """Positions through the decoder, by kind, and the decode forwards (a forward pre-hook on ``base_model``)."""
 
     def __init__(self, model) -> None:
-        self.decode = self.prefill = 0
+        self.decode = self.prefill = self.decode_forwards = 0
         model.base_model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module, args, kwargs) -> None:
@@ -101,6 +101,7 @@ class Counter:
         shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
         if shape[1] == 1:
             self.decode += int(shape[0])
+            self.decode_forwards += 1
         else:
             self.prefill += int(shape[0] * shape[1])
 
@@ -224,7 +225,7 @@ def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, 
     import torch
     from transformers import DynamicCache
 
-    from distperp_harness.run.static_slots import capacity_for
+    from distperp_harness.run.generation.step import capacity_for
 
     model, engine = eager_lm.model, compiled_lm.static_decoding
     capacity = capacity_for(context, 1)

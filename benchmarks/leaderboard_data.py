@@ -45,12 +45,7 @@ GROUP = "leaderboard"
 LM_EVAL_LEADERBOARD = (Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks" /
                        "leaderboard").resolve()
 
-_BBH = dict.fromkeys("""boolean_expressions causal_judgement date_understanding disambiguation_qa formal_fallacies
-    geometric_shapes hyperbaton logical_deduction_five_objects logical_deduction_seven_objects
-    logical_deduction_three_objects movie_recommendation navigate object_counting penguins_in_a_table
-    reasoning_about_colored_objects ruin_names salient_translation_error_detection snarks sports_understanding
-    temporal_sequences tracking_shuffled_objects_five_objects tracking_shuffled_objects_seven_objects
-    tracking_shuffled_objects_three_objects web_of_lies""".split(), 250) | {
+_BBH = dict.fromkeys(["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects", "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation", "navigate", "object_counting", "penguins_in_a_table", "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies"], 250) | {
     "causal_judgement": 187, "penguins_in_a_table": 146, "snarks": 178}  # fmt: skip
 _MATH = {  # lm-eval task suffix: (MATH `type`, Level 5 test questions)
     "algebra": ("Algebra", 307), "counting_and_prob": ("Counting & Probability", 123), "geometry": ("Geometry", 132),
@@ -77,7 +72,7 @@ def count_real_suite() -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------- text source
-_FILL = "Harlow Kestrel Ambrose Thorne Velden Marlow Corrin Ashby Tamsin Orrell".split()
+_FILL = ["Harlow", "Kestrel", "Ambrose", "Thorne", "Velden", "Marlow", "Corrin", "Ashby", "Tamsin", "Orrell"]
 
 
 class _Text:
@@ -127,10 +122,8 @@ class _Text:
 
 
 # ---------------------------------------------------------------------------------------------- documents
-_CATEGORIES = ("biology business chemistry computer_science economics engineering health history law math other "
-               "philosophy physics psychology").split()  # fmt: skip
-_NAMES = ("Mackenzie Ana Winston Lena Tobias Priya Marcus Elena Rafael Greta Hugo Imani Soren Beatrix Callum Delia "
-          "Ezra Farah Gideon Harriet").split()  # fmt: skip
+_CATEGORIES = ["biology", "business", "chemistry", "computer_science", "economics", "engineering", "health", "history", "law", "math", "other", "philosophy", "physics", "psychology"]  # fmt: skip
+_NAMES = ["Mackenzie", "Ana", "Winston", "Lena", "Tobias", "Priya", "Marcus", "Elena", "Rafael", "Greta", "Hugo", "Imani", "Soren", "Beatrix", "Callum", "Delia", "Ezra", "Farah", "Gideon", "Harriet"]  # fmt: skip
 _PLACES = ["the kitchen drawer", "the garden shed", "the hallway cupboard", "the desk in the study", "the attic trunk",
            "the bookshelf", "the car's glove box", "the laundry basket", "the cellar shelf"]  # fmt: skip
 _OBJECTS = ["keys", "notebook", "violin", "passport", "umbrella", "camera", "map", "wallet"]
@@ -202,10 +195,7 @@ def _math(rng: random.Random, kind: str) -> tuple[str, str]:
             f"The determinant is ${a}\\cdot {a + 1} - {b}\\cdot {c} = \\boxed{{{a * (a + 1) - b * c}}}$.")  # fmt: skip
 
 
-_IFEVAL_KWARGS = ("num_highlights relation num_words num_placeholders prompt_to_repeat num_paragraphs "
-                  "postscript_marker forbidden_words keywords num_bullets end_phrase language let_frequency letter "
-                  "num_sections section_spliter first_word capital_relation capital_frequency frequency keyword "
-                  "nth_paragraph num_sentences").split()  # fmt: skip
+_IFEVAL_KWARGS = ["num_highlights", "relation", "num_words", "num_placeholders", "prompt_to_repeat", "num_paragraphs", "postscript_marker", "forbidden_words", "keywords", "num_bullets", "end_phrase", "language", "let_frequency", "letter", "num_sections", "section_spliter", "first_word", "capital_relation", "capital_frequency", "frequency", "keyword", "nth_paragraph", "num_sentences"]  # fmt: skip
 _IFEVAL = [  # (instruction id, kwargs or a function of (rng, text) giving them, the sentence the prompt carries)
     ("punctuation:no_comma", {}, "In your entire response, refrain from the use of any commas."),
     ("length_constraints:number_words", lambda r, t: {"relation": "at least", "num_words": r.choice([150, 300, 500])},
@@ -371,11 +361,13 @@ def _documents(task: str, cfg: dict, text: _Text, n: int, seed: int, data: Path)
             "train": _write_jsonl(base.with_suffix(".train.jsonl"), rows[n + 1:])}  # fmt: skip
 
 
-def build_leaderboard_include(root: Path, docs_per_subtask: int, seed: int = 0, text_path: Path | None = None) -> Path:
+def build_leaderboard_include(root: Path, docs_per_subtask: int, seed: int = 0, text_path: Path | None = None,
+                              min_family_docs: int = 0) -> Path:
     """Write data under ``root/data`` and the include folder ``root/tasks``; return the include folder.
 
     Pass it as ``TaskManager(include_path=str(folder))`` (or ``--include_path``) with ``tasks=[GROUP]``: every one of
-    the group's 39 tasks then reads ``docs_per_subtask`` local documents (MMLU-Pro is one task). Deterministic in
+    the group's 39 tasks then reads ``docs_per_subtask`` local documents (MMLU-Pro is one task), or more where
+    ``min_family_docs`` asks each family for at least that many (spread evenly over its subtasks). Deterministic in
     ``seed`` (and the WikiText file: ``text_path``, default ``../shared/data/wikitext-2/test.txt``, else the packaged
     sample). Rewrites the files of an existing ``root``. Raises KeyError if lm-eval's leaderboard tasks changed names.
     """
@@ -391,7 +383,8 @@ def build_leaderboard_include(root: Path, docs_per_subtask: int, seed: int = 0, 
     assert all(iid in registry for iid, _, _ in _IFEVAL), "an IFEval instruction id is not in lm-eval's registry"
     for task, fam in FAMILY_OF.items():
         yaml_path, cfg = lm_tasks[task]
-        files = _documents(task, cfg, text, docs_per_subtask, seed, data)
+        n = max(docs_per_subtask, math.ceil(min_family_docs / len(REAL_COUNTS[fam])))
+        files = _documents(task, cfg, text, n, seed, data)
         override = {"dataset_path": "json", "dataset_name": None,
                     "dataset_kwargs": {"data_files": files, "cache_dir": str(root / "hf_datasets_cache")}}  # fmt: skip
         reason = _missing(fam)
