@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-
 for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}.items():
     os.environ.setdefault(_key, _value)  # before torch/transformers/tqdm are imported
@@ -130,7 +129,7 @@ def model_facts(path: Path) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(path)
     params = 0
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
+        for key in f:
             shape = f.get_slice(key).get_shape()
             n = 1
             for d in shape:

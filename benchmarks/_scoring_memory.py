@@ -15,8 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _scoring_common import REPO_ROOT, _quiet, bare_batches, load_articles, make_lm, make_runner, requests_for, \
-    select_documents
+from _scoring_common import (
+    REPO_ROOT,
+    _quiet,
+    bare_batches,
+    load_articles,
+    make_lm,
+    make_runner,
+    requests_for,
+    select_documents,
+)
 
 BENCH_SCORING = Path(__file__).resolve().with_name("bench_scoring.py")
 """The command line a memory worker runs: ``bench_scoring.py --memory-worker SCORER ...``."""

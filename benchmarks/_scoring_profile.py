@@ -7,9 +7,17 @@ import contextlib
 import io
 from pathlib import Path
 
-from _scoring_common import DEFAULT_TOKENS, SCORERS, _quiet, bare_batches, load_articles, make_lm, make_runner, \
-    requests_for, select_documents
-
+from _scoring_common import (
+    DEFAULT_TOKENS,
+    SCORERS,
+    _quiet,
+    bare_batches,
+    load_articles,
+    make_lm,
+    make_runner,
+    requests_for,
+    select_documents,
+)
 
 POSTPROCESSING_OPS = ("aten::_log_softmax", "aten::log_softmax", "aten::logsumexp", "aten::argmax", "aten::max",
                       "aten::amax", "aten::exp_", "aten::exp", "aten::sub_", "aten::gather", "aten::sum",

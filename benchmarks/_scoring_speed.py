@@ -17,9 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _scoring_common import (DEFAULT_TOKENS, REPO_ROOT, SCORERS, _model_args, bare_batches, device_name, load_articles,
-                             machine, make_lm, make_runner, model_facts, padded_tokens, requests_for, select_documents,
-                             _quiet)
+from _scoring_common import (
+    DEFAULT_TOKENS,
+    REPO_ROOT,
+    SCORERS,
+    _model_args,
+    _quiet,
+    bare_batches,
+    device_name,
+    load_articles,
+    machine,
+    make_lm,
+    make_runner,
+    model_facts,
+    padded_tokens,
+    requests_for,
+    select_documents,
+)
 from _scoring_memory import measure_memory
 
 

@@ -40,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from _wikitext import SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402
 
-from distperp_harness.planning.plan import (Batch, assign_batches, balance_report, batch_cost,  # noqa: E402
-                                   make_batches, round_robin_max_over_mean)
+from distperp_harness.planning.plan import assign_batches, balance_report, make_batches, round_robin_max_over_mean
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,8 @@ def balance_rows(windows: Windows, doc_lengths: Sequence[int], ranks: Sequence[i
     for world in ranks:
         report = balance_report(assign_batches(batches, world, a, h), a, h)
         rows.append(Row(world, round_robin_max_over_mean(doc_lengths, world),
-                        round_robin_max_over_mean(hf_costs, world), report["scored_max_over_mean"],
-                        report["max_over_mean"], report["best_max_over_mean"]))
+                        round_robin_max_over_mean(hf_costs, world), report.scored_max_over_mean,
+                        report.max_over_mean, report.best_max_over_mean))
     return rows
 
 
@@ -208,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for batch_size in _ints(args.sim_batch_sizes):
         report, seconds = simulate(sim, args.sim_ranks, batch_size, a, h)
-        print(f"| {batch_size} | {report['batches']:,} | {report['scored_max_over_mean']:.3f} | "
-              f"{report['max_over_mean']:.3f} | {report['best_max_over_mean']:.3f} | {seconds:.2f} s |")
+        print(f"| {batch_size} | {report.batches:,} | {report.scored_max_over_mean:.3f} | "
+              f"{report.max_over_mean:.3f} | {report.best_max_over_mean:.3f} | {seconds:.2f} s |")
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     return 0
 

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scoring import _quiet, machine, make_lm, requests_for, select_documents  # noqa: E402  (sets env)
 from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402
+from bench_scoring import _quiet, machine, make_lm, requests_for, select_documents  # noqa: E402  (sets env)
 
 SCORERS = {"hf": ("hf", ""), "eager": ("distperp", ""), "cold": ("distperp", ",compile=true"),
            "warm": ("distperp", ",compile=true")}
@@ -65,7 +65,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         requests = requests_for(docs)
         call = lambda: [float(x) for x in lm.loglikelihood_rolling(requests, disable_tqdm=True)]  # noqa: E731
     else:
-        from bench_mc import build_questions, requests_for as mc_requests
+        from bench_mc import build_questions
+        from bench_mc import requests_for as mc_requests
 
         ids = lm.tokenizer.encode(Path(args.mc_text).read_text(encoding="utf-8"), add_special_tokens=False)
         questions = build_questions("hellaswag", ids, lambda t: lm.tokenizer.decode(t), args.questions)

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scoring import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model  # noqa: E402
 from _wikitext import SHARED_MODEL, WIKITEXT_TEST  # noqa: E402
+from bench_scoring import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model  # noqa: E402
 
 WIKITEXT_VALID = WIKITEXT_TEST.with_name("valid.txt")
 SCORERS = {"hf": ("hf", ""), "distperp": ("distperp", ""), "unshared": ("distperp", ",share_prefix=false")}

@@ -47,8 +47,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared setup first: it sets the offline environment before torch, transformers or tqdm are imported.
-from _scoring_common import (RANDOM_MODEL, RANDOM_SHAPES, SCORERS, WIKITEXT_TEST, _quiet, device_name,  # noqa: E402,F401
-                             machine, make_lm, requests_for, resolve_model, select_documents)
+from _scoring_common import (  # noqa: E402,F401
+    RANDOM_MODEL,
+    RANDOM_SHAPES,
+    SCORERS,
+    WIKITEXT_TEST,
+    _quiet,
+    device_name,
+    machine,
+    make_lm,
+    requests_for,
+    resolve_model,
+    select_documents,
+)
 from _scoring_memory import memory_worker  # noqa: E402
 from _scoring_profile import profile_scorers  # noqa: E402
 from _scoring_speed import bench_model, cli_sanity, report  # noqa: E402

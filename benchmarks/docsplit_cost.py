@@ -18,15 +18,12 @@ import logging
 import random
 import resource
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-         "they you were her she there been one all we their has would when if so what no more can who will out up "
-         "about into them then other than some could these two may first any time only new very people like "
-         "energy cell market law court theory river acid enzyme value function").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "what", "no", "more", "can", "who", "will", "out", "up", "about", "into", "them", "then", "other", "than", "some", "could", "these", "two", "may", "first", "any", "time", "only", "new", "very", "people", "like", "energy", "cell", "market", "law", "court", "theory", "river", "acid", "enzyme", "value", "function"]
 
 
 def _text(rng: random.Random, low: int, high: int) -> str:

@@ -36,11 +36,11 @@ check fails.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
-import gc
 import tempfile
 import time
 import weakref

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from _wikitext import REPO_ROOT, SHARED_MODEL
 
 VALID = REPO_ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"

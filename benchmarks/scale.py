@@ -38,12 +38,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from distperp_harness.run.claims import helper_of, helper_step  # noqa: E402
-from distperp_harness.run.pipeline import Batching  # noqa: E402
 from distperp_harness.planning.plan import assign_batches  # noqa: E402
 from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, encode, local_records  # noqa: E402
-from distperp_harness.run.routing import _front_coded, result_routes, token_routes  # noqa: E402
 from distperp_harness.planning.rowplan import batch_shared, plan_from_records  # noqa: E402
+from distperp_harness.run.claims import helper_of, helper_step  # noqa: E402
+from distperp_harness.run.rules import Batching  # noqa: E402
+from distperp_harness.run.routing import _front_coded, result_routes, token_routes  # noqa: E402
 from distperp_harness.run.scoring import N_COLUMNS  # noqa: E402
 
 MAX_LENGTH = 4096
@@ -105,7 +105,7 @@ def rank_units(shape: Shape, counts: list[int], rank: int, world: int) -> FlatUn
             rng = np.random.default_rng([task, doc])
             own = rng.integers(10, 120000, shape.own + (rng.integers(-20, 21) if shape.own > 40 else 0),
                                dtype=np.int32)
-            for a in range(shape.answers):
+            for _a in range(shape.answers):
                 answer = rng.integers(10, 120000, max(1, shape.answer + (rng.integers(-15, 16) if shape.answer > 20
                                                                          else 0)), dtype=np.int32)
                 pieces.append(np.concatenate([[1], block, own, answer]).astype(np.int32))

@@ -11,7 +11,7 @@ Builds synthetic ``generate_until`` requests of full size (token counts and shar
 * **BBH CoT** (3 fixed exemplars per subtask, 27 subtasks): 6,511 prompts, blocks of ~800 tokens, ~100 of their own.
 
 splits every subtask's documents as lm-eval does (``docs[rank::W]``) and runs, for rank 0 (the largest share), what
-:func:`distperp_harness.run.jobs.plan_generation` runs: its records, the merge of every rank's real encoded payload
+:func:`distperp_harness.run.generation.jobs.plan_generation` runs: its records, the merge of every rank's real encoded payload
 (handed over by the simulation), the lane plan, the owners and helpers, and the routes of prompt tokens. Printed for
 rank 0: bytes received (records / prompt tokens, front-coded as its senders send them), and what the all-gather of
 every prompt's tokens it replaced moved to each rank; peak traced memory and CPU seconds of those steps.
@@ -22,21 +22,29 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace as dataclasses_replace
+from dataclasses import dataclass
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from scale import cpu_and_peak  # noqa: E402  (benchmarks/ is this script's folder)
+
 from distperp_harness.planning.plan import assign_batches  # noqa: E402
 from distperp_harness.planning.records import FlatUnits, local_records  # noqa: E402
 from distperp_harness.run.claims import helper_of, helper_step  # noqa: E402
-from distperp_harness.run.jobs import (JOB, JobTable, decode_jobs, encode_jobs, ladder_shared,  # noqa: E402
-                                       lane_destinations)
-from distperp_harness.run.lanes import plan_lanes  # noqa: E402
+from distperp_harness.run.generation.jobs import (  # noqa: E402
+    JOB,
+    JobTable,
+    decode_jobs,
+    encode_jobs,
+    ladder_shared,
+    lane_destinations,
+)
+from distperp_harness.run.generation.lanes import plan_lanes  # noqa: E402
 from distperp_harness.run.routing import _front_coded, token_routes  # noqa: E402
-from scale import cpu_and_peak  # noqa: E402  (benchmarks/ is this script's folder)
 
 TOKEN_BUDGET = 262_144  # KV tokens the slots of a lane may hold (an 8B model on an 80 GB GPU, roughly)
 
@@ -134,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--fraction", type=float, default=1.0, help="scale the prompt counts (for a quick run)")
     args = parser.parse_args(argv)
-    print(f"| evaluation | W | jobs | prompt Mtok | lanes (rank 0's) | received by rank 0, MB (records / tokens) | "
-          f"all-gather of prompts, MB | peak MB | CPU s |")
+    print("| evaluation | W | jobs | prompt Mtok | lanes (rank 0's) | received by rank 0, MB (records / tokens) | "
+          "all-gather of prompts, MB | peak MB | CPU s |")
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for name in args.shapes.split(","):
         shape = SHAPES[name]

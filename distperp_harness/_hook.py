@@ -25,9 +25,9 @@ _TASKS_MODULE = "lm_eval.tasks.manager"
 
 def register(registry_module) -> None:
     """Register ``distperp`` in lm-eval's model registry (idempotent)."""
-    from distperp_harness import MODEL_NAME, MODEL_TARGET
-
     import lm_eval.models  # noqa: F401  (registers the built-in models, lazily)
+
+    from distperp_harness import MODEL_NAME, MODEL_TARGET
 
     registry = registry_module.model_registry
     if MODEL_NAME not in registry:

@@ -17,43 +17,59 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
-from distperp_harness.errors import InputError
 from distperp_harness import __version__
 from distperp_harness.distributed.collective import Collective
-from distperp_harness.run.compiling import compile_extra_bytes, compile_models
-from distperp_harness.model.devices import device_identity, find_disagreement, find_shared_gpus, local_world_size, \
-    physical_device, resolve_device
-from distperp_harness.docsplit import fill_empty_ranks, install_document_split
 from distperp_harness.distributed.failfast import set_device, stop_together
-from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.distributed.liveness import set_base_stage
-from distperp_harness.run.fit import check_fits
-from distperp_harness.run.static_slots import StaticDecoding
-from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.distributed.testfaults import fail_for_tests
+from distperp_harness.docsplit import fill_empty_ranks, install_document_split
+from distperp_harness.errors import InputError
 from distperp_harness.model.chat import ChatTemplate
+from distperp_harness.model.devices import (
+    device_identity,
+    find_disagreement,
+    find_shared_gpus,
+    local_world_size,
+    physical_device,
+    resolve_device,
+)
 from distperp_harness.model.given import check_given, split_given
 from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.loading import check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
-from distperp_harness.options import Options
-from distperp_harness.run.calls import RunStats
-from distperp_harness.run.probes import model_traffic
-from distperp_harness.run.record import run_record
-from distperp_harness.run.executor import Executor, model_forwards
-from distperp_harness.run.pipeline import Batching, ScoringRule, Sharing, score_requests
-from distperp_harness.run.progress import generation_progress, setup_logging, token_progress
-from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.model.quantize import weight_bytes
-from distperp_harness.planning.requests import continuation_unit, window_units
-from distperp_harness.run.resume import BatchStore
-from distperp_harness.report.results import Score
-from distperp_harness.run.runtime import agree_on_batching, attention_coefficient, choose_sharing, generation_rows, \
-    head_coefficient
-from distperp_harness.tokens import Tokenization
 from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size
 from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
+from distperp_harness.options import Options
+from distperp_harness.planning.requests import continuation_unit, window_units
+from distperp_harness.planning.rows import ShareMode
+from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
+from distperp_harness.report.results import Score
+from distperp_harness.run.calls import RunStats
+from distperp_harness.run.compiling import compile_extra_bytes, compile_models
+from distperp_harness.run.executor import Executor, model_forwards
+from distperp_harness.run.fit import check_fits
+from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.run.generation.step import CompiledStep
+from distperp_harness.run.pipeline import score_requests
+from distperp_harness.run.probes import model_traffic
+from distperp_harness.run.progress import generation_progress, setup_logging, token_progress
+from distperp_harness.run.record import run_record
+from distperp_harness.run.resume import BatchStore
+from distperp_harness.run.rules import Batching, ScoringRule, Sharing
+from distperp_harness.run.runtime import (
+    agree_on_batching,
+    attention_coefficient,
+    choose_sharing,
+    generation_rows,
+    head_coefficient,
+)
+from distperp_harness.tokens import Tokenization
 
 log = get_logger(__name__)
+
+ROW_PER_UNIT = Sharing(ShareMode.OFF)
+"""Rolling windows' sharing: one unit per row (windows never share a prefix)."""
 
 # torchao's wheel prints load failures for its CUDA-only kernels on CPU machines; they are not needed there.
 if not torch.cuda.is_available():
@@ -140,7 +156,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             self.options.compile_mode, [self._model, self.reference], collective=self.collective,
             rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
             pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
-        self.static_decoding = StaticDecoding(self._model, self.compiled, self._device, self.tokenizer.pad_token_id) \
+        self.static_decoding = CompiledStep(self._model, self.compiled, self._device, self.tokenizer.pad_token_id) \
             if self.compiled.active else None  # generation's decode step, compiled per bucket of the lane plan
         self._identity: dict | None = None
         self.store = None if not self.options.resume_dir else BatchStore(
@@ -285,7 +301,7 @@ class DistPerpLM(Tokenization, TemplateLM):
         kept = [(req, score) for req, score in zip(requests, scores) if score.n_tokens]
         self._compare([req for req, _ in kept], [score for _, score in kept])
 
-    def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = Sharing("off")):
+    def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = ROW_PER_UNIT):
         """:meth:`_score_planned` inside the failure channel: an error while exchanging, planning, routing or
         returning results stops every rank at once, naming this one (a forward's error is named as scoring)."""
         with stop_together(self.collective, self._device, f"planning, exchanging or gathering {kind}"):

@@ -161,7 +161,7 @@ class Options:
         return "node" if self.tp_plan == "auto" else 1
 
     def _check_checkpoint_keys(self) -> None:
-        """Issue 28's keys: adapters, GGUF, thinking and chat template arguments."""
+        """The checkpoint keys: adapters, GGUF, thinking and chat template arguments."""
         for key in ("subfolder", "gguf_file", "peft", "delta"):
             value = getattr(self, key)
             if value is not None:
@@ -170,6 +170,11 @@ class Options:
         _require(not (self.peft and self.delta), "delta", self.delta, "delta= or peft=, not both (as lm-eval hf)",
                  "run the adapter and the delta weights as two runs")
         _require(isinstance(self.merge_adapter, bool), "merge_adapter", self.merge_adapter, "true or false", "")
+        if self.reference == "base" and self.quantize == "none":
+            raise OptionError("reference=base compares against the unquantized checkpoint, but quantize=none. "
+                              "Fix: add quantize=int4 (or int8, 8da4w), give reference=<other model path>"
+                              + (", or reference=pretrained (the base without the adapter)"
+                                 if self.peft or self.delta else "") + ".")
         if self.reference == "pretrained":
             _require(bool(self.peft or self.delta), "reference", self.reference,
                      "reference=pretrained only with peft= or delta= (it is the checkpoint without them)",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import contextlib
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -254,10 +255,8 @@ class LaunchOutputs:
         except psutil.NoSuchProcess:
             under = []
         for pid in [*under, self.procs[i].pid]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
 
     def workers(self, i: int) -> dict[int, int]:
         """``{global rank: pid}`` of the workers launcher ``i`` started (its direct children: torch's elastic agent

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 import torch
+from helpers import accelerate_launch_prefix, make_lm, run_command, score_rolling, side_by_side
 
 from distperp_harness.errors import TASKS_HINT, InputError
-from helpers import accelerate_launch_prefix, make_lm, run_command, score_rolling, side_by_side
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -12,9 +12,18 @@ import textwrap
 import time
 
 import pytest
-
-from helpers import (REPO_ROOT, accelerate_launch_prefix, free_port, load_results, load_samples, lora_adapter,
-                     offline_env, run_command, run_two_nodes, side_by_side)
+from helpers import (
+    REPO_ROOT,
+    accelerate_launch_prefix,
+    free_port,
+    load_results,
+    load_samples,
+    lora_adapter,
+    offline_env,
+    run_command,
+    run_two_nodes,
+    side_by_side,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -230,7 +239,7 @@ def _wait_for_rank(launcher_pid, rank, timeout):
             except OSError:
                 continue
             if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline \
-                    and f"MAIN_PROCESS_PORT".encode() not in cmdline:
+                    and "MAIN_PROCESS_PORT".encode() not in cmdline:
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} never started")

@@ -10,8 +10,8 @@ import functools
 import json
 
 import pytest
-
 from helpers import TASKS_DIR, load_results, load_samples, run_lm_eval
+
 from distperp_harness import docsplit
 
 SEED = 1234  # lm-eval's default --fewshot_random_seed

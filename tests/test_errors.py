@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from distperp_harness.errors import (TASKS_HINT, InputError, MissingInput, OptionError, install_excepthook,
-                                     one_line)
+from distperp_harness.errors import TASKS_HINT, InputError, MissingInput, OptionError, install_excepthook, one_line
 
 
 @pytest.mark.parametrize("env, error, line", [

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from helpers import REPO_ROOT, TESTS_DIR, run_command, side_by_side
 
-
 # Nothing of the checkout on the path, only the tests' start-up hook (lm-eval's built-in task index, cached: see
 # tests/startup), which imports no distperp code
 ENV = {"PYTHONPATH": str(TESTS_DIR / "startup")}

@@ -146,3 +146,32 @@ def test_the_check_sees_arrows():
     assert ("distperp_harness.commands.sweep", "distperp_harness.lm") in edges  # function-local
     assert ("distperp_harness.model.quantize", "distperp_harness.options") in edges
     assert _cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
+
+
+GENERATION = ["sampling", "thinking", "stats", "scheduler", "prefill", "kv_batch", "static_batch", "step", "loop",
+              "engines", "batchgen", "lanes", "jobs", "generate"]
+"""``run/generation``'s modules, lowest first: each imports only modules before it (the per-row rules, the
+scheduler, the KV batches and the step below the loop, the engine choice above it, the orchestrator on top)."""
+
+
+def test_generation_roles_import_downward():
+    prefix = "distperp_harness.run.generation."
+    modules = {p.stem for p in (PACKAGE / "run" / "generation").glob("*.py")} - {"__init__"}
+    assert modules == set(GENERATION), f"place {sorted(modules ^ set(GENERATION))} in GENERATION"
+    rank = {name: i for i, name in enumerate(GENERATION)}
+    upward = [(a, b) for a, b, _ in import_edges() if a.startswith(prefix) and b.startswith(prefix)
+              and rank[b.removeprefix(prefix)] >= rank[a.removeprefix(prefix)]]
+    assert upward == []
+    assert (prefix + "loop", prefix + "scheduler") in {(a, b) for a, b, _ in import_edges()}  # the check sees them
+
+
+def test_rules_sit_below_the_orchestrators():
+    """The batching, sharing and scoring rules (``run.rules``) and the policy that chooses them (``run.runtime``)
+    import neither orchestrator (``run.pipeline``, ``run.generation.generate``); ``rules`` imports nothing of
+    ``run``."""
+    orchestrators = {"distperp_harness.run.pipeline", "distperp_harness.run.generation.generate"}
+    edges = {(a, b) for a, b, _ in import_edges()}
+    policy = {"distperp_harness.run.rules", "distperp_harness.run.runtime"}
+    assert [(a, b) for a, b in edges if a in policy and b in orchestrators] == []
+    assert [b for a, b in edges if a == "distperp_harness.run.rules" and b.startswith("distperp_harness.run.")] == []
+    assert ("distperp_harness.run.pipeline", "distperp_harness.run.rules") in edges

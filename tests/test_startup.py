@@ -7,9 +7,8 @@ from helpers import run_command
 
 
 def test_cached_index_equals_lm_evals_own(tasks_dir):
-    from lm_eval.tasks._index import TaskIndex
-
     import distperp_tests_startup as startup
+    from lm_eval.tasks._index import TaskIndex
 
     root = startup.defaults_root()
     assert hasattr(TaskIndex.build, "original")  # conftest patched this process

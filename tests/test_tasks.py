@@ -355,7 +355,7 @@ def test_task_index(task_manager):
     assert set(TASKS) | {"distperp_local_docs", "distperp_ppl", "distperp_ppl_val"} <= names
     loaded = task_manager.load(["distperp_ppl"])["tasks"]
     assert sorted(loaded) == ["distperp_wikitext103", "distperp_wikitext2"]
-    for name, task in loaded.items():
+    for _name, task in loaded.items():
         assert task.config.metadata["version"] == 1.0
         assert task.config.output_type == "loglikelihood_rolling"
         docs = list(task.test_docs())

@@ -37,12 +37,12 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 import torch
 
-from distperp_harness.errors import install_excepthook
 from distperp_harness.distributed import failfast
 from distperp_harness.distributed.controlplane import control_group as _control_group
 from distperp_harness.distributed.failfast import start_watch, stop_watch
 from distperp_harness.distributed.liveness import describe_ranks
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, store_gone
+from distperp_harness.errors import install_excepthook
 
 __all__ = ["Collective", "CollectiveError", "default_store"]
 

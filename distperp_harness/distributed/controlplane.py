@@ -21,8 +21,8 @@ import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
-from distperp_harness.errors import InputError
 from distperp_harness.distributed.store import default_store
+from distperp_harness.errors import InputError
 
 VARIABLE = "GLOO_SOCKET_IFNAME"
 _HOW_TO_FIX = (f"Fix: set {VARIABLE}=<interface> on every node, the interface through which the nodes reach each "

@@ -49,10 +49,15 @@ import time
 from typing import Any, Callable, Iterator
 
 from distperp_harness.distributed import liveness
-from distperp_harness.distributed.liveness import current_stage, pop_stage, push_stage
 from distperp_harness.distributed.controlplane import bound_address, host_name
-from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, \
-    private_client, store_gone
+from distperp_harness.distributed.liveness import current_stage, pop_stage, push_stage
+from distperp_harness.distributed.store import (
+    CollectiveError,
+    default_store,
+    is_distributed_failure,
+    private_client,
+    store_gone,
+)
 
 FAILURE_KEY = "distperp/failure"
 ACK_KEY = "distperp/failure_acks"

@@ -39,6 +39,7 @@ A rank that leaves normally adds :data:`LEFT` to its counter first, so that its 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import socket
@@ -280,10 +281,8 @@ class Liveness:
 
     def close(self) -> None:
         if self.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
             self.sock = None
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+
 def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()

@@ -174,8 +174,7 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
     """
     import transformers
 
-    from distperp_harness.model.quantize import (SCHEMES, _import_torchao, finish_report, quantize_model,
-                                           select_layers)
+    from distperp_harness.model.quantize import SCHEMES, _import_torchao, finish_report, quantize_model, select_layers
 
     scheme = options.quantize
     plan = SCHEMES[scheme].plan(dtype, options.group_size, device)
@@ -302,11 +301,6 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
         return _load_given(options, device, given, meter)
     tokenizer = load_tokenizer(options)
     asked = torch_dtype(options.dtype)
-    if options.reference == "base" and options.quantize == "none":
-        raise InputError("reference=base compares against the unquantized checkpoint, but quantize=none. "
-                         "Fix: add quantize=int4 (or int8, 8da4w), give reference=<other model path>"
-                         + (", or reference=pretrained (the base without the adapter)"
-                            if options.peft or options.delta else "") + ".")
     stored = stored_quantization(load_config(options))
     refuse_on_stored(options, stored)
     staging = device if mesh is None else torch.device("cpu")  # FSDP2 moves each unit to the device as it shards

@@ -214,3 +214,9 @@ class LoadMeter:
             "host_anon_before_bytes": self.anon_before,
             "host_anon_after_bytes": _proc_status("RssAnon"),
         }
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 when it has none): what its activations and
+    logits come in."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

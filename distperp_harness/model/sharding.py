@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn

@@ -157,7 +157,22 @@ def whole_batch_bound(costs: Sequence[float], world_size: int) -> float:
     return bound
 
 
-def balance_report(plan: Plan, attention_coef: float = 0.0, head_coef: float = 0.0) -> dict:
+@dataclass(frozen=True)
+class BalanceReport:
+    """A plan's load per rank (cost, padded and scored tokens), its max/mean, and the best max/mean whole batches
+    allow."""
+
+    world_size: int
+    batches: int
+    padded_tokens_per_rank: list[int]
+    scored_tokens_per_rank: list[int]
+    cost_per_rank: list[float]
+    max_over_mean: float
+    best_max_over_mean: float
+    scored_max_over_mean: float
+
+
+def balance_report(plan: Plan, attention_coef: float = 0.0, head_coef: float = 0.0) -> BalanceReport:
     """Load statistics: cost, padded and scored tokens per rank, max/mean, and the best max/mean whole batches allow.
 
     ``best_max_over_mean`` is :func:`whole_batch_bound` over the mean: no assignment of these whole batches can do
@@ -173,16 +188,16 @@ def balance_report(plan: Plan, attention_coef: float = 0.0, head_coef: float = 0
     mean = total / plan.world_size if plan.world_size else 0.0
     scored_mean = sum(scored) / plan.world_size if plan.world_size else 0.0
     bound = whole_batch_bound([batch_cost(b, attention_coef, head_coef) for b in plan.batches], plan.world_size)
-    return {
-        "world_size": plan.world_size,
-        "batches": len(plan.batches),
-        "padded_tokens_per_rank": tokens,
-        "scored_tokens_per_rank": scored,
-        "cost_per_rank": loads,
-        "max_over_mean": (max(loads) / mean) if mean else 1.0,
-        "best_max_over_mean": (bound / mean) if mean else 1.0,
-        "scored_max_over_mean": (max(scored) / scored_mean) if scored_mean else 1.0,
-    }
+    return BalanceReport(
+        world_size=plan.world_size,
+        batches=len(plan.batches),
+        padded_tokens_per_rank=tokens,
+        scored_tokens_per_rank=scored,
+        cost_per_rank=loads,
+        max_over_mean=(max(loads) / mean) if mean else 1.0,
+        best_max_over_mean=(bound / mean) if mean else 1.0,
+        scored_max_over_mean=(max(scored) / scored_mean) if scored_mean else 1.0,
+    )
 
 
 def round_robin_max_over_mean(doc_costs: Sequence[float], world_size: int) -> float:

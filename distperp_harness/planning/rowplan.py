@@ -5,7 +5,7 @@ The same rules as :func:`distperp_harness.planning.rows.plan_rows`, applied to t
 
 * ``mode="prefix"``: distinct model inputs are the leaves, ordered by their prefix-hash ladders (a trie order: inputs
   sharing ``k`` blocks are adjacent); the tokens two neighbours share are estimated to the block below, and leaves
-  are packed next-fit while sharing pays (:func:`~distperp_harness.planning.rows._worth_merging`) and the estimated row
+  are packed next-fit while sharing pays (:func:`~distperp_harness.planning.rows.worth_merging`) and the estimated row
   fits ``max_row_length``. Rows whose roots share at least ``MIN_SHARED_PREFIX`` tokens form a group, and a batch of a
   group computes its common prefix once (:func:`batch_shared`);
 * ``mode="inputs"``: one row per distinct input; an input that is the context of a longer one (a one-token answer
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distperp_harness.planning.records import BLOCK, GlobalTable
-from distperp_harness.planning.rows import MIN_SHARED_PREFIX, SHARE_MODES, _worth_merging
+from distperp_harness.planning.rows import MIN_SHARED_PREFIX, SHARE_MODES, worth_merging
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: 
     size = 0
     for p, (d, length) in enumerate(zip(lcp.tolist(), leaf_len.tolist())):
         t = length - d
-        if starts and size + t <= limit and _worth_merging(size, d, t, attention_coef):
+        if starts and size + t <= limit and worth_merging(size, d, t, attention_coef):
             size += t
             sizes[-1] = size
         else:

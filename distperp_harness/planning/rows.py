@@ -20,7 +20,7 @@ to token sequences directly (a unit's index in ``units`` is its id), the referen
 * units with the same model input are one *input class*, computed once; a class whose input is a prefix of another
   class's input reads along that longer path (a one-token answer after the context of multi-token ones);
 * ``mode="prefix"``: the maximal inputs (the trie's leaves) are taken in lexicographic order and packed next-fit
-  into rows of at most ``max_row_length`` tokens while the row's cost goes down (:func:`_worth_merging`: the tokens
+  into rows of at most ``max_row_length`` tokens while the row's cost goes down (:func:`worth_merging`: the tokens
   shared with the previous leaf against the extra dense-attention work of a longer row). Answers after one context
   and questions after one few-shot block become one tree;
 * rows whose roots share at least :data:`MIN_SHARED_PREFIX` tokens form a *group*: batches never mix groups, and a
@@ -37,6 +37,7 @@ Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import itertools
 from dataclasses import dataclass
@@ -46,7 +47,19 @@ import numpy as np
 
 from distperp_harness.planning.requests import Unit
 
-SHARE_MODES = ("off", "inputs", "prefix")
+
+class ShareMode(str, enum.Enum):
+    """How units share rows (module docstring); a ``str`` enum, so records and logs show its value."""
+
+    OFF = "off"
+    INPUTS = "inputs"
+    PREFIX = "prefix"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SHARE_MODES = tuple(m.value for m in ShareMode)
 MIN_SHARED_PREFIX = 32
 """Shortest prefix a batch computes once for all its rows (below it, one more forward call costs more than the
 tokens it saves)."""
@@ -183,7 +196,7 @@ def plan_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int |
     for j, leaf in enumerate(leaves):
         d = lcps[j]
         t = len(leaf) - d
-        if mode == "prefix" and packs and size + t <= limit and _worth_merging(size, d, t, attention_coef):
+        if mode == "prefix" and packs and size + t <= limit and worth_merging(size, d, t, attention_coef):
             packs[-1].append(j)
             size += t
         else:
@@ -250,7 +263,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def _worth_merging(length: int, shared: int, own: int, attention_coef: float) -> bool:
+def worth_merging(length: int, shared: int, own: int, attention_coef: float) -> bool:
     """Whether a leaf sharing ``shared`` tokens with a row of ``length`` tokens (adding ``own``) joins it.
 
     With a row costing ``L (1 + a L)`` (linear work plus dense attention), joining changes the cost by

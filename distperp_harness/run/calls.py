@@ -10,6 +10,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from distperp_harness.run.claims import Claiming
+
 
 @dataclass(frozen=True)
 class RankShare:
@@ -60,7 +62,7 @@ class ScoringCall:
     max_over_mean: float
     best_max_over_mean: float
     scored_max_over_mean: float
-    claiming: str
+    claiming: Claiming
     per_rank: list[RankShare]
     planning_seconds: float
     scoring_seconds: float
@@ -98,7 +100,7 @@ class GenerationCall:
     decode_positions: int
     generated: int
     peak_cache_positions: int
-    claiming: str
+    claiming: Claiming
     per_rank: list[RankShare]
     world_size: int
     seconds: float

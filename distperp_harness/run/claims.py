@@ -21,9 +21,21 @@ and runs its batch and then idle forwards up to the step's largest count; the wa
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Iterator, Sequence
 
 from distperp_harness.distributed.store import CollectiveError
+
+
+class Claiming(str, enum.Enum):
+    """How a call's units were taken: ``dynamic`` (owner, then its helper, as ranks go) or ``static`` (each rank
+    its own only: ``claim=false``, or one process). A ``str`` enum: the call records show its value."""
+
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def helper_of(owner: int, world_size: int, step: int) -> int:
@@ -36,7 +48,7 @@ def helper_step(world_size: int, local_world_size: int, shard_size: int = 1) -> 
     shard group's (one process without sharding); 0 when there is nobody to help (one process, or one shard group)."""
     if world_size <= shard_size:
         return 0
-    step = local_world_size if 1 < world_size // max(1, local_world_size) else shard_size
+    step = local_world_size if world_size // max(1, local_world_size) > 1 else shard_size
     if step % shard_size:  # shard groups lie within nodes, so a node's processes are whole groups; else stay safe
         step = shard_size
     return step % world_size or shard_size

@@ -47,7 +47,6 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.model.layers import decoder_layers  # noqa: F401 - tests reach it here too
-
 from distperp_harness.run.prepack import Prepacked, packable_bytes, prepack
 
 log = get_logger(__name__)
@@ -77,6 +76,11 @@ class CompileState:
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
+    def is_warming(self) -> bool:
+        """True inside :func:`warming` (warm-up forwards may compile; later calls may not)."""
+        return self._warming
+
+    @property
     def active_mode(self) -> str | None:
         """The mode the run computes with (None: eager); part of the resume key."""
         return self.mode if self.active else None
@@ -103,11 +107,11 @@ class CompileState:
         warm_up, self._tree = self._tree, None
 
         def attempt() -> None:
-            with _warming(self):
-                fail_for_tests("DISTPERP_TEST_TREE_MASK_FAILURE")
+            with warming(self):
+                fake_compile_failure("DISTPERP_TEST_TREE_MASK_FAILURE")
                 self.warmup += warm_up()
 
-        failure = _first_failure([why for why, _ in _in_turn(collective, "the tree-mask graph", attempt)])
+        failure = first_failure([why for why, _ in in_turn(collective, "the tree-mask graph", attempt)])
         self.tree_mask = "compiled" if failure is None else f"eager: {failure}"
         if failure is not None:
             log.warning(f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: "
@@ -222,11 +226,11 @@ def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], tree: bo
 
 
 @contextlib.contextmanager
-def _warming(state: CompileState):
+def warming(state: CompileState):
     """Compile settings for warm-ups (deterministic kernels, no duck sizing); adds the seconds, graphs and cache
     hits and misses of the block to ``state``, and restarts the recompilation count after it."""
-    from torch._dynamo.utils import counters
     import torch.fx.experimental._config as fx_config
+    from torch._dynamo.utils import counters
 
     before = (_unique_graphs(), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
     t0 = time.perf_counter()
@@ -253,11 +257,11 @@ def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Seq
     """Patch and warm up every model for plain rows (raises on any failure; the caller restores); with ``packed``,
     the tree-mask warm-up waits for the first plan that has tree rows (:meth:`CompileState.prepare`)."""
     state.active = True
-    with _warming(state):
+    with warming(state):
         for model in models:
             prepack(decoder_layers(model), device, shapes[0][0] * shapes[0][1], state.prepacked)
             state.layers += _patch(state, model, state.mode)
-        fail_for_tests()  # where inductor fails: at the warm-up's first compiled call, after patching
+        fake_compile_failure()  # where inductor fails: at the warm-up's first compiled call, after patching
         for model in models:
             state.warmup = _warm_up(model, shapes, False, pad_token_id, device)
     if packed:
@@ -325,12 +329,12 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
         _compile(state, present, shapes, packed, pad_token_id, device)
         return state.prepacked.linears
 
-    agreed = _in_turn(collective, "the decoder layers", attempt, reason)
+    agreed = in_turn(collective, "the decoder layers", attempt, reason)
     reasons = [why for why, _ in agreed]
     linears = [n for why, n in agreed if why is None]
     if not any(reasons) and len(set(linears)) > 1:  # one kernel choice for all: else one rank's bits would differ
         reasons[0] = f"processes packed different numbers of linear weights for oneDNN: {linears}"
-    state.reason = _first_failure(reasons)
+    state.reason = first_failure(reasons)
     if state.reason is not None:
         state.restore()
         log.warning(f"compile={mode}: not compiled, running eager: {state.reason}", main_process_only=True)
@@ -344,8 +348,8 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
     return state
 
 
-def _in_turn(collective: Any, what: str, attempt: Callable[[], Any], reason: str | None = None
-             ) -> list[tuple[str | None, Any]]:
+def in_turn(collective: Any, what: str, attempt: Callable[[], Any], reason: str | None = None
+            ) -> list[tuple[str | None, Any]]:
     """``attempt()`` on every rank (skipped where ``reason`` already says why not), the node's local rank 0 first: it
     fills inductor's on-disk cache and the node's other ranks then load its kernels. Returns every rank's ``(failure
     reason or None, what attempt returned)``; a failure never escapes (the evaluation runs eager instead)."""
@@ -362,7 +366,7 @@ def _in_turn(collective: Any, what: str, attempt: Callable[[], Any], reason: str
     return collective.all_gather_object((reason, result), f"agree on compiling {what}")
 
 
-def _first_failure(reasons: Sequence[str | None]) -> str | None:
+def first_failure(reasons: Sequence[str | None]) -> str | None:
     """The lowest rank's failure reason (with its rank when there are several), or None."""
     failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
     if failed is None:
@@ -370,7 +374,7 @@ def _first_failure(reasons: Sequence[str | None]) -> str | None:
     return failed[1] + (f" (rank {failed[0]})" if len(reasons) > 1 else "")
 
 
-def fail_for_tests(variable: str = "DISTPERP_TEST_COMPILE_FAILURE") -> None:
+def fake_compile_failure(variable: str = "DISTPERP_TEST_COMPILE_FAILURE") -> None:
     """Tests fake a compile failure by setting ``variable`` (its value is the message):
     ``DISTPERP_TEST_COMPILE_FAILURE`` at load, ``DISTPERP_TEST_TREE_MASK_FAILURE`` for the tree-mask graph."""
     import os

@@ -31,13 +31,13 @@ import torch
 
 from distperp_harness.distributed.collective import naming_failures
 from distperp_harness.distributed.failfast import stop_together
-from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.distributed.store import default_store
+from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.model.sharding import gathered, regather
 from distperp_harness.planning.requests import Unit
 from distperp_harness.run.calls import RankFacts
-from distperp_harness.run.claims import Claims, GroupSteps, helper_step
+from distperp_harness.run.claims import Claiming, Claims, GroupSteps, helper_step
 from distperp_harness.run.groups import Follow, Workers
 from distperp_harness.run.resume import fault_for_tests
 from distperp_harness.run.scoring import BatchScores, NonFiniteLogitsError, forward_calls, score_batch
@@ -119,8 +119,8 @@ class Executor:
         self._follow: Follow | None = None
 
     @property
-    def claiming_mode(self) -> str:
-        return "dynamic" if self.step else "static"
+    def claiming_mode(self) -> Claiming:
+        return Claiming.DYNAMIC if self.step else Claiming.STATIC
 
     def stage(self, what: str) -> ContextManager:
         """The failure channel around a stage that is not one unit (planning, exchanging, gathering)."""
@@ -237,8 +237,8 @@ class Executor:
         fault_for_tests(self.rank)
         return scores
 
-    def lane(self, key: bytes | None, jobs: int, what: str, compute: Callable[[], tuple[list[str], dict]]
-             ) -> tuple[list[str], dict | None]:
+    def lane(self, key: bytes | None, jobs: int, what: str, compute: Callable[[], tuple[list[str], Any]]
+             ) -> tuple[list[str], Any]:
         """One generation lane's texts and statistics (``None`` when read back from ``resume_dir`` under ``key``):
         computed in the failure channel (``what`` names it) and saved. A TP group's member gets ``([], None)`` when
         its leader read the lane back."""

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from distperp_harness.errors import InputError
-from distperp_harness.model.memory import activation_bytes_per_token, free_memory_bytes
-from distperp_harness.options import Options
 from distperp_harness.model.layers import decoder_layers
+from distperp_harness.model.memory import activation_bytes_per_token, compute_dtype, free_memory_bytes
+from distperp_harness.options import Options
 
 if TYPE_CHECKING:
     from distperp_harness.distributed.collective import Collective
@@ -172,15 +172,12 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
     vocab = max(int(getattr(m.config, "vocab_size", 0) or 0) for m in (model, reference) if m is not None)
-    logits = chunk_bytes(device.type, _dtype(model), _dtype(reference) if reference is not None else None,
+    logits = chunk_bytes(device.type, compute_dtype(model), compute_dtype(reference) if reference is not None else None,
                          positions=rows * max_length, vocab=vocab)
     comm = COMM_MARGIN_CUDA if device.type == "cuda" and shard_size > 1 else 0
     return Need(kept, ref_kept, root + ref_root + 2 * max(layer, ref_layer), rows * max_length * per_token,
                 logits, comm)
 
-
-def _dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int,

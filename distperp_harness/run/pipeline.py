@@ -30,39 +30,17 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from distperp_harness.planning.plan import Batch, assign_batches, balance_report
+from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
+from distperp_harness.planning.requests import Unit
+from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
+from distperp_harness.planning.rows import Row, row_of, shared_prefix, unit_rows
 from distperp_harness.run.calls import RankShare, RunStats, ScoringCall
 from distperp_harness.run.claims import helper_of
 from distperp_harness.run.executor import Executor
-from distperp_harness.planning.plan import Batch, assign_batches, balance_report, make_batches
-from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
-from distperp_harness.planning.requests import Unit
 from distperp_harness.run.routing import move_tokens, return_results
-from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
-from distperp_harness.planning.rows import Row, row_of, shared_prefix, unit_rows
+from distperp_harness.run.rules import ScoringRule
 from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, forward_calls
-
-
-@dataclass(frozen=True)
-class Batching:
-    """World-size-independent batching rule: fixed rows per batch, or a token budget per batch."""
-
-    batch_size: int | None = 1
-    token_budget: int | None = None
-    max_batch_size: int = 64
-
-    def batches(self, lengths: Sequence[int], n_score: Sequence[int] | None = None,
-                group_starts: Sequence[int] = (0,)) -> list[Batch]:
-        """Batches over rows in plan order, never across ``group_starts``; ``n_score`` only annotates them."""
-        if self.token_budget is not None:
-            return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
-                                n_score=n_score, group_starts=group_starts)
-        return make_batches(lengths, batch_size=self.batch_size, n_score=n_score, group_starts=group_starts)
-
-    def rows_for(self, padded_length: int) -> int:
-        """Rows a batch of ``padded_length`` tokens may hold under this rule."""
-        if self.token_budget is not None:
-            return max(1, min(self.max_batch_size, self.token_budget // max(1, padded_length)))
-        return int(self.batch_size or 1)
 
 
 @dataclass(frozen=True)
@@ -75,30 +53,6 @@ class RequestResult:
     ref_loglikelihood: float | None = None
     top1_agree: int | None = None
     kl: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class Sharing:
-    """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`), the longest packed row,
-    and whether a batch's rows may start from the key/value cache of their common prefix, computed once
-    (``cached_prefix``; off, each row computes it)."""
-
-    mode: str = "off"
-    max_row_length: int | None = None
-    cached_prefix: bool = True
-
-
-@dataclass(frozen=True)
-class ScoringRule:
-    """How a scoring call's global plan is made: rows (``sharing``), batches (``batching``) and their costs
-    (``attention_coef``, ``head_coef``: see :func:`distperp_harness.planning.plan.assign_batches`), and whether the
-    scores carry the reference's comparison (``with_reference``)."""
-
-    batching: Batching
-    sharing: Sharing = Sharing()
-    attention_coef: float = 0.0
-    head_coef: float = 0.0
-    with_reference: bool = False
 
 
 Progress = Callable[[int], None]
@@ -215,8 +169,8 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
             contexts=len(np.unique(table.units["context"])), row_groups=len(planned.group_starts),
             batches=len(batches), batches_sharing_a_prefix=sum(1 for b in batches if b.shared),
             scored_tokens=int(table.units["n_score"].astype(np.int64).sum()),
-            padded_tokens_per_rank=balance["padded_tokens_per_rank"], max_over_mean=balance["max_over_mean"],
-            best_max_over_mean=balance["best_max_over_mean"], scored_max_over_mean=balance["scored_max_over_mean"],
+            padded_tokens_per_rank=balance.padded_tokens_per_rank, max_over_mean=balance.max_over_mean,
+            best_max_over_mean=balance.best_max_over_mean, scored_max_over_mean=balance.scored_max_over_mean,
             claiming=executor.claiming_mode, per_rank=per_rank, planning_seconds=t_plan, scoring_seconds=t_score,
             total_seconds=time.perf_counter() - t0, seconds_after_arrival=time.perf_counter() - t_met,
             facts=executor.facts(received_before)))

@@ -39,12 +39,12 @@ from typing import Sequence
 
 import numpy as np
 
+from distperp_harness.distributed.failfast import hard_exit, leaving
+from distperp_harness.distributed.testfaults import inject
 from distperp_harness.errors import InputError
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
 from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
-from distperp_harness.distributed.failfast import hard_exit, leaving
-from distperp_harness.distributed.testfaults import inject
 
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class BatchStore:
     # ------------------------------------------------------------------------------------------ generations
     def load_lane(self, lane_key: bytes, jobs: int) -> list[str] | None:
         """The saved texts of a generation lane (``lane_key``: everything that determines them, see
-        :func:`distperp_harness.run.generate`), or ``None``. Like batches, a file is never trusted: it is reused only
+        :func:`distperp_harness.run.generation.generate`), or ``None``. Like batches, a file is never trusted: it is reused only
         if it is JSON with this configuration's key, ``jobs`` strings and their sha256; else recomputed (counted)."""
         key, path = self._lane_path(lane_key)
         try:
@@ -303,7 +303,7 @@ def _check_values(arrays: dict[str, np.ndarray], units: Sequence[Unit]) -> None:
         "a greedy flag other than 0/1": not np.isin(stats[:, GREEDY], (0.0, 1.0)).all(),
         "token counts that differ from the batch's": not np.array_equal(stats[:, N_TOKENS], n_score),
         "top-1 counts out of range": not (np.all(stats[:, TOP1] == np.round(stats[:, TOP1]))
-                                          and np.all((0 <= stats[:, TOP1]) & (stats[:, TOP1] <= n_score))),
+                                          and np.all((stats[:, TOP1] >= 0) & (stats[:, TOP1] <= n_score))),
     }
     if "kl" not in arrays and (stats[:, [REF_LL, TOP1]] != 0).any():
         problems["reference columns without a reference"] = True

@@ -33,10 +33,16 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from distperp_harness.errors import InputError
-from distperp_harness.model.memory import activation_bytes_per_token, free_memory_bytes, is_out_of_memory, room_bytes, \
-    total_memory_bytes
+from distperp_harness.model.memory import (
+    activation_bytes_per_token,
+    compute_dtype,
+    is_out_of_memory,
+    room_bytes,
+    total_memory_bytes,
+)
 from distperp_harness.options import Options
-from distperp_harness.run.pipeline import Batching, Sharing
+from distperp_harness.planning.rows import ShareMode
+from distperp_harness.run.rules import Batching, Sharing
 
 if TYPE_CHECKING:
     from distperp_harness.distributed.collective import Collective
@@ -129,16 +135,13 @@ def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, 
 
     fraction = _MEMORY_FRACTION.get(device_type, _MEMORY_FRACTION["cpu"])
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
-    logits = chunk_bytes(device_type, _dtype(model), _dtype(reference) if reference is not None else None)
+    logits = chunk_bytes(device_type, compute_dtype(model), compute_dtype(reference) if reference is not None else None)
     usable = int(fraction * max(0, total_bytes - resident_bytes)) - logits
     tokens = usable // max(1, per_token)
     if device_type == "cpu":
         tokens = min(tokens, _CPU_MAX_TOKENS)
     return clamp_budget(tokens, max_length, max_batch_size)
 
-
-def _dtype(model: torch.nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def check_budget(budget: int, max_length: int, device: torch.device, *, free_bytes: int,
@@ -178,9 +181,9 @@ def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int,
                   reference: torch.nn.Module | None = None, pad_token_id: int = 0) -> Probe:
     """A :data:`Probe` that scores ``budget // max_length`` rows of ``max_length + 1`` tokens, every position
     scored (the worst case), with the real :func:`~distperp_harness.run.scoring.score_batch`."""
+    from distperp_harness.model.sharding import gathered
     from distperp_harness.planning.requests import Unit
     from distperp_harness.run.scoring import score_batch
-    from distperp_harness.model.sharding import gathered
 
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
 
@@ -296,7 +299,7 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
              if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model) else None)
     from distperp_harness.run.scoring import chunk_bytes
 
-    logits = chunk_bytes(device.type, _dtype(model), _dtype(reference) if reference is not None else None)
+    logits = chunk_bytes(device.type, compute_dtype(model), compute_dtype(reference) if reference is not None else None)
     problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
                            bytes_per_token=per_token, fixed_bytes=logits)
     problems = collective.all_gather_object((problem, str(device)), "check the batch budget")
@@ -318,14 +321,14 @@ def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: 
     from distperp_harness.run.scoring import cached_prefix_unsupported, packed_rows_unsupported
 
     if not share_prefix:
-        return Sharing("off"), None, None, None
+        return Sharing(ShareMode.OFF), None, None, None
     why = next((r for r in (packed_rows_unsupported(m, max_length) for m in models) if r), None)
     if why is not None:
         line = (f"shared-prefix rows are off: {why}; units with the same input still share a row, every other answer "
                 "gets a row of its own")
-        return Sharing("inputs", max_length), why, None, line
+        return Sharing(ShareMode.INPUTS, max_length), why, None, line
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
     cached = not any(cached_prefix_unsupported(m) for m in models)
     line = f"tree rows of at most {tokens} tokens ({how})" + \
         ("" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r))
-    return Sharing("prefix", tokens, cached), None, how, line
+    return Sharing(ShareMode.PREFIX, tokens, cached), None, how, line

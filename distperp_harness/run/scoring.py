@@ -24,10 +24,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distperp_harness.run.masks import Packing as _Packing, flex_shapes
-from distperp_harness.run.kvcache import cache_argument, prefix_cache
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
+from distperp_harness.run.kvcache import cache_argument, prefix_cache
+from distperp_harness.run.masks import Packing as _Packing
+from distperp_harness.run.masks import flex_shapes
 
 # Columns of the per-unit statistics table (float64), gathered across ranks as one tensor.
 LL, GREEDY, N_TOKENS, REF_LL, TOP1 = range(5)

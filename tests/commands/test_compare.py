@@ -4,9 +4,9 @@ import json
 import sys
 
 import pytest
+from helpers import REPO_ROOT, load_results, run_command, side_by_side
 
 from distperp_harness.commands.compare import load_run, markdown_table, per_document, plot_runs
-from helpers import REPO_ROOT, load_results, run_command, side_by_side
 
 
 @pytest.fixture(scope="module")

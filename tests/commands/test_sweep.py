@@ -6,12 +6,12 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import accelerate_launch_prefix, load_results, run_command, sharpened_model
 
-from distperp_harness.model import loading
 from distperp_harness.commands.cli import main
 from distperp_harness.commands.compare import load_run, markdown_table, plot_runs
 from distperp_harness.commands.sweep import Scheme, parse_schemes, pooled_kl
-from helpers import accelerate_launch_prefix, load_results, run_command, sharpened_model
+from distperp_harness.model import loading
 
 SCHEMES = "int4:32,int8"
 

@@ -8,10 +8,18 @@ import threading
 import time
 
 import pytest
+from helpers import (
+    TASKS_DIR,
+    DictStore,
+    LaunchOutputs,
+    distperp_args,
+    free_port,
+    launch_one_node,
+    offline_env,
+    start_two_nodes,
+)
 
 from distperp_harness.distributed import controlplane, failfast
-from helpers import TASKS_DIR, DictStore, LaunchOutputs, distperp_args, free_port, launch_one_node, offline_env, \
-    start_two_nodes
 
 
 class _Collective:
@@ -31,9 +39,8 @@ def test_the_first_failure_is_recorded_and_every_peer_stops_naming_it(monkeypatc
     monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
     stopped = []
     watches = [failfast.FailureWatch(store, r, poll_s=0.01, on_failure=stopped.append) for r in (0, 2)]
-    with pytest.raises(ValueError, match="NaN"):
-        with failfast.stop_together(_Collective(), "cuda:1"):
-            raise ValueError("the model produced NaN/inf logits")
+    with pytest.raises(ValueError, match="NaN"), failfast.stop_together(_Collective(), "cuda:1"):
+        raise ValueError("the model produced NaN/inf logits")
     failfast.publish(store, 2, 3, "RuntimeError: later", ack_wait_s=0)  # a second failure does not replace it,
     assert int(store.get(failfast.ACK_KEY)) == 1  # and acknowledges the first: nobody waits for a failing rank
     record = failfast.read(store)

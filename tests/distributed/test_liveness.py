@@ -8,10 +8,10 @@ import time
 from datetime import timedelta
 
 import pytest
+from helpers import DictStore
 
 from distperp_harness.distributed import failfast, liveness
 from distperp_harness.distributed.liveness import LEFT, Liveness, Peer, Probe
-from helpers import DictStore
 
 
 class _Clock:

@@ -9,10 +9,10 @@ import subprocess
 import time
 
 import pytest
+from helpers import LaunchOutputs, distperp_args, launch_one_node, start_two_nodes
 
 from distperp_harness.distributed.failfast import SETTLE_QUIET_S
 from distperp_harness.distributed.liveness import PROBE_REPLY_S, SUSPECT_S, silence_bound
-from helpers import LaunchOutputs, distperp_args, launch_one_node, start_two_nodes
 
 pytestmark = pytest.mark.distributed
 

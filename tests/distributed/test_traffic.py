@@ -6,7 +6,6 @@ import pytest
 from distperp_harness.distributed.traffic import CollectiveBytes, _fit, forward_traffic
 
 
-
 def test_ring_factors_and_groups_of_one():
     c = CollectiveBytes()
     c.add("all_reduce", "reduce", 1000, 4)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import lora_adapter, make_lm, score_rolling
 
 TEXTS = ["The quick brown fox jumps over the lazy dog, again and again.", "an adapter changes what a model says",
@@ -137,7 +136,7 @@ def test_delta_weights_as_hf_defines_them(tiny_model_dir, adapter_dir, tmp_path)
     tuned = make_lm(tiny_model_dir, f",peft={adapter_dir}").model
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
-        for (name, p), q in zip(base.named_parameters(), tuned.parameters()):
+        for (_name, p), q in zip(base.named_parameters(), tuned.parameters()):
             p.copy_(q - p)
     base.save_pretrained(tmp_path / "delta")
     ours = score_rolling(make_lm(tiny_model_dir, f",delta={tmp_path / 'delta'},max_length=128"), TEXTS)

@@ -5,9 +5,9 @@ turn (``hf`` drops it)."""
 from __future__ import annotations
 
 import pytest
+from helpers import make_lm
 
 from distperp_harness.model.chat import fold_system, render_chat
-from helpers import make_lm
 
 NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
              "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -1,17 +1,21 @@
 """Device choice, device identity and the start-up agreement checks, with fakes for CUDA (no GPU here)."""
 
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-from distperp_harness.model import devices
-from distperp_harness.model.devices import (device_identity, find_disagreement, find_shared_gpus, numerics_flags,
-                                      physical_device, resolve_device)
-from distperp_harness.options import Options
 from helpers import accelerate_launch_prefix, run_command
+
+from distperp_harness.model.devices import (
+    device_identity,
+    find_disagreement,
+    find_shared_gpus,
+    numerics_flags,
+    physical_device,
+    resolve_device,
+)
+from distperp_harness.options import Options
 
 H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
                        total_memory=80 << 30, uuid="GPU-1111")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import make_lm, score_rolling, write_gguf
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "models" / "smollm2-135m-instruct"

@@ -7,9 +7,9 @@ import hashlib
 import shutil
 
 import pytest
+from helpers import make_lm, score_rolling
 
 from distperp_harness.model.identity import content_hash, hub_sha, source_sha
-from helpers import make_lm, score_rolling
 
 
 def test_content_hash_is_of_the_files_not_the_place(tmp_path):

@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distperp_harness.model.loading import load_all, load_model, load_quantized
-from distperp_harness.options import Options
-from distperp_harness.model.quantize import quantize_model, weight_bytes
 from distperp_harness.commands.tiny import TEST_SPEC, build_tiny_model
+from distperp_harness.model.loading import load_all, load_model, load_quantized
+from distperp_harness.model.quantize import quantize_model, weight_bytes
+from distperp_harness.options import Options
 
 SHARED_MODEL = Path(__file__).resolve().parents[3] / "shared" / "models" / "wt2-llama-5m"
 CPU = torch.device("cpu")

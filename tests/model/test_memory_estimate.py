@@ -11,9 +11,9 @@ import sys
 import textwrap
 
 import pytest
+from helpers import run_command
 
 from distperp_harness.model.memory import _reset_host_peak
-from helpers import run_command
 
 SCRIPT = textwrap.dedent("""
     import gc, json, sys

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import make_lm, score_rolling
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "= Title =\n a checkpoint saved already quantized"]

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from distperp_harness.options import GROUP_SIZES, QUANT_SCHEMES
 from distperp_harness.model.quantize import SCHEMES, quantize_model, resolve_model_dtype, weight_bytes
+from distperp_harness.options import GROUP_SIZES, QUANT_SCHEMES
 
 G = 32  # group size that divides every in_features of the test model (hidden 64, intermediate 128)
 

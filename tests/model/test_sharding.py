@@ -7,10 +7,17 @@ import functools
 import json
 
 import pytest
+from helpers import (
+    accelerate_launch_prefix,
+    load_results,
+    load_samples,
+    lora_adapter,
+    run_command,
+    run_two_nodes,
+    side_by_side,
+)
 
 from distperp_harness.model.sharding import check_groups_within_hosts, resolve_shard_size, shard_groups
-from helpers import (accelerate_launch_prefix, load_results, load_samples, lora_adapter, run_command, run_two_nodes,
-                     side_by_side)
 
 TASKS = "dptest_rolling,dptest_mc,dptest_fewshot,dptest_chain"
 INT4 = ",quantize=int4,group_size=32,reference=base"

@@ -11,11 +11,19 @@ import math
 import subprocess
 
 import pytest
+from helpers import (
+    LaunchOutputs,
+    accelerate_launch_prefix,
+    distperp_args,
+    load_results,
+    load_samples,
+    offline_env,
+    run_command,
+    run_two_nodes,
+)
 
 from distperp_harness.model.sharding import shard_groups
 from distperp_harness.model.tensor_parallel import check_tp_plan, resolve_tp_size, rowwise_slices_too_narrow
-from helpers import (LaunchOutputs, accelerate_launch_prefix, distperp_args, load_results, load_samples,
-                     offline_env, run_command, run_two_nodes)
 
 TASKS = "dptest_rolling,dptest_mc,dptest_gen,dptest_sample"
 INT4 = ",quantize=int4,group_size=32,reference=base"

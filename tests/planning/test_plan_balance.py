@@ -5,8 +5,14 @@ import random
 
 import pytest
 
-from distperp_harness.planning.plan import (Batch, assign_batches, balance_report, batch_cost, make_batches,
-                                   whole_batch_bound)
+from distperp_harness.planning.plan import (
+    Batch,
+    assign_batches,
+    balance_report,
+    batch_cost,
+    make_batches,
+    whole_batch_bound,
+)
 
 
 def _rolling_windows(doc_lengths, max_length=1024):
@@ -49,7 +55,7 @@ def test_bound_never_exceeds_what_lpt_reaches():
         # each batch one row of length c: its cost is c padded tokens
         batches = [Batch(i, i + 1, max(1, int(c))) for i, c in enumerate(costs)]
         report = balance_report(assign_batches(batches, world))
-        assert report["best_max_over_mean"] <= report["max_over_mean"] + 1e-12
+        assert report.best_max_over_mean <= report.max_over_mean + 1e-12
 
 
 def test_equal_inputs_spread_their_scored_tokens():
@@ -58,8 +64,8 @@ def test_equal_inputs_spread_their_scored_tokens():
     lengths, n_score = _rolling_windows(docs)
     batches = make_batches(lengths, batch_size=1, n_score=n_score)
     report = balance_report(assign_batches(batches, 16))
-    assert report["scored_max_over_mean"] <= 1.05  # scored tokens balanced too, not only the padded inputs
-    assert report["max_over_mean"] <= 1.05 * report["best_max_over_mean"]
+    assert report.scored_max_over_mean <= 1.05  # scored tokens balanced too, not only the padded inputs
+    assert report.max_over_mean <= 1.05 * report.best_max_over_mean
 
 
 def test_head_term_balances_compute_and_stays_deterministic():
@@ -71,5 +77,5 @@ def test_head_term_balances_compute_and_stays_deterministic():
     plan = assign_batches(batches, 32, a, h)
     assert plan.owner == assign_batches(batches, 32, a, h).owner
     report = balance_report(plan, a, h)
-    assert report["max_over_mean"] <= 1.05
-    assert sum(report["scored_tokens_per_rank"]) == sum(n_score)
+    assert report.max_over_mean <= 1.05
+    assert sum(report.scored_tokens_per_rank) == sum(n_score)

@@ -4,8 +4,15 @@ are loud."""
 import numpy as np
 import pytest
 
-from distperp_harness.planning.records import BLOCK, FlatUnits, GlobalTable, HashCollision, decode, encode, \
-    local_records
+from distperp_harness.planning.records import (
+    BLOCK,
+    FlatUnits,
+    GlobalTable,
+    HashCollision,
+    decode,
+    encode,
+    local_records,
+)
 from distperp_harness.planning.requests import Unit
 
 

@@ -16,7 +16,7 @@ def _fewshot(questions=30, shots=70, seed=0, max_length=256):
     rng = np.random.default_rng(seed)
     block = [int(t) for t in rng.integers(5, 900, shots)]
     out = []
-    for q in range(questions):
+    for _q in range(questions):
         question = [int(t) for t in rng.integers(5, 900, int(rng.integers(3, 25)))]
         answers = [[1000 + a] * int(rng.integers(1, 4)) for a in range(4)] + [[1000]]
         out += [continuation_unit(block + question, ans, max_length) for ans in answers]

@@ -148,7 +148,7 @@ def test_shared_prefix_stops_before_the_first_scored_position():
 def test_rows_depend_only_on_the_unit_set(mode):
     rng = random.Random(0)
     units = []
-    for q in range(30):
+    for _q in range(30):
         context = [rng.randrange(4, 50) for _ in range(rng.randrange(1, 12))]
         units += _mc(context, [[rng.randrange(4, 50) for _ in range(rng.randrange(1, 5))] for _ in range(4)], 16)
     table = UnitTable(units)

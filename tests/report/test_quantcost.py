@@ -12,9 +12,9 @@ import random
 
 import numpy as np
 import pytest
+from helpers import make_lm, sharpened_model
 
 from distperp_harness.report.quantcost import Record, choose, gold_indices, log_line, merge, task_entries, task_entry
-from helpers import make_lm, sharpened_model
 
 MC_TASKS = ["dptest_mc", "dptest_rolling"]
 

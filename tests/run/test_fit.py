@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from distperp_harness.model.loading import load_model, load_quantized, skeleton
+from distperp_harness.model.quantize import weight_bytes
+from distperp_harness.options import Options
 from distperp_harness.run import fit
 from distperp_harness.run.fit import GiB, Need, check_fits, estimate, weights_per_rank
-from distperp_harness.model.loading import load_model, load_quantized, skeleton
-from distperp_harness.options import Options
-from distperp_harness.model.quantize import weight_bytes
 
 CPU = torch.device("cpu")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import sharpened_model
 
 from distperp_harness.run.executor import Executor, Forwards
-from distperp_harness.run.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+
 SAMPLED = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
 GREEDY = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
 
@@ -116,9 +116,8 @@ def test_sampling_without_a_temperature_uses_the_models_and_says_so(tiny_model_d
 
 
 def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir):
-    from lm_eval.api.instance import Instance
-
     from helpers import make_lm
+    from lm_eval.api.instance import Instance
 
     lm = make_lm(tiny_model_dir, ",max_length=128", {"batch_size": 4})
     inst = Instance("generate_until", {}, ("Once upon a time", dict(SAMPLED)), 0, metadata=("t", 0, 2))
@@ -135,7 +134,7 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
 
 def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path,
                                                                monkeypatch):
-    from distperp_harness.run import slots
+    from distperp_harness.run.generation import engines
     from distperp_harness.run.kvcache import CacheNotShareable
 
     model, tokenizer = _load(peaked_dir)
@@ -147,7 +146,7 @@ def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collec
     def sliding(cache):
         raise CacheNotShareable("DynamicSlidingWindowLayer")
 
-    monkeypatch.setattr(slots, "_plain_layers", sliding)
+    monkeypatch.setattr(engines, "plain_layers", sliding)
     assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected
     assert calls[1].engines == ["generate"] and calls[1].decode_positions >= calls[0].decode_positions
 
@@ -164,13 +163,11 @@ def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collecti
 def test_texts_equal_lm_evals_hf(peaked_dir):
     """Greedy texts of ``--model distperp`` and ``--model hf`` on the same prompts, arguments and batch size (the
     peaked model keeps greedy choices far from ties); each row stops at its own stop string or EOS."""
+    from helpers import make_lm
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from helpers import make_lm
-
-    words = ("the river flows into the sea and the lighthouse keeper lit the lamps while the old mill turned "
-             "slowly in the wind").split()
+    words = ["the", "river", "flows", "into", "the", "sea", "and", "the", "lighthouse", "keeper", "lit", "the", "lamps", "while", "the", "old", "mill", "turned", "slowly", "in", "the", "wind"]
     prompts = [" ".join(words[i: i + 3 + i % 7]) for i in range(14)]
     kwargs = {"until": ["e", "\n"], "max_gen_toks": 12, "do_sample": False}
     requests = [Instance("generate_until", {}, (p, dict(kwargs)), i) for i, p in enumerate(prompts)]
@@ -183,9 +180,8 @@ def test_texts_equal_lm_evals_hf(peaked_dir):
 
 
 def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sample_text_path):
-    from lm_eval.api.instance import Instance
-
     from helpers import make_lm
+    from lm_eval.api.instance import Instance
 
     prompts = _fewshot_prompts(sample_text_path, 6) + ["The river", "Once upon a time"]
     requests = [Instance("generate_until", {}, (p, dict(GREEDY)), i) for i, p in enumerate(prompts)]
@@ -207,11 +203,11 @@ def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sa
 def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
     """``batch_size=auto``: a task asking for 1,280 new tokens gets the slots whose KV caches fit the room the
     budget was sized for, fewer than a task asking for 16; the cache never held more than that."""
+    from helpers import make_lm
     from lm_eval.api.instance import Instance
 
     from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
     from distperp_harness.run.runtime import generation_rows
-    from helpers import make_lm
 
     lm = make_lm(tiny_model_dir, ",max_length=1400,max_batch_size=64", {"batch_size": "auto"})
     act, kv = activation_bytes_per_token(lm.model, lm.max_length), kv_cache_bytes_per_token(lm.model)
@@ -229,9 +225,8 @@ def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
 
 
 def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, sample_text_path):
-    from lm_eval.api.instance import Instance
-
     from helpers import make_lm
+    from lm_eval.api.instance import Instance
 
     requests = [Instance("generate_until", {}, (p, dict(GREEDY)), i)
                 for i, p in enumerate(_fewshot_prompts(sample_text_path, 4))]
@@ -245,9 +240,8 @@ def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, samp
 def test_reference_measures_the_quantized_models_own_generations(peaked_dir):
     """``reference=base`` on a generation task: the int8 model's answers scored by both models; the recorded KL
     and top-1 agreement equal a float64 computation along the same tokens."""
-    from lm_eval.api.instance import Instance
-
     from helpers import make_lm
+    from lm_eval.api.instance import Instance
 
     lm = make_lm(peaked_dir, ",max_length=128,dtype=float32,quantize=int8,reference=base", {"batch_size": 2})
     prompts = ["The river flows into the", "Once upon a time there", "A B C D E", "The lighthouse keeper lit"]

@@ -10,9 +10,18 @@ import numpy as np
 import pytest
 
 from distperp_harness.planning.records import BLOCK, FlatUnits, HashCollision, local_records
-from distperp_harness.run.jobs import (JOB, JobTable, LocalJobs, decode_jobs, encode_jobs, key_hex, key_words,
-                                       ladder_shared, plan_generation)
-from distperp_harness.run.lanes import shared_prefix
+from distperp_harness.run.generation.jobs import (
+    JOB,
+    JobTable,
+    LocalJobs,
+    decode_jobs,
+    encode_jobs,
+    key_hex,
+    key_words,
+    ladder_shared,
+    plan_generation,
+)
+from distperp_harness.run.generation.lanes import lane_prefix
 from tests.run.test_routing import _run
 
 
@@ -87,7 +96,7 @@ def test_the_planned_prefix_is_the_exact_one_to_a_block(seed):
     table = _table([_local([(i, p, 1, 16, False) for i, p in enumerate(prompts)])])
     ordered = [list(prompts[[_key(i) for i in range(9)].index(key_hex(k))]) for k in table.jobs["key"]]
     for start, stop in ((0, 9), (2, 7), (4, 6)):
-        exact, donor = shared_prefix(ordered[start:stop], 1)
+        exact, donor = lane_prefix(ordered[start:stop], 1)
         planned = ladder_shared(table, start, stop, 1)
         floor = exact // BLOCK * BLOCK
         assert planned == ((floor, donor) if floor else (0, 0))

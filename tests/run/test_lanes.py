@@ -3,7 +3,7 @@ lane's shared prefix is the block most of its prompts start with."""
 
 from __future__ import annotations
 
-from distperp_harness.run.lanes import LANE_ROUNDS, common_prefix, plan_lanes, shared_prefix
+from distperp_harness.run.generation.lanes import LANE_ROUNDS, common_prefix, lane_prefix, plan_lanes
 
 
 def _slots_for(budget: int):
@@ -13,7 +13,7 @@ def _slots_for(budget: int):
 def _plan(prompts, groups, max_new, slots_for, min_shared):
     """Lanes planned with the exact shared prefix of each lane's prompts."""
     return plan_lanes([len(p) for p in prompts], groups, max_new, slots_for,
-                      lambda a, b: shared_prefix(prompts[a:b], min_shared))
+                      lambda a, b: lane_prefix(prompts[a:b], min_shared))
 
 
 def test_lanes_hold_rounds_of_slots_never_mix_arguments_and_cover_every_job():
@@ -37,9 +37,9 @@ def test_slots_are_sized_for_the_prompt_and_the_tasks_new_tokens():
 def test_the_shared_prefix_is_what_most_prompts_start_with():
     block = list(range(50))
     prompts = [[99] + block[1:] + [1]] + [block + [i, i] for i in range(6)]  # one prompt with other shots
-    length, donor = shared_prefix(prompts, 32)
+    length, donor = lane_prefix(prompts, 32)
     assert length == 50 and prompts[donor][:50] == block
-    assert shared_prefix(prompts, 51) == (0, 0)
-    assert shared_prefix([block + [1]], 1) == (0, 0)  # one prompt: nothing to share
-    assert shared_prefix([block, block + [3]], 1) == (49, 1)  # every prompt keeps a token of its own
+    assert lane_prefix(prompts, 51) == (0, 0)
+    assert lane_prefix([block + [1]], 1) == (0, 0)  # one prompt: nothing to share
+    assert lane_prefix([block, block + [3]], 1) == (49, 1)  # every prompt keeps a token of its own
     assert common_prefix(prompts, 1) == 0 and common_prefix(prompts[1:], 32) == 50

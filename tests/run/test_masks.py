@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from distperp_harness.run.masks import FLEX_BLOCK, Packing
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
+from distperp_harness.run.masks import FLEX_BLOCK, Packing
 
 
 def _row(runs, parents, tag=0):

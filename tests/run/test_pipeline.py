@@ -7,10 +7,11 @@ import time
 import numpy as np
 import pytest
 
+from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.run.calls import RunStats
 from distperp_harness.run.executor import Executor, Forwards
-from distperp_harness.run.pipeline import Batching, ScoringRule, Sharing, score_requests
-from distperp_harness.planning.requests import continuation_unit, window_units
+from distperp_harness.run.pipeline import score_requests
+from distperp_harness.run.rules import Batching, ScoringRule, Sharing
 from distperp_harness.run.scoring import N_COLUMNS, BatchScores
 from tests.run.test_routing import _run
 
@@ -41,7 +42,7 @@ def _requests(seed=0):
     rng = np.random.default_rng(seed)
     block = [int(t) for t in rng.integers(5, 900, 60)]
     out = []
-    for q in range(16):
+    for _q in range(16):
         context = block + [int(t) for t in rng.integers(5, 900, int(rng.integers(3, 20)))]
         out += [[continuation_unit(context, [1000 + a] * (1 + a % 2), 256)] for a in range(4)]
     text = [int(t) for t in rng.integers(5, 900, 300)]

@@ -3,7 +3,6 @@
 import json
 
 import torch
-
 from helpers import make_lm
 
 

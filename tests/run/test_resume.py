@@ -17,13 +17,21 @@ import zipfile
 
 import numpy as np
 import pytest
+from helpers import (
+    TASKS_DIR,
+    accelerate_launch_prefix,
+    load_results,
+    load_samples,
+    make_lm,
+    offline_env,
+    run_command,
+    score_rolling,
+)
 
 from distperp_harness.planning.requests import Unit
-from distperp_harness.run.resume import BatchStore
 from distperp_harness.planning.rows import build_rows, unit_rows
+from distperp_harness.run.resume import BatchStore
 from distperp_harness.run.scoring import GREEDY, LL, N_TOKENS, TOP1, BatchScores
-from helpers import (TASKS_DIR, accelerate_launch_prefix, load_results, load_samples, make_lm, offline_env,
-                     run_command, score_rolling)
 
 UNITS = unit_rows([Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)])  # two one-unit rows
 GOOD = BatchScores(np.array([[-3.5, 0.0, 3, -3.25, 2], [-0.5, 1.0, 1, -0.75, 1]]), [np.array([0.1, 0.2, 0.3]),
@@ -255,10 +263,9 @@ def small_disk(tmp_path):
 def _fill(disk, leave_bytes):
     """Fill ``disk`` up, then free ``leave_bytes``."""
     filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as handle:
-        with pytest.raises(OSError) as info:
-            while True:
-                handle.write(b"\0" * 4096)
+    with open(filler, "wb", buffering=0) as handle, pytest.raises(OSError) as info:
+        while True:
+            handle.write(b"\0" * 4096)
     assert info.value.errno == errno.ENOSPC
     os.truncate(filler, max(0, filler.stat().st_size - leave_bytes))
 

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
-from distperp_harness.run.routing import _front_coded, _front_decoded, move_tokens, result_routes, return_results, \
-    token_routes
+from distperp_harness.run.routing import (
+    _front_coded,
+    _front_decoded,
+    move_tokens,
+    result_routes,
+    return_results,
+    token_routes,
+)
 from tests.planning.test_rowplan import _fewshot
 
 

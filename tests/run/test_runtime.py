@@ -8,12 +8,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from distperp_harness.model import memory
-from distperp_harness.run import runtime
 from distperp_harness.model.memory import activation_bytes_per_token, is_out_of_memory, kv_cache_bytes_per_token
 from distperp_harness.options import Options
 from distperp_harness.planning.plan import make_batches
-from distperp_harness.run.runtime import (attention_coefficient, batching_for, check_budget, clamp_budget,
-                                      head_coefficient, memory_budget, scoring_probe)
+from distperp_harness.run import runtime
+from distperp_harness.run.runtime import (
+    attention_coefficient,
+    batching_for,
+    check_budget,
+    clamp_budget,
+    head_coefficient,
+    memory_budget,
+    scoring_probe,
+)
 from distperp_harness.run.scoring import chunk_elements
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -171,7 +178,7 @@ def test_a_rank_that_cannot_hold_rank_0s_budget_stops_the_run_naming_itself(mode
 
 
 def test_every_rank_uses_rank_0s_choice(model, monkeypatch):
-    from distperp_harness.run.pipeline import Batching
+    from distperp_harness.run.rules import Batching
 
     monkeypatch.setattr(runtime, "room_bytes", lambda device: 1 << 50)
     theirs = Batching(batch_size=None, token_budget=256, max_batch_size=64)
@@ -195,7 +202,7 @@ def test_kv_cache_bytes_per_token_of_llama_2_7b():
 
 
 def test_generation_rows_leave_room_for_the_kv_cache():
-    from distperp_harness.run.pipeline import Batching
+    from distperp_harness.run.rules import Batching
 
     auto = Batching(batch_size=None, token_budget=65536, max_batch_size=64)
     act, kv = 1_500_000, 512 * 1024

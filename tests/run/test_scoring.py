@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from distperp_harness.run import scoring
 from distperp_harness.planning.requests import Unit
-from distperp_harness.run.pipeline import Batching
+from distperp_harness.run import scoring
+from distperp_harness.run.rules import Batching
 from distperp_harness.run.runtime import choose_sharing
 from distperp_harness.run.scoring import GREEDY, LL, N_TOKENS, REF_LL, TOP1, NonFiniteLogitsError, score_batch
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import sharpened_model
 
-from distperp_harness.run.sampling import generators_for, warpers_for
-from distperp_harness.run.slots import Lane, PrefixCache, StopRule, decode_lane
+from distperp_harness.run.generation.loop import Decoder, decode_lane
+from distperp_harness.run.generation.prefill import PrefixCache
+from distperp_harness.run.generation.sampling import generators_for, warpers_for
+from distperp_harness.run.generation.scheduler import Lane, StopRule
 
 CPU = torch.device("cpu")
 
@@ -46,7 +47,7 @@ def test_every_row_equals_generating_it_alone(peaked, sample_text_path, slots, p
     expected = [_alone(model, tokenizer, p, rule) for p in prompts]
     assert len({len(t) for t in expected}) > 2
     shared = tuple(prompts[0][:10]) if prefix else ()
-    out, stats = decode_lane(model, Lane(prompts, shared, slots), rule, tokenizer=tokenizer, device=CPU)
+    out, stats = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, shared, slots), rule)
     assert out == expected
     assert stats.generated == sum(len(t) for t in expected)
     # each row's first token comes from its prefill, every later one from one decode position: nothing is
@@ -55,7 +56,7 @@ def test_every_row_equals_generating_it_alone(peaked, sample_text_path, slots, p
     if 1 < slots < len(prompts):  # freed slots were refilled as rows ended, not in rounds of whole batches
         assert stats.prefill_forwards > -(-len(prompts) // slots)
     if prefix:
-        whole = decode_lane(model, Lane(prompts, (), slots), rule, tokenizer=tokenizer, device=CPU)[1]
+        whole = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), slots), rule)[1]
         assert stats.prefix_computed and stats.prefill_positions < whole.prefill_positions
 
 
@@ -65,7 +66,7 @@ def test_rows_that_do_not_start_with_the_prefix_are_prefilled_whole(peaked, samp
     rule = StopRule.of(tokenizer, ["e"], [tokenizer.eos_token_id], 12)
     lane = Lane(prompts, tuple(prompts[0][:12]), 4)
     assert [lane.uses_prefix(i) for i in range(len(prompts))] == [True] * 6 + [False] * 2
-    out, _ = decode_lane(model, lane, rule, tokenizer=tokenizer, device=CPU)
+    out, _ = decode_lane(Decoder(model, tokenizer, CPU), lane, rule)
     assert out == [_alone(model, tokenizer, p, rule) for p in prompts]
 
 
@@ -74,10 +75,8 @@ def test_a_prefix_is_computed_once_per_rank_across_lanes(peaked, sample_text_pat
     prompts = _prompts(tokenizer, sample_text_path, 6)
     rule = StopRule.of(tokenizer, ["\n"], [tokenizer.eos_token_id], 4)
     cache = PrefixCache()
-    first = decode_lane(model, Lane(prompts[:3], tuple(prompts[0][:10]), 2), rule, tokenizer=tokenizer, device=CPU,
-                        prefixes=cache)[1]
-    second = decode_lane(model, Lane(prompts[3:], tuple(prompts[0][:10]), 2), rule, tokenizer=tokenizer,
-                         device=CPU, prefixes=cache)[1]
+    first = decode_lane(Decoder(model, tokenizer, CPU, prefixes=cache), Lane(prompts[:3], tuple(prompts[0][:10]), 2), rule)[1]
+    second = decode_lane(Decoder(model, tokenizer, CPU, prefixes=cache), Lane(prompts[3:], tuple(prompts[0][:10]), 2), rule)[1]
     assert first.prefix_computed and not second.prefix_computed
 
 
@@ -86,8 +85,8 @@ def test_a_stop_string_ends_a_row_only_where_allowed(peaked, sample_text_path):
     prompts = _prompts(tokenizer, sample_text_path, 5)
     free = StopRule.of(tokenizer, ["e"], [], 20)
     held = StopRule.of(tokenizer, ["e"], [], 20, allowed=lambda tokens: len(tokens) >= 6)  # a trace still open
-    early, _ = decode_lane(model, Lane(prompts, (), 2), free, tokenizer=tokenizer, device=CPU)
-    late, _ = decode_lane(model, Lane(prompts, (), 2), held, tokenizer=tokenizer, device=CPU)
+    early, _ = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 2), free)
+    late, _ = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 2), held)
     assert any(len(t) < 6 for t in early) and all(len(t) >= 6 for t in late)
     for tokens in late:  # the row went on past its early stop and ended at the first allowed one (or the limit)
         assert len(tokens) == 20 or "e" in tokenizer.decode(tokens[-free.lookback:])
@@ -102,14 +101,12 @@ def test_sampled_rows_keep_their_own_seeds_whatever_the_slots(tiny_model_dir, sa
     rule = StopRule.of(tokenizer, ["\n\n"], [tokenizer.eos_token_id], 10)
     warpers = warpers_for(model, {"temperature": 1.0})
     seeds = list(range(100, 106))
-    runs = [decode_lane(model, Lane(prompts, (), s, seeds), rule, tokenizer=tokenizer, device=CPU,
-                        warpers=warpers)[0] for s in (1, 4)]
+    runs = [decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), s, seeds), rule, warpers=warpers)[0] for s in (1, 4)]
     assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) == len(prompts)
     # the first token of each row is a draw from its own generator on its own logits
     for prompt, seed, tokens in zip(prompts, seeds, runs[0]):
         logits = model(torch.tensor([prompt])).logits[:, -1].float()
         assert torch.multinomial(torch.softmax(logits[0], -1), 1, generator=generators_for([seed], CPU)[0]) \
             .item() == tokens[0]
-    other = decode_lane(model, Lane(prompts, (), 4, [s + 1 for s in seeds]), rule, tokenizer=tokenizer, device=CPU,
-                        warpers=warpers)[0]
+    other = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 4, [s + 1 for s in seeds]), rule, warpers=warpers)[0]
     assert sum(a != b for a, b in zip(other, runs[0])) >= len(prompts) - 1

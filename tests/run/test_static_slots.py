@@ -1,4 +1,4 @@
-"""static_slots.py: the compiled fixed-shape decode step gives the eager engine's texts (greedy far from ties,
+"""generation/step.py and static_batch.py: the compiled fixed-shape decode step gives the eager engine's texts (greedy far from ties,
 sampled on the same seeds, stop strings with refill, EOS, a shared prefix, the full cache moved left), compiles
 once per bucket, falls back to the eager engine when compiling fails, and takes the CUDA-graph precautions
 (checked with fakes: no GPU here). One engine on the peaked tiny model (a module fixture) serves the tests."""
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import sharpened_model
 
 from distperp_harness.run.compiling import CompileState, _unique_graphs
-from distperp_harness.run.sampling import warpers_for
-from distperp_harness.run.slots import Lane, StopRule, decode_lane
-from distperp_harness.run.static_slots import StaticDecoding, capacity_for, decode_mode, uses_cudagraphs
+from distperp_harness.run.generation.loop import Decoder, decode_lane
+from distperp_harness.run.generation.sampling import warpers_for
+from distperp_harness.run.generation.scheduler import Lane, StopRule
+from distperp_harness.run.generation.step import CompiledStep, capacity_for, decode_mode, uses_cudagraphs
 
 CPU = torch.device("cpu")
 MAX_NEW = 20
@@ -34,7 +34,7 @@ class _One:
 
 
 class _Plan:
-    """What :meth:`StaticDecoding.prepare` reads of a lane plan."""
+    """What :meth:`CompiledStep.prepare` reads of a lane plan."""
 
     def __init__(self, slots, prompts, max_new=MAX_NEW):
         self.slots, self.longest, self.max_new = slots, max(len(p) for p in prompts), max_new
@@ -68,7 +68,7 @@ def prompts(peaked, sample_text_path):
 def engine(peaked, prompts):
     model, tokenizer = peaked
     state = CompileState("default", active=True)
-    engine = StaticDecoding(model, state, CPU, tokenizer.pad_token_id, bucket=BUCKET)
+    engine = CompiledStep(model, state, CPU, tokenizer.pad_token_id, bucket=BUCKET)
     engine.prepare(_One(), [_Plan(3, prompts)])
     assert engine.active and engine.state.graphs == [f"3x{capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET)}"]
     return engine
@@ -77,8 +77,8 @@ def engine(peaked, prompts):
 def _both(engine, lane, rule, **kw):
     model, tokenizer = engine.model, None
     tokenizer = kw.pop("tokenizer")
-    eager, eager_stats = decode_lane(model, lane, rule, tokenizer=tokenizer, device=CPU, **kw)
-    static, stats = engine.decode_lane(model, lane, rule, tokenizer=tokenizer, device=CPU, **kw)
+    eager, eager_stats = decode_lane(Decoder(model, tokenizer, CPU), lane, rule, **kw)
+    static, stats = decode_lane(Decoder(model, tokenizer, CPU, static=engine), lane, rule, **kw)
     return eager, eager_stats, static, stats
 
 
@@ -109,8 +109,7 @@ def test_greedy_texts_equal_the_eager_engine_with_refill(engine, peaked, prompts
 
 def test_eos_and_sampled_rows_keep_their_seeds(engine, peaked, prompts):
     model, tokenizer = peaked
-    common = decode_lane(model, Lane(prompts, (), 3), StopRule.of(tokenizer, [], [], 8), tokenizer=tokenizer,
-                         device=CPU)[0]
+    common = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 3), StopRule.of(tokenizer, [], [], 8))[0]
     eos = max(set(t for row in common for t in row[1:]), key=lambda t: sum(row.count(t) for row in common))
     rule = StopRule.of(tokenizer, [], [eos], MAX_NEW)  # the commonest token ends rows as EOS
     eager, _, static, _ = _both(engine, Lane(prompts, (), 3), rule, tokenizer=tokenizer)
@@ -120,8 +119,7 @@ def test_eos_and_sampled_rows_keep_their_seeds(engine, peaked, prompts):
     eager, _, static, _ = _both(engine, Lane(prompts, (), 3, seeds), StopRule.of(tokenizer, ["e"], [], MAX_NEW),
                                 tokenizer=tokenizer, warpers=warpers)
     assert static == eager
-    greedy = decode_lane(model, Lane(prompts, (), 3), StopRule.of(tokenizer, ["e"], [], MAX_NEW),
-                         tokenizer=tokenizer, device=CPU)[0]
+    greedy = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 3), StopRule.of(tokenizer, ["e"], [], MAX_NEW))[0]
     assert static != greedy  # they are draws
 
 
@@ -132,7 +130,7 @@ def test_no_recompilation_across_lanes_of_one_bucket(engine, peaked, prompts):
     longest = max(prompts, key=len)
     for part in (prompts[5:] + [longest], prompts[::-1], [longest] + prompts[:2]):  # other lanes, the same bucket
         engine.prepare(_One(), [_Plan(3, part)])  # nothing new to compile
-        engine.decode_lane(engine.model, Lane(part, (), 3), rule, tokenizer=tokenizer, device=CPU)
+        decode_lane(Decoder(engine.model, tokenizer, CPU, static=engine), Lane(part, (), 3), rule)
     assert _unique_graphs() == graphs and engine.state.compiled_calls > calls
     assert engine.state.eager_calls["not_covered"] == 0 and len(engine.state.graphs) == 1
 
@@ -151,12 +149,12 @@ def test_compile_failure_decodes_with_the_eager_engine(peaked, prompts, monkeypa
     model, tokenizer = peaked
     monkeypatch.setenv("DISTPERP_TEST_DECODE_FAILURE", "no graphs today")
     state = CompileState("default", active=True)
-    failed = StaticDecoding(model, state, CPU, tokenizer.pad_token_id, bucket=BUCKET)
+    failed = CompiledStep(model, state, CPU, tokenizer.pad_token_id, bucket=BUCKET)
     failed.prepare(_One(), [_Plan(3, prompts)])
     assert not failed.active and "no graphs today" in state.to_dict()["decode"]["state"]
     rule = StopRule.of(tokenizer, ["e"], [], MAX_NEW)
-    out, stats = failed.decode_lane(model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)
-    assert out == decode_lane(model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)[0]
+    out, stats = decode_lane(Decoder(model, tokenizer, CPU, static=failed), Lane(prompts, (), 3), rule)
+    assert out == decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 3), rule)[0]
     assert stats.padded_positions == 0 and failed.state.compiled_calls == 0
     assert failed.state.eager_calls["compile_failed"] == stats.decode_forwards > 0
 
@@ -167,7 +165,7 @@ def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, 
     writes one output tensor every time)."""
     tokenizer = peaked[1]
     rule = StopRule.of(tokenizer, ["e"], [], MAX_NEW)
-    expected = decode_lane(engine.model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)[0]
+    expected = decode_lane(Decoder(engine.model, tokenizer, CPU), Lane(prompts, (), 3), rule)[0]
     real, pool, marks = engine._step, {}, []
 
     def replay(*args):
@@ -176,7 +174,7 @@ def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, 
 
     monkeypatch.setattr(engine, "_step", replay)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    buffers = engine._bucket(3, capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET))
+    buffers = engine.buffers_for(3, capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET))
     buffers.reset()
     buffers.allowed[:, 0] = True
     ids = torch.tensor([[5], [6], [7]])
@@ -184,11 +182,11 @@ def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, 
         monkeypatch.setattr(engine, "cudagraphs", graphs)
         marks.clear()
         with torch.no_grad():
-            first = engine._call(buffers, ids, torch.zeros_like(ids))
+            first = engine.run(buffers, ids, torch.zeros_like(ids))
             saved = first.clone()
             buffers.set_length(0)
-            engine._call(buffers, ids + 1, torch.zeros_like(ids))
+            engine.run(buffers, ids + 1, torch.zeros_like(ids))
         assert torch.equal(first, saved) == kept_apart and len(marks) == (2 if graphs else 0)
     marks.clear()
-    out, stats = engine.decode_lane(engine.model, Lane(prompts, (), 3), rule, tokenizer=tokenizer, device=CPU)
+    out, stats = decode_lane(Decoder(engine.model, tokenizer, CPU, static=engine), Lane(prompts, (), 3), rule)
     assert out == expected and len(marks) == stats.decode_forwards > 0

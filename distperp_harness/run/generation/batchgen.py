@@ -1,4 +1,4 @@
-"""Generation in ``model.generate`` batches: the path for what slots (:mod:`distperp_harness.run.slots`) do not
+"""Generation in ``model.generate`` batches: the path for what slots (:mod:`.loop`) do not
 serve — generation arguments beyond the sampling warpers (beam search, repetition penalties, ...), a model
 ``generation_config`` that adds logits processors, or a cache that cannot be edited row by row.
 
@@ -9,6 +9,7 @@ exactly as a left-padded row would. The batch runs until every row has stopped (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -16,9 +17,10 @@ from accelerate.logging import get_logger
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from distperp_harness.run.generation.sampling import SeededDraw, warpers_for
+from distperp_harness.run.generation.stats import LaneStats
+from distperp_harness.run.generation.thinking import answer, stop_in_answer
 from distperp_harness.run.kvcache import CacheNotShareable, cache_argument, prefix_cache
-from distperp_harness.run.sampling import SeededDraw, warpers_for
-from distperp_harness.run.thinking import answer, stop_in_answer
 
 log = get_logger(__name__)
 
@@ -39,15 +41,23 @@ def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
         return None
 
 
+@dataclass(frozen=True)
+class BatchArgs:
+    """A lane's arguments for ``model.generate``: ``kwargs`` (the normalized generation arguments less ``until`` and
+    ``max_gen_toks``), the stop strings, ``max_new`` and the ``think_end`` token (:mod:`.thinking`)."""
+
+    kwargs: dict
+    until: list[str]
+    max_new: int
+    think_end: str | int | None = None
+
+
 @torch.no_grad()
 def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prompts: Sequence[Sequence[int]],
-                   shared: int, kwargs: dict, until: list[str], max_new: int, seeds: Sequence[int] | None,
-                   think_end: str | int | None = None) -> tuple[list[str], dict]:
-    """Texts of one batch (``kwargs``: the normalized generation arguments less ``until`` and ``max_gen_toks``;
-    ``seeds``: one per row for a sampled batch; ``think_end``: see :mod:`distperp_harness.run.thinking`) and its
-    statistics (the keys of :class:`~distperp_harness.run.slots.LaneStats`)."""
-
-    kwargs = dict(kwargs)
+                   shared: int, args: BatchArgs, seeds: Sequence[int] | None) -> tuple[list[str], LaneStats]:
+    """Texts of one batch of ``prompts`` whose first ``shared`` tokens are equal (``seeds``: one per row for a
+    sampled batch) and its statistics."""
+    kwargs, until, max_new, think_end = dict(args.kwargs), args.until, args.max_new, args.think_end
     suffixes = [list(p[shared:]) for p in prompts]
     suffix_width = max(len(s) for s in suffixes)
     width = shared + suffix_width
@@ -75,11 +85,11 @@ def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prom
     texts = [answer(tokenizer, row.tolist(), think_end, until) for row in new]
     shared = shared if cache is not None else 0
     steps = new.shape[1]
-    stats = {"prompts": len(prompts), "prompt_tokens": sum(len(p) for p in prompts), "shared_tokens": shared,
-             "prefill_forwards": 1 + bool(shared),
-             "prefill_positions": shared + len(prompts) * suffix_width if shared else len(prompts) * width,
-             "decode_forwards": max(0, steps - 1), "decode_positions": len(prompts) * max(0, steps - 1),
-             "generated": int((new != pad).sum()) if pad is not None else int(new.numel())}
+    stats = LaneStats(prompts=len(prompts), prompt_tokens=sum(len(p) for p in prompts), shared_tokens=shared,
+                      prefill_forwards=1 + bool(shared),
+                      prefill_positions=shared + len(prompts) * suffix_width if shared else len(prompts) * width,
+                      decode_forwards=max(0, steps - 1), decode_positions=len(prompts) * max(0, steps - 1),
+                      generated=int((new != pad).sum()) if pad is not None else int(new.numel()))
     return texts, stats
 
 

@@ -2,19 +2,18 @@
 
 Every rank tokenizes its own prompts and learns the global job list from every rank's records (greedy requests with
 equal arguments are one job). Jobs are ordered canonically and cut into lanes by a rule that ignores the world size
-(:mod:`distperp_harness.run.lanes`); whole lanes go to ranks by cost (prompt plus ``max_gen_toks`` tokens per
-job) and are claimed like scoring batches (:mod:`distperp_harness.run.claims`: a slow rank generates fewer). A lane
-is decoded by continuous batching (:mod:`distperp_harness.run.slots`): each row stops on its own and its slot is
-refilled at once; the lane's schedule depends only on its jobs, so texts are identical for every world size and
-whichever rank computes a lane. A lane whose arguments slots do not serve runs as ``model.generate`` batches
-(:mod:`distperp_harness.run.batchgen`). Finished lanes are saved to ``resume_dir`` and reused by a rerun on any
-world size. Ranks plan from records, never prompt tokens (:mod:`distperp_harness.run.jobs`: 48 bytes per job and a
-hash per 16-token prefix block); a prompt's tokens travel only to the ranks that may compute one of its lanes (owner
+(:mod:`.lanes`); whole lanes go to ranks by cost (prompt plus ``max_gen_toks`` tokens per job) and are claimed like
+scoring batches (:mod:`distperp_harness.run.claims`: a slow rank generates fewer). A lane is decoded by the engine
+:func:`~.engines.choose_engine` picks: continuous batching (:mod:`.loop`: each row stops on its own and its slot is
+refilled at once), or ``model.generate`` batches (:mod:`.batchgen`) for arguments slots do not serve. The lane's
+schedule depends only on its jobs, so texts are identical for every world size and whichever rank computes a lane.
+Finished lanes are saved to ``resume_dir`` and reused by a rerun on any world size. Ranks plan from records, never
+prompt tokens (:mod:`.jobs`: 48 bytes per job and a hash per 16-token prefix block); a prompt's tokens travel only to the ranks that may compute one of its lanes (owner
 and helper), and each text goes back only to the ranks whose requests asked for it (an all-to-all).
 
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
 fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
-once per rank (:class:`~distperp_harness.run.slots.PrefixCache`).
+once per rank (:class:`~.prefill.PrefixCache`).
 
 **Sampling.** A sampled request draws from its own ``torch.Generator`` seeded from lm-eval's torch seed (``--seed``,
 third value; read as ``torch.initial_seed()``) and the request's content: prompt, generation arguments, lm-eval's
@@ -25,7 +24,6 @@ third value; read as ``torch.initial_seed()``) and the request's content: prompt
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -43,15 +41,27 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from distperp_harness.errors import InputError
 from distperp_harness.planning.records import FlatUnits
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
-from distperp_harness.run.batchgen import generate_batch
 from distperp_harness.run.calls import GenerationCall, RankShare
 from distperp_harness.run.executor import Executor
-from distperp_harness.run.jobs import JOB, LocalJobs, group_hash, key_hex, key_words, kwargs_key_of, plan_generation
-from distperp_harness.run.kvcache import CacheNotShareable
-from distperp_harness.run.lanes import LanePlan, common_prefix, shared_prefix
-from distperp_harness.run.sampling import SAMPLING_KEYS, warpers_for
-from distperp_harness.run.slots import Lane, LaneStats, PrefixCache, StopRule, decode_lane
-from distperp_harness.run.thinking import answer, stop_in_answer
+from distperp_harness.run.generation.batchgen import BatchArgs, generate_batch
+from distperp_harness.run.generation.engines import Engine, choose_engine, eos_ids, note_fallback
+from distperp_harness.run.generation.jobs import (
+    JOB,
+    LocalJobs,
+    group_hash,
+    key_hex,
+    key_words,
+    kwargs_key_of,
+    plan_generation,
+)
+from distperp_harness.run.generation.lanes import LanePlan, common_prefix, lane_prefix
+from distperp_harness.run.generation.loop import Decoder, decode_lane
+from distperp_harness.run.generation.prefill import PrefixCache
+from distperp_harness.run.generation.sampling import warpers_for
+from distperp_harness.run.generation.scheduler import Lane, StopRule
+from distperp_harness.run.generation.stats import LaneRecord, LaneStats
+from distperp_harness.run.generation.step import BUCKET, CompiledStep, capacity_for
+from distperp_harness.run.generation.thinking import answer, stop_in_answer
 
 log = get_logger(__name__)
 
@@ -61,16 +71,6 @@ prefill is ``(rows - 1) * prefix`` tokens against one extra forward call."""
 
 NO_SHARING = 1 << 62
 """``min_shared_tokens`` that turns prefix sharing off (``share_prefix=false``)."""
-
-SLOT_KEYS = frozenset({"do_sample", "num_beams", "num_return_sequences", *SAMPLING_KEYS})
-"""Normalized generation arguments (besides ``until`` and ``max_gen_toks``) that slots decode; any other key sends
-the lane to ``model.generate`` batches."""
-
-_NEUTRAL_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
-                       "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
-                       "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-                       "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False}
-"""``generation_config`` fields that make ``generate`` add a logits processor, with their neutral values."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,10 @@ class GenerationSetup:
     ``resume_dir`` (finished lanes saved and reused), the failure channel, and with sharded weights the shard
     group's steps: every member one forward per step, its own or an idle one once it has no lane left).
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
-    ``think_end``: the ``think_end_token`` (a string or a token id; :mod:`distperp_harness.run.thinking`): the answer
-    is the text after the trace, and a stop string ends a row only in the answer part.
-    ``static``: with ``compile`` on, the compiled decode step (:class:`~distperp_harness.run.static_slots.
-    StaticDecoding`): ``prepare(collective, lanes)`` after planning, and its ``decode_lane`` decodes the lanes.
+    ``think_end``: the ``think_end_token`` (a string or a token id; :mod:`.thinking`): the answer is the text after
+    the trace, and a stop string ends a row only in the answer part.
+    ``static``: with ``compile`` on, the compiled decode step (:class:`~.step.CompiledStep`): ``prepare(collective,
+    lanes)`` after planning; lanes its graphs cover decode over it.
     """
 
     model: torch.nn.Module
@@ -104,7 +104,7 @@ class GenerationSetup:
     min_shared_tokens: int = MIN_SHARED_TOKENS
     progress: Callable[[int], Callable[[int, int], None]] | None = None
     think_end: str | int | None = None
-    static: Any = None
+    static: CompiledStep | None = None
 
 
 @dataclass(frozen=True)
@@ -195,12 +195,13 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
             lane = lanes[i]
             part = lane_jobs(lane)
             key = _lane_key(part, lane) if executor.store is not None else None
-            saved, lane_stats = executor.lane(key, lane.jobs, f"generating (lane {i}, {lane.jobs} prompts)",
-                                              functools.partial(_run_lane, setup, part, lane, prefixes, bar, around))
+            saved, lane_record = executor.lane(key, lane.jobs, f"generating (lane {i}, {lane.jobs} prompts)",
+                                               functools.partial(_run_lane, setup, part, (i, lane), prefixes, bar,
+                                                                 around))
             if not executor.reports:
                 continue  # a tensor-parallel member: its leader reports the same texts
-            if lane_stats is not None:
-                stats.append({"lane": i, **lane_stats})
+            if lane_record is not None:
+                stats.append(lane_record)
             elif bar is not None:
                 bar(lane.jobs, 0)
             texts.update({job.key: text for (job, _), text in zip(part, saved)})
@@ -305,99 +306,87 @@ def _lane_key(part: Sequence[tuple[Job, _Prepared]], lane: LanePlan) -> bytes:
     return digest.digest()
 
 
-def _slots_serve(model: torch.nn.Module, kwargs: dict) -> str | None:
-    """Why slots cannot decode a lane with these arguments (``None``: they can)."""
-    extra = sorted(k for k in kwargs if k not in SLOT_KEYS)
-    if extra:
-        return f"generation arguments {extra}"
-    if int(kwargs.get("num_beams", 1) or 1) > 1 or int(kwargs.get("num_return_sequences", 1) or 1) > 1:
-        return "beam search or several sequences per request"
-    config = getattr(model, "generation_config", None)
-    added = [name for name, neutral in _NEUTRAL_PROCESSORS.items()
-             if config is not None and getattr(config, name, neutral) not in (neutral, None)]
-    return f"the model's generation_config sets {added}" if added else None
-
-
-def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,
-              prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], dict]:
-    """Texts of one lane, in lane order, and its statistics: slots where they serve, else ``model.generate``
-    batches of ``lane.slots`` rows (same lane, same bits on any rank either way)."""
+def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], indexed: tuple[int, LanePlan],
+              prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], LaneRecord]:
+    """Texts of the lane ``indexed`` (its index in the plan, the lane), in lane order, and its record, from the
+    engine :func:`~.engines.choose_engine` picks (same lane, same bits on any rank either way)."""
+    index, lane = indexed
     first = part[0][1]
     kwargs = dict(first.kwargs)
-    sampled = bool(kwargs.get("do_sample"))
-    seeds = [job.seed for job, _ in part] if sampled else None
     prompts = [p.prompt for _, p in part]
-    reason = _slots_serve(setup.model, kwargs)
+    engine, reason = choose_engine(setup.model, kwargs, setup.static, lane.slots,
+                                   capacity_for(max(map(len, prompts)), first.max_new, _bucket(setup.static)))
     forked = [setup.device] if setup.device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
-        if reason is None:
-            warpers = warpers_for(setup.model, dict(kwargs)) if sampled else None
-            allowed = (None if setup.think_end is None else
-                       functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until))
-            rule = StopRule.of(setup.tokenizer, first.until, _eos_ids(setup), first.max_new, allowed=allowed)
-            on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
-            decode = setup.static.decode_lane if setup.static is not None else decode_lane  # compiled step or eager
-            try:
-                shared, donor = shared_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
-                prefix = tuple(prompts[donor][:shared])
-                tokens, stats = decode(setup.model, Lane(prompts, prefix, lane.slots, seeds), rule,
-                                            tokenizer=setup.tokenizer, device=setup.device, prefixes=prefixes,
-                                            warpers=warpers, on_done=on_done, around=around)
-                texts = [answer(setup.tokenizer, t, setup.think_end, first.until) for t in tokens]
-                return texts, {**dataclasses.asdict(stats), "engine": "slots", "slots": lane.slots}
-            except CacheNotShareable as exc:
-                reason = f"its {exc} cache cannot be edited row by row"
-        if setup.executor.shard_size > 1:
-            raise InputError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane "
-                             "would run as model.generate batches, whose forwards a shard group cannot keep in step. Fix: drop "
-                             "those generation arguments, or run this task with shard_size=1.")
-        _note_fallback(reason)
-        texts, total = [], LaneStats()
-        for b in range(0, len(prompts), lane.slots):
-            chunk = slice(b, b + lane.slots)
-            out, batch_stats = generate_batch(setup.model, setup.tokenizer, setup.device, prompts[chunk],
-                                              common_prefix(prompts[chunk], setup.min_shared_tokens), kwargs,
-                                              list(first.until), first.max_new, seeds[chunk] if seeds else None,
-                                              think_end=setup.think_end)
-            texts += out
-            total.add(LaneStats(**{k: v for k, v in batch_stats.items() if k != "shared_tokens"}))
-            if bar is not None:
-                bar(len(out), batch_stats["generated"])
-        return texts, {**dataclasses.asdict(total), "engine": "generate", "slots": lane.slots}
+        if engine is Engine.GENERATE:
+            texts, stats = _generate_batches(setup, part, lane, reason or "", bar)
+        else:
+            texts, stats = _decode_slots(setup, part, lane, prefixes, bar, around)
+    return texts, LaneRecord(index, engine.record, lane.slots, stats)
 
 
-_FALLBACKS: set[str] = set()
+def _bucket(static: CompiledStep | None) -> int:
+    return static.bucket if static is not None else BUCKET
 
 
-def _note_fallback(reason: str) -> None:
-    if reason not in _FALLBACKS:
-        _FALLBACKS.add(reason)
-        log.info(f"generation: {reason}: lanes run as model.generate batches (every row waits for the batch's "
-                 "last; no refill)", main_process_only=True)
+def _decode_slots(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,
+                  prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], LaneStats]:
+    """Continuous batching of the lane (:func:`~.loop.decode_lane`), over the compiled step where it serves."""
+    first = part[0][1]
+    sampled = bool(first.kwargs.get("do_sample"))
+    prompts = [p.prompt for _, p in part]
+    warpers = warpers_for(setup.model, dict(first.kwargs)) if sampled else None
+    allowed = (None if setup.think_end is None else
+               functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until))
+    rule = StopRule.of(setup.tokenizer, first.until, eos_ids(setup.tokenizer, setup.model), first.max_new,
+                       allowed=allowed)
+    on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
+    shared, donor = lane_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
+    seeds = [job.seed for job, _ in part] if sampled else None
+    decoder = Decoder(setup.model, setup.tokenizer, setup.device, prefixes, around, setup.static)
+    tokens, stats = decode_lane(decoder, Lane(prompts, tuple(prompts[donor][:shared]), lane.slots, seeds), rule,
+                                warpers=warpers, on_done=on_done)
+    return [answer(setup.tokenizer, t, setup.think_end, first.until) for t in tokens], stats
 
 
-def _eos_ids(setup: GenerationSetup) -> list[int]:
-    """The tokenizer's EOS and the model's ``generation_config`` EOS ids (what ``generate`` stops at)."""
-    ids = [setup.tokenizer.eos_token_id]
-    configured = getattr(getattr(setup.model, "generation_config", None), "eos_token_id", None)
-    ids += configured if isinstance(configured, (list, tuple)) else [configured]
-    return [int(i) for i in ids if i is not None]
+def _generate_batches(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan, reason: str,
+                      bar) -> tuple[list[str], LaneStats]:
+    """The lane as ``model.generate`` batches of ``lane.slots`` rows (:mod:`.batchgen`)."""
+    if setup.executor.shard_size > 1:
+        raise InputError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane "
+                         "would run as model.generate batches, whose forwards a shard group cannot keep in step. "
+                         "Fix: drop those generation arguments, or run this task with shard_size=1.")
+    note_fallback(reason)
+    first = part[0][1]
+    prompts = [p.prompt for _, p in part]
+    seeds = [job.seed for job, _ in part] if first.kwargs.get("do_sample") else None
+    texts, total = [], LaneStats()
+    args = BatchArgs(dict(first.kwargs), list(first.until), first.max_new, setup.think_end)
+    for b in range(0, len(prompts), lane.slots):
+        chunk = slice(b, b + lane.slots)
+        out, batch_stats = generate_batch(setup.model, setup.tokenizer, setup.device, prompts[chunk],
+                                          common_prefix(prompts[chunk], setup.min_shared_tokens), args,
+                                          seeds[chunk] if seeds else None)
+        texts += out
+        total.add(batch_stats)
+        if bar is not None:
+            bar(len(out), batch_stats.generated)
+    return texts, total
 
 
-def _record(stats: list[dict], lanes: Sequence[LanePlan], *, jobs: int, sampled: int, seed: int,
+def _record(records: list[LaneRecord], lanes: Sequence[LanePlan], *, jobs: int, sampled: int, seed: int,
             setup: GenerationSetup, per_rank: list[RankShare], seconds: float) -> GenerationCall:
-    """The call's :class:`~distperp_harness.run.calls.GenerationCall` from every computed lane's statistics."""
+    """The call's :class:`~distperp_harness.run.calls.GenerationCall` from every computed lane's record."""
     total = LaneStats()
-    for s in stats:
-        total.add(LaneStats(**{k: v for k, v in s.items() if k in LaneStats.__dataclass_fields__
-                               and k not in ("shared_tokens", "prefix_computed")}))
+    for record in records:
+        total.add(record.stats)
     shared = sorted(lane.shared for lane in lanes if lane.shared)
     return GenerationCall(
         jobs=jobs, sampled_jobs=sampled, seed=seed, lanes=len(lanes),
-        lanes_computed=len(stats), slots_max=max((lane.slots for lane in lanes), default=0),
-        engines=sorted({s["engine"] for s in stats}), shared_lanes=len(shared),
+        lanes_computed=len(records), slots_max=max((lane.slots for lane in lanes), default=0),
+        engines=sorted({r.engine for r in records}), shared_lanes=len(shared),
         min_shared_tokens=setup.min_shared_tokens, shared_tokens_min_max=[shared[0], shared[-1]] if shared else None,
-        prefixes_computed=sum(bool(s.get("prefix_computed")) for s in stats), prompt_tokens=total.prompt_tokens,
+        prefixes_computed=sum(r.stats.prefix_computed for r in records), prompt_tokens=total.prompt_tokens,
         prefill_positions=total.prefill_positions, prefill_forwards=total.prefill_forwards,
         decode_forwards=total.decode_forwards, decode_positions=total.decode_positions, generated=total.generated,
         peak_cache_positions=total.peak_cache_positions, claiming=setup.executor.claiming_mode, per_rank=per_rank,

@@ -30,11 +30,18 @@ import numpy as np
 import torch
 
 from distperp_harness.planning.plan import Plan, assign_batches
-from distperp_harness.planning.records import BLOCK, FlatUnits, GlobalTable, HashCollision, decode, encode, \
-    local_records
+from distperp_harness.planning.records import (
+    BLOCK,
+    FlatUnits,
+    GlobalTable,
+    HashCollision,
+    decode,
+    encode,
+    local_records,
+)
 from distperp_harness.run.claims import helper_of
+from distperp_harness.run.generation.lanes import LanePlan, plan_lanes
 from distperp_harness.run.groups import Workers
-from distperp_harness.run.lanes import LanePlan, plan_lanes
 from distperp_harness.run.routing import Available, move_tokens
 
 JOB = np.dtype([("key", "<u8", (2,)), ("prompt", "<u8", (2,)), ("group", "<u8"), ("max_new", "<i4"),
@@ -141,7 +148,7 @@ def _order_key(prompts: GlobalTable, job: np.ndarray, prompt: int) -> tuple:
 def ladder_shared(table: JobTable, start: int, stop: int, min_tokens: int) -> tuple[int, int]:
     """``(length, donor)``: the planner's estimate of the prefix the lane of jobs ``start .. stop-1`` computes once,
     to whole ``BLOCK``\\ s (the lane itself finds it exactly from the tokens:
-    :func:`~distperp_harness.run.lanes.shared_prefix`, which this mirrors). ``(0, 0)`` under ``min_tokens``."""
+    :func:`~distperp_harness.run.generation.lanes.lane_prefix`, which this mirrors). ``(0, 0)`` under ``min_tokens``."""
     n = stop - start
     if n < 2:
         return 0, 0
@@ -191,7 +198,7 @@ class LocalJobs:
 class GenerationPlan:
     """The global generation plan as every rank has it, and the prompts this rank may compute.
 
-    ``table``: the canonical jobs; ``lanes``: cut from them (:func:`~distperp_harness.run.lanes.plan_lanes`);
+    ``table``: the canonical jobs; ``lanes``: cut from them (:func:`~distperp_harness.run.generation.lanes.plan_lanes`);
     ``plan``: each lane's owner; ``available``: the prompt tokens of every lane this rank may compute (its own and,
     when claiming, its ward's), by prompt id; ``seed``: rank 0's; ``kwargs_of``: group hash -> generation arguments.
     """

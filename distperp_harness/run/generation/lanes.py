@@ -1,8 +1,8 @@
 """The global generation plan: distinct jobs in canonical order, cut into lanes by a rule that ignores the world size.
 
 A lane (:class:`LanePlan`) is a run of consecutive jobs with equal generation arguments, decoded by ``slots``
-rows of continuous batching (:mod:`distperp_harness.run.slots`). Jobs come in the canonical order of
-:class:`~distperp_harness.run.jobs.JobTable` (arguments, then the prompts' prefix blocks: prompts sharing a few-shot
+rows of continuous batching (:mod:`.loop`). Jobs come in the canonical order of
+:class:`~distperp_harness.run.generation.jobs.JobTable` (arguments, then the prompts' prefix blocks: prompts sharing a few-shot
 block or a system prompt sit together, and a lane computes their common block once). A lane holds up to ``LANE_ROUNDS * slots`` jobs; ``slots`` is the batching rule's number
 of rows for the lane's longest prompt plus its ``max_gen_toks`` (the KV cache every slot may grow to), so a task
 asking for 1,280 new tokens gets fewer slots than one asking for 32.
@@ -30,7 +30,7 @@ slots fuller (the drain at a lane's end runs fewer rows); fewer give more lanes 
 class LanePlan:
     """Jobs ``start .. stop-1`` of the canonical order, ``slots`` rows, ``max_new`` new tokens at most per job,
     ``longest`` the longest prompt (tokens); ``shared`` and ``donor``: the prefix the lane is planned to compute once
-    (its cost; the lane finds it exactly from its prompts with :func:`shared_prefix`)."""
+    (its cost; the lane finds it exactly from its prompts with :func:`lane_prefix`)."""
 
     start: int
     stop: int
@@ -49,7 +49,7 @@ class LanePlan:
         return Batch(self.start, self.stop, self.longest + self.max_new, shared=self.shared)
 
 
-def shared_prefix(prompts: Sequence[Sequence[int]], min_tokens: int) -> tuple[int, int]:
+def lane_prefix(prompts: Sequence[Sequence[int]], min_tokens: int) -> tuple[int, int]:
     """``(length, donor)``: the prefix ``prompts[donor][:length]`` that a lane computes once, or ``(0, 0)``.
 
     The donor is the lane's middle prompt (in canonical order prompts with a common block sit together, so it lies
@@ -85,7 +85,7 @@ def plan_lanes(lengths: Sequence[int], groups: Sequence, max_new: Sequence[int],
     ``groups[i]``: job ``i``'s generation arguments (a lane never mixes two); ``max_new[i]``: its new-token limit;
     ``slots_for(length)``: rows the batching rule allows when each grows to ``length`` tokens;
     ``shared_of(start, stop)``: ``(length, donor)`` of the prefix the lane of jobs ``start .. stop-1`` computes once
-    (for its cost; :func:`shared_prefix` over the prompts, or the planner's estimate from prefix hashes). A lane
+    (for its cost; :func:`lane_prefix` over the prompts, or the planner's estimate from prefix hashes). A lane
     grows while it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs.
     """
     lanes, start = [], 0

@@ -1,7 +1,7 @@
 """Reasoning models: the answer after the thinking trace, and when a stop string may end a row.
 
 ``think_end_token`` is a string (``"</think>"``) or a token id. Pure functions (the last two take the tokenizer to decode), so a
-decode loop of any shape (the batched ``generate`` of :mod:`distperp_harness.run.generate`, or a per-row
+decode loop of any shape (the batched ``generate`` of :mod:`distperp_harness.run.generation.generate`, or a per-row
 scheduler) calls them the same way:
 
 * :func:`answer_of` ``(text, think_end, until)`` is the scored answer: the text after the *last* occurrence of

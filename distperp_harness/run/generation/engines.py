@@ -1,0 +1,101 @@
+"""Which engine decodes a lane (:func:`choose_engine`), decided before any forward from the lane's generation
+arguments, the model's cache layers and the compiled step:
+
+* :attr:`Engine.STATIC_SLOTS`: continuous batching over static buffers with the compiled step (``compile`` on and
+  the lane's bucket compiled);
+* :attr:`Engine.SLOTS`: continuous batching over ``DynamicCache`` edits, eager;
+* :attr:`Engine.GENERATE`: ``model.generate`` batches of ``slots`` rows (:mod:`.batchgen`): generation arguments
+  beyond the sampling warpers, a ``generation_config`` that adds logits processors, or cache layers that cannot be
+  edited row by row (sliding windows, recurrent state). Every row waits for its batch's last; no refill.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from accelerate.logging import get_logger
+
+from distperp_harness.run.generation.prefill import plain_layers
+from distperp_harness.run.generation.sampling import SAMPLING_KEYS
+from distperp_harness.run.generation.step import CompiledStep
+from distperp_harness.run.kvcache import CacheNotShareable
+
+log = get_logger(__name__)
+
+SLOT_KEYS = frozenset({"do_sample", "num_beams", "num_return_sequences", *SAMPLING_KEYS})
+"""Normalized generation arguments (besides ``until`` and ``max_gen_toks``) that slots decode; any other key sends
+the lane to ``model.generate`` batches."""
+
+_NEUTRAL_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                       "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                       "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                       "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False}
+"""``generation_config`` fields that make ``generate`` add a logits processor, with their neutral values."""
+
+
+class Engine(enum.Enum):
+    """How a lane is decoded; ``record`` is the name its statistics carry (both slot engines: ``slots``)."""
+
+    STATIC_SLOTS = "static slots"
+    SLOTS = "slots"
+    GENERATE = "generate"
+
+    @property
+    def record(self) -> str:
+        return "generate" if self is Engine.GENERATE else "slots"
+
+
+def arguments_refused(model: torch.nn.Module, kwargs: dict) -> str | None:
+    """Why slots cannot decode a lane with these normalized arguments (``None``: they can)."""
+    extra = sorted(k for k in kwargs if k not in SLOT_KEYS)
+    if extra:
+        return f"generation arguments {extra}"
+    if int(kwargs.get("num_beams", 1) or 1) > 1 or int(kwargs.get("num_return_sequences", 1) or 1) > 1:
+        return "beam search or several sequences per request"
+    config = getattr(model, "generation_config", None)
+    added = [name for name, neutral in _NEUTRAL_PROCESSORS.items()
+             if config is not None and getattr(config, name, neutral) not in (neutral, None)]
+    return f"the model's generation_config sets {added}" if added else None
+
+
+def cache_refused(model: torch.nn.Module) -> str | None:
+    """Why the model's ``DynamicCache`` cannot be edited row by row (its layer types; ``None``: it can)."""
+    from transformers import DynamicCache
+
+    try:
+        plain_layers(DynamicCache(config=model.config))
+    except CacheNotShareable as exc:
+        return f"its {exc} cache cannot be edited row by row"
+    return None
+
+
+def choose_engine(model: torch.nn.Module, kwargs: dict, static: CompiledStep | None, slots: int,
+                  capacity: int) -> tuple[Engine, str | None]:
+    """The engine of a lane of ``slots`` rows and ``capacity`` columns (:func:`~.step.capacity_for`), and why
+    slots do not serve it (``None`` for the slot engines)."""
+    reason = arguments_refused(model, kwargs) or cache_refused(model)
+    if reason is not None:
+        return Engine.GENERATE, reason
+    if static is not None and model is static.model and static.covers(slots, capacity):
+        return Engine.STATIC_SLOTS, None
+    return Engine.SLOTS, None
+
+
+_FALLBACKS: set[str] = set()
+
+
+def note_fallback(reason: str) -> None:
+    """Say once per reason (rank 0) that lanes run as ``model.generate`` batches."""
+    if reason not in _FALLBACKS:
+        _FALLBACKS.add(reason)
+        log.info(f"generation: {reason}: lanes run as model.generate batches (every row waits for the batch's "
+                 "last; no refill)", main_process_only=True)
+
+
+def eos_ids(tokenizer, model: torch.nn.Module) -> list[int]:
+    """The tokenizer's EOS and the model's ``generation_config`` EOS ids (what ``generate`` stops at)."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, (list, tuple)) else [configured]
+    return [int(i) for i in ids if i is not None]

@@ -1,0 +1,115 @@
+"""The running rows of a lane and their keys and values: one interface (:class:`KVBatch`), two implementations.
+
+* :class:`DynamicKVBatch` (here): transformers' ``DynamicCache`` with plain ``DynamicLayer``s, edited between
+  forwards. Rows are right-aligned (the cache holds ``[pads][row tokens]`` per row; the attention mask hides the
+  pads; each row keeps its own positions); joining rows left-pads the narrower side, a finished row's KV row is
+  dropped at once, and leading columns no row uses any more are trimmed. The decode forward is eager.
+* :class:`~.static_batch.StaticKVBatch`: fixed ``[slots, heads, capacity, dim]`` buffers edited in place, the decode
+  step compiled (:mod:`.step`).
+
+Both give the same rows the same tokens: the scheduler decides everything, the batch only stores and computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from distperp_harness.run.generation.prefill import last_logits
+from distperp_harness.run.generation.scheduler import Row
+from distperp_harness.run.generation.stats import LaneStats
+
+
+class KVBatch(Protocol):
+    """The running rows of one lane (at most ``slots``) and their KV cache."""
+
+    rows: list[Row]
+    """The running rows, in the order :meth:`step` returns their logits."""
+
+    def free(self) -> int:
+        """Slots a newly admitted row may take now."""
+
+    def join(self, group: Sequence[Row], cache, mask: torch.Tensor, keep: Sequence[int]) -> None:
+        """Rows ``group[i]`` for ``i`` in ``keep`` start running, with their rows of a prefill's ``cache``
+        (``DynamicCache``) and ``mask`` (``[len(group), width]``, 1 on each row's tokens)."""
+
+    def step(self) -> torch.Tensor:
+        """One decode forward of every running row's last token: ``[len(rows), vocab]`` logits."""
+
+    def drop(self, keep: Sequence[int]) -> None:
+        """Only ``rows[i]`` for ``i`` in ``keep`` keep running; the others' keys and values are released."""
+
+
+def join_right_aligned(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of ``b`` after rows of ``a`` (dim 0), both right-aligned along the sequence dimension (dim 2 of KV
+    tensors, dim 1 of masks): the shorter one is padded with zeros on the left."""
+    dim = 1 if a.dim() == 2 else 2
+    width = max(a.shape[dim], b.shape[dim])
+
+    def left(t: torch.Tensor) -> torch.Tensor:
+        extra = width - t.shape[dim]
+        if not extra:
+            return t
+        pad = (extra, 0) if dim == 1 else (0, 0, extra, 0)
+        return F.pad(t, pad)
+
+    return torch.cat([left(a), left(b)], 0)
+
+
+class DynamicKVBatch:
+    """:class:`KVBatch` over one ``DynamicCache`` edited between eager forwards (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, device: torch.device, stats: LaneStats,
+                 around: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
+        self.rows: list[Row] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [rows, columns] long
+
+    def free(self) -> int:
+        return self.slots - len(self.rows)
+
+    def join(self, group: Sequence[Row], cache, mask: torch.Tensor, keep: Sequence[int]) -> None:
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        mask = mask.index_select(0, index)
+        layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                  for layer in cache.layers]
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
+            for layer, (k, v) in zip(cache.layers, layers):
+                layer.keys, layer.values = k, v
+        else:
+            self.mask = join_right_aligned(self.mask, mask)
+            for layer, (k, v) in zip(self.cache.layers, layers):
+                layer.keys, layer.values = join_right_aligned(layer.keys, k), join_right_aligned(layer.values, v)
+        self.rows = self.rows + [group[i] for i in keep]
+
+    def step(self) -> torch.Tensor:
+        rows, device = self.rows, self.device
+        positions = self.mask.sum(1, keepdim=True)  # each row's next position: the tokens it holds
+        self.mask = torch.cat([self.mask, torch.ones((len(rows), 1), dtype=self.mask.dtype, device=device)], 1)
+        self.stats.peak_cache_positions = max(self.stats.peak_cache_positions, self.mask.numel())
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=device)
+        with self.around():
+            logits = last_logits(self.model, self.cache, ids, attention_mask=self.mask, position_ids=positions)
+        self.stats.decode_forwards += 1
+        self.stats.decode_positions += len(rows)
+        return logits
+
+    def drop(self, keep: Sequence[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache, self.mask = None, None
+            return
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        mask = self.mask.index_select(0, index)
+        first = int(mask.any(0).to(torch.int8).argmax())  # leading columns no row uses any more
+        self.mask = mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]

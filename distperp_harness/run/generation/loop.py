@@ -1,0 +1,89 @@
+"""One decode loop for every KV batch: continuous batching of one lane.
+
+:func:`run_lane` walks a lane in steps:
+
+1. **admit**: every free slot takes the next prompt of the queue (:class:`~.scheduler.Scheduler`); the admitted
+   prompts are prefilled (:class:`~.prefill.Prefiller`) and their rows join the running batch;
+2. **decode**: one forward of every running row's last token (the batch's :meth:`~.kv_batch.KVBatch.step`);
+3. **stop**: each row ends as soon as the stop rule says so; its keys and values are dropped at once and its slot
+   is free for the next step's admission.
+
+:func:`decode_lane` decodes a lane with a :class:`Decoder` (what every lane of a call shares), which picks the
+batch: static buffers and the compiled step when compiling is on and covers the lane, else the ``DynamicCache``
+batch (eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from distperp_harness.run.generation.kv_batch import DynamicKVBatch, KVBatch
+from distperp_harness.run.generation.prefill import Prefiller, PrefixCache
+from distperp_harness.run.generation.scheduler import Lane, Scheduler, StopRule
+from distperp_harness.run.generation.static_batch import StaticKVBatch
+from distperp_harness.run.generation.stats import LaneStats
+from distperp_harness.run.generation.step import CompiledStep, capacity_for
+
+
+def run_lane(scheduler: Scheduler, prefiller: Prefiller, batch: KVBatch) -> list[list[int]]:
+    """Decode the scheduler's lane to the end; every prompt's new tokens, in lane order."""
+    while scheduler.queued or batch.rows:
+        admitted = scheduler.admit(batch.free())
+        for group, cache, mask, keep in prefiller.groups(admitted, scheduler):
+            batch.join(group, cache, mask, keep)
+        if not batch.rows:
+            continue
+        logits = batch.step()
+        batch.drop(scheduler.advance(batch.rows, logits))
+    return scheduler.results()
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What every lane of a call decodes with: the model and its tokenizer, the device, the rank's
+    :class:`~.prefill.PrefixCache` (shared prefixes computed once per rank), ``around()`` (a context entered around
+    every forward: prefix, prefill, decode; e.g. a shard group's step, where every member makes the same forward
+    calls) and the compiled step (``None``: every lane eager)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    prefixes: PrefixCache | None = None
+    around: Callable[[], ContextManager] = contextlib.nullcontext
+    static: CompiledStep | None = None
+
+    def batch_for(self, lane: Lane, rule: StopRule, stats: LaneStats) -> KVBatch:
+        """Static buffers and the compiled step when that step covers the lane's bucket, else the dynamic batch."""
+        static = self.static
+        if static is not None and self.model is static.model:
+            capacity = capacity_for(max(len(p) for p in lane.prompts), rule.max_new, static.bucket)
+            if static.covers(lane.slots, capacity):
+                return StaticKVBatch(static, static.buffers_for(lane.slots, capacity), self.device, stats, self.around)
+        return DynamicKVBatch(self.model, lane.slots, self.device, stats, self.around)
+
+
+@torch.no_grad()
+def decode_lane(decoder: Decoder, lane: Lane, rule: StopRule, *, warpers=None,
+                on_done: Callable[[int, list[int]], None] | None = None) -> tuple[list[list[int]], LaneStats]:
+    """New tokens for every prompt of ``lane``, in lane order, and the lane's :class:`~.stats.LaneStats`.
+
+    ``warpers``: the distribution warpers of a sampled lane (``lane.seeds`` given); greedy otherwise.
+    ``on_done(index, tokens)``: called as each row ends. With a compiled step that does not cover the lane, its
+    decode forwards are counted in the step's ``eager_calls``. Raises
+    :class:`~distperp_harness.run.kvcache.CacheNotShareable` (before choosing any token) when the model's cache
+    cannot be edited row by row (:func:`~.engines.choose_engine` sends such lanes to ``model.generate`` first).
+    """
+    scheduler = Scheduler(lane, rule, decoder.tokenizer.decode, warpers, on_done)
+    prefiller = Prefiller.for_lane(decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes,
+                                   decoder.around)
+    batch = decoder.batch_for(lane, rule, prefiller.stats)
+    tokens = run_lane(scheduler, prefiller, batch)
+    stats = prefiller.stats
+    stats.generated = sum(len(t) for t in tokens)
+    if decoder.static is not None and isinstance(batch, DynamicKVBatch):
+        decoder.static.count_eager(stats.decode_forwards)
+    return tokens, stats

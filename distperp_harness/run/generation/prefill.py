@@ -1,0 +1,144 @@
+"""Rows joining a lane: the shared prefix's cache (:class:`PrefixCache`, once per rank) and the prefill of admitted
+prompts (:class:`Prefiller`), the same for every KV batch kind.
+
+Admitted prompts are prefilled together, left-padded among themselves: those that start with the lane's shared
+prefix continue from its KV cache in one forward, the others whole in another. Each forward's last logits give the
+rows their first tokens (:meth:`~.scheduler.Scheduler.start`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator, Sequence
+
+import torch
+
+from distperp_harness.run.generation.scheduler import Lane, Row, Scheduler
+from distperp_harness.run.generation.stats import LaneStats
+from distperp_harness.run.kvcache import CacheNotShareable, cache_argument
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer ``(keys, values)`` of shape ``[rows, kv heads, length, head dim]``."""
+
+
+def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+    """``[rows, vocab]`` logits of the last position of ``input_ids``, the forward writing its keys and values into
+    ``cache`` (every generation forward: prefix, prefill, decode)."""
+    return model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs,
+                 **{cache_argument(model): cache}).logits[:, -1, :]
+
+
+def plain_layers(cache) -> list:
+    """The layers of a ``DynamicCache`` when every one is a plain ``DynamicLayer`` (rows can be joined, dropped and
+    trimmed); raises :class:`~distperp_harness.run.kvcache.CacheNotShareable` naming the layer types otherwise."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        names = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
+        raise CacheNotShareable("/".join(names))
+    return layers
+
+
+class PrefixCache:
+    """KV caches of shared prefixes (batch of one), kept per rank across lanes: a few-shot block or a chat system
+    prompt is computed once per rank, not once per lane. A prefix's cache is the same bits whenever it is computed
+    (same tokens, batch of one), so reusing it never changes a result."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+
+    def get(self, model: torch.nn.Module, prefix: Sequence[int], device: torch.device,
+            around: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[KV, bool]:
+        """``(the prefix's per-layer keys and values, computed now)``; ``around``: see :class:`Prefiller`."""
+        key = tuple(prefix)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key], False
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        with around():  # the root forward (one position of the head), as every other forward of generation
+            last_logits(model, cache, torch.tensor([key], device=device))
+        self._entries[key] = [(layer.keys, layer.values) for layer in plain_layers(cache)]
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return self._entries[key], True
+
+
+@dataclass
+class Prefiller:
+    """Prefills the rows admitted to one lane. ``around()``: a context entered around every forward (e.g. a shard
+    group's step: every member makes the same forward calls); ``stats``: the lane's counters (prefill work).
+    Build it with :meth:`for_lane`, which computes (or reuses) the lane's shared prefix first."""
+
+    model: torch.nn.Module
+    lane: Lane
+    pad: int
+    device: torch.device
+    stats: LaneStats
+    around: Callable[[], ContextManager] = contextlib.nullcontext
+    prefix_kv: KV | None = None
+
+    @classmethod
+    def for_lane(cls, model: torch.nn.Module, lane: Lane, tokenizer, device: torch.device,
+                 prefixes: PrefixCache | None, around: Callable[[], ContextManager]) -> Prefiller:
+        stats = LaneStats(prompts=len(lane.prompts), prompt_tokens=sum(len(p) for p in lane.prompts),
+                          shared_tokens=len(lane.prefix))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        out = cls(model, lane, pad, device, stats, around)
+        if any(lane.uses_prefix(i) for i in range(len(lane.prompts))):
+            out.prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device,
+                                                                                   around)
+            stats.prefill_positions += len(lane.prefix) if stats.prefix_computed else 0
+        return out
+
+    def groups(self, admitted: Sequence[Row], scheduler: Scheduler
+               ) -> Iterator[tuple[list[Row], object, torch.Tensor, list[int]]]:
+        """Prefill ``admitted`` rows: those continuing the lane's prefix first, then those prefilled whole, one
+        forward per group; the scheduler gives each row its first token and drops rows that already ended. Yields
+        ``(group, cache, mask, keep)`` per group with a row still running: ``cache`` (a ``DynamicCache``) and
+        ``mask`` (``[rows, width]``, 1 on the row's tokens) hold the whole group, ``keep`` the indices of its
+        running rows. Lazy: a group is prefilled only when the previous one has been taken, so consume each in the
+        loop that yields it (a running batch written from group 1 is what group 2 joins), never ``list()`` it."""
+        lane = self.lane
+        groups = [[r for r in admitted if lane.uses_prefix(r.job)],
+                  [r for r in admitted if not lane.uses_prefix(r.job)]]
+        for group, shared in zip(groups, (len(lane.prefix), 0)):
+            if not group:
+                continue
+            with self.around():
+                cache, mask, logits = self._prefill([lane.prompts[r.job] for r in group], shared)
+            keep = scheduler.start(group, logits, self.device)
+            if keep:
+                yield group, cache, mask, keep
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], shared: int) -> tuple[object, torch.Tensor, torch.Tensor]:
+        """``[prefix][pads][own tokens]`` per row (the prefix from its cache), positions from the mask's cumulative
+        sum. Returns the rows' cache, mask ``[rows, shared + width]`` and last logits."""
+        from transformers import DynamicCache
+
+        device = self.device
+        suffixes = [list(p[shared:]) for p in prompts]
+        width = max(len(s) for s in suffixes)
+        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes], dtype=torch.long, device=device)
+        own = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], dtype=torch.long,
+                           device=device)
+        cache = DynamicCache(config=self.model.config)
+        if shared:
+            mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long, device=device), own], 1)
+            for i, (k, v) in enumerate(self.prefix_kv or []):
+                cache.update(k.expand(len(prompts), -1, -1, -1).contiguous(),
+                             v.expand(len(prompts), -1, -1, -1).contiguous(), i)
+        else:
+            mask = own
+        positions = (mask.cumsum(1) - 1).clamp_min(0)[:, shared:]
+        positions = positions.masked_fill(own == 0, 1)  # what generate gives pads; never attended to
+        logits = last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
+        plain_layers(cache)
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_positions += ids.numel()
+        return cache, mask, logits

@@ -1,0 +1,252 @@
+"""The decode step: eager (:class:`~.kv_batch.DynamicKVBatch`'s forward) or compiled over fixed shapes
+(:class:`CompiledStep`, used by :class:`~.static_batch.StaticKVBatch` when ``compile`` is on).
+
+**Compiling.** :meth:`CompiledStep.prepare` compiles the step (``fullgraph``, static shapes) for every ``(slots,
+capacity)`` bucket the global lane plan needs and has not compiled yet, every rank together, the node's local rank
+0 first (:func:`~distperp_harness.run.compiling.in_turn`): the shapes come from the plan (global, the same
+everywhere), never from timing or rank. Each warm-up runs the step on zeros. Later steps run under
+``fail_on_recompile``; a step the graphs would not cover runs the same forward eager (counted). If compiling fails
+on any rank, every rank decodes lanes with the eager engine from then on (rank 0 says why once); the evaluation
+never fails for it.
+
+**CUDA.** ``compile=true`` (mode ``default``) compiles the decode step with ``reduce-overhead`` on CUDA: the step's
+shapes are static, so CUDA graphs replay it without launch overhead (scoring's layers keep ``default``: their shapes
+are dynamic). With CUDA graphs every replay is preceded by ``torch.compiler.cudagraph_mark_step_begin()`` and its
+logits are cloned (the next replay overwrites its outputs); the key/value tensors and the mask are static addresses
+(``mark_static_address``: no copy per replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from accelerate.logging import get_logger
+
+from distperp_harness.run import compiling
+from distperp_harness.run.generation.prefill import last_logits, plain_layers
+from distperp_harness.run.generation.static_batch import StaticBuffers
+from distperp_harness.run.kvcache import cache_argument
+
+log = get_logger(__name__)
+
+BUCKET = 256
+"""Capacities are multiples of this: a lane needing ``n`` columns gets ``ceil(n / 256) * 256``."""
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""torch.compile modes that run CUDA graphs on a CUDA device."""
+
+
+class StepState(enum.Enum):
+    """Where the compiled step stands: nothing compiled yet, graphs ready, or eager for the rest of the run."""
+
+    NOT_NEEDED_YET = "not needed yet"
+    COMPILED = "compiled"
+    EAGER = "eager"
+
+
+def capacity_for(longest: int, max_new: int, bucket: int = BUCKET) -> int:
+    """Columns of a lane's static cache: its longest prompt plus ``max_new``, rounded up to ``bucket``."""
+    need = int(longest) + int(max_new)
+    return max(1, -(-need // bucket)) * bucket
+
+
+def decode_mode(mode: str | None, device: torch.device) -> str | None:
+    """The torch.compile mode of the decode step for ``compile=mode``: ``default`` (``compile=true``) becomes
+    ``reduce-overhead`` (CUDA graphs) on CUDA; ``reduce-overhead`` becomes ``default`` off CUDA (no graphs there)."""
+    if device.type == "cuda":
+        return "reduce-overhead" if mode == "default" else mode
+    return "default" if mode == "reduce-overhead" else mode
+
+
+def uses_cudagraphs(mode: str | None, device: torch.device) -> bool:
+    return device.type == "cuda" and mode in CUDA_GRAPH_MODES
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why the decode step of ``model`` is not compiled (None: it can be)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} (the static decode step takes sdpa or eager)"
+    return None
+
+
+@dataclass
+class DecodeState:
+    """What the decode step's compiling did (``config.distperp.compile["decode"]``); counters keep running.
+    ``failure``: why compiling failed (then every lane decodes eager)."""
+
+    mode: str | None = None
+    step: StepState = StepState.NOT_NEEDED_YET
+    failure: str | None = None
+    graphs: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    compiled_calls: int = 0
+    eager_calls: dict[str, int] = field(default_factory=lambda: {"not_covered": 0, "compile_failed": 0})
+    padded_positions: int = 0
+    shifts: int = 0
+    not_covered_example: str | None = None
+
+    @property
+    def state(self) -> str:
+        """The recorded text: ``not needed yet``, ``compiled`` or ``eager: <why>``."""
+        return f"eager: {self.failure}" if self.step is StepState.EAGER else self.step.value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "state": self.state, "graphs": list(self.graphs),
+                "compile_seconds": round(self.seconds, 3), "compiled_calls": self.compiled_calls,
+                "eager_calls": dict(self.eager_calls), "padded_positions": self.padded_positions,
+                "shifts": self.shifts, "not_covered_example": self.not_covered_example}
+
+
+def kv_shapes(model: torch.nn.Module, device: torch.device, pad: int) -> list[tuple]:
+    """``(kv heads, key dim, value dim, dtype)`` per layer, read from a one-token forward's ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    last_logits(model, cache, torch.tensor([[pad]], device=device))
+    return [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1], layer.keys.dtype)
+            for layer in plain_layers(cache)]
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def packed_gqa():
+    """transformers' sdpa attention of one query token with grouped key/value heads reshapes the query to the
+    key/value heads (``pack_gqa``) in eager, but under dynamo repeats every cached key and value to every head
+    (``repeat_kv``): a copy of the whole static cache per layer and step, measured 1.15-1.5x slower than eager on
+    CPU. Around the compiled step its "compiling?" check answers no, so the graph takes the eager path's reshape
+    (the same value at trace time and at every call: the guard on it holds)."""
+    from transformers.integrations import sdpa_attention
+
+    before = getattr(sdpa_attention, "is_torchdynamo_compiling", None)
+    if before is None:
+        yield
+        return
+    sdpa_attention.is_torchdynamo_compiling = _not_compiling
+    try:
+        yield
+    finally:
+        sdpa_attention.is_torchdynamo_compiling = before
+
+
+class CompiledStep:
+    """The compiled decode step of ``model`` and its buffers, built when compiling is active. ``compile_state``:
+    the run's :class:`~distperp_harness.run.compiling.CompileState` (its ``decode`` is this object's
+    :class:`DecodeState`); ``bucket``: capacities are its multiples (:func:`capacity_for`)."""
+
+    def __init__(self, model: torch.nn.Module, compile_state: compiling.CompileState, device: torch.device,
+                 pad_token_id: int | None, bucket: int = BUCKET) -> None:
+        self.bucket = bucket
+        self.model, self.compile_state, self.device = model, compile_state, device
+        self.pad = pad_token_id if pad_token_id is not None else 0
+        self.mode = decode_mode(compile_state.mode, device)
+        self.cudagraphs = uses_cudagraphs(self.mode, device)
+        self.state = DecodeState(self.mode)
+        compile_state.decode = self.state
+        self.arg = cache_argument(model)
+        self.sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        self._shapes: list[tuple] | None = None
+        self._buffers: dict[tuple[int, int], StaticBuffers] = {}  # the bucket used last (one alive: memory)
+        self._compiled_buckets: set[tuple[int, int]] = set()
+        self._step = torch.compile(self._forward, mode=self.mode, dynamic=False, fullgraph=True)
+
+    @property
+    def active(self) -> bool:
+        return self.state.step is StepState.COMPILED
+
+    def covers(self, slots: int, capacity: int) -> bool:
+        """Whether a lane of ``slots`` slots and ``capacity`` columns decodes over a compiled graph."""
+        return self.active and (slots, capacity) in self._compiled_buckets
+
+    def prepare(self, collective: Any, lanes: Sequence[Any]) -> None:
+        """Compile the step for every ``(slots, capacity)`` bucket of ``lanes`` (:class:`~.lanes.LanePlan`, the
+        global plan) not compiled yet; every rank calls this together."""
+        if self.state.step is StepState.EAGER:
+            return  # failed once (on some rank): the eager engine on every rank from then on
+        needed = sorted({(lane.slots, capacity_for(lane.longest, lane.max_new, self.bucket)) for lane in lanes}
+                        - self._compiled_buckets)
+        if not needed:
+            return  # the same on every rank: the plan is global
+
+        def attempt() -> int:
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad(), compiling.warming(self.compile_state):  # decode steps run without grad
+                    compiling.fake_compile_failure("DISTPERP_TEST_DECODE_FAILURE")
+                    if self._shapes is None:
+                        self._shapes = kv_shapes(self.model, self.device, self.pad)
+                    for slots, capacity in needed:
+                        buffers = self.buffers_for(slots, capacity)
+                        ids = torch.full((slots, 1), self.pad, dtype=torch.long, device=self.device)
+                        for _ in range(3 if self.cudagraphs else 1):  # CUDA graphs: warm up, then record
+                            buffers.reset()
+                            buffers.allowed[:, 0] = True
+                            self.run(buffers, ids, torch.zeros_like(ids))
+                        self.state.graphs.append(f"{slots}x{capacity}")
+            finally:
+                self.state.seconds += time.perf_counter() - t0
+            return len(needed)
+
+        reasons = [why for why, _ in compiling.in_turn(collective, "the decode step", attempt, unsupported(self.model))]
+        failure = compiling.first_failure(reasons)
+        if failure is None:
+            self._compiled_buckets.update(needed)
+            self.state.step = StepState.COMPILED
+            log.info(f"compile={self.compile_state.mode}: decode step compiled (mode {self.mode}) for "
+                     f"{', '.join(f'{s} slots x {c}' for s, c in needed)}", main_process_only=True)
+        else:
+            self.state.step, self.state.failure = StepState.EAGER, failure
+            self._buffers.clear()
+            log.warning(f"compile={self.compile_state.mode}: the decode step did not compile, generation decodes "
+                        f"eager: {failure}", main_process_only=True)
+
+    def _forward(self, cache, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decode step (what is compiled): ``[S, V]`` logits of ``ids`` ``[S, 1]``."""
+        mask = allowed[:, None, None, :]
+        if not self.sdpa:  # eager attention adds the mask
+            dtype = self.model.get_input_embeddings().weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        return last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
+
+    def run(self, buffers: StaticBuffers, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One compiled step (outside the warm-up: no recompiling; a step the graphs do not cover runs eager)."""
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs may be overwritten now
+        if self.compile_state.is_warming:
+            with packed_gqa():
+                out = self._step(buffers.cache, ids, buffers.allowed, positions)
+        else:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"), packed_gqa():
+                    out = self._step(buffers.cache, ids, buffers.allowed, positions)
+            except RuntimeError as exc:
+                if "fail_on_recompile" not in str(exc):
+                    raise
+                self.state.eager_calls["not_covered"] += 1
+                if self.state.not_covered_example is None:
+                    self.state.not_covered_example = " ".join(str(exc).split("triggered by")[-1].split())[:400]
+                buffers.set_length(buffers.length)  # the failed call may not have written: same column again
+                return self._forward(buffers.cache, ids, buffers.allowed, positions)
+            self.state.compiled_calls += 1
+        return out.clone() if self.cudagraphs else out
+
+    def buffers_for(self, slots: int, capacity: int) -> StaticBuffers:
+        """The bucket's buffers (allocated on first use; one bucket's tensors alive at a time)."""
+        key = (slots, capacity)
+        if key not in self._buffers:
+            self._buffers.clear()
+            self._buffers[key] = StaticBuffers(self.model, slots, capacity, self._shapes or [], self.device)
+        return self._buffers[key]
+
+    def count_eager(self, forwards: int) -> None:
+        """``forwards`` decode forwards of a lane the graphs did not serve (compiling failed, or a bucket the plan
+        did not hold) ran eager."""
+        self.state.eager_calls["compile_failed" if self.state.step is StepState.EAGER else "not_covered"] += forwards

@@ -1,0 +1,59 @@
+"""The rules a scoring call is planned by, below the orchestrators that apply them: how rows are batched
+(:class:`Batching`), how units share rows (:class:`Sharing`, a :class:`~distperp_harness.planning.rows.ShareMode`)
+and what else the global plan weighs (:class:`ScoringRule`). :mod:`~distperp_harness.run.runtime` chooses them;
+:mod:`~distperp_harness.run.pipeline` and generation follow them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from distperp_harness.planning.plan import Batch, make_batches
+from distperp_harness.planning.rows import ShareMode
+
+
+@dataclass(frozen=True)
+class Batching:
+    """World-size-independent batching rule: fixed rows per batch, or a token budget per batch."""
+
+    batch_size: int | None = 1
+    token_budget: int | None = None
+    max_batch_size: int = 64
+
+    def batches(self, lengths: Sequence[int], n_score: Sequence[int] | None = None,
+                group_starts: Sequence[int] = (0,)) -> list[Batch]:
+        """Batches over rows in plan order, never across ``group_starts``; ``n_score`` only annotates them."""
+        if self.token_budget is not None:
+            return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+                                n_score=n_score, group_starts=group_starts)
+        return make_batches(lengths, batch_size=self.batch_size, n_score=n_score, group_starts=group_starts)
+
+    def rows_for(self, padded_length: int) -> int:
+        """Rows a batch of ``padded_length`` tokens may hold under this rule."""
+        if self.token_budget is not None:
+            return max(1, min(self.max_batch_size, self.token_budget // max(1, padded_length)))
+        return int(self.batch_size or 1)
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`), the longest packed row,
+    and whether a batch's rows may start from the key/value cache of their common prefix, computed once
+    (``cached_prefix``; off, each row computes it)."""
+
+    mode: ShareMode = ShareMode.OFF
+    max_row_length: int | None = None
+    cached_prefix: bool = True
+
+
+@dataclass(frozen=True)
+class ScoringRule:
+    """How a scoring call's global plan is made: rows (``sharing``), batches (``batching``) and their costs
+    (``attention_coef``, ``head_coef``: see :func:`distperp_harness.planning.plan.assign_batches`), and whether the
+    scores carry the reference's comparison (``with_reference``)."""
+
+    batching: Batching
+    sharing: Sharing = Sharing()
+    attention_coef: float = 0.0
+    head_coef: float = 0.0
+    with_reference: bool = False
