@@ -216,7 +216,9 @@ class LoadMeter:
         }
 
 
-def compute_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype of the model's first floating-point parameter (float32 when it has none): what its activations and
-    logits come in."""
+def first_float_dtype(model: torch.nn.Module | None) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (float32 when it has none; ``None`` for no model):
+    what the logits chunk budgets assume (:func:`compute_dtype_bytes` reads the input embeddings first instead)."""
+    if model is None:
+        return None
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

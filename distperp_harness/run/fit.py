@@ -26,7 +26,7 @@ from torch import nn
 
 from distperp_harness.errors import InputError
 from distperp_harness.model.layers import decoder_layers
-from distperp_harness.model.memory import activation_bytes_per_token, compute_dtype, free_memory_bytes
+from distperp_harness.model.memory import activation_bytes_per_token, first_float_dtype, free_memory_bytes
 from distperp_harness.options import Options
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
     vocab = max(int(getattr(m.config, "vocab_size", 0) or 0) for m in (model, reference) if m is not None)
-    logits = chunk_bytes(device.type, compute_dtype(model), compute_dtype(reference) if reference is not None else None,
+    logits = chunk_bytes(device.type, first_float_dtype(model), first_float_dtype(reference),
                          positions=rows * max_length, vocab=vocab)
     comm = COMM_MARGIN_CUDA if device.type == "cuda" and shard_size > 1 else 0
     return Need(kept, ref_kept, root + ref_root + 2 * max(layer, ref_layer), rows * max_length * per_token,

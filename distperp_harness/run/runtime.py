@@ -35,7 +35,7 @@ import torch
 from distperp_harness.errors import InputError
 from distperp_harness.model.memory import (
     activation_bytes_per_token,
-    compute_dtype,
+    first_float_dtype,
     is_out_of_memory,
     room_bytes,
     total_memory_bytes,
@@ -135,7 +135,7 @@ def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, 
 
     fraction = _MEMORY_FRACTION.get(device_type, _MEMORY_FRACTION["cpu"])
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
-    logits = chunk_bytes(device_type, compute_dtype(model), compute_dtype(reference) if reference is not None else None)
+    logits = chunk_bytes(device_type, first_float_dtype(model), first_float_dtype(reference))
     usable = int(fraction * max(0, total_bytes - resident_bytes)) - logits
     tokens = usable // max(1, per_token)
     if device_type == "cpu":
@@ -299,7 +299,7 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
              if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model) else None)
     from distperp_harness.run.scoring import chunk_bytes
 
-    logits = chunk_bytes(device.type, compute_dtype(model), compute_dtype(reference) if reference is not None else None)
+    logits = chunk_bytes(device.type, first_float_dtype(model), first_float_dtype(reference))
     problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
                            bytes_per_token=per_token, fixed_bytes=logits)
     problems = collective.all_gather_object((problem, str(device)), "check the batch budget")

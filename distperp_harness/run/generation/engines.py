@@ -1,9 +1,8 @@
 """Which engine decodes a lane (:func:`choose_engine`), decided before any forward from the lane's generation
-arguments, the model's cache layers and the compiled step:
+arguments and the model's cache layers:
 
-* :attr:`Engine.STATIC_SLOTS`: continuous batching over static buffers with the compiled step (``compile`` on and
-  the lane's bucket compiled);
-* :attr:`Engine.SLOTS`: continuous batching over ``DynamicCache`` edits, eager;
+* :attr:`Engine.SLOTS`: continuous batching (:func:`~.loop.decode_lane`; its :class:`~.loop.Decoder` picks the KV
+  batch: static buffers and the compiled step where they cover the lane, else ``DynamicCache`` edits);
 * :attr:`Engine.GENERATE`: ``model.generate`` batches of ``slots`` rows (:mod:`.batchgen`): generation arguments
   beyond the sampling warpers, a ``generation_config`` that adds logits processors, or cache layers that cannot be
   edited row by row (sliding windows, recurrent state). Every row waits for its batch's last; no refill.
@@ -18,7 +17,6 @@ from accelerate.logging import get_logger
 
 from distperp_harness.run.generation.prefill import plain_layers
 from distperp_harness.run.generation.sampling import SAMPLING_KEYS
-from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.kvcache import CacheNotShareable
 
 log = get_logger(__name__)
@@ -35,15 +33,10 @@ _NEUTRAL_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "en
 
 
 class Engine(enum.Enum):
-    """How a lane is decoded; ``record`` is the name its statistics carry (both slot engines: ``slots``)."""
+    """How a lane is decoded; the value is the name the call's record carries (``engines``)."""
 
-    STATIC_SLOTS = "static slots"
     SLOTS = "slots"
     GENERATE = "generate"
-
-    @property
-    def record(self) -> str:
-        return "generate" if self is Engine.GENERATE else "slots"
 
 
 def arguments_refused(model: torch.nn.Module, kwargs: dict) -> str | None:
@@ -70,16 +63,10 @@ def cache_refused(model: torch.nn.Module) -> str | None:
     return None
 
 
-def choose_engine(model: torch.nn.Module, kwargs: dict, static: CompiledStep | None, slots: int,
-                  capacity: int) -> tuple[Engine, str | None]:
-    """The engine of a lane of ``slots`` rows and ``capacity`` columns (:func:`~.step.capacity_for`), and why
-    slots do not serve it (``None`` for the slot engines)."""
+def choose_engine(model: torch.nn.Module, kwargs: dict) -> tuple[Engine, str | None]:
+    """The engine of a lane with these normalized arguments, and why slots do not serve it (``None`` for slots)."""
     reason = arguments_refused(model, kwargs) or cache_refused(model)
-    if reason is not None:
-        return Engine.GENERATE, reason
-    if static is not None and model is static.model and static.covers(slots, capacity):
-        return Engine.STATIC_SLOTS, None
-    return Engine.SLOTS, None
+    return (Engine.SLOTS, None) if reason is None else (Engine.GENERATE, reason)
 
 
 _FALLBACKS: set[str] = set()
@@ -91,11 +78,3 @@ def note_fallback(reason: str) -> None:
         _FALLBACKS.add(reason)
         log.info(f"generation: {reason}: lanes run as model.generate batches (every row waits for the batch's "
                  "last; no refill)", main_process_only=True)
-
-
-def eos_ids(tokenizer, model: torch.nn.Module) -> list[int]:
-    """The tokenizer's EOS and the model's ``generation_config`` EOS ids (what ``generate`` stops at)."""
-    ids = [tokenizer.eos_token_id]
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids += configured if isinstance(configured, (list, tuple)) else [configured]
-    return [int(i) for i in ids if i is not None]

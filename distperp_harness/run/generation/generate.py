@@ -8,8 +8,9 @@ scoring batches (:mod:`distperp_harness.run.claims`: a slow rank generates fewer
 refilled at once), or ``model.generate`` batches (:mod:`.batchgen`) for arguments slots do not serve. The lane's
 schedule depends only on its jobs, so texts are identical for every world size and whichever rank computes a lane.
 Finished lanes are saved to ``resume_dir`` and reused by a rerun on any world size. Ranks plan from records, never
-prompt tokens (:mod:`.jobs`: 48 bytes per job and a hash per 16-token prefix block); a prompt's tokens travel only to the ranks that may compute one of its lanes (owner
-and helper), and each text goes back only to the ranks whose requests asked for it (an all-to-all).
+prompt tokens (:mod:`.jobs`: 48 bytes per job and a hash per 16-token prefix block); a prompt's tokens travel only
+to the ranks that may compute one of its lanes (owner and helper), and each text goes back only to the ranks whose
+requests asked for it (an all-to-all).
 
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
 fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
@@ -44,7 +45,7 @@ from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.calls import GenerationCall, RankShare
 from distperp_harness.run.executor import Executor
 from distperp_harness.run.generation.batchgen import BatchArgs, generate_batch
-from distperp_harness.run.generation.engines import Engine, choose_engine, eos_ids, note_fallback
+from distperp_harness.run.generation.engines import Engine, choose_engine, note_fallback
 from distperp_harness.run.generation.jobs import (
     JOB,
     LocalJobs,
@@ -58,9 +59,9 @@ from distperp_harness.run.generation.lanes import LanePlan, common_prefix, lane_
 from distperp_harness.run.generation.loop import Decoder, decode_lane
 from distperp_harness.run.generation.prefill import PrefixCache
 from distperp_harness.run.generation.sampling import warpers_for
-from distperp_harness.run.generation.scheduler import Lane, StopRule
+from distperp_harness.run.generation.scheduler import Lane, StopRule, eos_ids
 from distperp_harness.run.generation.stats import LaneRecord, LaneStats
-from distperp_harness.run.generation.step import BUCKET, CompiledStep, capacity_for
+from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.generation.thinking import answer, stop_in_answer
 
 log = get_logger(__name__)
@@ -311,22 +312,14 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], ind
     """Texts of the lane ``indexed`` (its index in the plan, the lane), in lane order, and its record, from the
     engine :func:`~.engines.choose_engine` picks (same lane, same bits on any rank either way)."""
     index, lane = indexed
-    first = part[0][1]
-    kwargs = dict(first.kwargs)
-    prompts = [p.prompt for _, p in part]
-    engine, reason = choose_engine(setup.model, kwargs, setup.static, lane.slots,
-                                   capacity_for(max(map(len, prompts)), first.max_new, _bucket(setup.static)))
+    engine, reason = choose_engine(setup.model, dict(part[0][1].kwargs))
     forked = [setup.device] if setup.device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
         if engine is Engine.GENERATE:
             texts, stats = _generate_batches(setup, part, lane, reason or "", bar)
         else:
             texts, stats = _decode_slots(setup, part, lane, prefixes, bar, around)
-    return texts, LaneRecord(index, engine.record, lane.slots, stats)
-
-
-def _bucket(static: CompiledStep | None) -> int:
-    return static.bucket if static is not None else BUCKET
+    return texts, LaneRecord(index, engine.value, lane.slots, stats)
 
 
 def _decode_slots(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,

@@ -1,11 +1,11 @@
 """The global generation plan: distinct jobs in canonical order, cut into lanes by a rule that ignores the world size.
 
 A lane (:class:`LanePlan`) is a run of consecutive jobs with equal generation arguments, decoded by ``slots``
-rows of continuous batching (:mod:`.loop`). Jobs come in the canonical order of
-:class:`~distperp_harness.run.generation.jobs.JobTable` (arguments, then the prompts' prefix blocks: prompts sharing a few-shot
-block or a system prompt sit together, and a lane computes their common block once). A lane holds up to ``LANE_ROUNDS * slots`` jobs; ``slots`` is the batching rule's number
-of rows for the lane's longest prompt plus its ``max_gen_toks`` (the KV cache every slot may grow to), so a task
-asking for 1,280 new tokens gets fewer slots than one asking for 32.
+rows of continuous batching (:mod:`.loop`). Jobs come in the canonical order of :class:`~.jobs.JobTable`
+(arguments, then the prompts' prefix blocks: prompts sharing a few-shot block or a system prompt sit together, and
+a lane computes their common block once). A lane holds up to ``LANE_ROUNDS * slots`` jobs; ``slots`` is the
+batching rule's number of rows for the lane's longest prompt plus its ``max_gen_toks`` (the KV cache every slot may
+grow to), so a task asking for 1,280 new tokens gets fewer slots than one asking for 32.
 
 Everything here is a pure function of the global job set: lanes, their slots and shared prefixes are the same for
 1 process or 1,024, which is what makes the texts the same. Lanes go to ranks as scoring batches do

@@ -1,7 +1,7 @@
 """Token choice for generation: greedy, or a draw from each request's own seeded generator.
 
 A sampled request draws from its own ``torch.Generator`` (seeded from lm-eval's ``--seed`` and the request's
-content, :mod:`distperp_harness.run.generation.generate`), never from the global RNG, so a sample does not depend on the rank,
+content, :mod:`.generate`), never from the global RNG, so a sample does not depend on the rank,
 the batch or the other rows, and the caller's RNG is left as it was. The warpers are transformers' own, in
 ``generate``'s order (temperature, top-k, top-p, min-p, typical, epsilon, eta).
 """

@@ -65,6 +65,14 @@ class StopRule:
         return any(s in tail for s in self.until) and (self.allowed is None or self.allowed(tokens))
 
 
+def eos_ids(tokenizer, model: torch.nn.Module) -> list[int]:
+    """The tokenizer's EOS and the model's ``generation_config`` EOS ids (what ``generate`` stops at)."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, (list, tuple)) else [configured]
+    return [int(i) for i in ids if i is not None]
+
+
 @dataclass(frozen=True)
 class Lane:
     """A lane's prompts (already cut to fit), the shared prefix (tokens; empty: none; the prompts that start with it

@@ -1,8 +1,8 @@
 """Reasoning models: the answer after the thinking trace, and when a stop string may end a row.
 
-``think_end_token`` is a string (``"</think>"``) or a token id. Pure functions (the last two take the tokenizer to decode), so a
-decode loop of any shape (the batched ``generate`` of :mod:`distperp_harness.run.generation.generate`, or a per-row
-scheduler) calls them the same way:
+``think_end_token`` is a string (``"</think>"``) or a token id. Pure functions (the last two take the tokenizer to
+decode), so a decode loop of any shape (``model.generate`` batches of :mod:`.batchgen`, or the per-row scheduler of
+:mod:`.scheduler`) calls them the same way:
 
 * :func:`answer_of` ``(text, think_end, until)`` is the scored answer: the text after the *last* occurrence of
   ``think_end`` (left-stripped), then cut at the first stop string: exactly lm-eval's
