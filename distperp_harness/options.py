@@ -171,8 +171,11 @@ class Options:
                  "run the adapter and the delta weights as two runs")
         _require(isinstance(self.merge_adapter, bool), "merge_adapter", self.merge_adapter, "true or false", "")
         if self.reference == "base" and self.quantize == "none":
-            raise OptionError("reference=base compares against the unquantized checkpoint, but quantize=none. "
-                              "Fix: add quantize=int4 (or int8, 8da4w), give reference=<other model path>"
+            raise OptionError("reference=base compares against the unquantized checkpoint, but quantize=none: "
+                              "nothing is quantized by this run, and a checkpoint saved already quantized holds no "
+                              "unquantized copy (reference=base means the same weights unquantized). Fix: give "
+                              "reference=<the full-precision model path>, or add quantize=int4 (or int8, 8da4w) to "
+                              "a full-precision pretrained="
                               + (", or reference=pretrained (the base without the adapter)"
                                  if self.peft or self.delta else "") + ".")
         if self.reference == "pretrained":

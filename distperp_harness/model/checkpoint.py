@@ -8,8 +8,8 @@ Contracts:
 * :func:`check_gguf` fails before anything is loaded when ``gguf_file`` is given but the ``gguf`` package is
   missing or the file is not in a local ``pretrained`` folder (one ``ValueError`` naming the install or the file).
 * :func:`stored_quantization` is the stored config as a dict (``quant_method`` and the rest), or None.
-* :func:`refuse_on_stored` rejects what cannot apply to a pre-quantized checkpoint: ``quantize=`` on top of it
-  (its weights are no longer full precision) and ``reference=base`` (there is no unquantized copy of it).
+* :func:`refuse_on_stored` rejects ``quantize=`` on top of a pre-quantized checkpoint (its weights are no longer
+  full precision); ``reference=base`` without ``quantize=`` never reaches it (:class:`Options` refuses it).
 * :func:`stored_weight_bytes` sums the sizes of a local checkpoint's weight files (``*.safetensors``, ``*.bin``,
   ``*.pt``; a GGUF checkpoint is dequantized while loading, so it is sized from its config, not its file).
 """
@@ -72,7 +72,8 @@ def quant_method(stored: dict) -> str:
 
 
 def refuse_on_stored(options: Any, stored: dict | None) -> None:
-    """ValueError for ``quantize=`` on top of a pre-quantized checkpoint, or ``reference=base`` to it."""
+    """ValueError for ``quantize=`` on top of a pre-quantized checkpoint (``reference=base`` without ``quantize=``
+    is refused earlier, by :class:`~distperp_harness.options.Options`)."""
     if stored is None:
         return
     method = quant_method(stored)
@@ -82,11 +83,6 @@ def refuse_on_stored(options: Any, stored: dict | None) -> None:
             f"quantized (its config.json stores a quantization_config, quant_method={method!r}): quantizing "
             "quantized weights again would measure neither scheme. Fix: drop quantize= to evaluate the checkpoint "
             "as saved, or give pretrained=<its full-precision source> with quantize=.")
-    if options.reference == "base":
-        raise InputError(
-            f"reference=base means the same weights unquantized, but pretrained={options.pretrained!r} was saved "
-            f"already quantized (quant_method={method!r}) and holds no unquantized copy. Fix: give "
-            "reference=<the full-precision checkpoint it was made from>.")
 
 
 def stored_weight_bytes(options: Any) -> int | None:
