@@ -122,7 +122,7 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str],
     from distperp_harness.lm import DistPerpLM
     from distperp_harness.planning.requests import window_units
     from distperp_harness.run.runtime import batching_for
-    from distperp_harness.run.scoring import score_batch
+    from distperp_harness.run.scoring.forward import score_batch
 
     cuda = args.device == "cuda"
     t0 = time.perf_counter()

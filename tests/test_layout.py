@@ -148,6 +148,30 @@ def test_the_check_sees_arrows():
     assert _cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
 
 
+RUN_LAYERS: dict[str, int] = {
+    # run's folders and top-level modules -> layer; an arrow between two of them only reaches a lower layer
+    "rules": 0,  # the rules a call is planned by: imports nothing of run
+    "scoring": 1,  # one batch's forward, masks and shared-prefix cache
+    "compiling": 2, "runtime": 2, "fit": 2,  # compile=, and the policy that chooses the rules and checks the fit
+    "execution": 3,  # the executor both stages share
+    "pipeline": 4, "generation": 4,  # the two orchestrators: a scoring call, generate_until
+}
+
+
+def _run_unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "run" else None
+
+
+def test_run_folders_are_its_stages_and_import_downward():
+    run = PACKAGE / "run"
+    units = {p.stem for p in run.glob("*.py")} - {"__init__"} | {p.parent.name for p in run.glob("*/__init__.py")}
+    assert units == set(RUN_LAYERS), f"place {sorted(units ^ set(RUN_LAYERS))} in RUN_LAYERS (and the README's layout)"
+    arrows = {(_run_unit(a), _run_unit(b)) for a, b, _ in import_edges() if _run_unit(a) and _run_unit(b)}
+    assert [(a, b) for a, b in arrows if a != b and RUN_LAYERS[b] >= RUN_LAYERS[a]] == []
+    assert ("generation", "execution") in arrows and ("execution", "scoring") in arrows  # the check sees them
+
+
 GENERATION = ["sampling", "thinking", "stats", "scheduler", "prefill", "kv_batch", "static_batch", "step", "loop",
               "engines", "batchgen", "lanes", "jobs", "generate"]
 """``run/generation``'s modules, lowest first: each imports only modules before it (the per-row rules, the

@@ -156,7 +156,7 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from distperp_harness.run import scoring
+    from distperp_harness.run.scoring import forward as scoring
 
     monkeypatch.setattr(scoring, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
     with caplog.at_level(logging.INFO, logger="distperp_harness"):

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(tasks_path())
         return 0
     if args.command == "demo-model":
-        from distperp_harness.run.progress import setup_logging
+        from distperp_harness.run.execution.progress import setup_logging
 
         setup_logging()  # before torchao loads: its import notes are dropped
         from transformers.utils import logging as transformers_logging

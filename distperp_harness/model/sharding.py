@@ -16,7 +16,7 @@ Scoring does not call the root module: it runs ``model.base_model`` and applies 
 positions. :func:`gathered` therefore all-gathers the root's own group (embeddings, final norm, head) for a whole
 batch, and each decoder layer gathers and frees its shard in its own forward hooks. Every forward issues the same
 sequence of gathers, so all ranks of a group must make the same number of forward calls: the group walks through
-its batches in steps (:class:`distperp_harness.run.claims.GroupSteps`), and a rank with fewer calls in a step pads with
+its batches in steps (:class:`distperp_harness.run.execution.claims.GroupSteps`), and a rank with fewer calls in a step pads with
 forwards of a one-token batch whose results are dropped.
 """
 

@@ -13,7 +13,7 @@ holds a whole copy.
 A TP group computes one forward together (column-parallel projections, then an all-reduce of the row-parallel
 ones; the output head gathers its vocabulary slices), so every member gets the same logits, bit for bit, and the
 group acts as *one* data-parallel worker: the plan gives batches and lanes to workers, the group's first rank
-(its leader) claims and decides, the others follow (:mod:`distperp_harness.run.groups`).
+(its leader) claims and decides, the others follow (:mod:`distperp_harness.run.execution.groups`).
 
 torchao quantization while loading (``TorchAoConfig``) quantizes each rank's slice of a weight on its own: the
 weights stay torchao tensors of the local slice. A per-row scale of a row-parallel weight then covers half a row,

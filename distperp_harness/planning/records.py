@@ -13,7 +13,7 @@ Each rank turns its own distinct units (flat int32 tokens, O(own tokens)) into:
 of the set of units only), with the ranks that hold each one. Identity is the key; a collision is never silent:
 records with one key must agree on every field, inputs with one hash on their length and ladder (checked here), and
 the ranks that compute a unit send back a second, independent hash of the tokens they used, which each rank that
-asked compares with its own (:mod:`distperp_harness.run.routing`). Prefix hashes are planning hints: the rows are built
+asked compares with its own (:mod:`distperp_harness.run.execution.routing`). Prefix hashes are planning hints: the rows are built
 from the real tokens, and a row longer than its plan says is reported as a collision.
 """
 

@@ -158,10 +158,10 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
     Gathered: both roots (held for the whole batch) plus twice the largest decoder layer of either (the model's
     layers are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each
     model's compute dtype and attention implementation, for ``rows`` full-length rows. Logits:
-    :func:`~distperp_harness.run.scoring.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when sharded on CUDA
+    :func:`~distperp_harness.run.scoring.forward.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when sharded on CUDA
     (gloo's buffers on CPU are negligible).
     """
-    from distperp_harness.run.scoring import chunk_bytes
+    from distperp_harness.run.scoring.forward import chunk_bytes
 
     kept, root, layer = _parts(model, shard_size, scheme=options.quantize, group_size=options.group_size,
                                include_lm_head=options.quantize_lm_head, device=device, tensor_parallel=tensor_parallel)

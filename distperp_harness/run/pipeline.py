@@ -6,12 +6,12 @@ Every rank passes the units of the requests lm-eval gave it (its round-robin sha
    exchanges those, never tokens; every rank merges them into the same canonical table;
 2. plans rows (:mod:`distperp_harness.planning.rowplan`), world-size-independent batches and their owners from the table
    alone;
-3. sends each unit's tokens only to the ranks that may compute it (:func:`~distperp_harness.run.routing.move_tokens`);
-4. computes the batches it takes through the :class:`~distperp_harness.run.executor.Executor` (claims: its own,
+3. sends each unit's tokens only to the ranks that may compute it (:func:`~distperp_harness.run.execution.routing.move_tokens`);
+4. computes the batches it takes through the :class:`~distperp_harness.run.execution.executor.Executor` (claims: its own,
    then its ward's; resume; the failure channel; a shard group's steps; a tensor-parallel group as one worker of
    the plan, its leader reporting), each row built exactly from its units' tokens
    (:func:`~distperp_harness.planning.rows.row_of`);
-5. sends each unit's float64 results to the ranks that hold it (:func:`~distperp_harness.run.routing.return_results`)
+5. sends each unit's float64 results to the ranks that hold it (:func:`~distperp_harness.run.execution.routing.return_results`)
    and assembles its own requests in a fixed order.
 
 Rows, batches and their numbers depend only on the set of units: the same bits on 1 process or N, whichever rank
@@ -35,12 +35,12 @@ from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollis
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
 from distperp_harness.planning.rows import Row, row_of, shared_prefix, unit_rows
-from distperp_harness.run.calls import RankShare, RunStats, ScoringCall
-from distperp_harness.run.claims import helper_of
-from distperp_harness.run.executor import Executor
-from distperp_harness.run.routing import move_tokens, return_results
+from distperp_harness.run.execution.calls import RankShare, RunStats, ScoringCall
+from distperp_harness.run.execution.claims import helper_of
+from distperp_harness.run.execution.executor import Executor
+from distperp_harness.run.execution.routing import move_tokens, return_results
 from distperp_harness.run.rules import ScoringRule
-from distperp_harness.run.scoring import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, forward_calls
+from distperp_harness.run.scoring.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, forward_calls
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,11 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
 
     Args:
         per_request_units: for each local request, its units in order (an empty list scores nothing).
-        executor: runs the batches this rank takes (:class:`~distperp_harness.run.executor.Executor`: claims,
+        executor: runs the batches this rank takes (:class:`~distperp_harness.run.execution.executor.Executor`: claims,
             resume, the failure channel, a shard group's steps); its forwards' statistics are per unit, in row order.
         rule: how rows, batches and costs are planned; batches hold ``rule.batching`` rows each.
-        stats: when given, the call's :class:`~distperp_harness.run.calls.ScoringCall` is appended (with every
-            rank's :class:`~distperp_harness.run.calls.RankFacts`) and the fingerprint takes every unit's results.
+        stats: when given, the call's :class:`~distperp_harness.run.execution.calls.ScoringCall` is appended (with every
+            rank's :class:`~distperp_harness.run.execution.calls.RankFacts`) and the fingerprint takes every unit's results.
         progress: given the number of tokens this rank is planned to score (the results' ``n_tokens``), returns
             an update callback.
         log: where rank 0's notes about the plan go (idle ranks).

@@ -10,7 +10,7 @@ memory, the requests or the world size — so the plan, and hence the bits, are 
     budget = pow2_floor((fraction * (total - resident weights) - logits chunks) / activation bytes per token)
 
 with ``resident weights`` the model's and the reference's stored bytes, the logits chunks
-:func:`~distperp_harness.run.scoring.chunk_bytes`, the activation bytes :func:`activation_bytes_per_token` (one
+:func:`~distperp_harness.run.scoring.forward.chunk_bytes`, the activation bytes :func:`activation_bytes_per_token` (one
 layer's transients in the compute dtype; eager attention's scores only with eager attention), and
 ``fraction`` 1/2 on CUDA (the allocator's fragmentation and the CUDA context take part of the rest) and 1/4 on CPU
 (the other processes of the node share the memory). On CPU the budget is also capped at ``_CPU_MAX_TOKENS``:
@@ -131,7 +131,7 @@ def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, 
                   device_type: str = "cpu", resident_bytes: int = 0, reference: torch.nn.Module | None = None) -> int:
     """The token budget of ``batch_size=auto`` (module doc): a pure function of the model(s), ``device_type`` and
     ``total_bytes``; ``resident_bytes`` are the stored weights of the model and the reference."""
-    from distperp_harness.run.scoring import chunk_bytes
+    from distperp_harness.run.scoring.forward import chunk_bytes
 
     fraction = _MEMORY_FRACTION.get(device_type, _MEMORY_FRACTION["cpu"])
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
@@ -180,10 +180,10 @@ def _release_cuda_cache() -> None:
 def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int, *,
                   reference: torch.nn.Module | None = None, pad_token_id: int = 0) -> Probe:
     """A :data:`Probe` that scores ``budget // max_length`` rows of ``max_length + 1`` tokens, every position
-    scored (the worst case), with the real :func:`~distperp_harness.run.scoring.score_batch`."""
+    scored (the worst case), with the real :func:`~distperp_harness.run.scoring.forward.score_batch`."""
     from distperp_harness.model.sharding import gathered
     from distperp_harness.planning.requests import Unit
-    from distperp_harness.run.scoring import score_batch
+    from distperp_harness.run.scoring.forward import score_batch
 
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
 
@@ -297,7 +297,7 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
 
     probe = (scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
              if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model) else None)
-    from distperp_harness.run.scoring import chunk_bytes
+    from distperp_harness.run.scoring.forward import chunk_bytes
 
     logits = chunk_bytes(device.type, first_float_dtype(model), first_float_dtype(reference))
     problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
@@ -318,7 +318,7 @@ def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: 
     """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any): ``(sharing, why
     tree rows are off when a model cannot take their mask, how the row budget was chosen, the line to log at the
     first loglikelihood call)``."""
-    from distperp_harness.run.scoring import cached_prefix_unsupported, packed_rows_unsupported
+    from distperp_harness.run.scoring.forward import cached_prefix_unsupported, packed_rows_unsupported
 
     if not share_prefix:
         return Sharing(ShareMode.OFF), None, None, None

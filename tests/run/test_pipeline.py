@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from distperp_harness.planning.requests import continuation_unit, window_units
-from distperp_harness.run.calls import RunStats
-from distperp_harness.run.executor import Executor, Forwards
+from distperp_harness.run.execution.calls import RunStats
+from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing
-from distperp_harness.run.scoring import N_COLUMNS, BatchScores
-from tests.run.test_routing import _run
+from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
+from tests.run.execution.test_routing import _run
 
 
 class _Store:
@@ -98,7 +98,7 @@ def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_refer
         out = score_requests([requests[k] for k in shares[c.rank]], executor, rule, stats=stats)
         return out, stats
 
-    import distperp_harness.run.executor as executor_module
+    import distperp_harness.run.execution.executor as executor_module
 
     original, executor_module.default_store = executor_module.default_store, lambda: store
     try:

@@ -20,7 +20,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from distperp_harness.run.generation.sampling import SeededDraw, warpers_for
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.thinking import answer, stop_in_answer
-from distperp_harness.run.kvcache import CacheNotShareable, cache_argument, prefix_cache
+from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument, prefix_cache
 
 log = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 
 from distperp_harness.run.generation.prefill import plain_layers
 from distperp_harness.run.generation.sampling import SAMPLING_KEYS
-from distperp_harness.run.kvcache import CacheNotShareable
+from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
 log = get_logger(__name__)
 

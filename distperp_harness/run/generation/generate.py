@@ -3,7 +3,7 @@
 Every rank tokenizes its own prompts and learns the global job list from every rank's records (greedy requests with
 equal arguments are one job). Jobs are ordered canonically and cut into lanes by a rule that ignores the world size
 (:mod:`.lanes`); whole lanes go to ranks by cost (prompt plus ``max_gen_toks`` tokens per job) and are claimed like
-scoring batches (:mod:`distperp_harness.run.claims`: a slow rank generates fewer). A lane is decoded by the engine
+scoring batches (:mod:`distperp_harness.run.execution.claims`: a slow rank generates fewer). A lane is decoded by the engine
 :func:`~.engines.choose_engine` picks: continuous batching (:mod:`.loop`: each row stops on its own and its slot is
 refilled at once), or ``model.generate`` batches (:mod:`.batchgen`) for arguments slots do not serve. The lane's
 schedule depends only on its jobs, so texts are identical for every world size and whichever rank computes a lane.
@@ -42,8 +42,8 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from distperp_harness.errors import InputError
 from distperp_harness.planning.records import FlatUnits
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
-from distperp_harness.run.calls import GenerationCall, RankShare
-from distperp_harness.run.executor import Executor
+from distperp_harness.run.execution.calls import GenerationCall, RankShare
+from distperp_harness.run.execution.executor import Executor
 from distperp_harness.run.generation.batchgen import BatchArgs, generate_batch
 from distperp_harness.run.generation.engines import Engine, choose_engine, note_fallback
 from distperp_harness.run.generation.jobs import (
@@ -83,7 +83,7 @@ class GenerationSetup:
     ``max_gen_toks``: the default for requests that set none (each request's own limit sizes its lane).
     ``seed``: lm-eval's torch seed (``None``: ``torch.initial_seed()`` at the call); rank 0's is used by all.
     ``min_shared_tokens``: see :data:`MIN_SHARED_TOKENS` (a huge value turns sharing off).
-    ``executor``: runs the lanes this rank takes (:class:`~distperp_harness.run.executor.Executor`: claims,
+    ``executor``: runs the lanes this rank takes (:class:`~distperp_harness.run.execution.executor.Executor`: claims,
     ``resume_dir`` (finished lanes saved and reused), the failure channel, and with sharded weights the shard
     group's steps: every member one forward per step, its own or an idle one once it has no lane left).
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
@@ -369,7 +369,7 @@ def _generate_batches(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepare
 
 def _record(records: list[LaneRecord], lanes: Sequence[LanePlan], *, jobs: int, sampled: int, seed: int,
             setup: GenerationSetup, per_rank: list[RankShare], seconds: float) -> GenerationCall:
-    """The call's :class:`~distperp_harness.run.calls.GenerationCall` from every computed lane's record."""
+    """The call's :class:`~distperp_harness.run.execution.calls.GenerationCall` from every computed lane's record."""
     total = LaneStats()
     for record in records:
         total.add(record.stats)

@@ -13,7 +13,7 @@ Each rank turns the distinct jobs of its own requests into:
 prompt's prefix blocks (prompts that share a few-shot block or a chat system prompt sit together: sequences ordered
 by their block hashes keep every common run of leading blocks contiguous, as a trie does), then by prompt and key —
 a function of the set of jobs only, so the lanes cut from it are the same for 1 process or 1,024. A prompt's tokens
-then travel only to the ranks that may compute one of its lanes (:func:`~distperp_harness.run.routing.move_tokens`).
+then travel only to the ranks that may compute one of its lanes (:func:`~distperp_harness.run.execution.routing.move_tokens`).
 
 Per rank this is O(own prompt tokens) plus the records: 48 bytes per job and 8 per 16-token block of each distinct
 prompt, where the all-gather of prompts it replaces moved 4 bytes per prompt token to every rank.
@@ -39,10 +39,10 @@ from distperp_harness.planning.records import (
     encode,
     local_records,
 )
-from distperp_harness.run.claims import helper_of
+from distperp_harness.run.execution.claims import helper_of
 from distperp_harness.run.generation.lanes import LanePlan, plan_lanes
-from distperp_harness.run.groups import Workers
-from distperp_harness.run.routing import Available, move_tokens
+from distperp_harness.run.execution.groups import Workers
+from distperp_harness.run.execution.routing import Available, move_tokens
 
 JOB = np.dtype([("key", "<u8", (2,)), ("prompt", "<u8", (2,)), ("group", "<u8"), ("max_new", "<i4"),
                 ("sampled", "<i4")])
@@ -167,7 +167,7 @@ def ladder_shared(table: JobTable, start: int, stop: int, min_tokens: int) -> tu
 
 def lane_destinations(table: JobTable, lane_of_job: np.ndarray, lane_ranks: np.ndarray) -> np.ndarray:
     """``int [prompts, k]``: the ranks that may compute a lane holding each prompt (``-1``: none), for
-    :func:`~distperp_harness.run.routing.move_tokens`. ``lane_ranks``: ``int [lanes, 2]`` owner and helper."""
+    :func:`~distperp_harness.run.execution.routing.move_tokens`. ``lane_ranks``: ``int [lanes, 2]`` owner and helper."""
     n = len(table.prompts)
     pairs = np.stack([np.repeat(table.prompt_id, lane_ranks.shape[1]), lane_ranks[lane_of_job].reshape(-1)], 1) \
         if len(table) else np.zeros((0, 2), np.int64)
@@ -215,7 +215,7 @@ def plan_generation(collective, local: LocalJobs, seed: int, rows_for: Callable[
                     step: int, workers: Workers | None = None) -> GenerationPlan:
     """Exchange records, plan lanes and their owners, and move each prompt to the ranks that may compute its lanes
     (every rank calls this together). ``step``: the claiming helper offset
-    (:func:`~distperp_harness.run.claims.helper_step`; 0: no helper); ``workers``: who computes lanes (a
+    (:func:`~distperp_harness.run.execution.claims.helper_step`; 0: no helper); ``workers``: who computes lanes (a
     tensor-parallel group is one worker, its every member receives the prompts; default: every rank)."""
     small = collective.all_gather_object((seed, local.kwargs), "gather generation arguments")
     kwargs_of = {group: kw for _, part in small for group, kw in part.items()}

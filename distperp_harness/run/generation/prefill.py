@@ -17,7 +17,7 @@ import torch
 
 from distperp_harness.run.generation.scheduler import Lane, Row, Scheduler
 from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.kvcache import CacheNotShareable, cache_argument
+from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer ``(keys, values)`` of shape ``[rows, kv heads, length, head dim]``."""
@@ -32,7 +32,7 @@ def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs
 
 def plain_layers(cache) -> list:
     """The layers of a ``DynamicCache`` when every one is a plain ``DynamicLayer`` (rows can be joined, dropped and
-    trimmed); raises :class:`~distperp_harness.run.kvcache.CacheNotShareable` naming the layer types otherwise."""
+    trimmed); raises :class:`~distperp_harness.run.scoring.kvcache.CacheNotShareable` naming the layer types otherwise."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)

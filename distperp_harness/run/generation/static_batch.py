@@ -30,7 +30,7 @@ import torch
 
 from distperp_harness.run.generation.scheduler import Row
 from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.kvcache import CacheNotShareable
+from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
 
 class StaticBuffers:

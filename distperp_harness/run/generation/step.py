@@ -3,7 +3,7 @@
 
 **Compiling.** :meth:`CompiledStep.prepare` compiles the step (``fullgraph``, static shapes) for every ``(slots,
 capacity)`` bucket the global lane plan needs and has not compiled yet, every rank together, the node's local rank
-0 first (:func:`~distperp_harness.run.compiling.in_turn`): the shapes come from the plan (global, the same
+0 first (:func:`~distperp_harness.run.compiling.regional.in_turn`): the shapes come from the plan (global, the same
 everywhere), never from timing or rank. Each warm-up runs the step on zeros. Later steps run under
 ``fail_on_recompile``; a step the graphs would not cover runs the same forward eager (counted). If compiling fails
 on any rank, every rank decodes lanes with the eager engine from then on (rank 0 says why once); the evaluation
@@ -27,10 +27,10 @@ from typing import Any, Sequence
 import torch
 from accelerate.logging import get_logger
 
-from distperp_harness.run import compiling
+from distperp_harness.run.compiling import regional as compiling
 from distperp_harness.run.generation.prefill import last_logits, plain_layers
 from distperp_harness.run.generation.static_batch import StaticBuffers
-from distperp_harness.run.kvcache import cache_argument
+from distperp_harness.run.scoring.kvcache import cache_argument
 
 log = get_logger(__name__)
 
@@ -139,7 +139,7 @@ def packed_gqa():
 
 class CompiledStep:
     """The compiled decode step of ``model`` and its buffers, built when compiling is active. ``compile_state``:
-    the run's :class:`~distperp_harness.run.compiling.CompileState` (its ``decode`` is this object's
+    the run's :class:`~distperp_harness.run.compiling.regional.CompileState` (its ``decode`` is this object's
     :class:`DecodeState`); ``bucket``: capacities are its multiples (:func:`capacity_for`)."""
 
     def __init__(self, model: torch.nn.Module, compile_state: compiling.CompileState, device: torch.device,

@@ -26,9 +26,9 @@ import torch
 
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
-from distperp_harness.run.kvcache import cache_argument, prefix_cache
-from distperp_harness.run.masks import Packing as _Packing
-from distperp_harness.run.masks import flex_shapes
+from distperp_harness.run.scoring.kvcache import cache_argument, prefix_cache
+from distperp_harness.run.scoring.masks import Packing as _Packing
+from distperp_harness.run.scoring.masks import flex_shapes
 
 # Columns of the per-unit statistics table (float64), gathered across ranks as one tensor.
 LL, GREEDY, N_TOKENS, REF_LL, TOP1 = range(5)
@@ -97,7 +97,7 @@ def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tenso
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
     float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
     ``packing``: the attention mask and position ids of a batch with tree rows (None: plain causal rows);
-    ``cache``: the key/value cache of the batch's shared prefix (:func:`~distperp_harness.run.kvcache.prefix_cache`), which ``input_ids`` follow."""
+    ``cache``: the key/value cache of the batch's shared prefix (:func:`~distperp_harness.run.scoring.kvcache.prefix_cache`), which ``input_ids`` follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     extra = packing.kwargs(model) if packing is not None else {}
@@ -219,7 +219,7 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
                 between_forwards: Callable[[], None] | None = None) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded batch.
 
-    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (:mod:`~distperp_harness.run.masks`;
+    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (:mod:`~distperp_harness.run.scoring.masks`;
     the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
     exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the
     first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
@@ -337,7 +337,7 @@ def forward_calls(shared: int) -> int:
 
 
 # Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
-# (each checked against unshared rows, with sdpa and eager, in tests/run/test_scoring.py).
+# (each checked against unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py).
 _MASKABLE_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo", "olmo2",
     "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3",
@@ -358,7 +358,7 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
     """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
 
     Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
-    where transformers implements it for the model (``_supports_flex_attn``; a block mask, :mod:`distperp_harness.run.masks`)
+    where transformers implements it for the model (``_supports_flex_attn``; a block mask, :mod:`distperp_harness.run.scoring.masks`)
     — flash attention takes no custom mask —, no attention-logit soft capping, and no sliding window shorter than
     ``max_length`` (a custom mask replaces the window; rows are at most ``max_length`` tokens, so a longer window
     never applies).

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import sharpened_model
 
-from distperp_harness.run.executor import Executor, Forwards
+from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
 
 SAMPLED = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
@@ -135,7 +135,7 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
 def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path,
                                                                monkeypatch):
     from distperp_harness.run.generation import engines
-    from distperp_harness.run.kvcache import CacheNotShareable
+    from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
     model, tokenizer = _load(peaked_dir)
     args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]

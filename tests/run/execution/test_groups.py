@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from distperp_harness.distributed.store import CollectiveError
-from distperp_harness.run.executor import Executor, Forwards
-from distperp_harness.run.groups import Follow, Workers
-from distperp_harness.run.scoring import N_COLUMNS, BatchScores
+from distperp_harness.run.execution.executor import Executor, Forwards
+from distperp_harness.run.execution.groups import Follow, Workers
+from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
 from tests.run.test_pipeline import _Store as _ThreadStore
 
 
@@ -73,7 +73,7 @@ class _Rank:
 def test_a_member_skips_the_forward_exactly_when_its_leader_read_the_batch_back(monkeypatch):
     """Only the leader consults ``resume_dir`` and saves; its member computes when the leader does and returns
     nothing when the leader read the batch back."""
-    import distperp_harness.run.executor as executor_module
+    import distperp_harness.run.execution.executor as executor_module
 
     store = _ThreadStore()
     monkeypatch.setattr(executor_module, "default_store", lambda: store)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from distperp_harness.run.claims import Claims, helper_of, helper_step
+from distperp_harness.run.execution.claims import Claims, helper_of, helper_step
 
 
 class _Store:
@@ -118,7 +118,7 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
 
 def test_a_shard_group_member_that_never_arrives_is_named():
     from distperp_harness.distributed.collective import CollectiveError
-    from distperp_harness.run.claims import GroupSteps
+    from distperp_harness.run.execution.claims import GroupSteps
 
     class _Store:
         values = {}

@@ -12,7 +12,7 @@ rows share a prefix, and generation) run eager: a cache update specializes on th
 length, which would compile one graph per layer and per length; they are counted (``eager_calls``).
 
 **CPU weights.** On CPU the layers' linear layers also compute from oneDNN-packed weights
-(:mod:`~distperp_harness.run.prepack`: what inductor's freezing does, without a graph per layer); measured, that is
+(:mod:`~distperp_harness.run.compiling.prepack`: what inductor's freezing does, without a graph per layer); measured, that is
 most of what compiling gains on CPU.
 
 **Shapes.** ``dynamic=True`` without duck sizing: rows and length are symbolic, so one graph serves batches of
@@ -47,7 +47,7 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.model.layers import decoder_layers  # noqa: F401 - tests reach it here too
-from distperp_harness.run.prepack import Prepacked, packable_bytes, prepack
+from distperp_harness.run.compiling.prepack import Prepacked, packable_bytes, prepack
 
 log = get_logger(__name__)
 
@@ -213,8 +213,8 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
 def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int,
              device: torch.device) -> list[str]:
     """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with
-    ``tree`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.masks.Packing` hands them)."""
-    from distperp_harness.run.masks import Packing
+    ``tree`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.masks.Packing` hands them)."""
+    from distperp_harness.run.scoring.masks import Packing
 
     done = []
     for rows, length in shapes:
@@ -304,7 +304,7 @@ def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | Non
 def compile_extra_bytes(mode: str | None, models: Sequence[torch.nn.Module | None], device: torch.device,
                         shard_size: int = 1) -> int:
     """Bytes that compiling ``models`` with ``mode`` will hold besides their weights: the packed copies of their
-    decoder layers' linear weights on CPU (:mod:`~distperp_harness.run.prepack`); 0 when nothing is compiled."""
+    decoder layers' linear weights on CPU (:mod:`~distperp_harness.run.compiling.prepack`); 0 when nothing is compiled."""
     from distperp_harness.model.tensor_parallel import is_tensor_parallel
 
     if mode is None or shard_size > 1 or any(is_tensor_parallel(m) for m in models):

@@ -6,7 +6,7 @@ workers (:class:`Workers`), each unit's tokens go to every member of the workers
 group's first rank (its leader) reports results, so each result travels once.
 
 Members walk the leader's path (:class:`Follow`): the leader claims batches or lanes as any rank does
-(:mod:`distperp_harness.run.claims`), decides whether ``resume_dir`` already holds each, and publishes every
+(:mod:`distperp_harness.run.execution.claims`), decides whether ``resume_dir`` already holds each, and publishes every
 decision in the store in order; the members read the same decisions in the same order and make the same forward
 calls. What a member computes is never a decision of its own, so a group can never split.
 

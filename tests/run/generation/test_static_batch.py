@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import sharpened_model
 
-from distperp_harness.run.compiling import CompileState, _unique_graphs
+from distperp_harness.run.compiling.regional import CompileState, _unique_graphs
 from distperp_harness.run.generation.loop import Decoder, decode_lane
 from distperp_harness.run.generation.sampling import warpers_for
 from distperp_harness.run.generation.scheduler import Lane, StopRule

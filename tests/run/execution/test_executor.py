@@ -5,10 +5,10 @@ back in rank order."""
 import numpy as np
 import pytest
 
-from distperp_harness.run.calls import GenerationCall, RankShare, RunStats, ScoringCall
-from distperp_harness.run.executor import Executor, Forwards
-from distperp_harness.run.scoring import N_COLUMNS, BatchScores
-from tests.run.test_routing import _run
+from distperp_harness.run.execution.calls import GenerationCall, RankShare, RunStats, ScoringCall
+from distperp_harness.run.execution.executor import Executor, Forwards
+from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
+from tests.run.execution.test_routing import _run
 
 
 class _Store:

@@ -12,8 +12,8 @@ from lm_eval.api.instance import Instance
 
 from distperp_harness.options import COMPILE_MODES, Options
 from distperp_harness.planning.requests import Unit, window_units
-from distperp_harness.run import compiling
-from distperp_harness.run.scoring import LL, score_batch
+from distperp_harness.run.compiling import regional as compiling
+from distperp_harness.run.scoring.forward import LL, score_batch
 
 ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4,share_prefix=false"
 TEXTS = ["The tower is 324 metres tall, about the same height as an 81-storey building.",

@@ -16,7 +16,7 @@ def model_probes(model: torch.nn.Module, device: torch.device, pad_token_id: int
     """``(decode, score)`` probes of :func:`forward_traffic` for a loaded model (the real scoring path, no
     reference)."""
     from distperp_harness.planning.requests import Unit
-    from distperp_harness.run.scoring import score_batch
+    from distperp_harness.run.scoring.forward import score_batch
 
     pad = pad_token_id if pad_token_id is not None else 0
 

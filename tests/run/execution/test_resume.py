@@ -30,8 +30,8 @@ from helpers import (
 
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import build_rows, unit_rows
-from distperp_harness.run.resume import BatchStore
-from distperp_harness.run.scoring import GREEDY, LL, N_TOKENS, TOP1, BatchScores
+from distperp_harness.run.execution.resume import BatchStore
+from distperp_harness.run.scoring.forward import GREEDY, LL, N_TOKENS, TOP1, BatchScores
 
 UNITS = unit_rows([Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)])  # two one-unit rows
 GOOD = BatchScores(np.array([[-3.5, 0.0, 3, -3.25, 2], [-0.5, 1.0, 1, -0.75, 1]]), [np.array([0.1, 0.2, 0.3]),
@@ -47,7 +47,7 @@ def resume_log():
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("distperp_harness.run.resume")
+    logger = logging.getLogger("distperp_harness.run.execution.resume")
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from distperp_harness.run.progress import CUDA_ONLY, QUIET, setup_logging
+from distperp_harness.run.execution.progress import CUDA_ONLY, QUIET, setup_logging
 
 
 def _record(name, message):

@@ -3,18 +3,18 @@ generation lanes) once the plan says who owns what.
 
 The policy both stages need lives here and nowhere else:
 
-* **which units** — this rank's own in plan order, then its ward's (:class:`~distperp_harness.run.claims.Claims`,
+* **which units** — this rank's own in plan order, then its ward's (:class:`~distperp_harness.run.execution.claims.Claims`,
   when ``claim=true`` and someone can help);
 * **reuse** — a unit saved in ``resume_dir`` is read back, never recomputed (its saved bits are the computed ones);
 * **failure** — a unit is computed inside the failure channel (:func:`stop_together`: an error stops every rank at
   once, naming this one), with the fault points the tests use;
 * **shard groups** — with sharded weights (``shard_size`` > 1) every forward gathers the group's weights, so the
-  group walks in steps (:class:`~distperp_harness.run.claims.GroupSteps`) and a member with less to do in a step
+  group walks in steps (:class:`~distperp_harness.run.execution.claims.GroupSteps`) and a member with less to do in a step
   makes idle forwards, scoring's (:meth:`Executor.batches`) and generation's (:meth:`Executor.decoding`) alike;
 * **tensor-parallel groups** — with ``tp_size`` > 1 a group computes every forward together and is one worker of
-  the plan (:mod:`distperp_harness.run.groups`): its leader claims and decides (reuse or compute), the members
+  the plan (:mod:`distperp_harness.run.execution.groups`): its leader claims and decides (reuse or compute), the members
   follow the published decisions (:meth:`Executor.walk`), and only the leader reports (:attr:`Executor.reports`);
-* **what each rank did** — :class:`~distperp_harness.run.calls.RankFacts` gathered at the end of a call.
+* **what each rank did** — :class:`~distperp_harness.run.execution.calls.RankFacts` gathered at the end of a call.
 
 The forwards themselves come in :class:`Forwards` (:func:`model_forwards` for a loaded model; tests pass fakes),
 so planning and this policy are testable with thread collectives and no model.
@@ -36,11 +36,11 @@ from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.model.sharding import gathered, regather
 from distperp_harness.planning.requests import Unit
-from distperp_harness.run.calls import RankFacts
-from distperp_harness.run.claims import Claiming, Claims, GroupSteps, helper_step
-from distperp_harness.run.groups import Follow, Workers
-from distperp_harness.run.resume import fault_for_tests
-from distperp_harness.run.scoring import BatchScores, NonFiniteLogitsError, forward_calls, score_batch
+from distperp_harness.run.execution.calls import RankFacts
+from distperp_harness.run.execution.claims import Claiming, Claims, GroupSteps, helper_step
+from distperp_harness.run.execution.groups import Follow, Workers
+from distperp_harness.run.execution.resume import fault_for_tests
+from distperp_harness.run.scoring.forward import BatchScores, NonFiniteLogitsError, forward_calls, score_batch
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Executor:
     Args:
         collective: the run's :class:`~distperp_harness.distributed.collective.Collective` (or a test's).
         forwards: what a unit's computation calls (:func:`model_forwards`).
-        store: ``resume_dir``'s :class:`~distperp_harness.run.resume.BatchStore`, or ``None``.
+        store: ``resume_dir``'s :class:`~distperp_harness.run.execution.resume.BatchStore`, or ``None``.
         claiming: ``claim=``; ``local_world_size``: processes per node (a rank's helper is then on another node);
         shard_size: ranks per shard group (1: unsharded); ``tp_size``: ranks per tensor-parallel group (1: none).
     """
@@ -136,7 +136,7 @@ class Executor:
 
     def walk(self, claims: Claims, prefix: str) -> Iterator[int]:
         """The units this rank computes, in order: its claims; in a TP group, the leader's claims, which it
-        publishes and its members read (:class:`~distperp_harness.run.groups.Follow`), ending with ``-1``."""
+        publishes and its members read (:class:`~distperp_harness.run.execution.groups.Follow`), ending with ``-1``."""
         if self.tp_size <= 1:
             self._follow = None
             yield from claims

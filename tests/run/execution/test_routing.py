@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
-from distperp_harness.run.routing import (
+from distperp_harness.run.execution.routing import (
     _front_coded,
     _front_decoded,
     move_tokens,

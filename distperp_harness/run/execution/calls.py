@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from distperp_harness.run.claims import Claiming
+from distperp_harness.run.execution.claims import Claiming
 
 
 @dataclass(frozen=True)

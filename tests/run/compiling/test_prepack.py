@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from distperp_harness.run import prepack
+from distperp_harness.run.compiling import prepack
 
 
 def _stack(seed: int = 0) -> torch.nn.ModuleList:

@@ -5,7 +5,7 @@ On CPU, much of what makes inductor's compiled inference faster than eager is no
 ``_linear_pointwise`` on a weight reordered once (``mkldnn._reorder_linear_weight``) into the blocked layout its
 GEMM kernels read, instead of a plain ``mm`` on the row-major weight. Freezing compiles one graph per layer, though (the weights are baked in), which multiplies
 compile time by the depth of the model, and its graphs are keyed by the weights' values. This module gives the
-regional graph of :mod:`~distperp_harness.run.compiling` the same kernels while one graph still serves every layer:
+regional graph of :mod:`~distperp_harness.run.compiling.regional` the same kernels while one graph still serves every layer:
 each plain ``nn.Linear`` of a decoder layer calls the custom op ``distperp::packed_linear(x, weight, bias)``, which
 inductor keeps as an opaque call (it fuses everything around it) and which computes from the packed copy of
 ``weight`` (found by the weight's storage address, so the graph takes the ordinary weight as its input).
