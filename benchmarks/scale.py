@@ -42,8 +42,8 @@ from distperp_harness.planning.plan import assign_batches  # noqa: E402
 from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, encode, local_records  # noqa: E402
 from distperp_harness.planning.rowplan import batch_shared, plan_from_records  # noqa: E402
 from distperp_harness.run.execution.claims import helper_of, helper_step  # noqa: E402
-from distperp_harness.run.rules import Batching  # noqa: E402
 from distperp_harness.run.execution.routing import _front_coded, result_routes, token_routes  # noqa: E402
+from distperp_harness.run.rules import Batching  # noqa: E402
 from distperp_harness.run.scoring.forward import N_COLUMNS  # noqa: E402
 
 MAX_LENGTH = 4096

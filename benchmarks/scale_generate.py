@@ -35,6 +35,7 @@ from scale import cpu_and_peak  # noqa: E402  (benchmarks/ is this script's fold
 from distperp_harness.planning.plan import assign_batches  # noqa: E402
 from distperp_harness.planning.records import FlatUnits, local_records  # noqa: E402
 from distperp_harness.run.execution.claims import helper_of, helper_step  # noqa: E402
+from distperp_harness.run.execution.routing import _front_coded, token_routes  # noqa: E402
 from distperp_harness.run.generation.jobs import (  # noqa: E402
     JOB,
     JobTable,
@@ -44,7 +45,6 @@ from distperp_harness.run.generation.jobs import (  # noqa: E402
     lane_destinations,
 )
 from distperp_harness.run.generation.lanes import plan_lanes  # noqa: E402
-from distperp_harness.run.execution.routing import _front_coded, token_routes  # noqa: E402
 
 TOKEN_BUDGET = 262_144  # KV tokens the slots of a lane may hold (an 8B model on an 80 GB GPU, roughly)
 

@@ -18,7 +18,7 @@ from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
 
 from distperp_harness import __version__
-from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.collective import AccelerateCollective
 from distperp_harness.distributed.failfast import set_device, stop_together
 from distperp_harness.distributed.liveness import set_base_stage
 from distperp_harness.distributed.testfaults import fail_for_tests
@@ -45,17 +45,17 @@ from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.report.results import Score
-from distperp_harness.run.execution.calls import RunStats
 from distperp_harness.run.compiling.regional import compile_extra_bytes, compile_models
+from distperp_harness.run.execution.calls import RunStats
 from distperp_harness.run.execution.executor import Executor, model_forwards
-from distperp_harness.run.fit import check_fits
-from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
-from distperp_harness.run.generation.step import CompiledStep
-from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.execution.probes import model_traffic
 from distperp_harness.run.execution.progress import generation_progress, setup_logging, token_progress
 from distperp_harness.run.execution.record import run_record
 from distperp_harness.run.execution.resume import BatchStore
+from distperp_harness.run.fit import check_fits
+from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.run.generation.step import CompiledStep
+from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing
 from distperp_harness.run.runtime import (
     agree_on_batching,
@@ -104,7 +104,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             raise InputError("reference_model was given without reference=; it would be ignored. Fix: pass "
                              "reference=base (or the reference's path) with it.")
         wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
-        self.collective = Collective(self.options.timeout, cpu=wants_cpu)
+        self.collective = AccelerateCollective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
         set_device(self._device)  # a failure anywhere in this process is recorded as this rank's, on this device

@@ -7,6 +7,7 @@ command, the exit code and the tail of stderr and stdout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import contextlib
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent

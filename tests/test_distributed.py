@@ -182,8 +182,8 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent("""
         import sys, time, torch
-        from distperp_harness.distributed.collective import Collective, CollectiveError
-        c = Collective(timeout_s=4, cpu=True)
+        from distperp_harness.distributed.collective import AccelerateCollective, CollectiveError
+        c = AccelerateCollective(timeout_s=4, cpu=True)
         sys.stdout.write(f"CONTROL {c.rank} {c.control_backend}\\n"); sys.stdout.flush()  # one write: no interleaving
         c.all_gather_tensor(torch.zeros(2))            # everyone arrives once
         if c.rank == 1:

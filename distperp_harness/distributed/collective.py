@@ -41,16 +41,17 @@ from distperp_harness.distributed import failfast
 from distperp_harness.distributed.controlplane import control_group as _control_group
 from distperp_harness.distributed.failfast import start_watch, stop_watch
 from distperp_harness.distributed.liveness import describe_ranks
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, store_gone
 from distperp_harness.errors import install_excepthook
 
-__all__ = ["Collective", "CollectiveError", "default_store"]
+__all__ = ["AccelerateCollective", "Collective", "CollectiveError", "default_store"]
 
 T = TypeVar("T")
 
 
-class Collective:
-    """Gathers among all processes of the run; a no-op wrapper when there is one process."""
+class AccelerateCollective:
+    """:class:`Collective` over Accelerate's process group (module doc); a no-op wrapper when there is one process."""
 
     bytes_sent: int = 0
     """Payload bytes this rank sent to other ranks so far (``bytes_received``: received from them)."""
@@ -84,7 +85,7 @@ class Collective:
 
     @property
     def sequence(self) -> int:
-        """The number of this process's latest collective, over every ``Collective`` it created: equal on every rank
+        """The number of this process's latest collective, over every ``AccelerateCollective`` it created: equal on every rank
         between two collectives, and never reused within the run (a key prefix for the store)."""
         return self._step
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator
 from distperp_harness.distributed import liveness
 from distperp_harness.distributed.controlplane import bound_address, host_name
 from distperp_harness.distributed.liveness import current_stage, pop_stage, push_stage
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.store import (
     CollectiveError,
     default_store,
@@ -341,7 +342,7 @@ def fail_here(exc: BaseException, rank: int, world_size: int, device: Any, stage
 
 
 @contextlib.contextmanager
-def stop_together(collective: Any, device: Any = None, stage: str = "scoring") -> Iterator[None]:
+def stop_together(collective: Collective, device: Any = None, stage: str = "scoring") -> Iterator[None]:
     """Around one stage or unit of work of a multi-process run (a forward, planning, a generation lane or decode
     step): on an error of this rank's own, tell every rank (:func:`fail_here`: printed, recorded, acknowledged)
     before re-raising it. A broken collective (a peer's failure seen from here) is re-raised as it is, or as a

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -311,13 +311,20 @@ def log_line(task: str, entry: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class GathersToOne(Protocol):
+    """What :meth:`ReferenceComparison.add` needs of the process group (``report/`` does not import
+    ``distributed/``): :meth:`~distperp_harness.distributed.protocol.Collective.gather_object`."""
+
+    def gather_object(self, obj: Any, dst: int = 0, name: str = ...) -> list[Any] | None: ...
+
+
 class ReferenceComparison:
     """Records of every scoring call of one model instance, gathered from all ranks on rank 0; entries on demand."""
 
     def __init__(self) -> None:
         self._records: dict[tuple, Record] = {}
 
-    def add(self, requests: Sequence[Any], scores: Sequence[Any], collective: Any,
+    def add(self, requests: Sequence[Any], scores: Sequence[Any], collective: GathersToOne,
             tasks: Mapping[str, Any] | None = None) -> list[str]:
         """Gather this call's records from every rank on rank 0 (all ranks call this together); rank 0 merges and
         keeps them (it is the rank that reports them), the others keep nothing.

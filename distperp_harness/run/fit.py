@@ -30,7 +30,7 @@ from distperp_harness.model.memory import activation_bytes_per_token, first_floa
 from distperp_harness.options import Options
 
 if TYPE_CHECKING:
-    from distperp_harness.distributed.collective import Collective
+    from distperp_harness.distributed.protocol import Collective
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
 
 if TYPE_CHECKING:
-    from distperp_harness.distributed.collective import Collective
+    from distperp_harness.distributed.protocol import Collective
 
 log = logging.getLogger(__name__)
 

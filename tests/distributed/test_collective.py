@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distperp_harness.distributed import collective as coll
-from distperp_harness.distributed.collective import Collective, CollectiveError
+from distperp_harness.distributed.collective import AccelerateCollective, CollectiveError
 
 
 class _Store:
@@ -133,9 +133,9 @@ def test_a_failing_rank_leaves_without_waiting(monkeypatch):
 _JOB = r'''
 import json, sys
 import numpy as np, torch
-from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.collective import AccelerateCollective
 
-c = Collective(60, cpu=True)
+c = AccelerateCollective(60, cpu=True)
 r, w = c.rank, c.world_size
 parts = [np.arange(r * 10 + d, dtype=np.int32) for d in range(w)]  # rank r sends r*10+d values to rank d
 got = c.exchange(parts, [s * 10 + r for s in range(w)], "test exchange")

@@ -19,9 +19,9 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def collective():
-    from distperp_harness.distributed.collective import Collective
+    from distperp_harness.distributed.collective import AccelerateCollective
 
-    return Collective(60, cpu=True)
+    return AccelerateCollective(60, cpu=True)
 
 
 @pytest.mark.parametrize("scheme, dtype", [

@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.model.layers import decoder_layers  # noqa: F401 - tests reach it here too
 from distperp_harness.run.compiling.prepack import Prepacked, packable_bytes, prepack
 
@@ -98,7 +99,7 @@ class CompileState:
         self.active, self.layers, self.graphs = False, 0, 0
         self.tree_mask, self._tree = None, None
 
-    def prepare(self, collective: Any, tree_rows: bool) -> None:
+    def prepare(self, collective: Collective, tree_rows: bool) -> None:
         """Before a scoring call whose global plan has ``tree_rows``: compile the tree-mask graph at its fixed warm-up
         shapes if that has not happened yet (every rank calls this together; the node's local rank 0 first, the
         others then load its kernels). If that fails on any rank, calls with a tree mask run eager on every rank."""
@@ -312,7 +313,7 @@ def compile_extra_bytes(mode: str | None, models: Sequence[torch.nn.Module | Non
     return sum(packable_bytes(decoder_layers(m), device) for m in models if m is not None)
 
 
-def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *, collective: Any,
+def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *, collective: Collective,
                    rows_for: Callable[[int], int], max_length: int, packed: bool, pad_token_id: int,
                    device: torch.device, shard_size: int = 1) -> CompileState:
     """Compile the decoder layers of ``models`` (None entries skipped) with ``mode`` (None: nothing to do) and warm
@@ -348,7 +349,7 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
     return state
 
 
-def in_turn(collective: Any, what: str, attempt: Callable[[], Any], reason: str | None = None
+def in_turn(collective: Collective, what: str, attempt: Callable[[], Any], reason: str | None = None
             ) -> list[tuple[str | None, Any]]:
     """``attempt()`` on every rank (skipped where ``reason`` already says why not), the node's local rank 0 first: it
     fills inductor's on-disk cache and the node's other ranks then load its kernels. Returns every rank's ``(failure

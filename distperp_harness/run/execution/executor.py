@@ -31,6 +31,7 @@ import torch
 
 from distperp_harness.distributed.collective import naming_failures
 from distperp_harness.distributed.failfast import stop_together
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.store import default_store
 from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.model.memory import peak_memory_bytes
@@ -59,7 +60,7 @@ class Forwards:
 
 def model_forwards(model: torch.nn.Module, reference: torch.nn.Module | None, device: torch.device,
                    pad_token_id: int | None, describe: Callable[[Sequence[int]], str], shard_size: int = 1,
-                   collective: Any = None, tp_size: int = 1) -> Forwards:
+                   collective: Collective | None = None, tp_size: int = 1) -> Forwards:
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
     gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
     rows."""
@@ -105,7 +106,7 @@ class Executor:
         shard_size: ranks per shard group (1: unsharded); ``tp_size``: ranks per tensor-parallel group (1: none).
     """
 
-    def __init__(self, collective: Any, forwards: Forwards, *, device: torch.device | None = None, store: Any = None,
+    def __init__(self, collective: Collective, forwards: Forwards, *, device: torch.device | None = None, store: Any = None,
                  claiming: bool = True, local_world_size: int = 1, shard_size: int = 1, tp_size: int = 1) -> None:
         self.collective, self.forwards, self.device, self.store = collective, forwards, device, store
         self.shard_size, self.tp_size = shard_size, tp_size

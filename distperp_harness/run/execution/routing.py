@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distperp_harness.distributed.collective import Collective
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision
 from distperp_harness.planning.requests import Unit
 

@@ -39,6 +39,7 @@ import torch
 from accelerate.logging import get_logger
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.errors import InputError
 from distperp_harness.planning.records import FlatUnits
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
@@ -256,7 +257,7 @@ def _seed_of(seed: int, key: str) -> int:
     return int(_sha([seed, key])[:15], 16)
 
 
-def _texts_to_holders(collective: Any, texts: dict[str, str], holders: dict[str, list[int]]) -> dict[str, str]:
+def _texts_to_holders(collective: Collective, texts: dict[str, str], holders: dict[str, list[int]]) -> dict[str, str]:
     """Every text this rank computed goes to the ranks whose requests asked for it, and only to them (two
     all-to-alls: sizes, then UTF-8 JSON); returns the texts of this rank's own requests (every rank calls this)."""
     world = collective.world_size

@@ -40,9 +40,9 @@ from distperp_harness.planning.records import (
     local_records,
 )
 from distperp_harness.run.execution.claims import helper_of
-from distperp_harness.run.generation.lanes import LanePlan, plan_lanes
 from distperp_harness.run.execution.groups import Workers
 from distperp_harness.run.execution.routing import Available, move_tokens
+from distperp_harness.run.generation.lanes import LanePlan, plan_lanes
 
 JOB = np.dtype([("key", "<u8", (2,)), ("prompt", "<u8", (2,)), ("group", "<u8"), ("max_new", "<i4"),
                 ("sampled", "<i4")])

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.distributed.protocol import Collective
 from distperp_harness.run.compiling import regional as compiling
 from distperp_harness.run.generation.prefill import last_logits, plain_layers
 from distperp_harness.run.generation.static_batch import StaticBuffers
@@ -166,7 +167,7 @@ class CompiledStep:
         """Whether a lane of ``slots`` slots and ``capacity`` columns decodes over a compiled graph."""
         return self.active and (slots, capacity) in self._compiled_buckets
 
-    def prepare(self, collective: Any, lanes: Sequence[Any]) -> None:
+    def prepare(self, collective: Collective, lanes: Sequence[Any]) -> None:
         """Compile the step for every ``(slots, capacity)`` bucket of ``lanes`` (:class:`~.lanes.LanePlan`, the
         global plan) not compiled yet; every rank calls this together."""
         if self.state.step is StepState.EAGER:

@@ -25,9 +25,9 @@ def peaked_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def collective():
-    from distperp_harness.distributed.collective import Collective
+    from distperp_harness.distributed.collective import AccelerateCollective
 
-    return Collective(60, cpu=True)
+    return AccelerateCollective(60, cpu=True)
 
 
 def _load(model_dir, attn="sdpa"):
