@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                     "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}.items():
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+}.items():
     os.environ.setdefault(_key, _value)  # before torch/transformers/tqdm are imported
 if not any(a in ("cuda", "--device=cuda") for a in sys.argv):  # torchao's CUDA kernels are not needed on the CPU
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -25,17 +30,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402,F401  (the parts use them)
 
 RANDOM_MODEL = "random-llama-52m"
-RANDOM_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-                     num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
-                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5)
+RANDOM_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    rms_norm_eps=1e-5,
+)
 """The larger CPU model: 52.0M parameters (32.8M of them input embeddings and output head), vocab 32,000."""
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "llama-52m": RANDOM_CONFIG,
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                     tie_word_embeddings=True, rms_norm_eps=1e-5),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    ),
 }
 """``--random-shape`` name → Llama config of a random-init model (``random-<name>`` in ``--models``). ``llama-1b``
 is Llama-3.2-1B's shape (1.24B parameters, tied embeddings; saved in bfloat16, which a float32 run upcasts
@@ -84,8 +116,11 @@ def build_random_model(out_dir: Path, shape: str = "llama-52m", seed: int = 0) -
     config = dict(RANDOM_SHAPES[shape])
     tokenizer = random_tokenizer(config["vocab_size"])
     if shape != "llama-52m":  # (the 52M model keeps the ids it was first built with)
-        config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
+        config.update(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**config, dtype="float32")).to(torch.float32)
     if shape == "llama-1b":
@@ -105,8 +140,10 @@ def resolve_model(name: str, workdir: Path) -> Path:
         return out if (out / "config.json").is_file() else build_random_model(out, name.removeprefix("random-"))
     if Path(name).is_dir():
         return Path(name)
-    raise ValueError(f"--models entry {name!r}: use wt2-llama-5m, "
-                     f"{', '.join('random-' + k for k in RANDOM_SHAPES)} or a model folder")
+    raise ValueError(
+        f"--models entry {name!r}: use wt2-llama-5m, "
+        f"{', '.join('random-' + k for k in RANDOM_SHAPES)} or a model folder"
+    )
 
 
 def select_documents(articles: list[str], tokenizer: Any, max_tokens: int | None) -> tuple[list[str], int]:
@@ -135,8 +172,12 @@ def model_facts(path: Path) -> dict[str, Any]:
             for d in shape:
                 n *= d
             params += n
-    return {"params": params, "vocab": int(config.vocab_size), "hidden": int(config.hidden_size),
-            "layers": int(config.num_hidden_layers)}
+    return {
+        "params": params,
+        "vocab": int(config.vocab_size),
+        "hidden": int(config.hidden_size),
+        "layers": int(config.num_hidden_layers),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- scorers
@@ -145,8 +186,15 @@ def _model_args(path: Path, max_length: int, extra: str = "", device: str = "cpu
     return f"pretrained={path},dtype={dtype},max_length={max_length},device={device}" + extra
 
 
-def make_lm(scorer: str, path: Path, max_length: int, batch_size: int, extra_args: str = "", device: str = "cpu",
-            dtype: str = "float32") -> Any:
+def make_lm(
+    scorer: str,
+    path: Path,
+    max_length: int,
+    batch_size: int,
+    extra_args: str = "",
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> Any:
     """The lm-eval LM object behind ``scorer`` (``bare`` uses a plain ``distperp`` LM for its model and plan);
     ``extra_args`` (``",key=value..."``) go to its ``--model_args``; ``device`` (``cpu``, ``cuda``) and
     ``dtype`` to both ``hf`` and distperp."""
@@ -175,13 +223,16 @@ def bare_batches(lm: Any, docs: list[str]) -> list[Any]:
 
     from distperp_harness.planning.requests import UnitTable, window_units
 
-    units = [u for doc in docs for u in window_units(lm.tok_encode(doc), lm.prefix_token_id, lm.max_length,
-                                                       lm.options.stride)]
+    units = [
+        u
+        for doc in docs
+        for u in window_units(lm.tok_encode(doc), lm.prefix_token_id, lm.max_length, lm.options.stride)
+    ]
     table = UnitTable(units)
     out = []
     for batch in lm.batching.batches(table.lengths):
         ids = torch.full((batch.rows, batch.padded_length), lm.tokenizer.pad_token_id, dtype=torch.long)
-        for i, unit in enumerate(table.units[batch.start: batch.stop]):
+        for i, unit in enumerate(table.units[batch.start : batch.stop]):
             ids[i, : unit.input_length] = torch.tensor(unit.tokens[:-1])
         out.append(ids.to(lm.device))
     return out
@@ -207,8 +258,10 @@ def padded_tokens(lm: Any, docs: list[str], batch_size: int) -> dict[str, int]:
 
     per_doc = [window_units(lm.tok_encode(doc), lm.prefix_token_id, lm.max_length) for doc in docs]
     in_order = [u.input_length for units in per_doc for u in units]
-    hf = sum(len(in_order[i:i + batch_size]) * max(in_order[i:i + batch_size])
-             for i in range(0, len(in_order), batch_size))
+    hf = sum(
+        len(in_order[i : i + batch_size]) * max(in_order[i : i + batch_size])
+        for i in range(0, len(in_order), batch_size)
+    )
     table = UnitTable(u for units in per_doc for u in units)
     ours = sum(b.padded_tokens for b in lm.batching.batches(table.lengths))
     return {"hf": hf, "distperp": ours, "scored": sum(u.n_score for units in per_doc for u in units)}
@@ -238,7 +291,6 @@ def make_runner(key: str, lm: Any, requests: list[Any], batches: list[Any] | Non
 
     runner.run = run_bare if key == "bare" else run_rolling
     return runner
-
 
 
 # ----------------------------------------------------------------------------------------------------- machine

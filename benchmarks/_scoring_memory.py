@@ -85,24 +85,54 @@ def memory_worker(args: argparse.Namespace) -> dict[str, Any]:
         runner.run()
         torch.cuda.synchronize()
         peak, exact = torch.cuda.max_memory_allocated(), True
-        return {"scorer": args.memory_worker, "tokens": tokens, "rss_before": before, "peak_rss": peak,
-                "peak_delta": peak - before, "exact": exact}
+        return {
+            "scorer": args.memory_worker,
+            "tokens": tokens,
+            "rss_before": before,
+            "peak_rss": peak,
+            "peak_delta": peak - before,
+            "exact": exact,
+        }
     before, high_before = current_rss(), max_rss()
     with RssSampler() as sampler:
         runner.run()
     high_after = max_rss()
     exact = high_after > high_before
     peak = high_after if exact else sampler.peak
-    return {"scorer": args.memory_worker, "tokens": tokens, "rss_before": before, "peak_rss": peak,
-            "peak_delta": peak - before, "exact": exact}
+    return {
+        "scorer": args.memory_worker,
+        "tokens": tokens,
+        "rss_before": before,
+        "peak_rss": peak,
+        "peak_delta": peak - before,
+        "exact": exact,
+    }
 
 
 def measure_memory(scorer: str, path: Path, args: argparse.Namespace) -> dict[str, Any] | None:
     """Run :func:`memory_worker` for ``scorer`` in a fresh subprocess; None (with a note) if it fails."""
-    cmd = [sys.executable, str(BENCH_SCORING), "--memory-worker", scorer, "--model-path", str(path),
-           "--max-length", str(args.max_length), "--batch-size", str(args.batch_size), "--text", str(args.text),
-           "--memory-tokens", str(args.memory_tokens), "--threads", str(args.threads or 0), "--device", args.device,
-           "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        str(BENCH_SCORING),
+        "--memory-worker",
+        scorer,
+        "--model-path",
+        str(path),
+        "--max-length",
+        str(args.max_length),
+        "--batch-size",
+        str(args.batch_size),
+        "--text",
+        str(args.text),
+        "--memory-tokens",
+        str(args.memory_tokens),
+        "--threads",
+        str(args.threads or 0),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

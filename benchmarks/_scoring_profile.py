@@ -19,9 +19,24 @@ from _scoring_common import (
     select_documents,
 )
 
-POSTPROCESSING_OPS = ("aten::_log_softmax", "aten::log_softmax", "aten::logsumexp", "aten::argmax", "aten::max",
-                      "aten::amax", "aten::exp_", "aten::exp", "aten::sub_", "aten::gather", "aten::sum",
-                      "aten::isfinite", "aten::eq", "aten::index", "aten::_to_copy", "aten::copy_")
+POSTPROCESSING_OPS = (
+    "aten::_log_softmax",
+    "aten::log_softmax",
+    "aten::logsumexp",
+    "aten::argmax",
+    "aten::max",
+    "aten::amax",
+    "aten::exp_",
+    "aten::exp",
+    "aten::sub_",
+    "aten::gather",
+    "aten::sum",
+    "aten::isfinite",
+    "aten::eq",
+    "aten::index",
+    "aten::_to_copy",
+    "aten::copy_",
+)
 """Ops that turn logits into log-probs, greedy flags and sums (plus copies); everything else is the forward."""
 
 
@@ -30,8 +45,10 @@ def profile_scorers(path: Path, args: argparse.Namespace) -> str:
     self CPU time, and the share of the post-processing ops (:data:`POSTPROCESSING_OPS`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    lms = {key: make_lm(key, path, args.max_length, args.batch_size, device=args.device, dtype=args.dtype)
-           for key in ("hf", "distperp")}
+    lms = {
+        key: make_lm(key, path, args.max_length, args.batch_size, device=args.device, dtype=args.dtype)
+        for key in ("hf", "distperp")
+    }
     _quiet()
     lms["bare"] = lms["distperp"]
     limit = args.tokens if args.tokens is not None else DEFAULT_TOKENS[True].get(path.name, 8_000)
@@ -48,7 +65,9 @@ def profile_scorers(path: Path, args: argparse.Namespace) -> str:
         total = sum(e.self_cpu_time_total for e in events)
         post = sum(e.self_cpu_time_total for e in events if e.key in POSTPROCESSING_OPS)
         top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
-        out.append(f"  {SCORERS[key]}: total {total / 1e3:,.0f}; post-processing {post / 1e3:,.0f} "
-                   f"({post / total:.1%}); top: " + ", ".join(
-                       f"{e.key.removeprefix('aten::')} {e.self_cpu_time_total / 1e3:,.0f}" for e in top))
+        out.append(
+            f"  {SCORERS[key]}: total {total / 1e3:,.0f}; post-processing {post / 1e3:,.0f} "
+            f"({post / total:.1%}); top: "
+            + ", ".join(f"{e.key.removeprefix('aten::')} {e.self_cpu_time_total / 1e3:,.0f}" for e in top)
+        )
     return "\n".join(out)

@@ -68,8 +68,7 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
         if scorer == "bare":
             continue
         try:
-            lms[scorer] = make_lm(scorer, path, args.max_length, args.batch_size, device=args.device,
-                                  dtype=args.dtype)
+            lms[scorer] = make_lm(scorer, path, args.max_length, args.batch_size, device=args.device, dtype=args.dtype)
         except Exception as exc:  # noqa: BLE001 - an optional path (int4) may not be available
             if scorer in ("hf", "distperp"):
                 raise
@@ -84,12 +83,22 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
     requests = requests_for(docs)
     batches = bare_batches(lms["distperp"], docs) if "bare" in lms else None
     runners = [make_runner(key, lm, requests, batches) for key, lm in lms.items()]
-    result = ModelResult(name, facts, len(docs), tokens, {r.key: [] for r in runners}, notes=notes,
-                         padded_tokens=padded_tokens(lms["distperp"], docs, args.batch_size))
-    print(f"{name}: {facts['params'] / 1e6:.1f}M parameters, vocab {facts['vocab']}; {len(docs)} articles, "
-          f"{tokens} tokens; scorers {', '.join(r.key for r in runners)}", flush=True)
+    result = ModelResult(
+        name,
+        facts,
+        len(docs),
+        tokens,
+        {r.key: [] for r in runners},
+        notes=notes,
+        padded_tokens=padded_tokens(lms["distperp"], docs, args.batch_size),
+    )
+    print(
+        f"{name}: {facts['params'] / 1e6:.1f}M parameters, vocab {facts['vocab']}; {len(docs)} articles, "
+        f"{tokens} tokens; scorers {', '.join(r.key for r in runners)}",
+        flush=True,
+    )
     for rep in range(args.repeats):
-        order = runners[rep % len(runners):] + runners[: rep % len(runners)]
+        order = runners[rep % len(runners) :] + runners[: rep % len(runners)]
         seconds: dict[str, float] = {}
         stage: float | None = None
         cpu: dict[str, float] = {}
@@ -112,8 +121,11 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
         if "bare" in seconds and stage is not None:
             result.ratio_bare.append(seconds["bare"] / stage)
             result.ratio_bare_end_to_end.append(seconds["bare"] / seconds["distperp"])
-        print(f"  repeat {rep + 1}/{args.repeats}: " + ", ".join(
-            f"{k} {tokens / s:,.0f} tok/s" for k, s in seconds.items()), flush=True)
+        print(
+            f"  repeat {rep + 1}/{args.repeats}: "
+            + ", ".join(f"{k} {tokens / s:,.0f} tok/s" for k, s in seconds.items()),
+            flush=True,
+        )
     by_key = {r.key: r for r in runners}
     if "hf" in by_key:
         result.max_abs_diff_vs_hf = max(abs(a - b) for a, b in zip(by_key["hf"].results, by_key["distperp"].results))
@@ -145,17 +157,34 @@ def cli_sanity(path: Path, args: argparse.Namespace) -> str:
     env = dict(os.environ, DISTPERP_WIKITEXT_PATH=str(Path(args.text).parent))
     seconds = {}
     for name in ("hf", "distperp"):
-        cmd = [sys.executable, "-m", "lm_eval", "--model", name, "--model_args",
-               _model_args(path, args.max_length).replace(",device=cpu", ""), "--device", "cpu", "--tasks",
-               "distperp_wikitext2", "--include_path", str(tasks), "--batch_size", str(args.batch_size),
-               "--limit", str(args.cli)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            name,
+            "--model_args",
+            _model_args(path, args.max_length).replace(",device=cpu", ""),
+            "--device",
+            "cpu",
+            "--tasks",
+            "distperp_wikitext2",
+            "--include_path",
+            str(tasks),
+            "--batch_size",
+            str(args.batch_size),
+            "--limit",
+            str(args.cli),
+        ]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
         seconds[name] = time.perf_counter() - t0
         if proc.returncode != 0:
             return f"CLI sanity: {name} failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}"
-    return (f"CLI sanity ({path.name}, distperp_wikitext2 --limit {args.cli}, wall time with start-up): hf "
-            f"{seconds['hf']:.1f} s, distperp {seconds['distperp']:.1f} s, ratio {seconds['hf'] / seconds['distperp']:.2f}")
+    return (
+        f"CLI sanity ({path.name}, distperp_wikitext2 --limit {args.cli}, wall time with start-up): hf "
+        f"{seconds['hf']:.1f} s, distperp {seconds['distperp']:.1f} s, ratio {seconds['hf'] / seconds['distperp']:.2f}"
+    )
 
 
 def _best(values: list[float]) -> float | None:
@@ -195,24 +224,34 @@ def report(results: list[ModelResult], args: argparse.Namespace) -> str:
             vs_bare = stage / bare_tps if stage and bare_tps else None
             mem = r.memory.get(key, {}).get("peak_delta")
             mem_ratio = mem / hf_mem if mem is not None and hf_mem and key != "hf" else None
-            mib = _fmt(mem / 2**20 if mem is not None else None, ',.0f', ' MiB')
-            lines.append(f"| {label} | {SCORERS[key]} | {_fmt(tps, ',.0f')} | {_fmt(vs_hf, '.2f', '×')} | "
-                         f"{_fmt(vs_bare, '.2f')} | {mib} | {_fmt(mem_ratio, '.2f', '×')} |")
+            mib = _fmt(mem / 2**20 if mem is not None else None, ",.0f", " MiB")
+            lines.append(
+                f"| {label} | {SCORERS[key]} | {_fmt(tps, ',.0f')} | {_fmt(vs_hf, '.2f', '×')} | "
+                f"{_fmt(vs_bare, '.2f')} | {mib} | {_fmt(mem_ratio, '.2f', '×')} |"
+            )
             label = ""
     lines.append("")
     for r in results:
         medians = ", ".join(f"{k} {_fmt(_median(v), ',.0f')}" for k, v in r.tokens_per_s.items())
-        extra = [f"median tokens/s: {medians}",
-                 f"distperp scoring stage (no tokenization) best {_fmt(_best(r.scoring_tokens_per_s), ',.0f')} tok/s"]
+        extra = [
+            f"median tokens/s: {medians}",
+            f"distperp scoring stage (no tokenization) best {_fmt(_best(r.scoring_tokens_per_s), ',.0f')} tok/s",
+        ]
         if r.ratio_bare:
-            extra.append(f"distperp / bare per repeat (median): scoring stage {_median(r.ratio_bare):.2f}, end to end "
-                         f"{_fmt(_median(r.ratio_bare_end_to_end), '.2f')}")
+            extra.append(
+                f"distperp / bare per repeat (median): scoring stage {_median(r.ratio_bare):.2f}, end to end "
+                f"{_fmt(_median(r.ratio_bare_end_to_end), '.2f')}"
+            )
         if r.ratio_hf:
-            extra.append(f"distperp / hf per repeat: {', '.join(f'{x:.2f}' for x in r.ratio_hf)} (median "
-                         f"{_median(r.ratio_hf):.2f}; on process CPU time {_fmt(_median(r.ratio_hf_cpu), '.2f')})")
+            extra.append(
+                f"distperp / hf per repeat: {', '.join(f'{x:.2f}' for x in r.ratio_hf)} (median "
+                f"{_median(r.ratio_hf):.2f}; on process CPU time {_fmt(_median(r.ratio_hf_cpu), '.2f')})"
+            )
         pad = r.padded_tokens
-        extra.append(f"positions computed (padding included): hf {pad['hf']:,}, distperp {pad['distperp']:,} "
-                     f"for {pad['scored']:,} scored")
+        extra.append(
+            f"positions computed (padding included): hf {pad['hf']:,}, distperp {pad['distperp']:,} "
+            f"for {pad['scored']:,} scored"
+        )
         if r.max_abs_diff_vs_hf is not None:
             extra.append(f"max |hf - distperp| per document {r.max_abs_diff_vs_hf:.2g} nats")
         lines.append(f"- {r.model}: " + "; ".join(extra) + ".")

@@ -85,30 +85,49 @@ def hf_document_cost(n_tokens: int, max_length: int, a: float, h: float) -> floa
     return sum(length * (1.0 + a * length) + h * length for length, _ in doc_window_shapes(n_tokens, max_length))
 
 
-def balance_rows(windows: Windows, doc_lengths: Sequence[int], ranks: Sequence[int], batch_size: int,
-                 a: float, h: float, max_length: int) -> list[Row]:
+def balance_rows(
+    windows: Windows,
+    doc_lengths: Sequence[int],
+    ranks: Sequence[int],
+    batch_size: int,
+    a: float,
+    h: float,
+    max_length: int,
+) -> list[Row]:
     """Balance of lm-eval's split and of ours for each rank count, at ``batch_size`` rows per batch."""
     batches = make_batches(windows.lengths, batch_size=batch_size, n_score=windows.n_score)
     hf_costs = [hf_document_cost(n, max_length, a, h) for n in doc_lengths]
     rows = []
     for world in ranks:
         report = balance_report(assign_batches(batches, world, a, h), a, h)
-        rows.append(Row(world, round_robin_max_over_mean(doc_lengths, world),
-                        round_robin_max_over_mean(hf_costs, world), report.scored_max_over_mean,
-                        report.max_over_mean, report.best_max_over_mean))
+        rows.append(
+            Row(
+                world,
+                round_robin_max_over_mean(doc_lengths, world),
+                round_robin_max_over_mean(hf_costs, world),
+                report.scored_max_over_mean,
+                report.max_over_mean,
+                report.best_max_over_mean,
+            )
+        )
     return rows
 
 
 def table(rows: Sequence[Row], batch_size: int) -> str:
     """Markdown table of ``rows`` with the target check for ``batch_size``."""
     target = "ours ≤ 1.05" if batch_size == 1 else "ours ≤ 1.05 × bound"
-    lines = [f"batch size {batch_size}:", "",
-             "| ranks | lm-eval tokens | ours tokens | lm-eval compute | ours compute | bound (compute) | "
-             f"{target} |", "|---:|---:|---:|---:|---:|---:|:---:|"]
+    lines = [
+        f"batch size {batch_size}:",
+        "",
+        f"| ranks | lm-eval tokens | ours tokens | lm-eval compute | ours compute | bound (compute) | {target} |",
+        "|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
     for r in rows:
         ok = r.compute <= 1.05 + 1e-12 if batch_size == 1 else r.compute <= 1.05 * r.bound + 1e-12
-        lines.append(f"| {r.ranks} | {r.lm_eval_tokens:.3f} | {r.tokens:.3f} | {r.lm_eval_compute:.3f} | "
-                     f"{r.compute:.3f} | {r.bound:.3f} | {'yes' if ok else 'no'} |")
+        lines.append(
+            f"| {r.ranks} | {r.lm_eval_tokens:.3f} | {r.tokens:.3f} | {r.lm_eval_compute:.3f} | "
+            f"{r.compute:.3f} | {r.bound:.3f} | {'yes' if ok else 'no'} |"
+        )
     return "\n".join(lines)
 
 
@@ -187,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     windows = corpus_windows(doc_tokens, prefix, args.max_length)
     a, h = model_coefficients(Path(args.model))
     full = sum(1 for x in windows.lengths if x == args.max_length)
-    print(f"WikiText-2 test: {len(articles)} articles, {sum(doc_lengths):,} tokens ({Path(args.model).name} "
-          f"tokenizer), {len(windows.lengths)} windows at max_length {args.max_length} ({full} with full-length "
-          f"input); cost coefficients a = {a:.3g} (attention), h = {h:.3g} (head)\n")
+    print(
+        f"WikiText-2 test: {len(articles)} articles, {sum(doc_lengths):,} tokens ({Path(args.model).name} "
+        f"tokenizer), {len(windows.lengths)} windows at max_length {args.max_length} ({full} with full-length "
+        f"input); cost coefficients a = {a:.3g} (attention), h = {h:.3g} (head)\n"
+    )
     for batch_size in _ints(args.batch_sizes):
-        print(table(balance_rows(windows, doc_lengths, _ints(args.ranks), batch_size, a, h, args.max_length),
-                    batch_size))
+        print(
+            table(balance_rows(windows, doc_lengths, _ints(args.ranks), batch_size, a, h, args.max_length), batch_size)
+        )
         print()
     logs = [math.log(n) for n in doc_lengths if n > 0]
     mu = sum(logs) / len(logs)
@@ -200,15 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     sim = synthetic_windows(args.sim_tokens, mu, sigma, args.max_length, args.seed)
     made = time.perf_counter() - t1
-    print(f"Simulation: {args.sim_ranks:,} ranks, {sum(sim.n_score):,} tokens in {len(sim.lengths):,} windows of "
-          f"log-normal documents (mu {mu:.2f}, sigma {sigma:.2f}: median {math.exp(mu):,.0f} tokens, fitted to the "
-          f"articles above; generated in {made:.1f} s)\n")
+    print(
+        f"Simulation: {args.sim_ranks:,} ranks, {sum(sim.n_score):,} tokens in {len(sim.lengths):,} windows of "
+        f"log-normal documents (mu {mu:.2f}, sigma {sigma:.2f}: median {math.exp(mu):,.0f} tokens, fitted to the "
+        f"articles above; generated in {made:.1f} s)\n"
+    )
     print("| batch size | batches | ours tokens | ours compute | bound (compute) | planning wall time |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch_size in _ints(args.sim_batch_sizes):
         report, seconds = simulate(sim, args.sim_ranks, batch_size, a, h)
-        print(f"| {batch_size} | {report.batches:,} | {report.scored_max_over_mean:.3f} | "
-              f"{report.max_over_mean:.3f} | {report.best_max_over_mean:.3f} | {seconds:.2f} s |")
+        print(
+            f"| {batch_size} | {report.batches:,} | {report.scored_max_over_mean:.3f} | "
+            f"{report.max_over_mean:.3f} | {report.best_max_over_mean:.3f} | {seconds:.2f} s |"
+        )
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     return 0
 

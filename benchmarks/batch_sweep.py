@@ -36,11 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     vocab = model.config.vocab_size
     sizes = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
-    windows = [Unit(tuple(torch.randint(4, vocab, (args.max_length + 1,), generator=gen).tolist()), args.max_length)
-               for _ in range(max(sizes))]
+    windows = [
+        Unit(tuple(torch.randint(4, vocab, (args.max_length + 1,), generator=gen).tolist()), args.max_length)
+        for _ in range(max(sizes))
+    ]
     best = {s: float("inf") for s in sizes}
     for round_ in range(args.repeats):
-        for s in sizes[round_ % len(sizes):] + sizes[: round_ % len(sizes)]:
+        for s in sizes[round_ % len(sizes) :] + sizes[: round_ % len(sizes)]:
             batches = max(1, args.tokens // (s * args.max_length))
             start = time.perf_counter()
             for _ in range(batches):

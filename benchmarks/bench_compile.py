@@ -42,10 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402
 from bench_scoring import _quiet, machine, make_lm, requests_for, select_documents  # noqa: E402  (sets env)
 
-SCORERS = {"hf": ("hf", ""), "eager": ("distperp", ""), "cold": ("distperp", ",compile=true"),
-           "warm": ("distperp", ",compile=true")}
-LABELS = {"hf": "lm-eval hf", "eager": "distperp eager", "cold": "distperp compile=true, cold caches",
-          "warm": "distperp compile=true, warm caches"}
+SCORERS = {
+    "hf": ("hf", ""),
+    "eager": ("distperp", ""),
+    "cold": ("distperp", ",compile=true"),
+    "warm": ("distperp", ",compile=true"),
+}
+LABELS = {
+    "hf": "lm-eval hf",
+    "eager": "distperp eager",
+    "cold": "distperp compile=true, cold caches",
+    "warm": "distperp compile=true, warm caches",
+}
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -82,16 +90,43 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     # compile time, not scoring: it is in compile_seconds
     score_s = time.perf_counter() - t1 - ((compiled.seconds - compile_before) if compiled is not None else 0.0)
     info = compiled.to_dict() if compiled is not None else None
-    return {"scorer": args.worker, "work": args.work, "tokens": tokens, "load_s": load_s, "score_s": score_s,
-            "compile": info, "results": results}
+    return {
+        "scorer": args.worker,
+        "work": args.work,
+        "tokens": tokens,
+        "load_s": load_s,
+        "score_s": score_s,
+        "compile": info,
+        "results": results,
+    }
 
 
 def run_worker(scorer: str, work: str, args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
     """:func:`worker` in a fresh process; adds ``process_s`` (its whole wall time, start-up and exit included)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", scorer, "--work", work, "--model", args.model,
-           "--max-length", str(args.max_length), "--batch-size", str(args.batch_size), "--tokens", str(args.tokens),
-           "--questions", str(args.questions), "--text", args.text, "--mc-text", args.mc_text,
-           "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        scorer,
+        "--work",
+        work,
+        "--model",
+        args.model,
+        "--max-length",
+        str(args.max_length),
+        "--batch-size",
+        str(args.batch_size),
+        "--tokens",
+        str(args.tokens),
+        "--questions",
+        str(args.questions),
+        "--text",
+        args.text,
+        "--mc-text",
+        args.mc_text,
+        "--threads",
+        str(args.threads),
+    ]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
@@ -114,19 +149,25 @@ def table(runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> s
     import torch
     import transformers
 
-    lines = [f"{datetime.date.today().isoformat()} · {machine()} (shared with other jobs) · torch "
-             f"{torch.__version__} "
-             f"({args.threads or torch.get_num_threads()} threads) · transformers {transformers.__version__} · "
-             f"lm-eval {lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
-             f"{args.batch_size} · max_length {args.max_length} · fastest of {args.repeats} (cold: 1)", "",
-             "| work | scorer | whole process s | vs hf | load s | compile s | scoring s | scoring tok/s | "
-             "scoring + compile s | vs eager (scoring) | vs eager (+ compile) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{datetime.date.today().isoformat()} · {machine()} (shared with other jobs) · torch "
+        f"{torch.__version__} "
+        f"({args.threads or torch.get_num_threads()} threads) · transformers {transformers.__version__} · "
+        f"lm-eval {lm_eval.__version__} · {Path(args.model).name} · 1 process · float32 · batch size "
+        f"{args.batch_size} · max_length {args.max_length} · fastest of {args.repeats} (cold: 1)",
+        "",
+        "| work | scorer | whole process s | vs hf | load s | compile s | scoring s | scoring tok/s | "
+        "scoring + compile s | vs eager (scoring) | vs eager (+ compile) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     notes = []
     for work, by_scorer in runs.items():
         first = next(iter(by_scorer.values()))[0]
-        label = (f"WikiText-2 test rolling ({first['tokens']:,} tok)" if work == "rolling"
-                 else f"hellaswag shape ({args.questions} q, {first['tokens']:,} tok)")
+        label = (
+            f"WikiText-2 test rolling ({first['tokens']:,} tok)"
+            if work == "rolling"
+            else f"hellaswag shape ({args.questions} q, {first['tokens']:,} tok)"
+        )
         hf_process = _best(by_scorer["hf"], "process_s") if "hf" in by_scorer else None
         eager_score = _best(by_scorer["eager"], "score_s") if "eager" in by_scorer else None
         for scorer, rs in by_scorer.items():
@@ -135,18 +176,25 @@ def table(runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> s
             compile_s = min((r["compile"] or {}).get("compile_seconds", 0.0) for r in rs) if info.get("active") else 0.0
             vs_hf = f"{hf_process / process:.2f}×" if hf_process and scorer != "hf" else "—"
             vs_eager = f"{eager_score / score:.2f}×" if eager_score and scorer not in ("hf", "eager") else "—"
-            vs_eager_c = (f"{eager_score / (score + compile_s):.2f}×" if eager_score and scorer not in ("hf", "eager")
-                          else "—")
-            lines.append(f"| {label} | {LABELS[scorer]} | {process:.1f} | {vs_hf} | {_best(rs, 'load_s'):.1f} | "
-                         f"{compile_s:.1f} | {score:.2f} | {rs[0]['tokens'] / score:,.0f} | {score + compile_s:.2f} | "
-                         f"{vs_eager} | {vs_eager_c} |")
+            vs_eager_c = (
+                f"{eager_score / (score + compile_s):.2f}×" if eager_score and scorer not in ("hf", "eager") else "—"
+            )
+            lines.append(
+                f"| {label} | {LABELS[scorer]} | {process:.1f} | {vs_hf} | {_best(rs, 'load_s'):.1f} | "
+                f"{compile_s:.1f} | {score:.2f} | {rs[0]['tokens'] / score:,.0f} | {score + compile_s:.2f} | "
+                f"{vs_eager} | {vs_eager_c} |"
+            )
             label = ""
             if info:
-                shown = {k: info.get(k) for k in ("active", "reason", "graphs", "recompilations", "compiled_calls",
-                                                  "eager_calls")}
+                shown = {
+                    k: info.get(k)
+                    for k in ("active", "reason", "graphs", "recompilations", "compiled_calls", "eager_calls")
+                }
                 cache = info.get("cache") or {}
-                notes.append(f"- {work} {scorer}: compile {json.dumps(shown)}; cache hits/misses "
-                             f"{cache.get('hits')}/{cache.get('misses')}")
+                notes.append(
+                    f"- {work} {scorer}: compile {json.dumps(shown)}; cache hits/misses "
+                    f"{cache.get('hits')}/{cache.get('misses')}"
+                )
         ref = {k: v[-1]["results"] for k, v in by_scorer.items()}
         for a, b in (("eager", "warm"), ("eager", "cold"), ("hf", "eager")):
             if a in ref and b in ref:
@@ -156,8 +204,9 @@ def table(runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=str(SHARED_MODEL))
     p.add_argument("--work", default="rolling,mc", help="comma-separated: rolling, mc")
     p.add_argument("--scorers", default=",".join(SCORERS), help=f"comma-separated subset of {', '.join(SCORERS)}")
@@ -189,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = Path(tmp) / f"inductor-{work}"  # empty: the cold run fills it, the warm runs read it
             runs[work] = {s: [] for s in scorers}
             for rep in range(args.repeats):
-                order = scorers[rep % len(scorers):] + scorers[: rep % len(scorers)]
+                order = scorers[rep % len(scorers) :] + scorers[: rep % len(scorers)]
                 for scorer in order:
                     if scorer == "cold" and runs[work]["cold"]:
                         continue
@@ -198,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                         runs[work]["cold"].append(run_once)
                     out = run_worker(scorer, work, args, cache)
                     runs[work][scorer].append(out)
-                    print(f"  {work} {scorer}: process {out['process_s']:.1f} s, scoring {out['score_s']:.2f} s",
-                          flush=True)
+                    print(
+                        f"  {work} {scorer}: process {out['process_s']:.1f} s, scoring {out['score_s']:.2f} s",
+                        flush=True,
+                    )
     print()
     print(table(runs, args))
     if args.json:

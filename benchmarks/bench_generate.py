@@ -35,17 +35,48 @@ import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                     "TQDM_DISABLE": "1", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}.items():
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
+}.items():
     os.environ.setdefault(_key, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-TOPICS = ["the sea", "a mountain village", "autumn leaves", "a busy train station", "the moon", "an old library",
-          "a thunderstorm", "a bicycle ride", "the first snow", "a lighthouse", "a market at dawn", "a quiet river",
-          "city lights", "a desert road", "a garden in spring", "a winter night", "the harbour", "a forest path",
-          "a kitchen in the morning", "a school bell", "a long journey", "a paper boat", "the stars", "a rainy day"]
-ASKS = ["Write a short poem about {}.", "Describe {} in three sentences.", "Give three facts about {}.",
-        "Write a two-line story about {}."]
+TOPICS = [
+    "the sea",
+    "a mountain village",
+    "autumn leaves",
+    "a busy train station",
+    "the moon",
+    "an old library",
+    "a thunderstorm",
+    "a bicycle ride",
+    "the first snow",
+    "a lighthouse",
+    "a market at dawn",
+    "a quiet river",
+    "city lights",
+    "a desert road",
+    "a garden in spring",
+    "a winter night",
+    "the harbour",
+    "a forest path",
+    "a kitchen in the morning",
+    "a school bell",
+    "a long journey",
+    "a paper boat",
+    "the stars",
+    "a rainy day",
+]
+ASKS = [
+    "Write a short poem about {}.",
+    "Describe {} in three sentences.",
+    "Give three facts about {}.",
+    "Write a two-line story about {}.",
+]
 
 
 def instruct_prompts(lm, count: int) -> list[str]:
@@ -63,11 +94,15 @@ def gsm8k_rows(count: int) -> list[dict]:
     for i in range(count):
         a, b, c = 12 + 7 * i % 40, 3 + i % 9, 2 + i % 4
         name, thing = names[i % len(names)], things[i % len(things)]
-        rows.append({"question": f"{name} has {a} {thing}. {name} buys {b} more {thing} and then gives away "
-                                 f"{c} {thing} to each of 2 friends. How many {thing} does {name} have now?",
-                     "answer": f"{name} starts with {a} {thing}. After buying {b} more, {name} has {a} + {b} = "
-                               f"{a + b}. Giving {c} to each of 2 friends is {2 * c}. {a + b} - {2 * c} = "
-                               f"{a + b - 2 * c}.\n#### {a + b - 2 * c}"})
+        rows.append(
+            {
+                "question": f"{name} has {a} {thing}. {name} buys {b} more {thing} and then gives away "
+                f"{c} {thing} to each of 2 friends. How many {thing} does {name} have now?",
+                "answer": f"{name} starts with {a} {thing}. After buying {b} more, {name} has {a} + {b} = "
+                f"{a + b}. Giving {c} to each of 2 friends is {2 * c}. {a + b} - {2 * c} = "
+                f"{a + b - 2 * c}.\n#### {a + b - 2 * c}",
+            }
+        )
     return rows
 
 
@@ -77,12 +112,16 @@ def task_requests(name: str, count: int, folder: Path):
     import yaml
     from lm_eval.api.task import ConfigurableTask
 
-    path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / {"gsm8k_cot": "gsm8k-cot.yaml", "gsm8k": "gsm8k.yaml"}[name]
+    path = (
+        Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / {"gsm8k_cot": "gsm8k-cot.yaml", "gsm8k": "gsm8k.yaml"}[name]
+    )
     config = yaml.safe_load(path.read_text())
     data = {split: folder / f"{split}.jsonl" for split in ("train", "test")}
     for split, rows in (("train", gsm8k_rows(40)), ("test", gsm8k_rows(count + 40)[40:])):
         data[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {k: str(v) for k, v in data.items()}})
+    config.update(
+        dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {k: str(v) for k, v in data.items()}}
+    )
     config.pop("tag", None)
     task = ConfigurableTask(config=config)
     task.build_all_requests(limit=count, rank=0, world_size=1)
@@ -123,8 +162,10 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
         kwargs = {"until": [], "max_gen_toks": args.instruct_new, "do_sample": False}
         from lm_eval.api.instance import Instance
 
-        requests = [Instance("generate_until", {}, (p, dict(kwargs)), i)
-                    for i, p in enumerate(instruct_prompts(lms["distperp"], args.prompts))]
+        requests = [
+            Instance("generate_until", {}, (p, dict(kwargs)), i)
+            for i, p in enumerate(instruct_prompts(lms["distperp"], args.prompts))
+        ]
     else:
         requests = task_requests(shape, args.prompts, folder)
         if args.task_new is not None:  # smoke tests only: the YAML's limit otherwise
@@ -135,7 +176,7 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
     outputs: dict[str, list[str]] = {}
     names = list(lms)
     for repeat in range(args.repeats):
-        for name in names[repeat % 2:] + names[: repeat % 2]:
+        for name in names[repeat % 2 :] + names[: repeat % 2]:
             if name in counters:
                 counters[name].decode = counters[name].prefill = 0
             start = time.perf_counter()
@@ -148,20 +189,43 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
                 work[name] = (call["decode_positions"], call["prefill_positions"])
     call = lms["distperp"].stats.calls[-1].to_dict()
     useful = call["generated"]
-    rows = {name: {"median_s": statistics.median(t), "decode_per_useful": work[name][0] / max(1, useful),
-                   "prefill": work[name][1], "tok_s": useful / statistics.median(t)} for name, t in seconds.items()}
+    rows = {
+        name: {
+            "median_s": statistics.median(t),
+            "decode_per_useful": work[name][0] / max(1, useful),
+            "prefill": work[name][1],
+            "tok_s": useful / statistics.median(t),
+        }
+        for name, t in seconds.items()
+    }
     base = "hf" if "hf" in lms else "distperp"
-    diffs = {name: [(i, first_difference(lms["distperp"], r.args[0], outputs[base][i], outputs[name][i]))
-                    for i, r in enumerate(requests) if outputs[base][i] != outputs[name][i]]
-             for name in lms if name != base}
+    diffs = {
+        name: [
+            (i, first_difference(lms["distperp"], r.args[0], outputs[base][i], outputs[name][i]))
+            for i, r in enumerate(requests)
+            if outputs[base][i] != outputs[name][i]
+        ]
+        for name in lms
+        if name != base
+    }
     if "distperp-compile" in lms and base == "hf":  # compiled against eager distperp
-        diffs["distperp-compile"] = [(i, first_difference(lms["distperp"], r.args[0], outputs["distperp"][i],
-                                                          outputs["distperp-compile"][i]))
-                                     for i, r in enumerate(requests)
-                                     if outputs["distperp"][i] != outputs["distperp-compile"][i]]
-    return {"base": base, "shape": shape, "requests": len(requests), "useful": useful, "rows": rows,
-            "diffs": diffs, "same": {k: len(requests) - len(v) for k, v in diffs.items()}, "lanes": call["lanes"],
-            "slots": call["slots_max"], "shared_lanes": call["shared_lanes"]}
+        diffs["distperp-compile"] = [
+            (i, first_difference(lms["distperp"], r.args[0], outputs["distperp"][i], outputs["distperp-compile"][i]))
+            for i, r in enumerate(requests)
+            if outputs["distperp"][i] != outputs["distperp-compile"][i]
+        ]
+    return {
+        "base": base,
+        "shape": shape,
+        "requests": len(requests),
+        "useful": useful,
+        "rows": rows,
+        "diffs": diffs,
+        "same": {k: len(requests) - len(v) for k, v in diffs.items()},
+        "lanes": call["lanes"],
+        "slots": call["slots_max"],
+        "shared_lanes": call["shared_lanes"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,28 +247,39 @@ def main(argv: list[str] | None = None) -> int:
     import distperp_harness._hook  # noqa: F401  (registers --model distperp)
 
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
-    lms = {name: get_model(name.split("-")[0]).create_from_arg_string(
-        model_args + (",compile=true" if name.endswith("-compile") else ""), {"batch_size": args.batch_size})
-        for name in args.backends.split(",")}
+    lms = {
+        name: get_model(name.split("-")[0]).create_from_arg_string(
+            model_args + (",compile=true" if name.endswith("-compile") else ""), {"batch_size": args.batch_size}
+        )
+        for name in args.backends.split(",")
+    }
     counters = {name: Counter(lm.model) for name, lm in lms.items() if not name.endswith("-compile")}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
             results.append(run_shape(shape, lms, counters, args, Path(tmp)))
-    print(f"model {args.model}, batch {args.batch_size}, 1 process, CPU float32, {args.repeats} alternating "
-          f"repeats (median)\n")
-    print("| shape | backend | decode positions per useful token | prefill positions | useful tokens/s | "
-          "median s | vs first | texts equal |\n|---|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"model {args.model}, batch {args.batch_size}, 1 process, CPU float32, {args.repeats} alternating "
+        f"repeats (median)\n"
+    )
+    print(
+        "| shape | backend | decode positions per useful token | prefill positions | useful tokens/s | "
+        "median s | vs first | texts equal |\n|---|---|---:|---:|---:|---:|---:|---:|"
+    )
     for r in results:
         for name in lms:
             row, first = r["rows"][name], r["rows"][next(iter(lms))]
             same = f"{r['same'][name]}/{r['requests']}" if name in r["same"] else ""
-            print(f"| {r['shape']} ({r['requests']} prompts, {r['useful']} useful tokens) | {name} | "
-                  f"{row['decode_per_useful']:.2f} | {row['prefill']:,} | {row['tok_s']:.1f} | "
-                  f"{row['median_s']:.1f} | {first['median_s'] / row['median_s']:.2f}x | {same} |")
+            print(
+                f"| {r['shape']} ({r['requests']} prompts, {r['useful']} useful tokens) | {name} | "
+                f"{row['decode_per_useful']:.2f} | {row['prefill']:,} | {row['tok_s']:.1f} | "
+                f"{row['median_s']:.1f} | {first['median_s'] / row['median_s']:.2f}x | {same} |"
+            )
     for r in results:
-        print(f"\n{r['shape']}: distperp {r['lanes']} lane(s) of {r['slots']} slots, {r['shared_lanes']} from a "
-              "shared prefix")
+        print(
+            f"\n{r['shape']}: distperp {r['lanes']} lane(s) of {r['slots']} slots, {r['shared_lanes']} from a "
+            "shared prefix"
+        )
         for name, diffs in r["diffs"].items():
             for i, where in diffs:
                 print(f"  {name}: prompt {i} differs at {where}")
@@ -212,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         compiled = lms["distperp-compile"]
         print("\ncompile:", json.dumps(compiled.compiled.to_dict()["decode"]))
         eager_ms, static_ms = step_times(lms["distperp"], compiled, args.batch_size, args.step_context)
-        print(f"bare decode step, {args.batch_size} rows, {args.step_context}-token context: eager "
-              f"{eager_ms:.1f} ms, compiled static {static_ms:.1f} ms ({eager_ms / static_ms:.2f}x)")
+        print(
+            f"bare decode step, {args.batch_size} rows, {args.step_context}-token context: eager "
+            f"{eager_ms:.1f} ms, compiled static {static_ms:.1f} ms ({eager_ms / static_ms:.2f}x)"
+        )
     return 0
 
 
-def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, blocks: int = 5
-               ) -> tuple[float, float]:
+def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, blocks: int = 5) -> tuple[float, float]:
     """Median ms of one decode step of ``rows`` rows at ``context`` cached tokens: the eager engine's forward
     (``DynamicCache``, a ``[rows, context + 1]`` mask) and the compiled static step (its bucket compiled first),
     alternating blocks of ``steps``."""
@@ -236,7 +312,7 @@ def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, 
     engine.prepare(compiled_lm.collective, [_Plan()])
     buffers = engine._bucket(rows, capacity)
     buffers.reset()
-    buffers.allowed[:, :context + 1] = True
+    buffers.allowed[:, : context + 1] = True
     ids = torch.full((rows, 1), 7, dtype=torch.long)
     positions = torch.full((rows, 1), context, dtype=torch.long)
     cache = DynamicCache(config=model.config)
@@ -250,8 +326,14 @@ def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, 
                 start = time.perf_counter()
                 for _ in range(steps):
                     if name == "eager":
-                        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                              logits_to_keep=1, cache=cache)
+                        model(
+                            input_ids=ids,
+                            attention_mask=mask,
+                            position_ids=positions,
+                            use_cache=True,
+                            logits_to_keep=1,
+                            cache=cache,
+                        )
                         cache.crop(-1)  # the next step writes the same column again
                     else:
                         buffers.set_length(context)

@@ -59,7 +59,7 @@ SHAPES = {"mmlu0": 300, "mmlu5": 50, "hellaswag": 300, "mmlupro5": 100, "mmlu3":
 
 
 def _pieces(ids: list[int], decode, count: int, length: int, start: int = 0) -> list[str]:
-    return [decode(ids[start + i * length: start + (i + 1) * length]).strip() for i in range(count)]
+    return [decode(ids[start + i * length : start + (i + 1) * length]).strip() for i in range(count)]
 
 
 def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[list[tuple[str, str]], int]]:
@@ -68,7 +68,7 @@ def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[li
     if shape == "hellaswag":
         out = []
         for q in range(n):
-            context = decode(ids[q * 150: q * 150 + 90]).strip()  # a 90-token context, four 15-token endings
+            context = decode(ids[q * 150 : q * 150 + 90]).strip()  # a 90-token context, four 15-token endings
             endings = _pieces(ids, decode, 4, 15, start=q * 150 + 90)
             out.append(([(context, " " + e) for e in endings], q % 4))
         return out
@@ -77,7 +77,7 @@ def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[li
     shots = 5 if shape == "mmlu5" else 0
 
     def prompt(k: int) -> str:
-        stem = decode(ids[k * 130: k * 130 + 95]).strip()
+        stem = decode(ids[k * 130 : k * 130 + 95]).strip()
         options = _pieces(ids, decode, 4, 8, start=k * 130 + 95)
         return stem + "".join(f"\n{letters[j]}. {o}" for j, o in enumerate(options)) + "\nAnswer:"
 
@@ -92,15 +92,42 @@ def build_questions(shape: str, ids: list[int], decode, n: int) -> list[tuple[li
 
 FIRST_N = {
     # shots, stem tokens, options, option tokens, option labels, answers, header, question template
-    "mmlupro5": dict(shots=5, stem=40, options=10, option_tokens=5, labels="ABCDEFGHIJ",
-                     answer=" {}", header="The following are multiple choice questions (with answers) about history.\n",
-                     question="Question: {stem}\nOptions:\n{options}\nAnswer:", line="{}. {}", sep="\n\n"),
-    "mmlu3": dict(shots=3, stem=106, options=4, option_tokens=11, labels="ABCD", answer=" {}",
-                  header="The following are multiple choice questions (with answers) about high school history.\n\n",
-                  question="{stem}\n{options}\nAnswer:", line="{}. {}", sep="\n\n"),
-    "bbh3": dict(shots=3, stem=34, options=4, option_tokens=5, labels="ABCD", answer=" ({})",
-                 header="Select the option that completes the sentence.\n\n",
-                 question="Q: {stem}\nOptions:\n{options}\nA:", line="({}) {}", sep="\n\n"),
+    "mmlupro5": dict(
+        shots=5,
+        stem=40,
+        options=10,
+        option_tokens=5,
+        labels="ABCDEFGHIJ",
+        answer=" {}",
+        header="The following are multiple choice questions (with answers) about history.\n",
+        question="Question: {stem}\nOptions:\n{options}\nAnswer:",
+        line="{}. {}",
+        sep="\n\n",
+    ),
+    "mmlu3": dict(
+        shots=3,
+        stem=106,
+        options=4,
+        option_tokens=11,
+        labels="ABCD",
+        answer=" {}",
+        header="The following are multiple choice questions (with answers) about high school history.\n\n",
+        question="{stem}\n{options}\nAnswer:",
+        line="{}. {}",
+        sep="\n\n",
+    ),
+    "bbh3": dict(
+        shots=3,
+        stem=34,
+        options=4,
+        option_tokens=5,
+        labels="ABCD",
+        answer=" ({})",
+        header="Select the option that completes the sentence.\n\n",
+        question="Q: {stem}\nOptions:\n{options}\nA:",
+        line="({}) {}",
+        sep="\n\n",
+    ),
 }
 """Leaderboard few-shot layouts: the first ``shots`` documents are every question's examples (``first_n``)."""
 
@@ -110,23 +137,29 @@ def _first_n_questions(spec: dict, ids: list[int], decode, n: int) -> list[tuple
 
     def prompt(k: int) -> str:
         start = k * width
-        stem = decode(ids[start: start + spec["stem"]]).strip()
+        stem = decode(ids[start : start + spec["stem"]]).strip()
         opts = _pieces(ids, decode, spec["options"], spec["option_tokens"], start=start + spec["stem"])
         options = "\n".join(spec["line"].format(spec["labels"][j], o) for j, o in enumerate(opts))
         return spec["question"].format(stem=stem, options=options)
 
     labels = spec["labels"]
     block = spec["header"] + "".join(
-        prompt(k) + spec["answer"].format(labels[k % len(labels)]) + spec["sep"] for k in range(spec["shots"]))
-    return [([(block + prompt(spec["shots"] + q), spec["answer"].format(letter)) for letter in labels],
-             q % len(labels)) for q in range(n)]
+        prompt(k) + spec["answer"].format(labels[k % len(labels)]) + spec["sep"] for k in range(spec["shots"])
+    )
+    return [
+        ([(block + prompt(spec["shots"] + q), spec["answer"].format(letter)) for letter in labels], q % len(labels))
+        for q in range(n)
+    ]
 
 
 def requests_for(questions) -> list[Any]:
     from lm_eval.api.instance import Instance
 
-    return [Instance("loglikelihood", {"q": q}, pair, j) for q, (pairs, _) in enumerate(questions)
-            for j, pair in enumerate(pairs)]
+    return [
+        Instance("loglikelihood", {"q": q}, pair, j)
+        for q, (pairs, _) in enumerate(questions)
+        for j, pair in enumerate(pairs)
+    ]
 
 
 def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) -> dict[str, Any]:
@@ -140,7 +173,7 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
     calls: dict[str, dict] = {}
     keys = list(lms)
     for rep in range(args.repeats):
-        for key in keys[rep % len(keys):] + keys[: rep % len(keys)]:
+        for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
             gc.collect()
             t0 = time.perf_counter()
             with contextlib.redirect_stderr(io.StringIO()):  # hf draws its progress bars
@@ -150,14 +183,22 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
             greedy[key] = [bool(g) for _, g in out]
             if hasattr(lms[key], "stats"):
                 calls[key] = lms[key].stats.calls[-1].to_dict()
-        print(f"  {shape} repeat {rep + 1}/{args.repeats}: " + ", ".join(
-            f"{k} {seconds[k][-1]:.2f} s" for k in keys), flush=True)
+        print(
+            f"  {shape} repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{k} {seconds[k][-1]:.2f} s" for k in keys),
+            flush=True,
+        )
     prompt_tokens = [len(tokenizer.encode(pairs[0][0], add_special_tokens=False)) for pairs, _ in questions]
-    report: dict[str, Any] = {"shape": shape, "questions": len(questions), "tokens": tokens, "seconds": seconds,
-                              "prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
-                              "calls": {k: {f: c[f] for f in ("units", "rows", "computed_tokens", "tokens_saved",
-                                                              "computed_tokens_per_context")}
-                                        for k, c in calls.items()}}
+    report: dict[str, Any] = {
+        "shape": shape,
+        "questions": len(questions),
+        "tokens": tokens,
+        "seconds": seconds,
+        "prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
+        "calls": {
+            k: {f: c[f] for f in ("units", "rows", "computed_tokens", "tokens_saved", "computed_tokens_per_context")}
+            for k, c in calls.items()
+        },
+    }
     if "hf" in results:
         for key in (k for k in results if k != "hf"):
             report[f"max_abs_diff_{key}"] = max(abs(a - b) for a, b in zip(results["hf"], results[key]))
@@ -178,13 +219,16 @@ def table(reports: list[dict[str, Any]], args) -> str:
     import torch
     import transformers
 
-    lines = [f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
-             f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
-             f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · {args.dtype} on "
-             f"{device_name(args.device)} · batch size "
-             f"{args.batch_size} · best of {args.repeats} alternating repeats", "",
-             "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed | per question |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
+        f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
+        f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · {args.dtype} on "
+        f"{device_name(args.device)} · batch size "
+        f"{args.batch_size} · best of {args.repeats} alternating repeats",
+        "",
+        "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed | per question |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in reports:
         best = {k: min(v) for k, v in r["seconds"].items()}
         label = f"{r['shape']} ({r['questions']} q, {r['prompt_tokens']:.0f}-token prompts)"
@@ -195,8 +239,10 @@ def table(reports: list[dict[str, Any]], args) -> str:
             rows = f"{call['rows']:,} / {call['units']:,}" if call else "—"
             computed = f"{call['computed_tokens']:,}" if call else "—"
             per_question = f"{call['computed_tokens'] / r['questions']:,.0f}" if call else "—"
-            lines.append(f"| {label} | {LABELS[key]} | {s:.2f} | {r['tokens'] / s:,.0f} | {vs_hf} | {vs_un} | "
-                         f"{rows} | {computed} | {per_question} |")
+            lines.append(
+                f"| {label} | {LABELS[key]} | {s:.2f} | {r['tokens'] / s:,.0f} | {vs_hf} | {vs_un} | "
+                f"{rows} | {computed} | {per_question} |"
+            )
             label = ""
     lines.append("")
     for r in reports:
@@ -209,20 +255,32 @@ def table(reports: list[dict[str, Any]], args) -> str:
         if "unshared" in r["seconds"] and "distperp" in r["seconds"]:
             per = [a / b for a, b in zip(r["seconds"]["unshared"], r["seconds"]["distperp"])]
             ratios.append(f"unshared/distperp median {statistics.median(per):.2f}")
-        checks = [f"{k.removeprefix('max_abs_diff_')}: max |Δ ll| vs hf {v:.2g}" for k, v in r.items()
-                  if k.startswith("max_abs_diff_")]
-        checks += [f"{k.removeprefix('answers_equal_')}: chosen answers " + (
-                       "equal" if v else "DIFFER" if args.dtype == "float32" else
-                       f"differ on {r['answers_differing_' + k.removeprefix('answers_equal_')]} of {r['questions']} "
-                       f"({args.dtype} rounding in hf: not checked)")
-                   for k, v in r.items() if k.startswith("answers_equal_")]
+        checks = [
+            f"{k.removeprefix('max_abs_diff_')}: max |Δ ll| vs hf {v:.2g}"
+            for k, v in r.items()
+            if k.startswith("max_abs_diff_")
+        ]
+        checks += [
+            f"{k.removeprefix('answers_equal_')}: chosen answers "
+            + (
+                "equal"
+                if v
+                else "DIFFER"
+                if args.dtype == "float32"
+                else f"differ on {r['answers_differing_' + k.removeprefix('answers_equal_')]} of {r['questions']} "
+                f"({args.dtype} rounding in hf: not checked)"
+            )
+            for k, v in r.items()
+            if k.startswith("answers_equal_")
+        ]
         lines.append(f"- {r['shape']}: " + "; ".join(ratios + checks) + ".")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=str(SHARED_MODEL), help="model folder (default ../shared/models/wt2-llama-5m)")
     p.add_argument("--text", default=str(WIKITEXT_VALID), help="text to cut questions from (WikiText valid.txt)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
@@ -233,10 +291,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every scorer runs (cuda: cuda:0)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="model dtype of every scorer")
-    p.add_argument("--random-shape", default=None, choices=tuple(RANDOM_SHAPES),
-                   help="a random-init model of this shape instead of --model (built in --workdir)")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype of every scorer"
+    )
+    p.add_argument(
+        "--random-shape",
+        default=None,
+        choices=tuple(RANDOM_SHAPES),
+        help="a random-init model of this shape instead of --model (built in --workdir)",
+    )
     p.add_argument("--workdir", default=None, help="where to build the random model (default: a temp folder)")
     return p.parse_args(argv)
 
@@ -250,9 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_shape:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_mc_"))
         args.model = str(resolve_model(f"random-{args.random_shape}", workdir))
-    lms = {key: make_lm(SCORERS[key][0], Path(args.model), args.max_length, args.batch_size, SCORERS[key][1],
-                        device=args.device, dtype=args.dtype)
-           for key in args.scorers.split(",")}
+    lms = {
+        key: make_lm(
+            SCORERS[key][0],
+            Path(args.model),
+            args.max_length,
+            args.batch_size,
+            SCORERS[key][1],
+            device=args.device,
+            dtype=args.dtype,
+        )
+        for key in args.scorers.split(",")
+    }
     _quiet()
     tokenizer = next(iter(lms.values())).tokenizer
     ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False)
@@ -260,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         reports.append(run_shape(shape, lms, tokenizer, ids, args))
     print(table(reports, args))
-    failed = args.dtype == "float32" and not all(v for r in reports for k, v in r.items()
-                                                 if k.startswith("answers_equal_"))
+    failed = args.dtype == "float32" and not all(
+        v for r in reports for k, v in r.items() if k.startswith("answers_equal_")
+    )
     return 1 if failed else 0
 
 

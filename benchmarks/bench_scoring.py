@@ -70,42 +70,70 @@ from _scoring_speed import bench_model, cli_sanity, report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="small subsets and 3 repeats (a few minutes)")
-    p.add_argument("--models", default=f"wt2-llama-5m,{RANDOM_MODEL}",
-                   help=f"comma-separated: wt2-llama-5m, random-<shape> ({', '.join(RANDOM_SHAPES)}), or model folders")
-    p.add_argument("--random-shape", default=None, choices=tuple(RANDOM_SHAPES),
-                   help="score only a random-init model of this shape (the same as --models random-<shape>)")
+    p.add_argument(
+        "--models",
+        default=f"wt2-llama-5m,{RANDOM_MODEL}",
+        help=f"comma-separated: wt2-llama-5m, random-<shape> ({', '.join(RANDOM_SHAPES)}), or model folders",
+    )
+    p.add_argument(
+        "--random-shape",
+        default=None,
+        choices=tuple(RANDOM_SHAPES),
+        help="score only a random-init model of this shape (the same as --models random-<shape>)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both scorers run (cuda: cuda:0)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="model dtype of both scorers")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype of both scorers"
+    )
     p.add_argument("--scorers", default=",".join(SCORERS), help=f"comma-separated subset of {', '.join(SCORERS)}")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=None, help="alternating repeats (default 5, --quick 3)")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="score the first articles up to this many tokens (0: all; default per model)")
-    p.add_argument("--memory-tokens", type=int, default=None,
-                   help="tokens scored by each memory subprocess (default: batch x max_length, x2 without --quick)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="score the first articles up to this many tokens (0: all; default per model)",
+    )
+    p.add_argument(
+        "--memory-tokens",
+        type=int,
+        default=None,
+        help="tokens scored by each memory subprocess (default: batch x max_length, x2 without --quick)",
+    )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory subprocesses")
     p.add_argument("--memory-scorers", default=None, help="scorers to measure memory of (default: all timed ones)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
     p.add_argument("--text", default=str(WIKITEXT_TEST), help="WikiText test.txt")
     p.add_argument("--workdir", default=None, help="where to build the random model (default: a temp folder)")
     p.add_argument("--json", default=None, help="also write the raw numbers to this file")
-    p.add_argument("--cli", type=int, default=0, metavar="N",
-                   help="also run the real lm-eval CLI once each way on N documents of distperp_wikitext2")
-    p.add_argument("--profile", action="store_true",
-                   help="instead of timing: torch.profiler op breakdown of hf, distperp and the bare forward")
+    p.add_argument(
+        "--cli",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the real lm-eval CLI once each way on N documents of distperp_wikitext2",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: torch.profiler op breakdown of hf, distperp and the bare forward",
+    )
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.scorers = [s.strip() for s in args.scorers.split(",") if s.strip()]
     if args.random_shape:
         args.models = f"random-{args.random_shape}"
-    args.memory_scorers = (args.scorers if args.memory_scorers is None
-                           else [s.strip() for s in args.memory_scorers.split(",") if s.strip()])
+    args.memory_scorers = (
+        args.scorers
+        if args.memory_scorers is None
+        else [s.strip() for s in args.memory_scorers.split(",") if s.strip()]
+    )
     unknown = [s for s in args.scorers if s not in SCORERS]
     if unknown or "distperp" not in args.scorers:
         p.error(f"--scorers {','.join(args.scorers)}: allowed {', '.join(SCORERS)}; distperp is required")

@@ -23,7 +23,89 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "what", "no", "more", "can", "who", "will", "out", "up", "about", "into", "them", "then", "other", "than", "some", "could", "these", "two", "may", "first", "any", "time", "only", "new", "very", "people", "like", "energy", "cell", "market", "law", "court", "theory", "river", "acid", "enzyme", "value", "function"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "been",
+    "one",
+    "all",
+    "we",
+    "their",
+    "has",
+    "would",
+    "when",
+    "if",
+    "so",
+    "what",
+    "no",
+    "more",
+    "can",
+    "who",
+    "will",
+    "out",
+    "up",
+    "about",
+    "into",
+    "them",
+    "then",
+    "other",
+    "than",
+    "some",
+    "could",
+    "these",
+    "two",
+    "may",
+    "first",
+    "any",
+    "time",
+    "only",
+    "new",
+    "very",
+    "people",
+    "like",
+    "energy",
+    "cell",
+    "market",
+    "law",
+    "court",
+    "theory",
+    "river",
+    "acid",
+    "enzyme",
+    "value",
+    "function",
+]
 
 
 def _text(rng: random.Random, low: int, high: int) -> str:
@@ -34,8 +116,14 @@ def write_docs(folder: Path, n: int, seed: int = 0) -> dict[str, Path]:
     rng = random.Random(seed)
     paths = {}
     for split, count in (("test", n), ("dev", 285)):
-        rows = [{"question": _text(rng, 40, 80) + "?", "choices": [_text(rng, 3, 10) for _ in range(4)],
-                 "answer": rng.randrange(4)} for _ in range(count)]
+        rows = [
+            {
+                "question": _text(rng, 40, 80) + "?",
+                "choices": [_text(rng, 3, 10) for _ in range(4)],
+                "answer": rng.randrange(4),
+            }
+            for _ in range(count)
+        ]
         paths[split] = folder / f"{split}.jsonl"
         paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
@@ -46,17 +134,30 @@ def make_task(paths: dict[str, Path]):
     from lm_eval.api.task import ConfigurableTask
 
     def load(**_):
-        return datasets.DatasetDict({split: datasets.Dataset.from_list(
-            [json.loads(line) for line in path.read_text().splitlines()]) for split, path in paths.items()})
+        return datasets.DatasetDict(
+            {
+                split: datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines()])
+                for split, path in paths.items()
+            }
+        )
 
-    task = ConfigurableTask(config={
-        "task": "synthetic_mmlu", "dataset_path": "", "custom_dataset": load, "output_type": "multiple_choice",
-        "test_split": "test", "fewshot_split": "dev", "num_fewshot": 5,
-        "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\n"
-                       "D. {{choices[3]}}\nAnswer:",
-        "doc_to_choice": ["A", "B", "C", "D"], "doc_to_target": "answer",
-        "description": "The following are multiple choice questions (with answers) about synthetic text.\n\n",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]})
+    task = ConfigurableTask(
+        config={
+            "task": "synthetic_mmlu",
+            "dataset_path": "",
+            "custom_dataset": load,
+            "output_type": "multiple_choice",
+            "test_split": "test",
+            "fewshot_split": "dev",
+            "num_fewshot": 5,
+            "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\n"
+            "D. {{choices[3]}}\nAnswer:",
+            "doc_to_choice": ["A", "B", "C", "D"],
+            "doc_to_target": "answer",
+            "description": "The following are multiple choice questions (with answers) about synthetic text.\n\n",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        }
+    )
     task.set_fewshot_seed(1234)
     return task
 
@@ -130,17 +231,25 @@ def main() -> None:
             build_split(task, build, rank=5, world_size=args.ranks)
             split_s = time.perf_counter() - t0
             assert len(task.instances) == share_instances
-    print(f"synthetic MMLU: {args.docs} docs, 4 choices, 5-shot (default random sampler); prompt "
-          f"{len(prompt)} chars (last document)")
-    print(f"build_all_requests, all documents ({n_instances} instances): {all_s:.2f} s "
-          f"({1e3 * all_s / args.docs:.2f} ms/doc); median of {args.full_repeats}")
-    print(f"build_all_requests, 1/{args.ranks} share ({share_instances} instances): {share_s:.3f} s; "
-          f"median of {args.repeats}")
+    print(
+        f"synthetic MMLU: {args.docs} docs, 4 choices, 5-shot (default random sampler); prompt "
+        f"{len(prompt)} chars (last document)"
+    )
+    print(
+        f"build_all_requests, all documents ({n_instances} instances): {all_s:.2f} s "
+        f"({1e3 * all_s / args.docs:.2f} ms/doc); median of {args.full_repeats}"
+    )
+    print(
+        f"build_all_requests, 1/{args.ranks} share ({share_instances} instances): {share_s:.3f} s; "
+        f"median of {args.repeats}"
+    )
     if args.split:
         print(f"docsplit.build_split, one rank of {args.ranks} (all built, its share kept): {split_s:.2f} s")
-    print(f"instances with their documents: all {all_bytes / 2**20:.1f} MiB, 1/{args.ranks} share "
-          f"{share_bytes / 2**20:.2f} MiB; peak RSS grew {(rss1 - rss0) / 1024:.0f} MiB during the full builds "
-          f"(to {rss1 / 1024:.0f} MiB)")
+    print(
+        f"instances with their documents: all {all_bytes / 2**20:.1f} MiB, 1/{args.ranks} share "
+        f"{share_bytes / 2**20:.2f} MiB; peak RSS grew {(rss1 - rss0) / 1024:.0f} MiB during the full builds "
+        f"(to {rss1 / 1024:.0f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -56,13 +56,32 @@ import torch  # noqa: E402
 
 from distperp_harness.commands.tiny import TinySpec, build_tiny_model, sample_text  # noqa: E402
 
-LLAMA_1B = TinySpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                    intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True, seed=0,
-                    name="gpu-check-llama-1b")
+LLAMA_1B = TinySpec(
+    vocab_size=128256,
+    hidden_size=2048,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=8192,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    seed=0,
+    name="gpu-check-llama-1b",
+)
 # The dry-run model: every Linear input width (hidden 128, heads x head_dim 128, MLP 256) a multiple of the int4
 # group size 128, so quantize=int4 quantizes every Linear layer of the decoder (the test model quantizes 2 of 15).
-DRY_SPEC = TinySpec(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
-                    max_position_embeddings=128, seed=0, train_steps=0, name="dry-llama")
+DRY_SPEC = TinySpec(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=256,
+    max_position_embeddings=128,
+    seed=0,
+    train_steps=0,
+    name="dry-llama",
+)
 # Dense (no sparsity) bf16 tensor-core peak in FLOP/s, by the exact name torch.cuda.get_device_name() reports
 # (NVIDIA datasheets). Any other name: MFU "unknown", never a guess from a similar name (H100 PCIe and NVL are
 # 24 % and 16 % below the SXM part).
@@ -102,8 +121,9 @@ def documents(tokens: int) -> list[str]:
 
 
 def model_args(args: argparse.Namespace, model: Path, scheme: str, compiled: bool = False) -> dict:
-    kwargs = dict(pretrained=str(model), device=args.device, batch_size="auto", max_length=args.max_length,
-                  compile=compiled)
+    kwargs = dict(
+        pretrained=str(model), device=args.device, batch_size="auto", max_length=args.max_length, compile=compiled
+    )
     if args.device == "cuda":
         kwargs["dtype"] = "bfloat16"
     if scheme != "none":
@@ -143,24 +163,45 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str],
     # The plan's first batch, twice: same bits (kernels must not depend on anything but the batch).
     units = window_units(lm.tok_encode(docs[0]), lm.prefix_token_id, lm.max_length)
     rows = max(1, min(len(units), lm.batching.rows_for(max(u.input_length for u in units))))
-    first = [score_batch(lm.model, units[:rows], device=lm.device, pad_token_id=lm.tokenizer.pad_token_id).stats
-             for _ in range(2)]
+    first = [
+        score_batch(lm.model, units[:rows], device=lm.device, pad_token_id=lm.tokenizer.pad_token_id).stats
+        for _ in range(2)
+    ]
     report = lm.quant_report
-    eligible = None if report is None else \
-        [why for why in report.skipped.values() if not why.startswith("output embedding kept")]
-    layers = None if report is None or report.config_name is None else \
-        (len(report.quantized), len(report.quantized) + len(eligible))  # the output head is not eligible
+    eligible = (
+        None
+        if report is None
+        else [why for why in report.skipped.values() if not why.startswith("output embedding kept")]
+    )
+    layers = (
+        None
+        if report is None or report.config_name is None
+        else (len(report.quantized), len(report.quantized) + len(eligible))
+    )  # the output head is not eligible
     name = "bfloat16" if scheme == "none" and cuda else ("float32" if scheme == "none" else scheme)
     state = lm.compiled.to_dict()
-    row = dict(run=name + (" compiled" if compiled else ""), scheme_run=name, compiled=compiled,
-               compile_active=state["active"], compile_reason=state["reason"],
-               compile_s=state["compile_seconds"],
-               load_s=load_s, load_peak=load_peak, weight_bytes=lm.weight_bytes, budget=lm.batching.token_budget,
-               budget_again=again.token_budget, tokens=call["scored_tokens"], tokens_per_s=tokens_per_s,
-               mfu=(2 * params * tokens_per_s / peak) if peak and scheme == "none" else None,
-               peak_known=peak is not None or not cuda, score_peak=score_peak, quantized_layers=layers,
-               same_bits=first[0].tobytes() == first[1].tobytes(), fingerprint=lm.stats.fingerprint,
-               recompilations=lm.compiled.recompilations())
+    row = dict(
+        run=name + (" compiled" if compiled else ""),
+        scheme_run=name,
+        compiled=compiled,
+        compile_active=state["active"],
+        compile_reason=state["reason"],
+        compile_s=state["compile_seconds"],
+        load_s=load_s,
+        load_peak=load_peak,
+        weight_bytes=lm.weight_bytes,
+        budget=lm.batching.token_budget,
+        budget_again=again.token_budget,
+        tokens=call["scored_tokens"],
+        tokens_per_s=tokens_per_s,
+        mfu=(2 * params * tokens_per_s / peak) if peak and scheme == "none" else None,
+        peak_known=peak is not None or not cuda,
+        score_peak=score_peak,
+        quantized_layers=layers,
+        same_bits=first[0].tobytes() == first[1].tobytes(),
+        fingerprint=lm.stats.fingerprint,
+        recompilations=lm.compiled.recompilations(),
+    )
     model_ref = weakref.ref(lm.model)
     del lm, first, again
     return row, model_ref
@@ -181,11 +222,34 @@ def release(row: dict, model_ref: "weakref.ref", baseline: int | None) -> None:
 def launch(args: argparse.Namespace, model: Path, processes: int, out: Path) -> str:
     """Rolling fingerprint of a ``processes``-process ``accelerate launch`` of this script's worker mode."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if processes > 1 else []),
-           "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", str(29500 + processes), __file__, "--worker",
-           "--model", str(model), "--device", args.device, "--tokens", str(args.tokens),
-           "--max-length", str(args.max_length), "--work", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *(["--multi_gpu"] if processes > 1 else []),
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(29500 + processes),
+        __file__,
+        "--worker",
+        "--model",
+        str(model),
+        "--device",
+        args.device,
+        "--tokens",
+        str(args.tokens),
+        "--max-length",
+        str(args.max_length),
+        "--work",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, timeout=args.launch_timeout, cwd=REPO)
     return json.loads((out / "fingerprint.json").read_text())["fingerprint"]
 
@@ -209,16 +273,16 @@ def tree_questions(tokenizer, cuda: bool, n: int) -> list[tuple[str, list[str]]]
 
     def piece(start: int, length: int) -> str:
         start %= len(ids) - length
-        return tokenizer.decode(ids[start: start + length]).strip()
+        return tokenizer.decode(ids[start : start + length]).strip()
 
     def prompt(k: int) -> str:
-        options = "\n".join(f"{letters[j]}. {piece(k * width + stem + j * option_tokens, option_tokens)}"
-                            for j in range(10))
+        options = "\n".join(
+            f"{letters[j]}. {piece(k * width + stem + j * option_tokens, option_tokens)}" for j in range(10)
+        )
         return f"Question: {piece(k * width, stem)}\nOptions:\n{options}\nAnswer:"
 
     header = "The following are multiple choice questions (with answers) about history.\n" if cuda else ""
-    block = header + "".join(
-        f"{prompt(k)} {letters[k % 10]}\n\n" for k in range(shots))
+    block = header + "".join(f"{prompt(k)} {letters[k % 10]}\n\n" for k in range(shots))
     return [(block + prompt(shots + q), [f" {x}" for x in letters]) for q in range(n)]
 
 
@@ -251,11 +315,18 @@ def tree_case(args: argparse.Namespace, model: Path, impl: str) -> dict:
     request_tokens = sum(len(lm.tok_encode(c + x)) for c, x in (r.args for r in requests))
     prompt = [len(lm.tok_encode(c)) for c, _ in questions]
     shared = len(os.path.commonprefix([lm.tok_encode(c) for c, _ in questions[:2]]))
-    row.update(questions=len(questions), prompt_tokens=sum(prompt) / len(prompt), shared_tokens=shared,
-               rows=call["rows"], per_question=call["computed_tokens"] / len(questions),
-               seconds=call["scoring_seconds"], tokens_per_s=request_tokens / call["scoring_seconds"],
-               peak=torch.cuda.max_memory_allocated() if cuda else None, lls=lls,
-               answers=[max(range(10), key=lambda j: lls[q + j]) for q in range(0, len(lls), 10)])
+    row.update(
+        questions=len(questions),
+        prompt_tokens=sum(prompt) / len(prompt),
+        shared_tokens=shared,
+        rows=call["rows"],
+        per_question=call["computed_tokens"] / len(questions),
+        seconds=call["scoring_seconds"],
+        tokens_per_s=request_tokens / call["scoring_seconds"],
+        peak=torch.cuda.max_memory_allocated() if cuda else None,
+        lls=lls,
+        answers=[max(range(10), key=lambda j: lls[q + j]) for q in range(0, len(lls), 10)],
+    )
     del lm
     gc.collect()
     if cuda:
@@ -264,18 +335,22 @@ def tree_case(args: argparse.Namespace, model: Path, impl: str) -> dict:
 
 
 def tree_table(rows: list[dict]) -> str:
-    lines = ["| tree rows, MMLU-Pro 5-shot shape | questions | prompt tokens (shared) | rows | computed tokens per "
-             "question | scoring s | request tokens/s | vs sdpa | scoring peak GiB | answers vs sdpa |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| tree rows, MMLU-Pro 5-shot shape | questions | prompt tokens (shared) | rows | computed tokens per "
+        "question | scoring s | request tokens/s | vs sdpa | scoring peak GiB | answers vs sdpa |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     base = next((r for r in rows if r["impl"] == "sdpa" and not r["skipped"]), None)
     for r in rows:
         if r["skipped"]:
             lines.append(f"| {r['impl']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
-        lines.append(f"| {r['impl']} | {r['questions']} | {r['prompt_tokens']:.0f} ({r['shared_tokens']}) | "
-                     f"{r['rows']} | {r['per_question']:.0f} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
-                     f"{speed} | {gib(r['peak'])} | {tree_agreement(r, base)} |")
+        lines.append(
+            f"| {r['impl']} | {r['questions']} | {r['prompt_tokens']:.0f} ({r['shared_tokens']}) | "
+            f"{r['rows']} | {r['per_question']:.0f} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{speed} | {gib(r['peak'])} | {tree_agreement(r, base)} |"
+        )
     return "\n".join(lines)
 
 
@@ -310,25 +385,34 @@ def efficiency(row: dict, rows: list[dict]) -> str:
 
 
 def table(rows: list[dict], multi: str) -> str:
-    lines = ["| run | load s | load peak GiB | weights GiB | auto budget (twice) | tokens | tokens/s | MFU or speed-up | "
-             "scoring peak GiB | same batch twice | layers quantized | memory released |",
-             "|---|---:|---:|---:|---|---:|---:|---|---:|---|---|---|"]
+    lines = [
+        "| run | load s | load peak GiB | weights GiB | auto budget (twice) | tokens | tokens/s | MFU or speed-up | "
+        "scoring peak GiB | same batch twice | layers quantized | memory released |",
+        "|---|---:|---:|---:|---|---:|---:|---|---:|---|---|---|",
+    ]
     for r in rows:
         layers = "-" if r["quantized_layers"] is None else "{}/{}".format(*r["quantized_layers"])
         left = r.get("left_after_bytes")
         released = ("yes" if r.get("released") else "NO") + ("" if left is None else f" ({left / 2**20:+.1f} MiB)")
-        lines.append(f"| {r['run']} | {r['load_s']:.1f} | {gib(r['load_peak'])} | {gib(r['weight_bytes'])} | "
-                     f"{r['budget']}, {r['budget_again']} | {r['tokens']} | {r['tokens_per_s']:.0f} | "
-                     f"{efficiency(r, rows)} | {gib(r['score_peak'])} | "
-                     f"{'equal bits' if r['same_bits'] else 'DIFFERENT'} | {layers} | {released} |")
+        lines.append(
+            f"| {r['run']} | {r['load_s']:.1f} | {gib(r['load_peak'])} | {gib(r['weight_bytes'])} | "
+            f"{r['budget']}, {r['budget_again']} | {r['tokens']} | {r['tokens_per_s']:.0f} | "
+            f"{efficiency(r, rows)} | {gib(r['score_peak'])} | "
+            f"{'equal bits' if r['same_bits'] else 'DIFFERENT'} | {layers} | {released} |"
+        )
     return "\n".join(lines + ["", f"1 vs 2 processes: {multi}"])
 
 
 def passed(row: dict) -> bool:
     """A row's checks: same bits, same budget twice, memory released, every Linear layer quantized."""
     layers = row["quantized_layers"]
-    return (row["same_bits"] and row["budget"] == row["budget_again"] and row.get("released", True)
-            and (layers is None or layers[0] == layers[1]) and row.get("recompilations", 0) == 0)
+    return (
+        row["same_bits"]
+        and row["budget"] == row["budget_again"]
+        and row.get("released", True)
+        and (layers is None or layers[0] == layers[1])
+        and row.get("recompilations", 0) == 0
+    )
 
 
 def base_parser(doc: str, launch_timeout: float) -> argparse.ArgumentParser:
@@ -357,12 +441,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__, 240)
     parser.add_argument("--runs", default="none,int4", help="comma-separated quantize= schemes")
     parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
-    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                        help="also run each scheme with compile=true (auto: on CUDA only)")
-    parser.add_argument("--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 "
-                        "when two GPUs are visible)")
-    parser.add_argument("--tree-impls", default=None, help="attention implementations of the tree-row case "
-                        "(cuda: sdpa,flex_attention; cpu: sdpa; 'none': skip the case)")
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="also run each scheme with compile=true (auto: on CUDA only)",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=None, help="also compare 1 vs N processes (cuda: 2 when two GPUs are visible)"
+    )
+    parser.add_argument(
+        "--tree-impls",
+        default=None,
+        help="attention implementations of the tree-row case "
+        "(cuda: sdpa,flex_attention; cpu: sdpa; 'none': skip the case)",
+    )
     parser.add_argument("--tree-questions", type=int, default=None, help="questions of the tree case (cuda 400, cpu 4)")
     args = parse(parser, argv, tokens=(65536, 3000))
     cuda = args.device == "cuda"
@@ -398,8 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if tree:
         print("\n" + tree_table(tree), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "processes": multi, "tree": tree}, indent=1,
-                                              default=str))
+        Path(args.json).write_text(json.dumps({"rows": rows, "processes": multi, "tree": tree}, indent=1, default=str))
     ok = all(passed(r) for r in rows) and "DIFFERENT" not in multi and "DIFFERENT" not in tree_table(tree)
     return 0 if ok else 1
 

@@ -28,8 +28,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from distperp_harness.model.quantize import quantize_model, resolve_model_dtype  # noqa: E402
 
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True)
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
 
 
 def build(args: argparse.Namespace, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
@@ -85,9 +93,17 @@ def run_one(args, scheme: str, requested: str, device: torch.device, tokens: tor
     logits = model(batch[: args.agree]).logits.float().cpu()  # compared on the CPU: no GPU memory held
     del model
     seconds = min(times)
-    row = dict(run=f"{scheme}:{requested}", config=report.config_name, storage=report.storage,
-               dtype=report.model_dtype, weight_bytes=report.weight_bytes_after, forward_s=seconds,
-               tokens_per_s=batch.numel() / seconds, peak_cuda_bytes=peak, checksum=checksum)
+    row = dict(
+        run=f"{scheme}:{requested}",
+        config=report.config_name,
+        storage=report.storage,
+        dtype=report.model_dtype,
+        weight_bytes=report.weight_bytes_after,
+        forward_s=seconds,
+        tokens_per_s=batch.numel() / seconds,
+        peak_cuda_bytes=peak,
+        checksum=checksum,
+    )
     return row, logits, tokens
 
 
@@ -96,9 +112,13 @@ def agreement(ref: torch.Tensor, got: torch.Tensor, tokens: torch.Tensor) -> dic
     ref_lp, got_lp = ref.double().log_softmax(-1)[:, :-1], got.double().log_softmax(-1)[:, :-1]
     target = tokens[:, 1:, None]
     kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1)
-    return dict(max_abs_logit_diff=float((got - ref).abs().max()), mean_kl=float(kl.mean()),
-                top1_agree=float((ref_lp.argmax(-1) == got_lp.argmax(-1)).double().mean()),
-                loglik=float(got_lp.gather(-1, target).sum()), ref_loglik=float(ref_lp.gather(-1, target).sum()))
+    return dict(
+        max_abs_logit_diff=float((got - ref).abs().max()),
+        mean_kl=float(kl.mean()),
+        top1_agree=float((ref_lp.argmax(-1) == got_lp.argmax(-1)).double().mean()),
+        loglik=float(got_lp.gather(-1, target).sum()),
+        ref_loglik=float(ref_lp.gather(-1, target).sum()),
+    )
 
 
 def main() -> None:
@@ -131,15 +151,19 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     ref = rows[0]
-    print(f"\n| run | torchao config | storage | weights MB | forward s | tokens/s | peak CUDA GB | "
-          f"max abs logit diff vs {ref['run']} | mean KL | top-1 agree | delta loglik / token |")
+    print(
+        f"\n| run | torchao config | storage | weights MB | forward s | tokens/s | peak CUDA GB | "
+        f"max abs logit diff vs {ref['run']} | mean KL | top-1 agree | delta loglik / token |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     n_pred = args.agree * (args.seq - 1)
     for r in rows:
         peak = "n/a" if r["peak_cuda_bytes"] is None else f"{r['peak_cuda_bytes'] / 1e9:.2f}"
-        print(f"| {r['run']} | {r['config'] or '-'} | {r['storage']} | {r['weight_bytes'] / 1e6:.1f} | "
-              f"{r['forward_s']:.3f} | {r['tokens_per_s']:.0f} | {peak} | {r['max_abs_logit_diff']:.4f} | "
-              f"{r['mean_kl']:.5f} | {r['top1_agree']:.4f} | {(r['loglik'] - r['ref_loglik']) / n_pred:+.5f} |")
+        print(
+            f"| {r['run']} | {r['config'] or '-'} | {r['storage']} | {r['weight_bytes'] / 1e6:.1f} | "
+            f"{r['forward_s']:.3f} | {r['tokens_per_s']:.0f} | {peak} | {r['max_abs_logit_diff']:.4f} | "
+            f"{r['mean_kl']:.5f} | {r['top1_agree']:.4f} | {(r['loglik'] - r['ref_loglik']) / n_pred:+.5f} |"
+        )
     print(json.dumps(dict(args=vars(args), rows=rows), indent=1))
 
 

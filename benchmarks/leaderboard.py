@@ -30,11 +30,19 @@ from bench_generate import Counter  # noqa: E402  (positions through the decoder
 from leaderboard_data import FAMILY_OF, GROUP, REAL_COUNTS, build_leaderboard_include, not_computable  # noqa: E402
 
 FAMILIES = list(REAL_COUNTS)
-SUBGROUP = {"mmlu_pro": "leaderboard_mmlu_pro", "bbh": "leaderboard_bbh", "gpqa": "leaderboard_gpqa",
-            "math_hard": "leaderboard_math_hard", "ifeval": "leaderboard_ifeval", "musr": "leaderboard_musr"}
+SUBGROUP = {
+    "mmlu_pro": "leaderboard_mmlu_pro",
+    "bbh": "leaderboard_bbh",
+    "gpqa": "leaderboard_gpqa",
+    "math_hard": "leaderboard_math_hard",
+    "ifeval": "leaderboard_ifeval",
+    "musr": "leaderboard_musr",
+}
 MC_FAMILIES = ("mmlu_pro", "bbh", "gpqa", "musr")
-PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                       "{% if add_generation_prompt %}assistant:{% endif %}")
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def _evaluate(lm, tasks: list[str], folder: Path, gen_kwargs: str | None) -> tuple[dict, float]:
@@ -43,8 +51,15 @@ def _evaluate(lm, tasks: list[str], folder: Path, gen_kwargs: str | None) -> tup
 
     manager = TaskManager(include_path=str(folder))
     start = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, apply_chat_template=True,
-                                  fewshot_as_multiturn=True, log_samples=True, gen_kwargs=gen_kwargs)
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        apply_chat_template=True,
+        fewshot_as_multiturn=True,
+        log_samples=True,
+        gen_kwargs=gen_kwargs,
+    )
     return out, time.perf_counter() - start
 
 
@@ -66,6 +81,7 @@ class Timer:
                 return method(requests, *args, **kwargs)
             finally:
                 self.seconds[kind] += time.perf_counter() - start
+
         return timed
 
     def reset(self) -> None:
@@ -75,13 +91,19 @@ class Timer:
 def _work(name: str, lm, counter: Counter | None, calls_before: int) -> dict:
     """Positions computed since the last reset (``hf``: the hook; ``distperp``: its call records)."""
     if counter is not None:
-        return {"prefill": counter.prefill, "decode": counter.decode, "decode_forwards": counter.decode_forwards,
-                "generated": None}
+        return {
+            "prefill": counter.prefill,
+            "decode": counter.decode,
+            "decode_forwards": counter.decode_forwards,
+            "generated": None,
+        }
     calls = [c.to_dict() for c in lm.stats.calls[calls_before:]]
-    return {"prefill": sum(c.get("computed_tokens", 0) + c.get("prefill_positions", 0) for c in calls),
-            "decode": sum(c.get("decode_positions", 0) for c in calls),
-            "decode_forwards": sum(c.get("decode_forwards", 0) for c in calls),
-            "generated": sum(c.get("generated", 0) for c in calls)}
+    return {
+        "prefill": sum(c.get("computed_tokens", 0) + c.get("prefill_positions", 0) for c in calls),
+        "decode": sum(c.get("decode_positions", 0) for c in calls),
+        "decode_forwards": sum(c.get("decode_forwards", 0) for c in calls),
+        "generated": sum(c.get("generated", 0) for c in calls),
+    }
 
 
 def _answers(samples: dict) -> dict[tuple[str, int], object]:
@@ -113,8 +135,9 @@ def _agreement(a: dict, b: dict, family: str | None) -> tuple[int, int, list[str
     return same, len(keys), ties
 
 
-def _run(lms: dict, counters: dict, timers: dict, tasks: list[str], folder: Path, gen_kwargs: str | None,
-         repeats: int) -> dict:
+def _run(
+    lms: dict, counters: dict, timers: dict, tasks: list[str], folder: Path, gen_kwargs: str | None, repeats: int
+) -> dict:
     """Every backend ``repeats`` times on ``tasks``, alternating which goes first; medians and the last outputs.
     ``inside``: per backend, the median seconds inside each request method (the rest is lm-eval's own work)."""
     names = list(lms)
@@ -123,7 +146,7 @@ def _run(lms: dict, counters: dict, timers: dict, tasks: list[str], folder: Path
     outs: dict[str, dict] = {}
     work: dict[str, dict] = {}
     for repeat in range(repeats):
-        for name in names[repeat % 2:] + names[: repeat % 2]:
+        for name in names[repeat % 2 :] + names[: repeat % 2]:
             if name in counters:
                 counters[name].decode = counters[name].prefill = counters[name].decode_forwards = 0
             timers[name].reset()
@@ -135,26 +158,48 @@ def _run(lms: dict, counters: dict, timers: dict, tasks: list[str], folder: Path
             work[name] = _work(name, lms[name], counters.get(name), before)
     requests = sum(len(row["resps"]) for rows in outs["distperp"]["samples"].values() for row in rows)
     docs = sum(len(rows) for rows in outs["distperp"]["samples"].values())
-    return {"median": {n: statistics.median(t) for n, t in seconds.items()}, "outs": outs, "work": work,
-            "requests": requests, "docs": docs, "seconds": seconds,
-            "inside": {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in inside.items()}}
+    return {
+        "median": {n: statistics.median(t) for n, t in seconds.items()},
+        "outs": outs,
+        "work": work,
+        "requests": requests,
+        "docs": docs,
+        "seconds": seconds,
+        "inside": {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in inside.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a local HF folder (SmolLM2: see ../shared/models/*/README)")
     parser.add_argument("--docs", type=int, default=2, help="documents per subtask (39 subtasks)")
-    parser.add_argument("--min-family-docs", type=int, default=0,
-                        help="at least this many documents per family, spread over its subtasks (MMLU-Pro is one)")
+    parser.add_argument(
+        "--min-family-docs",
+        type=int,
+        default=0,
+        help="at least this many documents per family, spread over its subtasks (MMLU-Pro is one)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=4096)
-    parser.add_argument("--max-gen-toks", type=int, default=None,
-                        help="cap on new tokens in the group run (default: each task's own: IFEval 1,280, MATH 1,024)")
-    parser.add_argument("--family-max-gen-toks", type=int, default=None,
-                        help="cap on new tokens in the generation families' own runs (default: each task's own)")
-    parser.add_argument("--gen-repeats", type=int, default=None,
-                        help="repeats of the generation families' own runs (default: --repeats)")
+    parser.add_argument(
+        "--max-gen-toks",
+        type=int,
+        default=None,
+        help="cap on new tokens in the group run (default: each task's own: IFEval 1,280, MATH 1,024)",
+    )
+    parser.add_argument(
+        "--family-max-gen-toks",
+        type=int,
+        default=None,
+        help="cap on new tokens in the generation families' own runs (default: each task's own)",
+    )
+    parser.add_argument(
+        "--gen-repeats",
+        type=int,
+        default=None,
+        help="repeats of the generation families' own runs (default: --repeats)",
+    )
     parser.add_argument("--families", default=",".join(FAMILIES), help="per-family runs (the group always runs)")
     parser.add_argument("--backends", default="hf,distperp")
     parser.add_argument("--work", default=None, help="folder for the data (default: a temporary folder)")
@@ -165,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     import distperp_harness._hook  # noqa: F401  (registers --model distperp and its task folder)
 
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
-    lms = {name: get_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
-           for name in args.backends.split(",")}
+    lms = {
+        name: get_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
+        for name in args.backends.split(",")
+    }
     plain = [name for name, lm in lms.items() if getattr(lm.tokenizer, "chat_template", None) is None]
     for name in plain:  # the leaderboard runs with a chat template; a model without one gets the same plain frame
         lms[name].tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
@@ -174,14 +221,22 @@ def main(argv: list[str] | None = None) -> int:
     timers = {name: Timer(lm) for name, lm in lms.items()}
     gen_kwargs = f"max_gen_toks={args.max_gen_toks}" if args.max_gen_toks else None
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_leaderboard_include(Path(args.work or tmp), args.docs,
-                                           min_family_docs=args.min_family_docs)
+        folder = build_leaderboard_include(Path(args.work or tmp), args.docs, min_family_docs=args.min_family_docs)
         group = _run(lms, counters, timers, [GROUP], folder, gen_kwargs, args.repeats)
         family_kwargs = f"max_gen_toks={args.family_max_gen_toks}" if args.family_max_gen_toks else None
-        per_family = {f: _run(lms, counters, timers, [SUBGROUP[f]], folder,
-                              gen_kwargs if f in MC_FAMILIES else family_kwargs,
-                              args.repeats if f in MC_FAMILIES or args.gen_repeats is None else args.gen_repeats)
-                      for f in args.families.split(",") if f}
+        per_family = {
+            f: _run(
+                lms,
+                counters,
+                timers,
+                [SUBGROUP[f]],
+                folder,
+                gen_kwargs if f in MC_FAMILIES else family_kwargs,
+                args.repeats if f in MC_FAMILIES or args.gen_repeats is None else args.gen_repeats,
+            )
+            for f in args.families.split(",")
+            if f
+        }
         missing = not_computable(folder)
     if plain:
         print(f"(the model has no chat template: {', '.join(plain)} used a plain 'role: text' frame)\n")
@@ -192,13 +247,17 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args, lms: dict, group: dict, per_family: dict, missing: dict) -> None:
     names = list(lms)
     base = names[0]
-    print(f"model {args.model}; {args.docs} document(s) per subtask, at least {args.min_family_docs} per family; "
-          f"batch {args.batch_size}; CPU float32, 1 process; chat template; {args.repeats} alternating repeats "
-          f"(median; generation families' own runs: {args.gen_repeats or args.repeats}); max_gen_toks: group run "
-          f"{args.max_gen_toks or 'per task'}, generation families' own runs {args.family_max_gen_toks or 'per task'}"
-          "\n")
-    print("| family | docs | requests | backend | prefill positions | decode positions | decode / useful token "
-          "| median s | vs " + base + " | same answers |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    print(
+        f"model {args.model}; {args.docs} document(s) per subtask, at least {args.min_family_docs} per family; "
+        f"batch {args.batch_size}; CPU float32, 1 process; chat template; {args.repeats} alternating repeats "
+        f"(median; generation families' own runs: {args.gen_repeats or args.repeats}); max_gen_toks: group run "
+        f"{args.max_gen_toks or 'per task'}, generation families' own runs {args.family_max_gen_toks or 'per task'}"
+        "\n"
+    )
+    print(
+        "| family | docs | requests | backend | prefill positions | decode positions | decode / useful token "
+        "| median s | vs " + base + " | same answers |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|"
+    )
     ties: list[str] = []
     for family, run in [*per_family.items(), ("whole group", group)]:
         answers = {n: _answers(run["outs"][n]["samples"]) for n in names}
@@ -211,8 +270,10 @@ def _report(args, lms: dict, group: dict, per_family: dict, missing: dict) -> No
                 s, n, t = _agreement(answers[base], answers[name], fam)
                 same, ties = f"{s}/{n}", ties + [f"{family}: {x}" for x in t]
             per_useful = f"{work['decode'] / useful:.2f}" if useful else "–"
-            print(f"| {family} | {run['docs']} | {run['requests']} | {name} | {work['prefill']:,} | "
-                  f"{work['decode']:,} | {per_useful} | {wall:.1f} | {run['median'][base] / wall:.2f}x | {same} |")
+            print(
+                f"| {family} | {run['docs']} | {run['requests']} | {name} | {work['prefill']:,} | "
+                f"{work['decode']:,} | {per_useful} | {wall:.1f} | {run['median'][base] / wall:.2f}x | {same} |"
+            )
     if ties:
         print("\nDiffering answers:\n" + "\n".join(f"- {t}" for t in ties))
     if "hf" in names and "distperp" in names:
@@ -220,15 +281,20 @@ def _report(args, lms: dict, group: dict, per_family: dict, missing: dict) -> No
     print("\nGroup aggregate metrics:")
     for name in names:
         res = group["outs"][name]["results"].get(GROUP, {})
-        print(f"- {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(res.items())
-                                       if isinstance(v, float) and "stderr" not in k))
+        print(
+            f"- {name}: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in sorted(res.items()) if isinstance(v, float) and "stderr" not in k)
+        )
     if missing:
-        print("\nNot computable here (texts still compared): "
-              + "; ".join(sorted({v for v in missing.values()})))
+        print("\nNot computable here (texts still compared): " + "; ".join(sorted({v for v in missing.values()})))
     if per_family:
         print("\nProjection to the real suite (this machine): family seconds per document x real documents")
-        print("| family | real documents | " + " | ".join(f"{n} hours" for n in names) + " |\n|---|---:|"
-              + "---:|" * len(names))
+        print(
+            "| family | real documents | "
+            + " | ".join(f"{n} hours" for n in names)
+            + " |\n|---|---:|"
+            + "---:|" * len(names)
+        )
         totals = dict.fromkeys(names, 0.0)
         for family, run in per_family.items():
             real = sum(REAL_COUNTS[family].values())
@@ -237,8 +303,10 @@ def _report(args, lms: dict, group: dict, per_family: dict, missing: dict) -> No
                 totals[n] += hours[n]
             print(f"| {family} | {real:,} | " + " | ".join(f"{hours[n]:.2f}" for n in names) + " |")
         print("| all | | " + " | ".join(f"{totals[n]:.2f}" for n in names) + " |")
-        print("(hours = median s / documents run x real documents; leaves out: the real documents' length "
-              "distribution, generation lengths beyond the cap, larger batches filling better at full size)")
+        print(
+            "(hours = median s / documents run x real documents; leaves out: the real documents' length "
+            "distribution, generation lengths beyond the cap, larger batches filling better at full size)"
+        )
 
 
 TARGETS = {"group": 3.0, "multiple choice": 1.5, "decode per useful token": 1.1}
@@ -251,28 +319,47 @@ def _targets(group: dict, per_family: dict) -> None:
     runs = [*per_family.items(), ("whole group", group)]
     ratio = {fam: run["median"]["hf"] / run["median"]["distperp"] for fam, run in runs}
     print("\nTargets (median wall times; decode positions per useful token from distperp's records):")
-    lines = [("whole group >= %.1fx hf" % TARGETS["group"], ratio["whole group"] >= TARGETS["group"],
-              f"{ratio['whole group']:.2f}x")]
+    lines = [
+        (
+            "whole group >= %.1fx hf" % TARGETS["group"],
+            ratio["whole group"] >= TARGETS["group"],
+            f"{ratio['whole group']:.2f}x",
+        )
+    ]
     for fam, run in per_family.items():
         if fam in MC_FAMILIES:
-            lines.append((f"{fam} >= {TARGETS['multiple choice']:.1f}x hf", ratio[fam] >= TARGETS["multiple choice"],
-                          f"{ratio[fam]:.2f}x"))
+            lines.append(
+                (
+                    f"{fam} >= {TARGETS['multiple choice']:.1f}x hf",
+                    ratio[fam] >= TARGETS["multiple choice"],
+                    f"{ratio[fam]:.2f}x",
+                )
+            )
         else:
             work = run["work"]["distperp"]
             per = work["decode"] / max(1, work["generated"] or 0)
-            lines.append((f"{fam} <= {TARGETS['decode per useful token']:.1f} decode positions per useful token",
-                          per <= TARGETS["decode per useful token"], f"{per:.2f} ({ratio[fam]:.2f}x hf wall time)"))
+            lines.append(
+                (
+                    f"{fam} <= {TARGETS['decode per useful token']:.1f} decode positions per useful token",
+                    per <= TARGETS["decode per useful token"],
+                    f"{per:.2f} ({ratio[fam]:.2f}x hf wall time)",
+                )
+            )
     for what, met, value in lines:
         print(f"- {what}: {value} — {'met' if met else 'MISSED'}")
-    print("\nProfile (median seconds; rest = lm-eval's own work: requests, templates, metrics):\n"
-          "| run | backend | wall s | loglikelihood s | generate_until s | rest s | prefill positions "
-          "| decode forwards | decode positions |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\nProfile (median seconds; rest = lm-eval's own work: requests, templates, metrics):\n"
+        "| run | backend | wall s | loglikelihood s | generate_until s | rest s | prefill positions "
+        "| decode forwards | decode positions |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for fam, run in runs:
         for name in ("hf", "distperp"):
             inside, work, wall = run["inside"][name], run["work"][name], run["median"][name]
             rest = wall - sum(inside.values())
-            print(f"| {fam} | {name} | {wall:.1f} | {inside['loglikelihood']:.1f} | {inside['generate_until']:.1f} "
-                  f"| {rest:.1f} | {work['prefill']:,} | {work['decode_forwards']:,} | {work['decode']:,} |")
+            print(
+                f"| {fam} | {name} | {wall:.1f} | {inside['loglikelihood']:.1f} | {inside['generate_until']:.1f} "
+                f"| {rest:.1f} | {work['prefill']:,} | {work['decode_forwards']:,} | {work['decode']:,} |"
+            )
 
 
 if __name__ == "__main__":

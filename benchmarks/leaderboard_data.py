@@ -42,8 +42,9 @@ from _wikitext import WIKITEXT_TEST  # noqa: E402
 GROUP = "leaderboard"
 """The group to pass as ``tasks``: lm-eval's own name, whose member tasks the include folder overrides."""
 
-LM_EVAL_LEADERBOARD = (Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks" /
-                       "leaderboard").resolve()
+LM_EVAL_LEADERBOARD = (
+    Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks" / "leaderboard"
+).resolve()
 
 _BBH = dict.fromkeys(["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects", "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation", "navigate", "object_counting", "penguins_in_a_table", "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies"], 250) | {
     "causal_judgement": 187, "penguins_in_a_table": 146, "snarks": 178}  # fmt: skip
@@ -171,8 +172,10 @@ def _math(rng: random.Random, kind: str) -> tuple[str, str]:
                 f"Therefore $x^2 - 2x = {c * c} - {2 * c} = \\boxed{{{c * c - 2 * c}}}$.")  # fmt: skip
     if kind == "counting_and_prob":
         n, k = c + 4, min(a, c + 2)
-        return (f"In how many ways can a committee of {k} be chosen from a club of {n} members?",
-                f"The order does not matter, so the answer is $\\binom{{{n}}}{{{k}}} = \\boxed{{{math.comb(n, k)}}}$.")
+        return (
+            f"In how many ways can a committee of {k} be chosen from a club of {n} members?",
+            f"The order does not matter, so the answer is $\\binom{{{n}}}{{{k}}} = \\boxed{{{math.comb(n, k)}}}$.",
+        )
     if kind == "geometry":
         return (f"A right triangle has legs of length ${3 * c}$ and ${4 * c}$. What is the length of its hypotenuse?",
                 f"By the Pythagorean theorem the hypotenuse is $\\sqrt{{{9 * c * c} + {16 * c * c}}} = "
@@ -189,8 +192,10 @@ def _math(rng: random.Random, kind: str) -> tuple[str, str]:
                 "the answer is "
                 f"$\\boxed{{{math.gcd(m, n)}}}$.")  # fmt: skip
     if kind == "prealgebra":
-        return (f"What is ${5 * a}\\%$ of ${20 * c}$?",
-                f"We have $\\frac{{{5 * a}}}{{100}}\\cdot {20 * c} = \\boxed{{{a * c}}}$.")
+        return (
+            f"What is ${5 * a}\\%$ of ${20 * c}$?",
+            f"We have $\\frac{{{5 * a}}}{{100}}\\cdot {20 * c} = \\boxed{{{a * c}}}$.",
+        )
     return (f"Compute $\\det \\begin{{pmatrix}} {a} & {b} \\\\ {c} & {a + 1} \\end{{pmatrix}}$.",
             f"The determinant is ${a}\\cdot {a + 1} - {b}\\cdot {c} = \\boxed{{{a * (a + 1) - b * c}}}$.")  # fmt: skip
 
@@ -235,8 +240,10 @@ def _musr(text: _Text, rng: random.Random, subset: str) -> dict:
     people = rng.sample(_NAMES, 3)
     if subset == "murder_mysteries":
         choices = people[:2]
-        head = f"In {rng.choice(text.titles)}, a death was reported; Detective {people[2]} must question {people[0]} " \
-               f"and {people[1]}."
+        head = (
+            f"In {rng.choice(text.titles)}, a death was reported; Detective {people[2]} must question {people[0]} "
+            f"and {people[1]}."
+        )
         question = "Who is the most likely murderer?"
     elif subset == "object_placements":
         choices, obj = rng.sample(_PLACES, 3), rng.choice(_OBJECTS)
@@ -326,7 +333,7 @@ def _retarget(value, src_prefix: str, shim: str):
     if isinstance(value, list):
         return [_retarget(v, src_prefix, shim) for v in value]
     if isinstance(value, str) and value.startswith(src_prefix):
-        return _Fn(f"{shim}.{value[len(src_prefix):]}")
+        return _Fn(f"{shim}.{value[len(src_prefix) :]}")
     return value
 
 
@@ -341,9 +348,13 @@ def _documents(task: str, cfg: dict, text: _Text, n: int, seed: int, data: Path)
     rng, fam = random.Random(f"{seed}:{task}"), FAMILY_OF[task]
     base = data / fam / task
     if fam == "mmlu_pro":
-        return {"test": _write_jsonl(base.with_suffix(".jsonl"), [_mmlu_pro(text, rng, i) for i in range(n)]),
-                "validation": _write_jsonl(base.with_suffix(".validation.jsonl"),
-                                           [_mmlu_pro(text, rng, 70000 + j, c) for j, c in enumerate(_CATEGORIES)])}
+        return {
+            "test": _write_jsonl(base.with_suffix(".jsonl"), [_mmlu_pro(text, rng, i) for i in range(n)]),
+            "validation": _write_jsonl(
+                base.with_suffix(".validation.jsonl"),
+                [_mmlu_pro(text, rng, 70000 + j, c) for j, c in enumerate(_CATEGORIES)],
+            ),
+        }
     if fam == "bbh":
         return {"test": _write_jsonl(base.with_suffix(".jsonl"), [_bbh(text, rng, cfg) for _ in range(n)])}
     if fam == "gpqa":
@@ -361,8 +372,9 @@ def _documents(task: str, cfg: dict, text: _Text, n: int, seed: int, data: Path)
             "train": _write_jsonl(base.with_suffix(".train.jsonl"), rows[n + 1:])}  # fmt: skip
 
 
-def build_leaderboard_include(root: Path, docs_per_subtask: int, seed: int = 0, text_path: Path | None = None,
-                              min_family_docs: int = 0) -> Path:
+def build_leaderboard_include(
+    root: Path, docs_per_subtask: int, seed: int = 0, text_path: Path | None = None, min_family_docs: int = 0
+) -> Path:
     """Write data under ``root/data`` and the include folder ``root/tasks``; return the include folder.
 
     Pass it as ``TaskManager(include_path=str(folder))`` (or ``--include_path``) with ``tasks=[GROUP]``: every one of
@@ -377,8 +389,13 @@ def build_leaderboard_include(root: Path, docs_per_subtask: int, seed: int = 0, 
     lm_tasks, not_comp = _lm_eval_tasks(), {}
     ids = set(re.findall(r'^\s*(_[A-Z_]+) \+ "(\w+)"', (LM_EVAL_LEADERBOARD / "ifeval" / "instructions_registry.py")
                          .read_text(encoding="utf-8"), re.M))  # fmt: skip
-    prefixes = dict(re.findall(r'^(_[A-Z_]+) = "([\w-]+:)"', (LM_EVAL_LEADERBOARD / "ifeval" /
-                                                              "instructions_registry.py").read_text(), re.M))
+    prefixes = dict(
+        re.findall(
+            r'^(_[A-Z_]+) = "([\w-]+:)"',
+            (LM_EVAL_LEADERBOARD / "ifeval" / "instructions_registry.py").read_text(),
+            re.M,
+        )
+    )
     registry = {prefixes[p] + name for p, name in ids}
     assert all(iid in registry for iid, _, _ in _IFEVAL), "an IFEval instruction id is not in lm-eval's registry"
     for task, fam in FAMILY_OF.items():

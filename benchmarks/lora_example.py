@@ -38,15 +38,19 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(SHARED_MODEL)
     ids = torch.tensor(tokenizer.encode(VALID.read_text(encoding="utf-8")), dtype=torch.long)
     model = AutoModelForCausalLM.from_pretrained(SHARED_MODEL, dtype=torch.float32)
-    config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(
+        r=args.rank,
+        lora_alpha=2 * args.rank,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     model = get_peft_model(model, config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
     for step in range(args.steps):
         starts = torch.randint(0, len(ids) - args.seq_len - 1, (args.batch,), generator=generator)
-        batch = torch.stack([ids[s: s + args.seq_len] for s in starts.tolist()])
+        batch = torch.stack([ids[s : s + args.seq_len] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()

@@ -45,9 +45,15 @@ def main() -> None:
     runs = {}
     for model in ("hf", "distperp"):
         runs[model] = lm_eval.simple_evaluate(
-            model=model, model_args=f"pretrained={args.model},max_length={args.max_length},dtype=float32",
-            tasks=tasks, task_manager=TaskManager(include_path=str(include), metadata=metadata),
-            batch_size=args.batch_size, device="cpu", log_samples=True, limit=args.limit)
+            model=model,
+            model_args=f"pretrained={args.model},max_length={args.max_length},dtype=float32",
+            tasks=tasks,
+            task_manager=TaskManager(include_path=str(include), metadata=metadata),
+            batch_size=args.batch_size,
+            device="cpu",
+            log_samples=True,
+            limit=args.limit,
+        )
 
     def samples(model, task):
         return {s["doc_id"]: s for s in runs[model]["samples"][task]}
@@ -60,16 +66,22 @@ def main() -> None:
             report[task] = {"generations identical": f"{same}/{len(hf)}"}
             continue
         if task == "dptest_mc":
-            diffs = [abs(float(a[0][0]) - float(b[0][0])) for i in hf
-                     for a, b in zip(hf[i]["resps"], dp[i]["resps"])]
+            diffs = [abs(float(a[0][0]) - float(b[0][0])) for i in hf for a, b in zip(hf[i]["resps"], dp[i]["resps"])]
             greedy = all(a[0][1] == b[0][1] for i in hf for a, b in zip(hf[i]["resps"], dp[i]["resps"]))
-            report[task] = {"max abs diff": max(diffs), "greedy flags equal": greedy,
-                            "acc": (runs["hf"]["results"][task]["acc,none"], runs["distperp"]["results"][task]["acc,none"]),
-                            "acc_norm": (runs["hf"]["results"][task]["acc_norm,none"],
-                                         runs["distperp"]["results"][task]["acc_norm,none"])}
+            report[task] = {
+                "max abs diff": max(diffs),
+                "greedy flags equal": greedy,
+                "acc": (runs["hf"]["results"][task]["acc,none"], runs["distperp"]["results"][task]["acc,none"]),
+                "acc_norm": (
+                    runs["hf"]["results"][task]["acc_norm,none"],
+                    runs["distperp"]["results"][task]["acc_norm,none"],
+                ),
+            }
             continue
-        rel = [abs(float(hf[i]["resps"][0][0]) - float(dp[i]["resps"][0][0])) / abs(float(hf[i]["resps"][0][0]))
-               for i in hf]
+        rel = [
+            abs(float(hf[i]["resps"][0][0]) - float(dp[i]["resps"][0][0])) / abs(float(hf[i]["resps"][0][0]))
+            for i in hf
+        ]
         report[task] = {"max rel diff per document": max(rel)}
         for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
             a = runs["hf"]["results"][task][f"{metric},none"]

@@ -103,16 +103,22 @@ def rank_units(shape: Shape, counts: list[int], rank: int, world: int) -> FlatUn
         block = np.random.default_rng([task, 7]).integers(10, 120000, shape.shared, dtype=np.int32)
         for doc in range(rank, count, world):
             rng = np.random.default_rng([task, doc])
-            own = rng.integers(10, 120000, shape.own + (rng.integers(-20, 21) if shape.own > 40 else 0),
-                               dtype=np.int32)
+            own = rng.integers(10, 120000, shape.own + (rng.integers(-20, 21) if shape.own > 40 else 0), dtype=np.int32)
             for _a in range(shape.answers):
-                answer = rng.integers(10, 120000, max(1, shape.answer + (rng.integers(-15, 16) if shape.answer > 20
-                                                                         else 0)), dtype=np.int32)
+                answer = rng.integers(
+                    10,
+                    120000,
+                    max(1, shape.answer + (rng.integers(-15, 16) if shape.answer > 20 else 0)),
+                    dtype=np.int32,
+                )
                 pieces.append(np.concatenate([[1], block, own, answer]).astype(np.int32))
                 n_score.append(len(answer))
     lengths = np.asarray([len(p) for p in pieces], dtype=np.int64)
-    return FlatUnits(np.concatenate(pieces) if pieces else np.zeros(0, np.int32),
-                     np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), np.asarray(n_score, np.int32))
+    return FlatUnits(
+        np.concatenate(pieces) if pieces else np.zeros(0, np.int32),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        np.asarray(n_score, np.int32),
+    )
 
 
 def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) -> dict:
@@ -131,8 +137,7 @@ def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) ->
         mine = encode(*records)
         table = GlobalTable([decode(p) for p in [mine, *payloads]])  # the simulated all-gather hands these over
         planned = plan_from_records(table, "prefix", MAX_LENGTH, ATTENTION_COEF)
-        batches = Batching(batch_size).batches(planned.lengths.tolist(), planned.scored.tolist(),
-                                               planned.group_starts)
+        batches = Batching(batch_size).batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
         plan = assign_batches(batches, world, ATTENTION_COEF)
         owner = np.asarray(plan.owner, dtype=np.int64)
@@ -159,12 +164,23 @@ def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) ->
     result_in = (N_COLUMNS + 1) * 8 * sum(len(ids) for ids in expect_results)
     records_in = sum(len(p) for p in payloads)
     input_tokens = int(lengths.sum())
-    return {"shape": shape.name, "world": world, "units": len(table), "tokens": input_tokens,
-            "batches": len(batches), "computed_mtok": sum(b.padded_tokens for b in batches) / 1e6,
-            "largest_batch_mtok": max(b.padded_tokens for b in batches) / 1e6, "records_mb": records_in / 1e6, "tokens_mb": token_in / 1e6,
-            "results_mb": result_in / 1e6, "received_mb": (records_in + token_in + result_in) / 1e6,
-            "peak_mb": peak / 1e6, "cpu_s": cpu, "own_units": len(own_units),
-            "unit_tokens_mb": 4 * sum(int(lengths[ids].sum()) for ids in expect_tokens) / 1e6}
+    return {
+        "shape": shape.name,
+        "world": world,
+        "units": len(table),
+        "tokens": input_tokens,
+        "batches": len(batches),
+        "computed_mtok": sum(b.padded_tokens for b in batches) / 1e6,
+        "largest_batch_mtok": max(b.padded_tokens for b in batches) / 1e6,
+        "records_mb": records_in / 1e6,
+        "tokens_mb": token_in / 1e6,
+        "results_mb": result_in / 1e6,
+        "received_mb": (records_in + token_in + result_in) / 1e6,
+        "peak_mb": peak / 1e6,
+        "cpu_s": cpu,
+        "own_units": len(own_units),
+        "unit_tokens_mb": 4 * sum(int(lengths[ids].sum()) for ids in expect_tokens) / 1e6,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=1.0, help="scale the document counts (for a quick run)")
     args = parser.parse_args(argv)
     failed = []
-    print(f"{'evaluation':16} {'W':>5} {'units':>8} {'Mtok':>7} {'planned':>8} {'batches':>8} "
-          f"{'recv MB (records/tokens/results)':>34} {'peak MB':>8} {'CPU s':>6}")
+    print(
+        f"{'evaluation':16} {'W':>5} {'units':>8} {'Mtok':>7} {'planned':>8} {'batches':>8} "
+        f"{'recv MB (records/tokens/results)':>34} {'peak MB':>8} {'CPU s':>6}"
+    )
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         if args.fraction != 1.0:
@@ -184,14 +202,20 @@ def main(argv: list[str] | None = None) -> int:
         for world in (int(w) for w in args.ranks.split(",")):
             row = simulate(shape, world, args.batch_size)
             idle = " (ranks idle: fewer batches than ranks)" if row["batches"] < world else ""
-            print(f"{row['shape']:16} {world:>5} {row['units']:>8} {row['tokens'] / 1e6:>7.1f} "
-                  f"{row['computed_mtok']:>8.2f} {row['batches']:>8} "
-                  f"{row['received_mb']:>8.1f} ({row['records_mb']:.1f} / {row['tokens_mb']:.1f} / "
-                  f"{row['results_mb']:.2f}){'':>6} {row['peak_mb']:>8.0f} {row['cpu_s']:>6.2f}{idle}", flush=True)
+            print(
+                f"{row['shape']:16} {world:>5} {row['units']:>8} {row['tokens'] / 1e6:>7.1f} "
+                f"{row['computed_mtok']:>8.2f} {row['batches']:>8} "
+                f"{row['received_mb']:>8.1f} ({row['records_mb']:.1f} / {row['tokens_mb']:.1f} / "
+                f"{row['results_mb']:.2f}){'':>6} {row['peak_mb']:>8.0f} {row['cpu_s']:>6.2f}{idle}",
+                flush=True,
+            )
             target = TARGETS.get((name, world)) if args.fraction == 1.0 else None
             if target:
-                for value, limit, what in ((row["cpu_s"], target[0], "CPU s"), (row["peak_mb"] * 1e6, target[1], "memory"),
-                                           (row["received_mb"] * 1e6, target[2], "received")):
+                for value, limit, what in (
+                    (row["cpu_s"], target[0], "CPU s"),
+                    (row["peak_mb"] * 1e6, target[1], "memory"),
+                    (row["received_mb"] * 1e6, target[2], "received"),
+                ):
                     if limit is not None and value > limit:
                         failed.append(f"{row['shape']} W={world}: {what} {value:.3g} > {limit:.3g}")
     for line in failed:

@@ -86,8 +86,11 @@ def rank_jobs(shape: Shape, rank: int, world: int):
             prompts.append(np.concatenate([[1], block, own]).astype(np.int32))
             meta.append((task, doc))
     lengths = np.asarray([len(p) for p in prompts], dtype=np.int64)
-    flat = FlatUnits(np.concatenate(prompts) if prompts else np.zeros(0, np.int32),
-                     np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), np.zeros(len(prompts), np.int32))
+    flat = FlatUnits(
+        np.concatenate(prompts) if prompts else np.zeros(0, np.int32),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        np.zeros(len(prompts), np.int32),
+    )
     records = np.zeros(len(prompts), dtype=JOB)
     if len(prompts):
         records["key"] = flat.keys() ^ np.uint64(0x5DEECE66D)  # a job key besides the prompt's
@@ -111,8 +114,13 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
         records = local_records(own)
         table = JobTable.merge([decode_jobs(p) for p in [encode_jobs(records, own_records), *payloads]])
         jobs = table.jobs
-        lanes = plan_lanes(table.lengths.tolist(), jobs["group"].tolist(), jobs["max_new"].tolist(), rows_for,
-                           lambda a, b: ladder_shared(table, a, b, 32))
+        lanes = plan_lanes(
+            table.lengths.tolist(),
+            jobs["group"].tolist(),
+            jobs["max_new"].tolist(),
+            rows_for,
+            lambda a, b: ladder_shared(table, a, b, 32),
+        )
         plan = assign_batches([lane.as_batch() for lane in lanes], world)
         owner = np.asarray(plan.owner, dtype=np.int64)
         ranks = np.stack([owner, [helper_of(o, world, step) for o in owner]], 1)
@@ -129,11 +137,20 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
             position[table.prompts.ids(theirs.keys())] = np.arange(len(theirs))
             tokens_in += 4 * len(_front_coded(theirs, position[ids], ids))
     records_in = sum(len(p) for p in payloads)
-    return {"shape": shape.name, "world": world, "jobs": len(table), "lanes": len(lanes),
-            "prompt_mtok": (all_tokens + len(own.tokens)) / 1e6, "records_mb": records_in / 1e6,
-            "tokens_mb": tokens_in / 1e6, "received_mb": (records_in + tokens_in) / 1e6,
-            "all_gather_mb": 4 * all_tokens / 1e6, "peak_mb": peak / 1e6, "cpu_s": cpu,
-            "own_lanes": sum(1 for o in plan.owner if o == 0)}
+    return {
+        "shape": shape.name,
+        "world": world,
+        "jobs": len(table),
+        "lanes": len(lanes),
+        "prompt_mtok": (all_tokens + len(own.tokens)) / 1e6,
+        "records_mb": records_in / 1e6,
+        "tokens_mb": tokens_in / 1e6,
+        "received_mb": (records_in + tokens_in) / 1e6,
+        "all_gather_mb": 4 * all_tokens / 1e6,
+        "peak_mb": peak / 1e6,
+        "cpu_s": cpu,
+        "own_lanes": sum(1 for o in plan.owner if o == 0),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--fraction", type=float, default=1.0, help="scale the prompt counts (for a quick run)")
     args = parser.parse_args(argv)
-    print("| evaluation | W | jobs | prompt Mtok | lanes (rank 0's) | received by rank 0, MB (records / tokens) | "
-          "all-gather of prompts, MB | peak MB | CPU s |")
+    print(
+        "| evaluation | W | jobs | prompt Mtok | lanes (rank 0's) | received by rank 0, MB (records / tokens) | "
+        "all-gather of prompts, MB | peak MB | CPU s |"
+    )
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
@@ -151,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             shape = dataclasses_replace(shape, docs=max(shape.subtasks * 2, int(shape.docs * args.fraction)))
         for world in (int(w) for w in args.ranks.split(",")):
             row = simulate(shape, world)
-            print(f"| {row['shape']} | {world} | {row['jobs']} | {row['prompt_mtok']:.2f} | {row['lanes']} "
-                  f"({row['own_lanes']}) | {row['received_mb']:.2f} ({row['records_mb']:.2f} / "
-                  f"{row['tokens_mb']:.2f}) | {row['all_gather_mb']:.2f} | {row['peak_mb']:.0f} | "
-                  f"{row['cpu_s']:.2f} |", flush=True)
+            print(
+                f"| {row['shape']} | {world} | {row['jobs']} | {row['prompt_mtok']:.2f} | {row['lanes']} "
+                f"({row['own_lanes']}) | {row['received_mb']:.2f} ({row['records_mb']:.2f} / "
+                f"{row['tokens_mb']:.2f}) | {row['all_gather_mb']:.2f} | {row['peak_mb']:.0f} | "
+                f"{row['cpu_s']:.2f} |",
+                flush=True,
+            )
     return 0
 
 

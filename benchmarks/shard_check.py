@@ -51,8 +51,13 @@ OVER_ESTIMATE = 1.25
 
 
 def model_args(args: argparse.Namespace, run: str, shard_size: int) -> dict:
-    kwargs = dict(pretrained=str(args.model), device=args.device, batch_size=args.batch_size,
-                  max_length=args.max_length, shard_size=shard_size)
+    kwargs = dict(
+        pretrained=str(args.model),
+        device=args.device,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        shard_size=shard_size,
+    )
     if args.device == "cuda":
         kwargs["dtype"] = "bfloat16"
     if run == "int4":
@@ -71,10 +76,19 @@ def worker(args: argparse.Namespace) -> None:
     lm.loglikelihood_rolling([SimpleNamespace(args=(d,)) for d in documents(args.tokens)], disable_tqdm=True)
     info = lm.get_model_info()["distperp"]
     if lm.rank == 0:
-        Path(args.work, "result.json").write_text(json.dumps({
-            "fingerprint": info["fingerprint"], "sharding": info["sharding"], "fsdp": is_sharded(lm.model),
-            "estimate": info["memory_estimate"], "copied": copied_units(lm) if args.mesh_of_one else 0,
-            "load": info["load_memory_per_rank"], "score": info["calls"][-1]["peak_memory_bytes_per_rank"]}))
+        Path(args.work, "result.json").write_text(
+            json.dumps(
+                {
+                    "fingerprint": info["fingerprint"],
+                    "sharding": info["sharding"],
+                    "fsdp": is_sharded(lm.model),
+                    "estimate": info["memory_estimate"],
+                    "copied": copied_units(lm) if args.mesh_of_one else 0,
+                    "load": info["load_memory_per_rank"],
+                    "score": info["calls"][-1]["peak_memory_bytes_per_rank"],
+                }
+            )
+        )
 
 
 def copied_units(lm) -> int:
@@ -107,30 +121,84 @@ def launch(args: argparse.Namespace, run: str, shard_size: int, out: Path, mesh_
     ``torchrun`` (accelerate runs a single process without a process group, which a device mesh needs)."""
     out.mkdir(parents=True, exist_ok=True)
     if args.processes > 1:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-               str(args.processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(args.processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    cmd += [__file__, "--worker", "--worker-run", run, "--shard-size", str(shard_size), "--model", str(args.model),
-            "--device", args.device, "--tokens", str(args.tokens), "--max-length", str(args.max_length),
-            "--batch-size", args.batch_size, "--work", str(out), *(["--mesh-of-one"] if mesh_of_one else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+        ]
+    cmd += [
+        __file__,
+        "--worker",
+        "--worker-run",
+        run,
+        "--shard-size",
+        str(shard_size),
+        "--model",
+        str(args.model),
+        "--device",
+        args.device,
+        "--tokens",
+        str(args.tokens),
+        "--max-length",
+        str(args.max_length),
+        "--batch-size",
+        args.batch_size,
+        "--work",
+        str(out),
+        *(["--mesh-of-one"] if mesh_of_one else []),
+    ]
     subprocess.run(cmd, check=True, timeout=args.launch_timeout, cwd=REPO)
     result = json.loads((out / "result.json").read_text())
-    load = [m["device_peak_bytes"] if m["device_peak_bytes"] is not None else m["host_peak_rss_bytes"]
-            for m in result["load"]]
+    load = [
+        m["device_peak_bytes"] if m["device_peak_bytes"] is not None else m["host_peak_rss_bytes"]
+        for m in result["load"]
+    ]
     sharding = result["sharding"]
-    row = dict(run=run, shard_size=shard_size, mesh_of_one=mesh_of_one, fsdp=result["fsdp"],
-               fingerprint=result["fingerprint"], load_peak=max((x for x in load if x is not None), default=None),
-               model_bytes=max(sharding["model_bytes_per_rank"]),
-               reference_bytes=max(r or 0 for r in sharding["reference_bytes_per_rank"]),
-               score_peak=max(result["score"]), replicated=sum(map(len, sharding["replicated"].values())))
+    row = dict(
+        run=run,
+        shard_size=shard_size,
+        mesh_of_one=mesh_of_one,
+        fsdp=result["fsdp"],
+        fingerprint=result["fingerprint"],
+        load_peak=max((x for x in load if x is not None), default=None),
+        model_bytes=max(sharding["model_bytes_per_rank"]),
+        reference_bytes=max(r or 0 for r in sharding["reference_bytes_per_rank"]),
+        score_peak=max(result["score"]),
+        replicated=sum(map(len, sharding["replicated"].values())),
+    )
     need = result["estimate"]
     if need is not None:  # rank 0's estimate (fit.Need); the mesh of one adds the units FSDP copies
         weights = need["model"] + need["reference"] + need["gathered"] + result["copied"]
-        row.update(estimate_load=weights, estimate_total=sum(need.values()) + result["copied"],
-                   load_vs_estimate=row["load_peak"] / weights if row["load_peak"] and weights else None)
+        row.update(
+            estimate_load=weights,
+            estimate_total=sum(need.values()) + result["copied"],
+            load_vs_estimate=row["load_peak"] / weights if row["load_peak"] and weights else None,
+        )
         row["score_vs_estimate"] = row["score_peak"] / row["estimate_total"] if row["estimate_total"] else None
     return row
 
@@ -140,26 +208,35 @@ def _ratio(value: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | shard_size | load peak GiB (max rank) | model GiB/rank | reference GiB/rank | "
-             "scoring peak GiB (max rank) | fingerprint | bits vs shard_size=1 | estimate GiB (weights, total) | "
-             "load / weights estimate | scoring / total estimate |",
-             "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|"]
+    lines = [
+        "| run | shard_size | load peak GiB (max rank) | model GiB/rank | reference GiB/rank | "
+        "scoring peak GiB (max rank) | fingerprint | bits vs shard_size=1 | estimate GiB (weights, total) | "
+        "load / weights estimate | scoring / total estimate |",
+        "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         size = f"{r['shard_size']} (mesh of one)" if r.get("mesh_of_one") else str(r["shard_size"])
-        estimate = (f"{gib(r['estimate_load'])}, {gib(r['estimate_total'])}" if r.get("estimate_total") is not None
-                    else "n/a")
+        estimate = (
+            f"{gib(r['estimate_load'])}, {gib(r['estimate_total'])}" if r.get("estimate_total") is not None else "n/a"
+        )
         score = _ratio(r.get("score_vs_estimate")) + (" OVER" if r.get("over") else "")
-        lines.append(f"| {r['run']} | {size} | {gib(r['load_peak'])} | {gib(r['model_bytes'])} | "
-                     f"{gib(r['reference_bytes'])} | {gib(r['score_peak'])} | {r['fingerprint']} | "
-                     f"{r.get('same', 'reference')} | {estimate} | {_ratio(r.get('load_vs_estimate'))} | {score} |")
+        lines.append(
+            f"| {r['run']} | {size} | {gib(r['load_peak'])} | {gib(r['model_bytes'])} | "
+            f"{gib(r['reference_bytes'])} | {gib(r['score_peak'])} | {r['fingerprint']} | "
+            f"{r.get('same', 'reference')} | {estimate} | {_ratio(r.get('load_vs_estimate'))} | {score} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__, 300)
     parser.add_argument("--runs", default="none,int4", help="comma-separated: none, int4 (with reference=base)")
-    parser.add_argument("--processes", type=int, default=None, help="cuda: visible GPUs; cpu: 2; 1: the mesh of "
-                        "one (shard_size=1 unsharded vs on a one-process device mesh)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="cuda: visible GPUs; cpu: 2; 1: the mesh of one (shard_size=1 unsharded vs on a one-process device mesh)",
+    )
     parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 32768, cpu 1500)")
     parser.add_argument("--batch-size", default="4", help="rows per batch (an integer: the same plan in every run)")
     parser.add_argument("--worker-run", dest="run", default="none", help=argparse.SUPPRESS)
@@ -174,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda but torch.cuda.is_available() is False; use --device cpu for the dry mode")
     args.processes = args.processes or (torch.cuda.device_count() if cuda else 2)
     if args.processes < 1 or (cuda and args.processes > torch.cuda.device_count()):
-        parser.error(f"--processes {args.processes}: give 1 (the mesh of one) up to the visible GPUs "
-                     f"({torch.cuda.device_count() if cuda else 'any on cpu'})")
+        parser.error(
+            f"--processes {args.processes}: give 1 (the mesh of one) up to the visible GPUs "
+            f"({torch.cuda.device_count() if cuda else 'any on cpu'})"
+        )
     one = args.processes == 1
     args.work = args.work or tempfile.mkdtemp(prefix="distperp-shard-check-")
     Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -183,10 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for run in args.runs.split(","):
         whole = launch(args, run, 1, Path(args.work) / f"{run}-1")
-        sharded = (launch(args, run, 1, Path(args.work) / f"{run}-mesh1", mesh_of_one=True) if one
-                   else launch(args, run, args.processes, Path(args.work) / f"{run}-{args.processes}"))
-        sharded["same"] = ("equal" if sharded["fingerprint"] == whole["fingerprint"] and sharded["fsdp"]
-                           else "DIFFERENT" if sharded["fsdp"] else "NOT SHARDED")
+        sharded = (
+            launch(args, run, 1, Path(args.work) / f"{run}-mesh1", mesh_of_one=True)
+            if one
+            else launch(args, run, args.processes, Path(args.work) / f"{run}-{args.processes}")
+        )
+        sharded["same"] = (
+            "equal"
+            if sharded["fingerprint"] == whole["fingerprint"] and sharded["fsdp"]
+            else "DIFFERENT"
+            if sharded["fsdp"]
+            else "NOT SHARDED"
+        )
         total = lambda r: r["model_bytes"] + r["reference_bytes"]  # noqa: E731
         sharded["ratio"] = total(sharded) / total(whole)
         rows += [whole, sharded]
@@ -194,14 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         r["over"] = cuda and (r.get("score_vs_estimate") or 0) > OVER_ESTIMATE
     print(table(rows), flush=True)
     if one:
-        print(f"mesh of one: FSDP2 on a one-process device mesh, fingerprints "
-              f"{'equal' if all(r.get('same', 'equal') == 'equal' for r in rows) else 'NOT equal'} to the "
-              f"unsharded run{'' if cuda else '; CPU dry mode: host peaks include the runtime, ratios not checked'}",
-              flush=True)
+        print(
+            f"mesh of one: FSDP2 on a one-process device mesh, fingerprints "
+            f"{'equal' if all(r.get('same', 'equal') == 'equal' for r in rows) else 'NOT equal'} to the "
+            f"unsharded run{'' if cuda else '; CPU dry mode: host peaks include the runtime, ratios not checked'}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
-    ok = all(r.get("same", "equal") == "equal" and (one or r.get("ratio", 0) <= 0.6) and not r["over"]
-             for r in rows)
+    ok = all(r.get("same", "equal") == "equal" and (one or r.get("ratio", 0) <= 0.6) and not r["over"] for r in rows)
     return 0 if ok else 1
 
 

@@ -31,17 +31,29 @@ import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                     "TQDM_DISABLE": "1", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}.items():
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
+}.items():
     os.environ.setdefault(_key, _value)
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 SEVENTY_B = {"layers": 80, "hidden": 8192, "vocab": 128256, "weight_bytes": 141.1e9, "dtype_bytes": 2, "n": 8}
 NVLINK = 450e9
-PROMPTS = ["The history of the city began", "In the morning the market", "Scientists studied the river",
-           "The old library held", "During the winter the village", "A small boat crossed", "The station was",
-           "Her first book described"]
+PROMPTS = [
+    "The history of the city began",
+    "In the morning the market",
+    "Scientists studied the river",
+    "The old library held",
+    "During the winter the village",
+    "A small boat crossed",
+    "The station was",
+    "Her first book described",
+]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -50,10 +62,17 @@ def worker(args: argparse.Namespace) -> None:
 
     from distperp_harness.lm import DistPerpLM
 
-    lm = DistPerpLM(pretrained=args.model, dtype=args.dtype, batch_size=len(PROMPTS[: args.prompts]),
-                    max_length=256, **json.loads(args.config))
-    requests = [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": args.new, "do_sample": False}),
-                         i) for i, p in enumerate(PROMPTS[: args.prompts])]
+    lm = DistPerpLM(
+        pretrained=args.model,
+        dtype=args.dtype,
+        batch_size=len(PROMPTS[: args.prompts]),
+        max_length=256,
+        **json.loads(args.config),
+    )
+    requests = [
+        Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": args.new, "do_sample": False}), i)
+        for i, p in enumerate(PROMPTS[: args.prompts])
+    ]
     seconds, texts = [], []
     for _ in range(args.repeats):
         lm.collective.barrier("start together")
@@ -62,20 +81,56 @@ def worker(args: argparse.Namespace) -> None:
         seconds.append(time.perf_counter() - start)
     info = lm.get_model_info()["distperp"] if hasattr(lm, "get_model_info") else {}
     if lm.rank == 0:
-        Path(args.out).write_text(json.dumps({
-            "traffic": lm.traffic, "sharding": info.get("sharding"), "weight_bytes": lm.weight_bytes,
-            "seconds": statistics.median(seconds), "texts": texts, "torch_threads": torch.get_num_threads(),
-            "config": {k: getattr(lm.model.config, k, None) for k in ("num_hidden_layers", "hidden_size",
-                                                                       "vocab_size")}}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "traffic": lm.traffic,
+                    "sharding": info.get("sharding"),
+                    "weight_bytes": lm.weight_bytes,
+                    "seconds": statistics.median(seconds),
+                    "texts": texts,
+                    "torch_threads": torch.get_num_threads(),
+                    "config": {
+                        k: getattr(lm.model.config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+                    },
+                }
+            )
+        )
 
 
 def launch(args: argparse.Namespace, config: dict, processes: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if processes > 1 else []),
-               "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(29500 + os.getpid() % 1000 + processes),
-               str(Path(__file__).resolve()), "--worker", "--model", str(args.model), "--config", json.dumps(config),
-               "--out", str(out), "--prompts", str(args.prompts), "--new", str(args.new), "--repeats",
-               str(args.repeats), "--dtype", args.dtype]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *(["--multi_gpu"] if processes > 1 else []),
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(29500 + os.getpid() % 1000 + processes),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model",
+        str(args.model),
+        "--config",
+        json.dumps(config),
+        "--out",
+        str(out),
+        "--prompts",
+        str(args.prompts),
+        "--new",
+        str(args.new),
+        "--repeats",
+        str(args.repeats),
+        "--dtype",
+        args.dtype,
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"launch {config} failed:\n{done.stderr[-4000:]}")
@@ -100,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="model dtype (bfloat16 on GPUs)")
-    parser.add_argument("--layouts", default="one,shard,tp",
-                        help="which launches: one (1 process), shard (shard_size=N), tp (tp_size=N); comma-separated")
+    parser.add_argument(
+        "--layouts",
+        default="one,shard,tp",
+        help="which launches: one (1 process), shard (shard_size=N), tp (tp_size=N); comma-separated",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -111,46 +169,66 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     n = args.size
     with tempfile.TemporaryDirectory() as tmp:
-        layouts = {"one": ("1 process", {}, 1), "shard": (f"shard_size={n}", {"shard_size": n}, n),
-                   "tp": (f"tp_size={n}", {"tp_size": n}, n)}
-        runs = {name: launch(args, config, procs, Path(tmp) / f"{key}.json")
-                for key, (name, config, procs) in layouts.items() if key in args.layouts.split(",")}
+        layouts = {
+            "one": ("1 process", {}, 1),
+            "shard": (f"shard_size={n}", {"shard_size": n}, n),
+            "tp": (f"tp_size={n}", {"tp_size": n}, n),
+        }
+        runs = {
+            name: launch(args, config, procs, Path(tmp) / f"{key}.json")
+            for key, (name, config, procs) in layouts.items()
+            if key in args.layouts.split(",")
+        }
     base = runs.get("1 process") or runs.get(f"shard_size={n}") or runs[f"tp_size={n}"]  # for ratios and texts
     cfg = base["config"]
-    print(f"- model: {args.model}: {cfg}, {base['weight_bytes'] / 1e6:.1f} MB of weights ({args.dtype}); {args.prompts} "
-          f"prompts x {args.new} new tokens, median of {args.repeats}")
-    print("\n| layout | weights per rank | decode step, 1 row | 64 rows | per scored token (2k-token batch) | "
-          "generate | vs 1 process | texts = 1 process |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"- model: {args.model}: {cfg}, {base['weight_bytes'] / 1e6:.1f} MB of weights ({args.dtype}); {args.prompts} "
+        f"prompts x {args.new} new tokens, median of {args.repeats}"
+    )
+    print(
+        "\n| layout | weights per rank | decode step, 1 row | 64 rows | per scored token (2k-token batch) | "
+        "generate | vs 1 process | texts = 1 process |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for name, run in runs.items():
         per_rank = max((run["sharding"] or {}).get("model_bytes_per_rank") or [run["weight_bytes"]])
-        t = run["traffic"] or {"decode_step_received_bytes": {"fixed": 0, "per_row": 0},
-                               "scoring_received_bytes": {"fixed": 0, "per_token": 0}}
+        t = run["traffic"] or {
+            "decode_step_received_bytes": {"fixed": 0, "per_row": 0},
+            "scoring_received_bytes": {"fixed": 0, "per_token": 0},
+        }
         d, s = t["decode_step_received_bytes"], t["scoring_received_bytes"]
         same = sum(a == b for a, b in zip(run["texts"], base["texts"]))
-        print(f"| {name} | {per_rank / 1e6:.1f} MB | {(d['fixed'] + d['per_row']) / 1e6:.3f} MB | "
-              f"{(d['fixed'] + 64 * d['per_row']) / 1e6:.2f} MB | {(s['fixed'] / 2048 + s['per_token']) / 1e3:.1f} kB | "
-              f"{run['seconds']:.2f} s | {run['seconds'] / base['seconds']:.2f}x | {same}/{len(base['texts'])} |")
+        print(
+            f"| {name} | {per_rank / 1e6:.1f} MB | {(d['fixed'] + d['per_row']) / 1e6:.3f} MB | "
+            f"{(d['fixed'] + 64 * d['per_row']) / 1e6:.2f} MB | {(s['fixed'] / 2048 + s['per_token']) / 1e3:.1f} kB | "
+            f"{run['seconds']:.2f} s | {run['seconds'] / base['seconds']:.2f}x | {same}/{len(base['texts'])} |"
+        )
     b = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
     if f"tp_size={n}" in runs:
         counted = runs[f"tp_size={n}"]["traffic"]["decode_step_received_bytes"]["per_row"]
         formula = tp_per_row(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], b, n)
-        print(f"\n- formula: TP received bytes per rank per row {formula:.0f} vs counted {counted} "
-              f"({counted / formula:.3f}x)")
+        print(
+            f"\n- formula: TP received bytes per rank per row {formula:.0f} vs counted {counted} "
+            f"({counted / formula:.3f}x)"
+        )
     if f"shard_size={n}" in runs:
         counted = runs[f"shard_size={n}"]["traffic"]["decode_step_received_bytes"]["fixed"]
         formula = fsdp_per_forward(base["weight_bytes"], n)
-        print(f"- formula: FSDP received bytes per rank per forward {formula:.0f} vs counted {counted} "
-              f"({counted / formula:.3f}x)")
+        print(
+            f"- formula: FSDP received bytes per rank per forward {formula:.0f} vs counted {counted} "
+            f"({counted / formula:.3f}x)"
+        )
     m = SEVENTY_B
     rows = 64
     tp70 = rows * tp_per_row(m["layers"], m["hidden"], m["vocab"], m["dtype_bytes"], m["n"])
     fsdp70 = fsdp_per_forward(m["weight_bytes"], m["n"])
-    print(f"\n- projection: Llama-3.1-70B bf16 on {m['n']} GPUs, one decode step of {rows} rows, received per rank: "
-          f"shard_size=8 {fsdp70 / 1e9:.1f} GB ({fsdp70 / NVLINK * 1e3:.0f} ms at 450 GB/s), tp_size=8 "
-          f"{tp70 / 1e9:.3f} GB ({tp70 / NVLINK * 1e3:.2f} ms; {2 * m['layers'] + 2} collectives, latency-bound); "
-          f"weights per rank {m['weight_bytes'] / m['n'] / 1e9:.1f} GB either way. Scoring a 16,384-token batch: "
-          f"shard_size=8 {fsdp70 / 16384 / 1e6:.2f} MB per token, tp_size=8 "
-          f"{tp_per_row(m['layers'], m['hidden'], m['vocab'], 2, 8) / 1e6:.2f} MB per scored token")
+    print(
+        f"\n- projection: Llama-3.1-70B bf16 on {m['n']} GPUs, one decode step of {rows} rows, received per rank: "
+        f"shard_size=8 {fsdp70 / 1e9:.1f} GB ({fsdp70 / NVLINK * 1e3:.0f} ms at 450 GB/s), tp_size=8 "
+        f"{tp70 / 1e9:.3f} GB ({tp70 / NVLINK * 1e3:.2f} ms; {2 * m['layers'] + 2} collectives, latency-bound); "
+        f"weights per rank {m['weight_bytes'] / m['n'] / 1e9:.1f} GB either way. Scoring a 16,384-token batch: "
+        f"shard_size=8 {fsdp70 / 16384 / 1e6:.2f} MB per token, tp_size=8 "
+        f"{tp_per_row(m['layers'], m['hidden'], m['vocab'], 2, 8) / 1e6:.2f} MB per scored token"
+    )
     return 0
 
 

@@ -52,20 +52,27 @@ def job(args) -> None:
     lm = DistPerpLM(pretrained=args.model, max_length=args.max_length, batch_size=args.batch_size, device="cpu")
     ids = lm.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False)
     questions = build_questions("mmlupro5", ids, lambda t: lm.tokenizer.decode(t), args.questions)
-    mine = requests_for(questions)[lm.rank:: lm.world_size]  # lm-eval's split, one document's options together
+    mine = requests_for(questions)[lm.rank :: lm.world_size]  # lm-eval's split, one document's options together
     lm.loglikelihood(mine, disable_tqdm=True)
-    totals = lm.collective.all_gather_object((getattr(lm.collective, "bytes_received", 0),
-                                              getattr(lm.collective, "bytes_sent", 0)), "traffic")
+    totals = lm.collective.all_gather_object(
+        (getattr(lm.collective, "bytes_received", 0), getattr(lm.collective, "bytes_sent", 0)), "traffic"
+    )
     moved = loopback_bytes() - start
     if lm.rank == 0:
         call = lm.stats.calls[-1].to_dict()
         prompt = len(lm.tokenizer.encode(questions[0][0][0][0], add_special_tokens=False))
-        print(f"{args.questions} questions x 10 options, {prompt}-token prompts, {call['units']} units, "
-              f"{call['batches']} batches, claiming {call['claiming']}, per rank {call['per_rank']}")
+        print(
+            f"{args.questions} questions x 10 options, {prompt}-token prompts, {call['units']} units, "
+            f"{call['batches']} batches, claiming {call['claiming']}, per rank {call['per_rank']}"
+        )
         for r, (received, sent) in enumerate(totals):
-            print(f"rank {r}: received {received / 1e6:.3f} MB, sent {sent / 1e6:.3f} MB through distperp's collectives")
-        print(f"collective payloads received in all: {sum(r for r, _ in totals) / 1e6:.3f} MB; loopback traffic "
-              f"over the run: {moved / 1e6:.3f} MB")
+            print(
+                f"rank {r}: received {received / 1e6:.3f} MB, sent {sent / 1e6:.3f} MB through distperp's collectives"
+            )
+        print(
+            f"collective payloads received in all: {sum(r for r, _ in totals) / 1e6:.3f} MB; loopback traffic "
+            f"over the run: {moved / 1e6:.3f} MB"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,12 +87,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         job(args)
         return 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--mixed_precision", "no", "--dynamo_backend", "no", __file__, "--job", "--model", args.model,
-           "--text", args.text, "--questions", str(args.questions), "--max-length", str(args.max_length),
-           "--batch-size", args.batch_size]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        __file__,
+        "--job",
+        "--model",
+        args.model,
+        "--text",
+        args.text,
+        "--questions",
+        str(args.questions),
+        "--max-length",
+        str(args.max_length),
+        "--batch-size",
+        args.batch_size,
+    ]
     return subprocess.run(cmd, env=env).returncode
 
 

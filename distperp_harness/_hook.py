@@ -70,8 +70,9 @@ def after_import(fullname: str, after: Callable[[ModuleType], None]) -> None:
     (idempotent for one ``(fullname, after)`` pair). Stdlib only: safe at interpreter start-up."""
     if fullname in sys.modules:
         after(sys.modules[fullname])
-    elif not any(isinstance(f, AfterImportFinder) and f.fullname == fullname and f.after is after
-                 for f in sys.meta_path):
+    elif not any(
+        isinstance(f, AfterImportFinder) and f.fullname == fullname and f.after is after for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, AfterImportFinder(fullname, after))
 
 

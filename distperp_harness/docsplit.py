@@ -75,10 +75,12 @@ def install_document_split(world_size: int) -> dict:
     problem = layout_problem()
     if problem:
         record["problem"] = problem
-        log.warning(f"document split: {problem}, so lm-eval's own per-rank split is used: a rank with no document "
-                    "fails, and few-shot prompts drawn by the default random sampler change with the number of "
-                    "processes. Fix: fewshot_config: sampler: first_n in the task, or one process.",
-                    main_process_only=False)
+        log.warning(
+            f"document split: {problem}, so lm-eval's own per-rank split is used: a rank with no document "
+            "fails, and few-shot prompts drawn by the default random sampler change with the number of "
+            "processes. Fix: fewshot_config: sampler: first_n in the task, or one process.",
+            main_process_only=False,
+        )
         return record
     from lm_eval.api.task import Task
 
@@ -91,15 +93,19 @@ def install_document_split(world_size: int) -> dict:
             record = getattr(lm, "document_split", None)
             if not (isinstance(record, dict) and record.get("installed")) or getattr(lm, "world_size", 1) <= 1:
                 return original(self, **kwargs)
-            with stop_together(getattr(lm, "collective", None), getattr(lm, "device", None),
-                               "building requests (document split)"):
+            with stop_together(
+                getattr(lm, "collective", None), getattr(lm, "device", None), "building requests (document split)"
+            ):
                 entry = build_split(self, original, **kwargs)
             name = getattr(self, "task_name", None) or type(self).__name__
             record.setdefault("tasks", {})[name] = entry
             if entry["reason"]:
-                log.info(f"document split: {name}: {entry['reason']}: every rank built the requests of all "
-                         f"{entry['documents']} document(s) and keeps its own, as one process would "
-                         "(docs/scale.md: document splitting)", main_process_only=True)
+                log.info(
+                    f"document split: {name}: {entry['reason']}: every rank built the requests of all "
+                    f"{entry['documents']} document(s) and keeps its own, as one process would "
+                    "(docs/scale.md: document splitting)",
+                    main_process_only=True,
+                )
 
         setattr(build_all_requests, _MARK, True)
         Task.build_all_requests = build_all_requests
@@ -125,8 +131,9 @@ def count_documents(task: Any, limit: int | float | None, samples: list[int] | N
     return total if not limit else min(int(limit), total)
 
 
-def split_reason(task: Any, *, world_size: int, limit: int | float | None = None,
-                 samples: list[int] | None = None) -> tuple[str | None, int]:
+def split_reason(
+    task: Any, *, world_size: int, limit: int | float | None = None, samples: list[int] | None = None
+) -> tuple[str | None, int]:
     """``(why the split must be one process's, or None; documents after limit/samples)`` for ``world_size`` ranks."""
     documents = count_documents(task, limit, samples)
     if world_size <= 1:
@@ -138,37 +145,60 @@ def split_reason(task: Any, *, world_size: int, limit: int | float | None = None
 
         sampler = getattr(task, "sampler", None)
         if not isinstance(sampler, FirstNSampler):
-            reasons.append(f"{num_fewshot}-shot prompts from the {type(sampler).__name__} sampler (random, "
-                           "advanced once per document built)")
+            reasons.append(
+                f"{num_fewshot}-shot prompts from the {type(sampler).__name__} sampler (random, "
+                "advanced once per document built)"
+            )
     if documents < world_size:
         reasons.append(f"{documents} document(s) for {world_size} ranks")
     return ("; ".join(reasons) or None), documents
 
 
-def build_split(task: Any, build: Callable[..., None], *, rank: int = 0, world_size: int = 1,
-                limit: int | float | None = None, samples: list[int] | None = None, **kwargs: Any) -> dict:
+def build_split(
+    task: Any,
+    build: Callable[..., None],
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    limit: int | float | None = None,
+    samples: list[int] | None = None,
+    **kwargs: Any,
+) -> dict:
     """Build ``task``'s instances for ``rank`` of ``world_size`` as one process would (module docstring); ``build``
     is the original ``Task.build_all_requests``, ``kwargs`` its other arguments. Returns the task's record
     ``{"reason", "documents", "built_all", "kept_documents", "padded"}``; with no reason, ``build`` runs unchanged."""
     reason, documents = split_reason(task, world_size=world_size, limit=limit, samples=samples)
-    entry = {"reason": reason, "documents": documents, "built_all": False, "kept_documents": None, "padded": False,
-             "empty_ranks": max(0, world_size - documents)}
+    entry = {
+        "reason": reason,
+        "documents": documents,
+        "built_all": False,
+        "kept_documents": None,
+        "padded": False,
+        "empty_ranks": max(0, world_size - documents),
+    }
     if reason is None:
         build(task, limit=limit, samples=samples, rank=rank, world_size=world_size, **kwargs)
         return entry
     build(task, limit=limit, samples=samples, rank=0, world_size=1, **kwargs)
     everything = task.instances
-    mine = {doc_id for doc_id, _ in task.doc_iterator(rank=rank, limit=limit, samples=samples,
-                                                      world_size=world_size)}
+    mine = {doc_id for doc_id, _ in task.doc_iterator(rank=rank, limit=limit, samples=samples, world_size=world_size)}
     kept = [inst for inst in everything if inst.doc_id in mine]
     entry.update(built_all=True, kept_documents=len(mine))
     if not kept:  # lm-eval needs instances on every rank; these answer nothing (no document is iterated)
         from lm_eval.api.instance import Instance
 
         first = everything[0].doc_id
-        kept = [Instance(request_type=inst.request_type, doc=inst.doc, arguments=inst.arguments, idx=inst.idx,
-                         metadata=(inst.task_name, inst.doc_id, inst.repeats))
-                for inst in everything if inst.doc_id == first]
+        kept = [
+            Instance(
+                request_type=inst.request_type,
+                doc=inst.doc,
+                arguments=inst.arguments,
+                idx=inst.idx,
+                metadata=(inst.task_name, inst.doc_id, inst.repeats),
+            )
+            for inst in everything
+            if inst.doc_id == first
+        ]
         entry["padded"] = True
     task._instances = kept  # lm-eval's Task keeps them there; its `instances` property has no setter
     return entry
@@ -187,5 +217,12 @@ def fill_empty_ranks(gathered: list, record: dict) -> list:
         return gathered
     from collections import defaultdict
 
-    return [{name: defaultdict(list, value) if name in tasks and isinstance(value, dict) else value
-             for name, value in payload.items()} if isinstance(payload, dict) else payload for payload in gathered]
+    return [
+        {
+            name: defaultdict(list, value) if name in tasks and isinstance(value, dict) else value
+            for name, value in payload.items()
+        }
+        if isinstance(payload, dict)
+        else payload
+        for payload in gathered
+    ]

@@ -18,9 +18,11 @@ import sys
 from typing import Any
 
 TRACEBACK_ENV = "DISTPERP_TRACEBACK"
-TASKS_HINT = ("distperp: hint: lm-eval knows the tasks of its own folder, distperp's (distperp_wikitext2, "
-              "distperp_wikitext103, distperp_local_docs, ...) and those under --include_path; for a task of your "
-              "own pass --include_path FOLDER (the folder of its YAML file); `lm-eval ls tasks` lists every name.")
+TASKS_HINT = (
+    "distperp: hint: lm-eval knows the tasks of its own folder, distperp's (distperp_wikitext2, "
+    "distperp_wikitext103, distperp_local_docs, ...) and those under --include_path; for a task of your "
+    "own pass --include_path FOLDER (the folder of its YAML file); `lm-eval ls tasks` lists every name."
+)
 
 
 class InputError(ValueError):

@@ -86,8 +86,9 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, reference_model: torch.nn.Module | None = None, *, mesh_of_one: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, reference_model: torch.nn.Module | None = None, *, mesh_of_one: bool = False, **kwargs: Any
+    ) -> None:
         """``kwargs``: the ``--model_args`` keys (:class:`Options`). ``reference_model``: for in-process callers
         (``sweep``) only, an already loaded model that ``reference=`` names, reused instead of loaded again (with
         ``shard_size`` > 1 it is loaded again: a sharded model belongs to its run's mesh). ``mesh_of_one``: for
@@ -101,78 +102,160 @@ class DistPerpLM(Tokenization, TemplateLM):
         if given is not None:
             check_given(self.options, given)
         if reference_model is not None and self.options.reference is None:
-            raise InputError("reference_model was given without reference=; it would be ignored. Fix: pass "
-                             "reference=base (or the reference's path) with it.")
+            raise InputError(
+                "reference_model was given without reference=; it would be ignored. Fix: pass "
+                "reference=base (or the reference's path) with it."
+            )
         wants_cpu = (self.options.device or "").strip().lower() == "cpu" or not torch.cuda.is_available()
         self.collective = AccelerateCollective(self.options.timeout, cpu=wants_cpu)
         self._rank, self._world_size = self.collective.rank, self.collective.world_size
         self._device = resolve_device(self.options, self.collective.local_rank, self._world_size)
         set_device(self._device)  # a failure anywhere in this process is recorded as this rank's, on this device
         self.device_identity = device_identity(self._device)
-        self.shard_size = resolve_shard_size(self.options.shard_size, self._world_size,
-                                             local_world_size(self._world_size))
-        self.tp_size = resolve_tp_size(self.options.tensor_parallel, self._world_size,
-                                       local_world_size(self._world_size))
+        self.shard_size = resolve_shard_size(
+            self.options.shard_size, self._world_size, local_world_size(self._world_size)
+        )
+        self.tp_size = resolve_tp_size(
+            self.options.tensor_parallel, self._world_size, local_world_size(self._world_size)
+        )
         self._check_ranks_agree()  # before loading: a mismatch fails in seconds, not after minutes of loading
-        self.estimate = None if given is not None else check_fits(  # an in-memory model is loaded already
-            self.collective, self.options, self._device, self.shard_size, local_world_size(self._world_size),
-            tp_size=self.tp_size)
-        mesh = (make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
-                if self.shard_size > 1 or mesh_of_one else None)
-        tp_mesh = (make_tp_mesh(self._device, self._world_size, self.tp_size, self.options.timeout)
-                   if self.tp_size > 1 else None)
+        self.estimate = (
+            None
+            if given is not None
+            else check_fits(  # an in-memory model is loaded already
+                self.collective,
+                self.options,
+                self._device,
+                self.shard_size,
+                local_world_size(self._world_size),
+                tp_size=self.tp_size,
+            )
+        )
+        mesh = (
+            make_mesh(self._device, self._world_size, self.shard_size, self.options.timeout)
+            if self.shard_size > 1 or mesh_of_one
+            else None
+        )
+        tp_mesh = (
+            make_tp_mesh(self._device, self._world_size, self.tp_size, self.options.timeout)
+            if self.tp_size > 1
+            else None
+        )
         if reference_model is not None and (mesh is not None or tp_mesh is not None):
             reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
         loaded = load_all(to_load, self._device, mesh, given=given, tp_mesh=tp_mesh)
         self.tokenizer, self._model = loaded.tokenizer, loaded.model
-        self.reference, self.quant_report, self.weight_bytes = loaded.reference, loaded.quant_report, loaded.weight_bytes
+        self.reference, self.quant_report, self.weight_bytes = (
+            loaded.reference,
+            loaded.quant_report,
+            loaded.weight_bytes,
+        )
         self.reference_weight_bytes = loaded.reference_weight_bytes
         if reference_model is not None:
             self.reference, self.reference_weight_bytes = reference_model, weight_bytes(reference_model)
         self.comparison = ReferenceComparison() if self.reference is not None else None
         self.loaded = loaded
         self.per_rank = self.collective.all_gather_object(
-            {"load_memory": loaded.load_memory, "model_bytes": weight_bytes(self._model),
-             "reference_bytes": weight_bytes(self.reference) if self.reference is not None else None},
-            "gather load memory and resident weight bytes")
+            {
+                "load_memory": loaded.load_memory,
+                "model_bytes": weight_bytes(self._model),
+                "reference_bytes": weight_bytes(self.reference) if self.reference is not None else None,
+            },
+            "gather load memory and resident weight bytes",
+        )
         self._max_length = loaded.max_length
         self.batching: Batching = agree_on_batching(
-            self.collective, self.options, self._model, self._device, self._max_length, reference=self.reference,
+            self.collective,
+            self.options,
+            self._model,
+            self._device,
+            self._max_length,
+            reference=self.reference,
             pad_token_id=self.tokenizer.pad_token_id,
-            unsharded_bytes=loaded.weight_bytes + (self.reference_weight_bytes or 0) + compile_extra_bytes(
-                self.options.compile_mode, [self._model, self.reference], self._device, self.shard_size))
+            unsharded_bytes=loaded.weight_bytes
+            + (self.reference_weight_bytes or 0)
+            + compile_extra_bytes(
+                self.options.compile_mode, [self._model, self.reference], self._device, self.shard_size
+            ),
+        )
         # fail now, not mid-run, if there is no (valid) token to condition on
-        check_prefix_token(self.prefix_token_id, [m for m in (self._model, self.reference) if m is not None],
-                           given=self.options.prefix_token_id is not None)
+        check_prefix_token(
+            self.prefix_token_id,
+            [m for m in (self._model, self.reference) if m is not None],
+            given=self.options.prefix_token_id is not None,
+        )
         self.warnings = quantization_warnings(self.quant_report, self.options.reference, self._model, self.reference)
         for line in self.warnings:
             log.warning(line, main_process_only=True)
         self.stats = RunStats(tp_size=self.tp_size)
         self.sharing, self.sharing_fallback, self.row_budget_reason, self._sharing_line = choose_sharing(
-            self.options.share_prefix, [m for m in (self._model, self.reference) if m is not None], self.batching,
-            self._max_length)
+            self.options.share_prefix,
+            [m for m in (self._model, self.reference) if m is not None],
+            self.batching,
+            self._max_length,
+        )
         self.compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
-            self.options.compile_mode, [self._model, self.reference], collective=self.collective,
-            rows_for=self.batching.rows_for, max_length=self._max_length, packed=self.sharing.mode == "prefix",
-            pad_token_id=self.tokenizer.pad_token_id, device=self._device, shard_size=self.shard_size)
-        self.static_decoding = CompiledStep(self._model, self.compiled, self._device, self.tokenizer.pad_token_id) \
-            if self.compiled.active else None  # generation's decode step, compiled per bucket of the lane plan
+            self.options.compile_mode,
+            [self._model, self.reference],
+            collective=self.collective,
+            rows_for=self.batching.rows_for,
+            max_length=self._max_length,
+            packed=self.sharing.mode == "prefix",
+            pad_token_id=self.tokenizer.pad_token_id,
+            device=self._device,
+            shard_size=self.shard_size,
+        )
+        self.static_decoding = (
+            CompiledStep(self._model, self.compiled, self._device, self.tokenizer.pad_token_id)
+            if self.compiled.active
+            else None
+        )  # generation's decode step, compiled per bucket of the lane plan
         self._identity: dict | None = None
-        self.store = None if not self.options.resume_dir else BatchStore(
-            self.options.resume_dir, self._scoring_config(), with_kl=self.reference is not None,
-            is_main=self.collective.is_main, exit_on_sigterm=True)
+        self.store = (
+            None
+            if not self.options.resume_dir
+            else BatchStore(
+                self.options.resume_dir,
+                self._scoring_config(),
+                with_kl=self.reference is not None,
+                is_main=self.collective.is_main,
+                exit_on_sigterm=True,
+            )
+        )
         self.executor = Executor(
-            self.collective, model_forwards(self._model, self.reference, self._device, self.tokenizer.pad_token_id,
-                                            self.tok_decode, self.shard_size, self.collective, self.tp_size),
-            device=self._device, store=self.store, claiming=self.options.claim,
-            local_world_size=local_world_size(self._world_size), shard_size=self.shard_size, tp_size=self.tp_size)
+            self.collective,
+            model_forwards(
+                self._model,
+                self.reference,
+                self._device,
+                self.tokenizer.pad_token_id,
+                self.tok_decode,
+                self.shard_size,
+                self.collective,
+                self.tp_size,
+            ),
+            device=self._device,
+            store=self.store,
+            claiming=self.options.claim,
+            local_world_size=local_world_size(self._world_size),
+            shard_size=self.shard_size,
+            tp_size=self.tp_size,
+        )
         with stop_together(self.collective, self._device, "probing the forwards' collective traffic"):
-            self.traffic = model_traffic(self._model, self._device, self.tokenizer.pad_token_id,
-                                         sharded=self.shard_size > 1, tensor_parallel=self.tp_size > 1)
+            self.traffic = model_traffic(
+                self._model,
+                self._device,
+                self.tokenizer.pad_token_id,
+                sharded=self.shard_size > 1,
+                tensor_parallel=self.tp_size > 1,
+            )
         self.document_split = install_document_split(self._world_size)  # lm-eval's split as one process's
-        self.chat = ChatTemplate(self.options.chat_kwargs, self.options.think_end_token,
-                                 functools.partial(log.warning, main_process_only=True))
+        self.chat = ChatTemplate(
+            self.options.chat_kwargs,
+            self.options.think_end_token,
+            functools.partial(log.warning, main_process_only=True),
+        )
         self.load_seconds = time.perf_counter() - t0
         set_base_stage("running lm-eval's code (between distperp's calls)")  # what a lost peer's survivors print
 
@@ -181,21 +264,31 @@ class DistPerpLM(Tokenization, TemplateLM):
         import lm_eval
         import transformers
 
-        return {"options": {k: v for k, v in self.options.to_dict().items()
-                            if k not in ("batch_size", "max_batch_size", "timeout", "resume_dir", "device")},
-                "versions": [__version__, torch.__version__, transformers.__version__, lm_eval.__version__],
-                "device": self.device_identity}
+        return {
+            "options": {
+                k: v
+                for k, v in self.options.to_dict().items()
+                if k not in ("batch_size", "max_batch_size", "timeout", "resume_dir", "device")
+            },
+            "versions": [__version__, torch.__version__, transformers.__version__, lm_eval.__version__],
+            "device": self.device_identity,
+        }
 
     def _scoring_config(self) -> dict:
         """Everything besides the units that determines scores (the resume key); not ``shard_size`` or ``claim``,
         which change where the weights live and which rank computes a batch, not the bits. The resolved
         ``tp_size`` is in it (tensor parallelism sums in another order), however it was spelled."""
         identity = self._run_identity()
-        identity["options"] = {k: v for k, v in identity["options"].items()
-                               if k not in ("shard_size", "claim", "tp_plan")}
+        identity["options"] = {
+            k: v for k, v in identity["options"].items() if k not in ("shard_size", "claim", "tp_plan")
+        }
         identity["options"]["tp_size"] = self.tp_size
-        return {**identity, "dtype": str(next(self._model.parameters()).dtype), "compiled": self.compiled.active_mode,
-                "checkpoint": self.checkpoint_identity}
+        return {
+            **identity,
+            "dtype": str(next(self._model.parameters()).dtype),
+            "compiled": self.compiled.active_mode,
+            "checkpoint": self.checkpoint_identity,
+        }
 
     @property
     def checkpoint_identity(self) -> dict:
@@ -207,8 +300,9 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def _check_ranks_agree(self) -> None:
         """Every rank runs the same options, versions and kind of device, each on its own GPU; else ValueError."""
-        everyone = self.collective.all_gather_object((self._run_identity(), physical_device(self._device)),
-                                                     "compare configurations")
+        everyone = self.collective.all_gather_object(
+            (self._run_identity(), physical_device(self._device)), "compare configurations"
+        )
         problem = find_disagreement([mine for mine, _ in everyone]) or find_shared_gpus([w for _, w in everyone])
         if problem:
             raise InputError(problem, same_on_every_rank=True)
@@ -240,8 +334,10 @@ class DistPerpLM(Tokenization, TemplateLM):
         """
         # An empty continuation (possible after tokenization) has probability 1: log-likelihood 0, greedy. A
         # context that tokenizes to nothing (e.g. only spaces, moved to the continuation) is the prefix token.
-        units = [[continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
-                 for _, ctx, cont in requests]
+        units = [
+            [continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
+            for _, ctx, cont in requests
+        ]
         results = self._score(units, "loglikelihood", disable_tqdm, self.sharing)
         out = []
         for (request_str, _, _), r in zip(requests, results):
@@ -254,8 +350,10 @@ class DistPerpLM(Tokenization, TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[Score]:
         """Log-likelihood of each whole text (``Instance.args == (text,)``), conditioned on the prefix token."""
         with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood_rolling requests"):
-            units = [window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
-                     for (text,) in (req.args for req in requests)]
+            units = [
+                window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
+                for (text,) in (req.args for req in requests)
+            ]
             results = self._score(units, "loglikelihood_rolling", disable_tqdm)
             out = []
             for req, r in zip(requests, results):
@@ -278,25 +376,41 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     def _generate(self, requests, disable_tqdm: bool) -> list[str]:
         setup = GenerationSetup(
-            model=self._model, tokenizer=self.tokenizer, executor=self.executor, device=self._device,
-            max_length=self.max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.options.add_bos_token,
-            rows_for=functools.partial(generation_rows, self.batching,
-                                       activation_bytes=activation_bytes_per_token(self._model, self.max_length),
-                                       kv_bytes=kv_cache_bytes_per_token(self._model)),
+            model=self._model,
+            tokenizer=self.tokenizer,
+            executor=self.executor,
+            device=self._device,
+            max_length=self.max_length,
+            max_gen_toks=self.max_gen_toks,
+            add_bos_token=self.options.add_bos_token,
+            rows_for=functools.partial(
+                generation_rows,
+                self.batching,
+                activation_bytes=activation_bytes_per_token(self._model, self.max_length),
+                kv_bytes=kv_cache_bytes_per_token(self._model),
+            ),
             seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
             min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
             progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main),
-            think_end=self.options.think_end_token, static=self.static_decoding)
-        return generate(setup, [req.args for req in requests], calls=self.stats.calls,
-                        identities=[(req.task_name, req.doc_id, req.idx) for req in requests])
+            think_end=self.options.think_end_token,
+            static=self.static_decoding,
+        )
+        return generate(
+            setup,
+            [req.args for req in requests],
+            calls=self.stats.calls,
+            identities=[(req.task_name, req.doc_id, req.idx) for req in requests],
+        )
 
     def _compare_generations(self, requests, texts: list[str]) -> None:
         """What the quantized model's own outputs cost: its answers scored as continuations of their prompts by
         both models (one teacher-forced pass, the scoring path), recorded per task like log-likelihood tasks'
         (per-token KL and top-1 agreement of the reference along what the model said). Every rank calls this."""
         pairs = [self._encode_pair(req.args[0], text) if text else ([], []) for req, text in zip(requests, texts)]
-        units = [[continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
-                 for ctx, cont in pairs]
+        units = [
+            [continuation_unit(ctx or [self.prefix_token_id], cont, self.max_length)] if cont else []
+            for ctx, cont in pairs
+        ]
         scores = [self._as_score(r) for r in self._score(units, "generate_until_reference", True, self.sharing)]
         kept = [(req, score) for req, score in zip(requests, scores) if score.n_tokens]
         self._compare([req for req, _ in kept], [score for _, score in kept])
@@ -309,19 +423,32 @@ class DistPerpLM(Tokenization, TemplateLM):
             return self._score_planned(per_request_units, kind, disable_tqdm, sharing)
 
     def _score_planned(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing):
-        rule = ScoringRule(self.batching, sharing, attention_coefficient(self._model), head_coefficient(self._model),
-                           with_reference=self.reference is not None)
+        rule = ScoringRule(
+            self.batching,
+            sharing,
+            attention_coefficient(self._model),
+            head_coefficient(self._model),
+            with_reference=self.reference is not None,
+        )
         results = score_requests(
-            per_request_units, self.executor, rule, kind=kind, stats=self.stats,
+            per_request_units,
+            self.executor,
+            rule,
+            kind=kind,
+            stats=self.stats,
             log=functools.partial(log.warning, main_process_only=True),
             prepare=functools.partial(self.compiled.prepare, self.collective),
-            progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main))
+            progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main),
+        )
         call = self.stats.calls[-1]
-        log.info(f"{kind}: {call.scored_tokens} tokens in {call.units} units, {call.rows} rows "
-                 f"({call.tokens_saved} input tokens saved), {call.batches} batches on "
-                 f"{self.world_size} process(es) in {call.total_seconds:.1f} s "
-                 f"({call.scored_tokens / max(call.total_seconds, 1e-9):.0f} tok/s); load max/mean "
-                 f"{call.max_over_mean:.3f}; fingerprint {self.stats.fingerprint}", main_process_only=True)
+        log.info(
+            f"{kind}: {call.scored_tokens} tokens in {call.units} units, {call.rows} rows "
+            f"({call.tokens_saved} input tokens saved), {call.batches} batches on "
+            f"{self.world_size} process(es) in {call.total_seconds:.1f} s "
+            f"({call.scored_tokens / max(call.total_seconds, 1e-9):.0f} tok/s); load max/mean "
+            f"{call.max_over_mean:.3f}; fingerprint {self.stats.fingerprint}",
+            main_process_only=True,
+        )
         return results
 
     def _compare(self, requests, scores: list[Score]) -> None:
@@ -366,8 +493,9 @@ class DistPerpLM(Tokenization, TemplateLM):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 (a 0-d tensor counts as one element)."""
         with stop_together(self.collective, self._device, "taking part in lm-eval's all_gather"):
-            parts = self.collective.all_gather_tensor(tensor.reshape(1) if tensor.dim() == 0 else tensor,
-                                                      "lm-eval all_gather")
+            parts = self.collective.all_gather_tensor(
+                tensor.reshape(1) if tensor.dim() == 0 else tensor, "lm-eval all_gather"
+            )
             return torch.cat(parts).to(tensor.device)
 
     def gather_object(self, obj, dst: int = 0):
@@ -385,7 +513,8 @@ class DistPerpLM(Tokenization, TemplateLM):
                 f"--use_cache with {self.world_size} processes is not supported by --model distperp: each rank "
                 "would skip the requests it finds in its own cache, and the ranks would no longer score the same "
                 "global plan together. Fix: run without --use_cache (results are exact and reproducible), or "
-                "with one process.")
+                "with one process."
+            )
         super().set_cache_hook(cache_hook)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

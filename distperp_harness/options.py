@@ -20,10 +20,14 @@ QUANT_SCHEMES = ("none", "int4", "int8", "8da4w")
 GROUP_SIZES = (32, 64, 128, 256)
 # torch.compile's modes (``compile=true`` is "default"); "false": eager
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-SHARD_SIZES = ("an integer >= 1 that divides the processes per node, or 'node' (all processes of a node share one "
-               "copy of the weights)")
-TP_SIZES = ("an integer >= 1 that divides the processes per node, or 'node' (all processes of a node compute "
-            "each forward together)")
+SHARD_SIZES = (
+    "an integer >= 1 that divides the processes per node, or 'node' (all processes of a node share one "
+    "copy of the weights)"
+)
+TP_SIZES = (
+    "an integer >= 1 that divides the processes per node, or 'node' (all processes of a node compute "
+    "each forward together)"
+)
 # The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
 # falls back to the CPU (with a log line). Any other CUDA device asked for on such a machine is an error.
 CLI_DEFAULT_DEVICE = "cuda:0"
@@ -85,12 +89,22 @@ class Options:
     in_memory: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.pretrained, str) and self.pretrained.strip() != "", "pretrained", self.pretrained,
-                 "a Hugging Face hub id or a local model folder", "pass pretrained=<hub id or path>")
+        _require(
+            isinstance(self.pretrained, str) and self.pretrained.strip() != "",
+            "pretrained",
+            self.pretrained,
+            "a Hugging Face hub id or a local model folder",
+            "pass pretrained=<hub id or path>",
+        )
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}", "e.g. dtype=bfloat16")
         if self.max_length is not None:
-            _require(self.max_length > 1, "max_length", self.max_length, "an integer > 1",
-                     "leave it unset to use the model's context length")
+            _require(
+                self.max_length > 1,
+                "max_length",
+                self.max_length,
+                "an integer > 1",
+                "leave it unset to use the model's context length",
+            )
         if self.prefix_token_id is not None:
             _require(self.prefix_token_id >= 0, "prefix_token_id", self.prefix_token_id, "a token id >= 0", "")
         bs = self.batch_size
@@ -98,60 +112,130 @@ class Options:
             _require(bs >= 1, "batch_size", bs, "an integer >= 1, 'auto' or 'auto:N'", "e.g. batch_size=8")
         _require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "an integer >= 1", "")
         _require(self.timeout > 0, "timeout", self.timeout, "a number of seconds > 0", "e.g. timeout=600")
-        _require(self.quantize in QUANT_SCHEMES, "quantize", self.quantize,
-                 f"one of {', '.join(QUANT_SCHEMES)}", "e.g. quantize=int4,group_size=128")
-        _require(self.group_size in GROUP_SIZES, "group_size", self.group_size,
-                 f"one of {', '.join(map(str, GROUP_SIZES))}", "e.g. group_size=128")
+        _require(
+            self.quantize in QUANT_SCHEMES,
+            "quantize",
+            self.quantize,
+            f"one of {', '.join(QUANT_SCHEMES)}",
+            "e.g. quantize=int4,group_size=128",
+        )
+        _require(
+            self.group_size in GROUP_SIZES,
+            "group_size",
+            self.group_size,
+            f"one of {', '.join(map(str, GROUP_SIZES))}",
+            "e.g. group_size=128",
+        )
         if self.stride is not None:
-            _require(self.stride > 0, "stride", self.stride, "an integer with 0 < stride <= max_length",
-                     "e.g. stride=512 for windows that overlap by max_length - 512 tokens")
+            _require(
+                self.stride > 0,
+                "stride",
+                self.stride,
+                "an integer with 0 < stride <= max_length",
+                "e.g. stride=512 for windows that overlap by max_length - 512 tokens",
+            )
             if self.max_length is not None:
-                _require(self.stride <= self.max_length, "stride", self.stride,
-                         f"an integer with 0 < stride <= max_length ({self.max_length})",
-                         "lower stride or raise max_length")
-        _require(isinstance(self.share_prefix, bool), "share_prefix", self.share_prefix, "true or false",
-                 "share_prefix=false computes every answer of a multiple-choice question on its own row")
+                _require(
+                    self.stride <= self.max_length,
+                    "stride",
+                    self.stride,
+                    f"an integer with 0 < stride <= max_length ({self.max_length})",
+                    "lower stride or raise max_length",
+                )
+        _require(
+            isinstance(self.share_prefix, bool),
+            "share_prefix",
+            self.share_prefix,
+            "true or false",
+            "share_prefix=false computes every answer of a multiple-choice question on its own row",
+        )
         if isinstance(self.shard_size, str):
-            _require(self.shard_size == "node", "shard_size", self.shard_size, SHARD_SIZES,
-                     "e.g. shard_size=node, or shard_size=8 on nodes of 8 GPUs")
+            _require(
+                self.shard_size == "node",
+                "shard_size",
+                self.shard_size,
+                SHARD_SIZES,
+                "e.g. shard_size=node, or shard_size=8 on nodes of 8 GPUs",
+            )
         else:
-            _require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
-                     SHARD_SIZES,
-                     "shard_size=1 (every process holds all weights) or a divisor of the processes per node")
+            _require(
+                isinstance(self.shard_size, int) and self.shard_size >= 1,
+                "shard_size",
+                self.shard_size,
+                SHARD_SIZES,
+                "shard_size=1 (every process holds all weights) or a divisor of the processes per node",
+            )
         self._check_tensor_parallel()
-        _require(isinstance(self.claim, bool), "claim", self.claim, "true or false",
-                 "claim=false makes every batch's planned owner compute it (no batches taken over from slow ranks)")
-        _require(self.compile == "false" or self.compile in COMPILE_MODES, "compile", self.compile,
-                 f"true, false or a torch.compile mode ({', '.join(COMPILE_MODES)})",
-                 "e.g. compile=true (mode default) or compile=max-autotune")
+        _require(
+            isinstance(self.claim, bool),
+            "claim",
+            self.claim,
+            "true or false",
+            "claim=false makes every batch's planned owner compute it (no batches taken over from slow ranks)",
+        )
+        _require(
+            self.compile == "false" or self.compile in COMPILE_MODES,
+            "compile",
+            self.compile,
+            f"true, false or a torch.compile mode ({', '.join(COMPILE_MODES)})",
+            "e.g. compile=true (mode default) or compile=max-autotune",
+        )
         if self.reference is not None:
-            _require(isinstance(self.reference, str) and self.reference.strip() != "", "reference", self.reference,
-                     "'base' (the same checkpoint, unquantized), 'pretrained' (the checkpoint without its peft= "
-                     "adapter or delta= weights) or a model path / hub id", "")
+            _require(
+                isinstance(self.reference, str) and self.reference.strip() != "",
+                "reference",
+                self.reference,
+                "'base' (the same checkpoint, unquantized), 'pretrained' (the checkpoint without its peft= "
+                "adapter or delta= weights) or a model path / hub id",
+                "",
+            )
         self._check_checkpoint_keys()
 
     def _check_tensor_parallel(self) -> None:
         """``tp_size``/``tp_plan``: a divisor of the processes per node or ``node``; not with ``shard_size``, nor
         with what is applied to whole weights after loading (adapters, delta weights, a GGUF file)."""
         if isinstance(self.tp_size, str):
-            _require(self.tp_size == "node", "tp_size", self.tp_size, TP_SIZES,
-                     "e.g. tp_size=node, or tp_size=8 on nodes of 8 GPUs")
+            _require(
+                self.tp_size == "node",
+                "tp_size",
+                self.tp_size,
+                TP_SIZES,
+                "e.g. tp_size=node, or tp_size=8 on nodes of 8 GPUs",
+            )
         else:
-            _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", self.tp_size, TP_SIZES,
-                     "tp_size=1 (every process computes its own forwards) or a divisor of the processes per node")
-        _require(self.tp_plan in (None, "auto"), "tp_plan", self.tp_plan,
-                 "'auto' (the model's own tensor-parallel plan, lm-eval hf's spelling of tp_size=node)",
-                 "tp_plan=auto, or tp_size=N")
+            _require(
+                isinstance(self.tp_size, int) and self.tp_size >= 1,
+                "tp_size",
+                self.tp_size,
+                TP_SIZES,
+                "tp_size=1 (every process computes its own forwards) or a divisor of the processes per node",
+            )
+        _require(
+            self.tp_plan in (None, "auto"),
+            "tp_plan",
+            self.tp_plan,
+            "'auto' (the model's own tensor-parallel plan, lm-eval hf's spelling of tp_size=node)",
+            "tp_plan=auto, or tp_size=N",
+        )
         if self.tensor_parallel == 1:
             return
-        _require(self.shard_size == 1, "shard_size", self.shard_size,
-                 f"shard_size=1 with tp_size={self.tensor_parallel} (a model is either sharded by FSDP2 or split "
-                 "by its tensor-parallel plan, not both)", "drop one of shard_size and tp_size")
+        _require(
+            self.shard_size == 1,
+            "shard_size",
+            self.shard_size,
+            f"shard_size=1 with tp_size={self.tensor_parallel} (a model is either sharded by FSDP2 or split "
+            "by its tensor-parallel plan, not both)",
+            "drop one of shard_size and tp_size",
+        )
         for key in ("peft", "delta", "gguf_file"):
-            _require(getattr(self, key) is None, key, getattr(self, key),
-                     f"{key}= only with tp_size=1: it is applied to whole weights after loading, and a "
-                     f"tensor-parallel process holds a slice of each",
-                     f"save the merged model and load that with tp_size, or use shard_size={self.tensor_parallel}")
+            _require(
+                getattr(self, key) is None,
+                key,
+                getattr(self, key),
+                f"{key}= only with tp_size=1: it is applied to whole weights after loading, and a "
+                f"tensor-parallel process holds a slice of each",
+                f"save the merged model and load that with tp_size, or use shard_size={self.tensor_parallel}",
+            )
 
     @property
     def tensor_parallel(self) -> int | str:
@@ -165,48 +249,95 @@ class Options:
         for key in ("subfolder", "gguf_file", "peft", "delta"):
             value = getattr(self, key)
             if value is not None:
-                _require(isinstance(value, str) and value.strip() != "", key, value, "a non-empty path or name",
-                         f"leave {key} unset, or give {key}=<path or hub id>")
-        _require(not (self.peft and self.delta), "delta", self.delta, "delta= or peft=, not both (as lm-eval hf)",
-                 "run the adapter and the delta weights as two runs")
+                _require(
+                    isinstance(value, str) and value.strip() != "",
+                    key,
+                    value,
+                    "a non-empty path or name",
+                    f"leave {key} unset, or give {key}=<path or hub id>",
+                )
+        _require(
+            not (self.peft and self.delta),
+            "delta",
+            self.delta,
+            "delta= or peft=, not both (as lm-eval hf)",
+            "run the adapter and the delta weights as two runs",
+        )
         _require(isinstance(self.merge_adapter, bool), "merge_adapter", self.merge_adapter, "true or false", "")
         if self.reference == "base" and self.quantize == "none":
-            raise OptionError("reference=base compares against the unquantized checkpoint, but quantize=none: "
-                              "nothing is quantized by this run, and a checkpoint saved already quantized holds no "
-                              "unquantized copy (reference=base means the same weights unquantized). Fix: give "
-                              "reference=<the full-precision model path>, or add quantize=int4 (or int8, 8da4w) to "
-                              "a full-precision pretrained="
-                              + (", or reference=pretrained (the base without the adapter)"
-                                 if self.peft or self.delta else "") + ".")
+            raise OptionError(
+                "reference=base compares against the unquantized checkpoint, but quantize=none: "
+                "nothing is quantized by this run, and a checkpoint saved already quantized holds no "
+                "unquantized copy (reference=base means the same weights unquantized). Fix: give "
+                "reference=<the full-precision model path>, or add quantize=int4 (or int8, 8da4w) to "
+                "a full-precision pretrained="
+                + (", or reference=pretrained (the base without the adapter)" if self.peft or self.delta else "")
+                + "."
+            )
         if self.reference == "pretrained":
-            _require(bool(self.peft or self.delta), "reference", self.reference,
-                     "reference=pretrained only with peft= or delta= (it is the checkpoint without them)",
-                     "add peft=<adapter path>, or use reference=base with quantize=")
+            _require(
+                bool(self.peft or self.delta),
+                "reference",
+                self.reference,
+                "reference=pretrained only with peft= or delta= (it is the checkpoint without them)",
+                "add peft=<adapter path>, or use reference=base with quantize=",
+            )
         if not self.merge_adapter:
-            _require(bool(self.peft), "merge_adapter", self.merge_adapter,
-                     "merge_adapter=false only with peft= (there is no adapter to keep unmerged)",
-                     "drop merge_adapter, or add peft=<adapter path>")
-            _require(self.quantize == "none", "merge_adapter", self.merge_adapter,
-                     f"merge_adapter=false only with quantize=none: the adapter is merged before quantize="
-                     f"{self.quantize} so that its weights are quantized with the base's",
-                     "drop merge_adapter=false, or quantize=none")
-            _require(self.shard_size == 1, "merge_adapter", self.merge_adapter,
-                     "merge_adapter=false only with shard_size=1 (an unmerged adapter's layers are not sharded)",
-                     "drop merge_adapter=false, or shard_size=1")
+            _require(
+                bool(self.peft),
+                "merge_adapter",
+                self.merge_adapter,
+                "merge_adapter=false only with peft= (there is no adapter to keep unmerged)",
+                "drop merge_adapter, or add peft=<adapter path>",
+            )
+            _require(
+                self.quantize == "none",
+                "merge_adapter",
+                self.merge_adapter,
+                f"merge_adapter=false only with quantize=none: the adapter is merged before quantize="
+                f"{self.quantize} so that its weights are quantized with the base's",
+                "drop merge_adapter=false, or quantize=none",
+            )
+            _require(
+                self.shard_size == 1,
+                "merge_adapter",
+                self.merge_adapter,
+                "merge_adapter=false only with shard_size=1 (an unmerged adapter's layers are not sharded)",
+                "drop merge_adapter=false, or shard_size=1",
+            )
         if self.think_end_token is not None:
             token = self.think_end_token
-            _require((isinstance(token, int) and not isinstance(token, bool) and token >= 0)
-                     or (isinstance(token, str) and token != ""), "think_end_token", token,
-                     "a string (e.g. '</think>') or a token id >= 0", "e.g. think_end_token=</think>")
-        _require(self.enable_thinking is None or isinstance(self.enable_thinking, bool), "enable_thinking",
-                 self.enable_thinking, "true or false", "")
-        _require(not (self.enable_thinking and self.think_end_token is None), "enable_thinking",
-                 self.enable_thinking, "enable_thinking=true together with think_end_token (as lm-eval hf "
-                 "requires): else the thinking trace stays in the scored answer",
-                 "add think_end_token=</think> (or the model's end-of-thinking token or id)")
+            _require(
+                (isinstance(token, int) and not isinstance(token, bool) and token >= 0)
+                or (isinstance(token, str) and token != ""),
+                "think_end_token",
+                token,
+                "a string (e.g. '</think>') or a token id >= 0",
+                "e.g. think_end_token=</think>",
+            )
+        _require(
+            self.enable_thinking is None or isinstance(self.enable_thinking, bool),
+            "enable_thinking",
+            self.enable_thinking,
+            "true or false",
+            "",
+        )
+        _require(
+            not (self.enable_thinking and self.think_end_token is None),
+            "enable_thinking",
+            self.enable_thinking,
+            "enable_thinking=true together with think_end_token (as lm-eval hf "
+            "requires): else the thinking trace stays in the scored answer",
+            "add think_end_token=</think> (or the model's end-of-thinking token or id)",
+        )
         if self.chat_template_args is not None:
-            _require(isinstance(self.chat_template_args, dict), "chat_template_args", self.chat_template_args,
-                     "a JSON object of keyword arguments for the chat template", 'e.g. chat_template_args={"x":1}')
+            _require(
+                isinstance(self.chat_template_args, dict),
+                "chat_template_args",
+                self.chat_template_args,
+                "a JSON object of keyword arguments for the chat template",
+                'e.g. chat_template_args={"x":1}',
+            )
 
     @property
     def chat_kwargs(self) -> dict:
@@ -249,8 +380,10 @@ class Options:
                 f"Allowed keys: {', '.join(sorted(known))}."
             )
         if "pretrained" not in kwargs or kwargs["pretrained"] in (None, ""):
-            raise OptionError("--model distperp needs pretrained=<hub id or local model folder>, "
-                             "e.g. --model_args pretrained=EleutherAI/pythia-160m")
+            raise OptionError(
+                "--model distperp needs pretrained=<hub id or local model folder>, "
+                "e.g. --model_args pretrained=EleutherAI/pythia-160m"
+            )
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key in internal:
@@ -269,11 +402,29 @@ class Options:
 
 
 _INT_KEYS = {"max_length", "prefix_token_id", "max_batch_size", "group_size", "stride"}
-_BOOL_KEYS = {"add_bos_token", "trust_remote_code", "quantize_lm_head", "share_prefix", "claim", "merge_adapter",
-              "enable_thinking"}
+_BOOL_KEYS = {
+    "add_bos_token",
+    "trust_remote_code",
+    "quantize_lm_head",
+    "share_prefix",
+    "claim",
+    "merge_adapter",
+    "enable_thinking",
+}
 _FLOAT_KEYS = {"timeout"}
-_STR_KEYS = {"pretrained", "revision", "tokenizer", "device", "attn_implementation", "reference", "resume_dir",
-             "subfolder", "gguf_file", "peft", "delta"}
+_STR_KEYS = {
+    "pretrained",
+    "revision",
+    "tokenizer",
+    "device",
+    "attn_implementation",
+    "reference",
+    "resume_dir",
+    "subfolder",
+    "gguf_file",
+    "peft",
+    "delta",
+}
 
 
 def _cast(key: str, value: Any) -> Any:
@@ -298,8 +449,9 @@ def _cast(key: str, value: Any) -> Any:
         return _as_batch_size(value)
     if key == "compile":
         text = str(value).strip().lower()
-        return {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false",
-                "none": "false"}.get(text, text)
+        return {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false", "none": "false"}.get(
+            text, text
+        )
     if key == "tp_plan":
         text = str(value).strip().lower()
         return None if text in ("none", "") else text
@@ -330,9 +482,11 @@ def _as_json_object(key: str, value: Any) -> dict:
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise OptionError(f"{key}={value!r} is not a JSON object; allowed: a dict (simple_evaluate) or a JSON "
-                         f"object string. Fix: e.g. {key}='{{\"enable_thinking\": false}}' (lm-eval splits "
-                         "--model_args on commas, so one key per --model_args value; pass more from Python)")
+        raise OptionError(
+            f"{key}={value!r} is not a JSON object; allowed: a dict (simple_evaluate) or a JSON "
+            f"object string. Fix: e.g. {key}='{{\"enable_thinking\": false}}' (lm-eval splits "
+            "--model_args on commas, so one key per --model_args value; pass more from Python)"
+        )
     return parsed
 
 
@@ -369,8 +523,10 @@ def _as_batch_size(value: Any) -> int | str:
         return "auto"
     if text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 1:
         return f"auto:{int(text[5:])}"
-    raise OptionError(f"batch_size={value!r} is not valid; allowed: an integer >= 1, 'auto' or 'auto:N' "
-                     "(N >= 1), e.g. --batch_size 8 or --batch_size auto")
+    raise OptionError(
+        f"batch_size={value!r} is not valid; allowed: an integer >= 1, 'auto' or 'auto:N' "
+        "(N >= 1), e.g. --batch_size 8 or --batch_size auto"
+    )
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str, fix: str) -> None:

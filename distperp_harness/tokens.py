@@ -17,8 +17,9 @@ class Tokenization:
 
     _encoded: dict | None = None
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
         """Token ids of ``string``, with lm-eval ``hf``'s rules for special tokens (parity)."""
         memo = self._encoded
         key = (string, add_special_tokens, left_truncate_len)
@@ -48,5 +49,7 @@ class Tokenization:
             return self.tokenizer.bos_token_id
         if self.tokenizer.eos_token_id is not None:
             return self.tokenizer.eos_token_id
-        raise InputError("the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
-                         "first token on. Fix: pass prefix_token_id=<id> in --model_args.")
+        raise InputError(
+            "the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
+            "first token on. Fix: pass prefix_token_id=<id> in --model_args."
+        )

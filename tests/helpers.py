@@ -116,25 +116,54 @@ def accelerate_launch_prefix(num_processes: int, port: int | None = None) -> lis
     ]  # fmt: skip
 
 
-def start_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1,
-                    envs: Sequence[Mapping[str, str]] = ({}, {}), outputs: Sequence[Any] | None = None,
-                    ) -> list[subprocess.Popen]:
+def start_two_nodes(
+    args: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str],
+    per_node: int = 1,
+    envs: Sequence[Mapping[str, str]] = ({}, {}),
+    outputs: Sequence[Any] | None = None,
+) -> list[subprocess.Popen]:
     """Start ``python -m accelerate.commands.launch ... <args>`` as two "nodes" on loopback (two launchers,
     ``--machine_rank 0`` and ``1``, ``per_node`` processes each, each in its own session so that a test can kill a
     whole "node" with ``os.killpg``). ``envs[m]``: extra environment of node ``m``; ``outputs[m]``: an open file for
     its combined output (default: a text pipe)."""
     port = free_port()
-    return [subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
-         "--machine_rank", str(rank), "--num_processes", str(2 * per_node), "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", *map(str, args)],
-        cwd=cwd, env=offline_env(envs[rank]), stdout=outputs[rank] if outputs else subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for rank in (0, 1)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--multi_gpu",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--num_processes",
+                str(2 * per_node),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                *map(str, args),
+            ],
+            cwd=cwd,
+            env=offline_env(envs[rank]),
+            stdout=outputs[rank] if outputs else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
 
 
-def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1,
-                  timeout: float = 600) -> None:
+def run_two_nodes(args: Sequence[str], *, cwd: str | os.PathLike[str], per_node: int = 1, timeout: float = 600) -> None:
     """Run :func:`start_two_nodes`; fail the test if either node exits non-zero."""
     for p in start_two_nodes(args, cwd=cwd, per_node=per_node):
         output, _ = p.communicate(timeout=timeout)
@@ -183,19 +212,48 @@ class DictStore:
         return self.data.get(key, b"")
 
 
-def distperp_args(model_dir: Any, tasks_dir: Any, out: Any, model_args: str = "",
-                  tasks: str = "dptest_rolling,dptest_mc", batch_size: int = 3) -> list[str]:
+def distperp_args(
+    model_dir: Any,
+    tasks_dir: Any,
+    out: Any,
+    model_args: str = "",
+    tasks: str = "dptest_rolling,dptest_mc",
+    batch_size: int = 3,
+) -> list[str]:
     """``-m lm_eval ...`` arguments of a distperp run on the test model (``model_args``: more keys, each with its
     leading comma)."""
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir),
-            "--batch_size", str(batch_size), "--output_path", str(out)]
+    return [
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model_dir},max_length=128{model_args}",
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(tasks_dir),
+        "--batch_size",
+        str(batch_size),
+        "--output_path",
+        str(out),
+    ]
 
 
 def launch_one_node(args: Sequence[str], cwd: Any, env: Mapping[str, str]) -> "LaunchOutputs":
     """``args`` under a two-process ``accelerate launch``, its output read as it comes."""
-    return LaunchOutputs([subprocess.Popen([*accelerate_launch_prefix(2), *args], cwd=cwd, env=offline_env(env),
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)])
+    return LaunchOutputs(
+        [
+            subprocess.Popen(
+                [*accelerate_launch_prefix(2), *args],
+                cwd=cwd,
+                env=offline_env(env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        ]
+    )
 
 
 class LaunchOutputs:
@@ -309,8 +367,9 @@ def score_rolling(lm: Any, texts: Sequence[str]) -> list[Any]:
     """``lm.loglikelihood_rolling`` of each text (one ``Instance`` per text), without a progress bar."""
     from lm_eval.api.instance import Instance
 
-    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
-                                    disable_tqdm=True)
+    return lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)], disable_tqdm=True
+    )
 
 
 def _newest(paths: list[Path], what: str, root: Path) -> Path:
@@ -359,33 +418,61 @@ def sharpened_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
 
 def rolling_entry(kl: float, n_tokens: int = 1000, ln_ppl_ratio: float = 0.01) -> dict[str, Any]:
     """A ``config.distperp.reference.tasks`` entry of a perplexity task (stderrs: 10 % / 30 % of the value)."""
-    return {"n_docs": 10, "n_tokens": n_tokens, "kl_divergence": kl, "kl_divergence_stderr": kl / 10,
-            "top1_agreement": 1 - 3 * kl, "top1_agreement_stderr": 0.002, "ln_ppl_ratio": ln_ppl_ratio,
-            "ln_ppl_ratio_stderr": abs(ln_ppl_ratio) * 0.3 + 1e-4}
+    return {
+        "n_docs": 10,
+        "n_tokens": n_tokens,
+        "kl_divergence": kl,
+        "kl_divergence_stderr": kl / 10,
+        "top1_agreement": 1 - 3 * kl,
+        "top1_agreement_stderr": 0.002,
+        "ln_ppl_ratio": ln_ppl_ratio,
+        "ln_ppl_ratio_stderr": abs(ln_ppl_ratio) * 0.3 + 1e-4,
+    }
 
 
 def mc_entry(kl: float, flips: float, delta_acc: float | None = None, n_tokens: int = 200) -> dict[str, Any]:
     """An entry of a multiple-choice task; ``delta_acc=None``: the task has no gold (no accuracy keys)."""
-    entry = {**rolling_entry(kl, n_tokens), "n_docs": 20, "flips": flips, "flips_stderr": 0.05,
-             "n_flips": round(20 * flips), "flips_norm": flips, "flips_norm_stderr": 0.05}
+    entry = {
+        **rolling_entry(kl, n_tokens),
+        "n_docs": 20,
+        "flips": flips,
+        "flips_stderr": 0.05,
+        "n_flips": round(20 * flips),
+        "flips_norm": flips,
+        "flips_norm_stderr": 0.05,
+    }
     if delta_acc is not None:
-        entry.update({"delta_acc": delta_acc, "delta_acc_stderr": 0.05, "n_correct_to_wrong": 1,
-                      "n_wrong_to_correct": 0})
+        entry.update(
+            {"delta_acc": delta_acc, "delta_acc_stderr": 0.05, "n_correct_to_wrong": 1, "n_wrong_to_correct": 0}
+        )
     return entry
 
 
-def write_results_json(folder: str | os.PathLike[str], *, quantize: str | None = None, group_size: int | None = None,
-                       weight_bytes: int | None = 4_000_000, reference: Mapping[str, Any] | None = None,
-                       results: Mapping[str, Any] | None = None, reference_bytes: int = 4_000_000) -> Path:
+def write_results_json(
+    folder: str | os.PathLike[str],
+    *,
+    quantize: str | None = None,
+    group_size: int | None = None,
+    weight_bytes: int | None = 4_000_000,
+    reference: Mapping[str, Any] | None = None,
+    results: Mapping[str, Any] | None = None,
+    reference_bytes: int = 4_000_000,
+) -> Path:
     """Write a ``results_*.json`` as lm-eval + distperp would (only the keys ``compare.load_run`` reads)."""
     options: dict[str, Any] = {"pretrained": "/models/tiny"}
     if quantize:
         options.update({"quantize": quantize, **({"group_size": group_size} if group_size else {})})
-    info = {"options": options, "world_size": 1, "fingerprint": "0123456789abcdef", "weight_bytes": weight_bytes,
-            "calls": [{"total_seconds": 1.0, "scored_tokens": 1000}],
-            "quantization": {"weight_bytes_after": weight_bytes} if quantize else None,
-            "reference": None if reference is None else {"source": "base", "dtype": "torch.float32",
-                                                         "tasks": dict(reference), "weight_bytes": reference_bytes}}
+    info = {
+        "options": options,
+        "world_size": 1,
+        "fingerprint": "0123456789abcdef",
+        "weight_bytes": weight_bytes,
+        "calls": [{"total_seconds": 1.0, "scored_tokens": 1000}],
+        "quantization": {"weight_bytes_after": weight_bytes} if quantize else None,
+        "reference": None
+        if reference is None
+        else {"source": "base", "dtype": "torch.float32", "tasks": dict(reference), "weight_bytes": reference_bytes},
+    }
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "results_2026-01-01T00-00-00.000000.json"
@@ -396,8 +483,15 @@ def write_results_json(folder: str | os.PathLike[str], *, quantize: str | None =
 # --- checkpoints as users have them -------------------------------------------------------------------
 
 
-def lora_adapter(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, seed: int = 0, r: int = 4,
-                 scale: float = 0.5, target_modules: Sequence[str] = ("q_proj", "v_proj", "down_proj")) -> Path:
+def lora_adapter(
+    model_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    r: int = 4,
+    scale: float = 0.5,
+    target_modules: Sequence[str] = ("q_proj", "v_proj", "down_proj"),
+) -> Path:
     """A PEFT LoRA adapter for the model at ``model_dir`` with random, non-zero ``A`` and ``B`` (so that it changes
     the model: PEFT's default initialisation zeroes ``B``), saved to ``out`` (``adapter_config.json`` +
     ``adapter_model.safetensors``)."""
@@ -406,8 +500,9 @@ def lora_adapter(model_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(target_modules), lora_dropout=0.0,
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=r, lora_alpha=2 * r, target_modules=list(target_modules), lora_dropout=0.0, init_lora_weights=False
+    )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -460,9 +555,17 @@ def write_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) 
     def permute(w: np.ndarray, n_head: int) -> np.ndarray:
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for key, value in load_file(str(model_dir / "model.safetensors")).items():
         value = value.astype(np.float32)
         if key == "model.embed_tokens.weight":

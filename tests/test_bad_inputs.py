@@ -15,18 +15,21 @@ from helpers import accelerate_launch_prefix, make_lm, run_command, score_rollin
 from distperp_harness.errors import TASKS_HINT, InputError
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (",bogus=1", "Unknown --model_args key(s) for --model distperp: 'bogus'"),
-    (",dtype=float64", "dtype='float64' is not valid"),
-    (",quantize=int3", "one of none, int4, int8, 8da4w"),
-    (",group_size=100", "one of 32, 64, 128, 256"),
-    (",stride=0", "0 < stride <= max_length"),
-    (",max_length=64,stride=65", "stride <= max_length (64)"),
-    (",stride=200", "stride=200 is not valid: need 0 < stride <= max_length (128)"),
-    (",max_length=1", "max_length=1 is not valid"),
-    (",batch_size=-2", "batch_size=-2"),
-    (",reference=base", "reference=base compares against the unquantized checkpoint"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (",bogus=1", "Unknown --model_args key(s) for --model distperp: 'bogus'"),
+        (",dtype=float64", "dtype='float64' is not valid"),
+        (",quantize=int3", "one of none, int4, int8, 8da4w"),
+        (",group_size=100", "one of 32, 64, 128, 256"),
+        (",stride=0", "0 < stride <= max_length"),
+        (",max_length=64,stride=65", "stride <= max_length (64)"),
+        (",stride=200", "stride=200 is not valid: need 0 < stride <= max_length (128)"),
+        (",max_length=1", "max_length=1 is not valid"),
+        (",batch_size=-2", "batch_size=-2"),
+        (",reference=base", "reference=base compares against the unquantized checkpoint"),
+    ],
+)
 def test_bad_model_args(tiny_model_dir, args, fragment):
     with pytest.raises(InputError) as info:  # library callers get the exception (a ValueError)
         make_lm(tiny_model_dir, args)
@@ -92,17 +95,34 @@ def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_
     """From the command line (run side by side, mostly start-up): a bad option is one line on stderr and exit 1,
     on one process and once for a 2-process launch (rank 0 says it for both); ``DISTPERP_TRACEBACK=1`` brings the
     traceback back; a task lm-eval does not know keeps lm-eval's error and gains the fix."""
-    bad = ["--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},quantize=int5", "--tasks",
-           "dptest_rolling", "--include_path", str(tasks_dir)]
+    bad = [
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={tiny_model_dir},quantize=int5",
+        "--tasks",
+        "dptest_rolling",
+        "--include_path",
+        str(tasks_dir),
+    ]
     lm_eval = [sys.executable, "-m", "lm_eval"]
-    runs = {"one": (lm_eval + bad, {}), "traceback": (lm_eval + bad, {"DISTPERP_TRACEBACK": "1"}),
-            "task": (lm_eval + [*bad[:3], f"pretrained={tiny_model_dir}", "--tasks", "no_such_task"], {}),
-            "launch": ([*accelerate_launch_prefix(2), "-m", "lm_eval", *bad], {})}
-    done = side_by_side(*(functools.partial(run_command, cmd, cwd=tmp_path, env=env, check=False, timeout=180)
-                          for cmd, env in runs.values()))
+    runs = {
+        "one": (lm_eval + bad, {}),
+        "traceback": (lm_eval + bad, {"DISTPERP_TRACEBACK": "1"}),
+        "task": (lm_eval + [*bad[:3], f"pretrained={tiny_model_dir}", "--tasks", "no_such_task"], {}),
+        "launch": ([*accelerate_launch_prefix(2), "-m", "lm_eval", *bad], {}),
+    }
+    done = side_by_side(
+        *(
+            functools.partial(run_command, cmd, cwd=tmp_path, env=env, check=False, timeout=180)
+            for cmd, env in runs.values()
+        )
+    )
     out = dict(zip(runs, done))
-    line = ("distperp: error: quantize='int5' is not valid for --model distperp; allowed: one of none, int4, int8, "
-            "8da4w. Fix: e.g. quantize=int4,group_size=128.")
+    line = (
+        "distperp: error: quantize='int5' is not valid for --model distperp; allowed: one of none, int4, int8, "
+        "8da4w. Fix: e.g. quantize=int4,group_size=128."
+    )
     one = out["one"]
     assert one.returncode == 1 and line in one.stderr.splitlines() and "Traceback" not in one.stderr, one.stderr
     assert [t for t in one.stderr.splitlines() if t.startswith("distperp: error")] == [line]
@@ -119,21 +139,26 @@ def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_
 
 def test_ranks_with_different_configurations_are_refused(tiny_model_dir, tmp_path):
     script = tmp_path / "mismatch.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os
         from lm_eval.api.registry import get_model
         rank = int(os.environ["RANK"])
         get_model("distperp").create_from_arg_string(
             "pretrained={tiny_model_dir},max_length=" + str(32 + rank), {{}})
-    """))
+    """)
+    )
     proc = run_command([*accelerate_launch_prefix(2), str(script)], cwd=tmp_path, check=False, timeout=180)
     assert proc.returncode != 0
     assert "rank 1 does not run what rank 0 runs: options.max_length: 32 on rank 0 vs 33" in proc.stdout + proc.stderr
 
 
 def test_a_prefix_token_outside_the_vocabulary_fails_at_start(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"prefix_token_id=99999 is not a token of this model: its embeddings hold "
-                                         r"ids 0\.\.\d+\. Fix: pass prefix_token_id=<an id below \d+>"):
+    with pytest.raises(
+        ValueError,
+        match=r"prefix_token_id=99999 is not a token of this model: its embeddings hold "
+        r"ids 0\.\.\d+\. Fix: pass prefix_token_id=<an id below \d+>",
+    ):
         make_lm(tiny_model_dir, ",device=cpu,prefix_token_id=99999")
 
 

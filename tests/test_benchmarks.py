@@ -10,11 +10,34 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 
 def test_bench_scoring_runs_end_to_end(tiny_model_dir, sample_text_path, tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_command([sys.executable, BENCHMARKS / "bench_scoring.py", "--models", tiny_model_dir,
-                        "--text", sample_text_path, "--scorers", "hf,distperp,bare,int4", "--tokens", "300",
-                        "--repeats", "1", "--max-length", "64", "--batch-size", "2", "--memory-tokens", "128",
-                        "--memory-scorers", "hf,distperp",
-                        "--json", out], cwd=REPO_ROOT, timeout=600)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "bench_scoring.py",
+            "--models",
+            tiny_model_dir,
+            "--text",
+            sample_text_path,
+            "--scorers",
+            "hf,distperp,bare,int4",
+            "--tokens",
+            "300",
+            "--repeats",
+            "1",
+            "--max-length",
+            "64",
+            "--batch-size",
+            "2",
+            "--memory-tokens",
+            "128",
+            "--memory-scorers",
+            "hf,distperp",
+            "--json",
+            out,
+        ],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     table = proc.stdout
     assert "| model | scorer | tokens/s | vs hf | vs bare forward | peak scoring memory | vs hf |" in table
     for label in ("lm-eval hf", "distperp", "bare forward", "distperp int4 (float32 compute)"):
@@ -24,16 +47,51 @@ def test_bench_scoring_runs_end_to_end(tiny_model_dir, sample_text_path, tmp_pat
 
 
 def test_bench_scoring_profile_mode(tiny_model_dir, sample_text_path):
-    proc = run_command([sys.executable, BENCHMARKS / "bench_scoring.py", "--profile", "--models", tiny_model_dir,
-                        "--text", sample_text_path, "--tokens", "200", "--max-length", "64", "--batch-size", "2"],
-                       cwd=REPO_ROOT, timeout=600)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "bench_scoring.py",
+            "--profile",
+            "--models",
+            tiny_model_dir,
+            "--text",
+            sample_text_path,
+            "--tokens",
+            "200",
+            "--max-length",
+            "64",
+            "--batch-size",
+            "2",
+        ],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     assert "post-processing" in proc.stdout and "bare forward" in proc.stdout
 
 
 def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
-    proc = run_command([sys.executable, BENCHMARKS / "balance.py", "--model", tiny_model_dir, "--text",
-                        sample_text_path, "--max-length", "64", "--ranks", "2,4", "--batch-sizes", "1,2",
-                        "--sim-ranks", "8", "--sim-tokens", "100000"], cwd=REPO_ROOT, timeout=300)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "balance.py",
+            "--model",
+            tiny_model_dir,
+            "--text",
+            sample_text_path,
+            "--max-length",
+            "64",
+            "--ranks",
+            "2,4",
+            "--batch-sizes",
+            "1,2",
+            "--sim-ranks",
+            "8",
+            "--sim-tokens",
+            "100000",
+        ],
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
     out = proc.stdout
     assert "batch size 1:" in out and "batch size 2:" in out
     assert "| ranks | lm-eval tokens | ours tokens |" in out
@@ -41,9 +99,26 @@ def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
 
 
 def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
-    proc = run_command([sys.executable, BENCHMARKS / "bench_mc.py", "--model", tiny_model_dir, "--text",
-                        sample_text_path, "--questions", "3", "--repeats", "1", "--max-length", "128",
-                        "--batch-size", "2"], cwd=REPO_ROOT, timeout=300)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "bench_mc.py",
+            "--model",
+            tiny_model_dir,
+            "--text",
+            sample_text_path,
+            "--questions",
+            "3",
+            "--repeats",
+            "1",
+            "--max-length",
+            "128",
+            "--batch-size",
+            "2",
+        ],
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
     out = proc.stdout
     assert "| shape | scorer | scoring s | tokens/s | vs hf | vs unshared | rows | tokens computed |" in out
     for shape in ("mmlu0", "mmlu5", "hellaswag", "mmlupro5", "mmlu3", "bbh3"):
@@ -63,8 +138,12 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
     import json
 
     out, work = tmp_path / "gpu_all.md", tmp_path / "work"
-    proc = run_command(["bash", BENCHMARKS / "gpu_all.sh", "--device", "cpu", "--out", out], cwd=REPO_ROOT,
-                       timeout=900, env={"PYTHON": sys.executable, "DISTPERP_GPU_ALL_WORK": str(work)})
+    proc = run_command(
+        ["bash", BENCHMARKS / "gpu_all.sh", "--device", "cpu", "--out", out],
+        cwd=REPO_ROOT,
+        timeout=900,
+        env={"PYTHON": sys.executable, "DISTPERP_GPU_ALL_WORK": str(work)},
+    )
     text = out.read_text()
     assert "## gpu_check" in text and "## shard_check" in text and "FAILED" not in text, proc.stdout[-3000:]
     assert text.count("passed") == 5  # gpu_check, shard_check, shard_check_one, bench_mc, bench_scoring
@@ -92,10 +171,12 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
 def test_random_shape_llama_1b_is_llama_3_2_1b():
     """``--random-shape llama-1b`` (bench_scoring, bench_mc, gpu_all.sh) has Llama-3.2-1B's parameters: 1,235,814,400
     with the output head tied to the embeddings (built on the meta device: nothing allocated)."""
-    code = ("import sys, torch; sys.path.insert(0, 'benchmarks'); from bench_scoring import RANDOM_SHAPES; "
-            "from transformers import LlamaConfig, LlamaForCausalLM\n"
-            "with torch.device('meta'): m = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES['llama-1b']))\n"
-            "print(sum(p.numel() for p in m.parameters()), m.lm_head.weight is m.model.embed_tokens.weight)")
+    code = (
+        "import sys, torch; sys.path.insert(0, 'benchmarks'); from bench_scoring import RANDOM_SHAPES; "
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "with torch.device('meta'): m = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES['llama-1b']))\n"
+        "print(sum(p.numel() for p in m.parameters()), m.lm_head.weight is m.model.embed_tokens.weight)"
+    )
     proc = run_command([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=120)
     assert proc.stdout.split()[-2:] == ["1235814400", "True"]
 
@@ -103,8 +184,20 @@ def test_random_shape_llama_1b_is_llama_3_2_1b():
 def test_scale_benchmark_small_configuration():
     """``benchmarks/scale.py`` at 2 % of MMLU 5-shot and HellaSwag for 8 and 64 ranks: it runs, and what a rank
     receives for its tokens shrinks as ranks are added while the records stay a few bytes per unit."""
-    proc = run_command([sys.executable, BENCHMARKS / "scale.py", "--fraction", "0.02", "--ranks", "8,64",
-                        "--shapes", "mmlu5,hellaswag"], cwd=REPO_ROOT, timeout=600)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "scale.py",
+            "--fraction",
+            "0.02",
+            "--ranks",
+            "8,64",
+            "--shapes",
+            "mmlu5,hellaswag",
+        ],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("MMLU", "HellaSwag"))]
     assert len(rows) == 4, proc.stdout
     sys.path.insert(0, str(BENCHMARKS))
@@ -131,9 +224,30 @@ def test_scale_generate_small_configuration():
 
 
 def test_bench_generate_runs_end_to_end(tiny_model_dir):
-    proc = run_command([sys.executable, BENCHMARKS / "bench_generate.py", "--model", tiny_model_dir, "--prompts", "3",
-                        "--repeats", "1", "--instruct-new", "6", "--task-new", "6", "--max-length", "512", "--batch-size", "2",
-                        "--shapes", "instruct,gsm8k"], cwd=REPO_ROOT, timeout=600)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "bench_generate.py",
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            "3",
+            "--repeats",
+            "1",
+            "--instruct-new",
+            "6",
+            "--task-new",
+            "6",
+            "--max-length",
+            "512",
+            "--batch-size",
+            "2",
+            "--shapes",
+            "instruct,gsm8k",
+        ],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     out = proc.stdout
     assert "| shape | backend | decode positions per useful token |" in out
     for shape in ("instruct", "gsm8k"):
@@ -143,9 +257,26 @@ def test_bench_generate_runs_end_to_end(tiny_model_dir):
 def test_tp_traffic_runs_and_its_tp_formula_matches_the_counts(tiny_model_dir):
     """``benchmarks/tp_traffic.py`` at N=2, the tensor-parallel launch only (the launch tests hold both layouts'
     counts to their formulas): the table, the exact formula check and the 70B projection."""
-    proc = run_command([sys.executable, BENCHMARKS / "tp_traffic.py", "--model", tiny_model_dir, "--size", "2",
-                        "--prompts", "2", "--new", "4", "--repeats", "1", "--layouts", "tp"], cwd=REPO_ROOT,
-                       timeout=600)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "tp_traffic.py",
+            "--model",
+            tiny_model_dir,
+            "--size",
+            "2",
+            "--prompts",
+            "2",
+            "--new",
+            "4",
+            "--repeats",
+            "1",
+            "--layouts",
+            "tp",
+        ],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     out = proc.stdout
     assert "| tp_size=2 |" in out and "| 2/2 |" in out, out
     assert "TP received bytes per rank per row" in out and "(1.000x)" in out, out
@@ -159,9 +290,30 @@ def test_leaderboard_runs_the_whole_group_end_to_end(tiny_model_dir, tmp_path):
     near tie only), and the metrics that need absent packages are named, not faked."""
     import re
 
-    proc = run_command([sys.executable, BENCHMARKS / "leaderboard.py", "--model", tiny_model_dir, "--docs", "1",
-                        "--repeats", "1", "--max-gen-toks", "4", "--max-length", "512", "--batch-size", "4",
-                        "--families", "gpqa", "--work", tmp_path / "lb"], cwd=REPO_ROOT, timeout=600)
+    proc = run_command(
+        [
+            sys.executable,
+            BENCHMARKS / "leaderboard.py",
+            "--model",
+            tiny_model_dir,
+            "--docs",
+            "1",
+            "--repeats",
+            "1",
+            "--max-gen-toks",
+            "4",
+            "--max-length",
+            "512",
+            "--batch-size",
+            "4",
+            "--families",
+            "gpqa",
+            "--work",
+            tmp_path / "lb",
+        ],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     out = proc.stdout
     group = re.findall(r"^\| whole group \| 39 \| (\d+) \| (hf|distperp) \|", out, re.M)
     assert [b for _, b in group] == ["hf", "distperp"] and int(group[0][0]) > 39, out

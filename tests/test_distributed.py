@@ -27,13 +27,16 @@ from helpers import (
 
 pytestmark = pytest.mark.distributed
 
-TASKS = ("dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,dptest_chain,dptest_sample,"
-         "distperp_wikitext2")
+TASKS = "dptest_rolling,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_gen,dptest_chain,dptest_sample,distperp_wikitext2"
 INT4_TASKS = "distperp_wikitext2,dptest_mc,dptest_mmlu,dptest_fewshot,dptest_rolling,distperp_local_docs"
 ROLLING_DOCS = REPO_ROOT / "tests" / "tasks" / "dptest_rolling.jsonl"  # distperp_local_docs on dptest_rolling's texts
-EXACT_METRICS = {"dptest_mc": ["acc,none", "acc_norm,none"], "dptest_mmlu": ["acc,none"],
-                 "dptest_fewshot": ["acc,none", "acc_norm,none"],
-                 "dptest_gen": ["exact_match,none"], "dptest_chain": ["exact_match,none"]}
+EXACT_METRICS = {
+    "dptest_mc": ["acc,none", "acc_norm,none"],
+    "dptest_mmlu": ["acc,none"],
+    "dptest_fewshot": ["acc,none", "acc_norm,none"],
+    "dptest_gen": ["exact_match,none"],
+    "dptest_chain": ["exact_match,none"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +51,26 @@ def tasks_dir(tasks_dir, tmp_path_factory):
 def _lm_eval_args(model_dir, tasks_dir, out, extra=(), model_args="", tasks=TASKS):
     from distperp_harness.commands.tiny import sample_text_path
 
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model_dir},max_length=128{model_args}", "--tasks", tasks, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
-            "--metadata", json.dumps({"wikitext_path": str(sample_text_path()), "docs_path": str(ROLLING_DOCS)}),
-            "--output_path", str(out), *extra]
+    return [
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model_dir},max_length=128{model_args}",
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(tasks_dir),
+        "--batch_size",
+        "3",
+        "--log_samples",
+        "--metadata",
+        json.dumps({"wikitext_path": str(sample_text_path()), "docs_path": str(ROLLING_DOCS)}),
+        "--output_path",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +82,28 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     int4 = {"model_args": f",peft={adapter},quantize=int4,group_size=32,reference=pretrained", "tasks": INT4_TASKS}
 
     def launch(n, name, extra):
-        run_command([*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[name], **extra)],
-                    cwd=root)
+        run_command(
+            [*accelerate_launch_prefix(n), *_lm_eval_args(tiny_model_dir, tasks_dir, out[name], **extra)], cwd=root
+        )
 
     side_by_side(lambda: launch(1, "1p", {}), lambda: launch(1, "1p-int4", int4))  # the one-process runs
     for n in (2, 3):
         launch(n, f"{n}p", {})
     run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)
     launch(2, "2p-int4", int4)
-    run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(free_port()), *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"])], cwd=root)
+    run_command(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *_lm_eval_args(tiny_model_dir, tasks_dir, out["torchrun"]),
+        ],
+        cwd=root,
+    )
     return out
 
 
@@ -94,7 +125,8 @@ def test_identical_to_one_process(runs, setup, world, nodes):
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         # lm-eval's built-in weighted_perplexity sums per-rank lists in rank order: equal up to summation order.
         assert other["results"]["dptest_rolling"][metric] == pytest.approx(
-            base["results"]["dptest_rolling"][metric], rel=1e-12)
+            base["results"]["dptest_rolling"][metric], rel=1e-12
+        )
 
 
 def test_sampled_generations_are_samples(runs):
@@ -133,9 +165,14 @@ def test_reference_entries_identical_across_world_sizes(runs):
     assert one["tasks"]["dptest_mc"]["n_docs"] == 20 and "flips" in one["tasks"]["dptest_mc"]
 
 
-@pytest.mark.parametrize("entry_task, metrics_task", [("distperp_wikitext2", "distperp_wikitext2"),
-                                                      ("dptest_rolling", "distperp_local_docs"),
-                                                      ("distperp_local_docs", "distperp_local_docs")])
+@pytest.mark.parametrize(
+    "entry_task, metrics_task",
+    [
+        ("distperp_wikitext2", "distperp_wikitext2"),
+        ("dptest_rolling", "distperp_local_docs"),
+        ("distperp_local_docs", "distperp_local_docs"),
+    ],
+)
 def test_reference_entries_equal_the_distperp_task_metrics(runs, entry_task, metrics_task):
     """A plain rolling YAML (lm-eval's own metrics) gets the same KL numbers as distperp's task on the same texts."""
     results = load_results(runs["2p-int4"])
@@ -154,8 +191,13 @@ def test_flips_match_the_logged_samples_of_an_unquantized_run(runs):
     import numpy as np
 
     entry = load_results(runs["2p-int4"])["config"]["distperp"]["reference"]["tasks"]["dptest_mc"]
-    pick = {k: {r["doc_id"]: int(np.argmax([float(resp[0][0]) for resp in r["resps"]]))
-                for r in load_samples(runs[k], "dptest_mc")} for k in ("1p", "2p-int4")}
+    pick = {
+        k: {
+            r["doc_id"]: int(np.argmax([float(resp[0][0]) for resp in r["resps"]]))
+            for r in load_samples(runs[k], "dptest_mc")
+        }
+        for k in ("1p", "2p-int4")
+    }
     assert entry["n_flips"] == sum(pick["1p"][d] != pick["2p-int4"][d] for d in pick["1p"])
 
 
@@ -180,7 +222,8 @@ def test_work_is_shared_across_ranks(runs):
 
 def test_collective_timeout_names_the_missing_rank(tmp_path):
     script = tmp_path / "hang.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, time, torch
         from distperp_harness.distributed.collective import AccelerateCollective, CollectiveError
         c = AccelerateCollective(timeout_s=4, cpu=True)
@@ -193,7 +236,8 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
         except CollectiveError as exc:
             print("ERROR:", exc, flush=True)
             sys.exit(3)
-    """))
+    """)
+    )
     t0 = time.monotonic()
     proc = run_command([*accelerate_launch_prefix(2), str(script)], cwd=tmp_path, check=False, timeout=120)
     elapsed = time.monotonic() - t0
@@ -209,8 +253,15 @@ def test_killed_rank_fails_the_run_without_results(tiny_model_dir, tasks_dir, tm
     out = tmp_path / "out"
     cmd = [*accelerate_launch_prefix(2), *_lm_eval_args(tiny_model_dir, tasks_dir, out)]
     cmd[cmd.index("--model_args") + 1] += ",timeout=30"
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=offline_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=offline_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         victim = _wait_for_rank(launcher.pid, rank=1, timeout=120)
         time.sleep(2.0)  # let it get into model loading / scoring
@@ -238,8 +289,7 @@ def _wait_for_rank(launcher_pid, rank, timeout):
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline \
-                    and "MAIN_PROCESS_PORT".encode() not in cmdline:
+            if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline and "MAIN_PROCESS_PORT".encode() not in cmdline:
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} never started")
@@ -258,8 +308,10 @@ def _descends_from(pid, ancestor):
 
 
 def test_use_cache_with_several_processes_is_refused(tiny_model_dir, tasks_dir, tmp_path):
-    cmd = [*accelerate_launch_prefix(2), *_lm_eval_args(tiny_model_dir, tasks_dir, tmp_path / "out",
-                                                        ["--use_cache", str(tmp_path / "cache")])]
+    cmd = [
+        *accelerate_launch_prefix(2),
+        *_lm_eval_args(tiny_model_dir, tasks_dir, tmp_path / "out", ["--use_cache", str(tmp_path / "cache")]),
+    ]
     proc = run_command(cmd, cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode != 0
     assert "--use_cache with 2 processes is not supported" in proc.stdout + proc.stderr
@@ -267,8 +319,14 @@ def test_use_cache_with_several_processes_is_refused(tiny_model_dir, tasks_dir, 
 
 def test_ctrl_c_on_the_launcher_stops_every_rank(tiny_model_dir, tasks_dir, tmp_path):
     cmd = [*accelerate_launch_prefix(2), *_lm_eval_args(tiny_model_dir, tasks_dir, tmp_path / "out")]
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=offline_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=offline_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         ranks = [_wait_for_rank(launcher.pid, rank=r, timeout=120) for r in (0, 1)]
         os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group

@@ -69,8 +69,12 @@ def test_random_fewshot_prompts_are_those_of_one_process():
         entry, mine = _split(task, rank=rank, world_size=3)
         assert sorted(mine) == list(range(rank, 10, 3))  # exactly lm-eval's documents of this rank
         assert entry["reason"].startswith("2-shot prompts from the ContextSampler sampler")
-        assert (entry["documents"], entry["built_all"], entry["kept_documents"], entry["padded"]) == \
-            (10, True, len(mine), False)
+        assert (entry["documents"], entry["built_all"], entry["kept_documents"], entry["padded"]) == (
+            10,
+            True,
+            len(mine),
+            False,
+        )
         split_ranks.update(mine)
     assert split_ranks == one
     assert plain_ranks != one  # lm-eval's own split changes the prompts: the task shows the problem
@@ -80,16 +84,29 @@ def test_first_n_task_with_enough_documents_runs_lm_eval_unchanged():
     task = _task("dptest_fewshot")
     assert docsplit.split_reason(task, world_size=2) == (None, 10)
     entry, mine = _split(task, rank=1, world_size=2)
-    assert entry == {"reason": None, "documents": 10, "built_all": False, "kept_documents": None, "padded": False,
-                     "empty_ranks": 0}
+    assert entry == {
+        "reason": None,
+        "documents": 10,
+        "built_all": False,
+        "kept_documents": None,
+        "padded": False,
+        "empty_ranks": 0,
+    }
     assert mine == _plain(task, rank=1, world_size=2)
     assert sorted(mine) == [1, 3, 5, 7, 9]
 
 
-@pytest.mark.parametrize("limit, samples, world, expected", [
-    (None, None, 20, (None, 20)), (None, None, 21, ("20 document(s) for 21 ranks", 20)),
-    (1, None, 2, ("1 document(s) for 2 ranks", 1)), (0.0, None, 2, (None, 20)),
-    (None, [3, 3, 5], 3, ("2 document(s) for 3 ranks", 2)), (5, None, 1, (None, 5))])
+@pytest.mark.parametrize(
+    "limit, samples, world, expected",
+    [
+        (None, None, 20, (None, 20)),
+        (None, None, 21, ("20 document(s) for 21 ranks", 20)),
+        (1, None, 2, ("1 document(s) for 2 ranks", 1)),
+        (0.0, None, 2, (None, 20)),
+        (None, [3, 3, 5], 3, ("2 document(s) for 3 ranks", 2)),
+        (5, None, 1, (None, 5)),
+    ],
+)
 def test_split_reason_counts_documents_after_limit_and_samples(limit, samples, world, expected):
     assert docsplit.split_reason(_task("dptest_mc"), world_size=world, limit=limit, samples=samples) == expected
 
@@ -97,14 +114,22 @@ def test_split_reason_counts_documents_after_limit_and_samples(limit, samples, w
 def test_rank_without_documents_keeps_fresh_copies_of_the_first_documents_instances():
     task = _task("dptest_mc")
     entry, kept = _split(task, rank=0, world_size=2, limit=1)
-    assert entry == {"reason": "1 document(s) for 2 ranks", "documents": 1, "built_all": True,
-                     "kept_documents": 1, "padded": False, "empty_ranks": 1}
+    assert entry == {
+        "reason": "1 document(s) for 2 ranks",
+        "documents": 1,
+        "built_all": True,
+        "kept_documents": 1,
+        "padded": False,
+        "empty_ranks": 1,
+    }
     first = list(task.instances)
     entry, padded = _split(task, rank=1, world_size=2, limit=1)
     assert entry["padded"] and entry["kept_documents"] == 0
     assert padded == kept and list(padded) == [0]
-    assert all(a is not b and a.resps == [] and a.filtered_resps == {} and (a.doc_id, a.idx) == (b.doc_id, b.idx)
-               for a, b in zip(task.instances, first))
+    assert all(
+        a is not b and a.resps == [] and a.filtered_resps == {} and (a.doc_id, a.idx) == (b.doc_id, b.idx)
+        for a, b in zip(task.instances, first)
+    )
     assert list(task.doc_iterator(rank=1, limit=1, world_size=2)) == []  # evaluate() counts no metric for them
 
 
@@ -181,8 +206,20 @@ def test_wrapper_is_not_installed_for_one_process_or_another_lm_eval_layout(monk
 
 # ------------------------------------------------------------------------------------------- real launches
 def _args(model_dir, out, *extra):
-    return ["--model", "distperp", "--model_args", f"pretrained={model_dir},max_length=128", "--include_path",
-            str(TASKS_DIR), "--batch_size", "3", "--log_samples", "--output_path", str(out), *extra]
+    return [
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model_dir},max_length=128",
+        "--include_path",
+        str(TASKS_DIR),
+        "--batch_size",
+        "3",
+        "--log_samples",
+        "--output_path",
+        str(out),
+        *extra,
+    ]
 
 
 def _per_doc(rows):
@@ -205,10 +242,16 @@ def test_two_processes_give_one_process_documents_prompts_and_results(tiny_model
 
     # lm-eval's own --limit 1 on two processes (rank 1 raised "did not find any docs!"): now one document,
     # the one process's prompt and answer (other requests in the plan: scores to float rounding only)
-    run_lm_eval(_args(tiny_model_dir, tmp_path / "limit", "--tasks", "dptest_mc", "--limit", "1"), num_processes=2,
-                cwd=tmp_path)
+    run_lm_eval(
+        _args(tiny_model_dir, tmp_path / "limit", "--tasks", "dptest_mc", "--limit", "1"), num_processes=2, cwd=tmp_path
+    )
     (row,), (base,) = load_samples(tmp_path / "limit", "dptest_mc"), load_samples(tmp_path / "1p", "dptest_mc")
-    assert (row["doc_id"], row["arguments"], row["acc"], row["acc_norm"]) == \
-        (base["doc_id"], base["arguments"], base["acc"], base["acc_norm"])
-    assert [float(r[0][0]) for r in row["resps"]] == \
-        pytest.approx([float(r[0][0]) for r in base["resps"]], rel=1e-6, abs=1e-6)
+    assert (row["doc_id"], row["arguments"], row["acc"], row["acc_norm"]) == (
+        base["doc_id"],
+        base["arguments"],
+        base["acc"],
+        base["acc_norm"],
+    )
+    assert [float(r[0][0]) for r in row["resps"]] == pytest.approx(
+        [float(r[0][0]) for r in base["resps"]], rel=1e-6, abs=1e-6
+    )

@@ -8,15 +8,24 @@ import pytest
 from distperp_harness.errors import TASKS_HINT, InputError, MissingInput, OptionError, install_excepthook, one_line
 
 
-@pytest.mark.parametrize("env, error, line", [
-    ({}, OptionError("quantize='int5' is not valid"), "distperp: error: quantize='int5' is not valid"),
-    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, OptionError("x=1 is not valid"), None),  # rank 0 says it
-    ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, OptionError("x=1 is not valid"),
-     "distperp: error: x=1 is not valid"),  # and the first process of every other node, for that node's log
-    ({"RANK": "1", "WORLD_SIZE": "2"}, MissingInput("/data (from --metadata) does not exist"),
-     "distperp: error (rank 1): /data (from --metadata) does not exist"),
-    ({}, InputError("two\nlines"), "distperp: error: two lines"),
-])
+@pytest.mark.parametrize(
+    "env, error, line",
+    [
+        ({}, OptionError("quantize='int5' is not valid"), "distperp: error: quantize='int5' is not valid"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, OptionError("x=1 is not valid"), None),  # rank 0 says it
+        (
+            {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"},
+            OptionError("x=1 is not valid"),
+            "distperp: error: x=1 is not valid",
+        ),  # and the first process of every other node, for that node's log
+        (
+            {"RANK": "1", "WORLD_SIZE": "2"},
+            MissingInput("/data (from --metadata) does not exist"),
+            "distperp: error (rank 1): /data (from --metadata) does not exist",
+        ),
+        ({}, InputError("two\nlines"), "distperp: error: two lines"),
+    ],
+)
 def test_the_line_each_rank_prints(monkeypatch, env, error, line):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)

@@ -26,12 +26,29 @@ def _bin(name: str) -> str:
 
 
 def test_cli_entry_points_run_distperp(tiny_model_dir, tasks_dir, tmp_path):
-    common = ["--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},max_length=128",
-              "--tasks", "dptest_rolling", "--include_path", str(tasks_dir), "--limit", "2"]
-    entries = {"module": [sys.executable, "-m", "lm_eval"], "lm_eval": [_bin("lm_eval")],
-               "lm-eval-run": [_bin("lm-eval"), "run"]}
-    side_by_side(*(lambda cmd=cmd, name=name: run_command([*cmd, *common, "--output_path", str(tmp_path / name)],
-                                                          cwd=tmp_path) for name, cmd in entries.items()))
+    common = [
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={tiny_model_dir},max_length=128",
+        "--tasks",
+        "dptest_rolling",
+        "--include_path",
+        str(tasks_dir),
+        "--limit",
+        "2",
+    ]
+    entries = {
+        "module": [sys.executable, "-m", "lm_eval"],
+        "lm_eval": [_bin("lm_eval")],
+        "lm-eval-run": [_bin("lm-eval"), "run"],
+    }
+    side_by_side(
+        *(
+            lambda cmd=cmd, name=name: run_command([*cmd, *common, "--output_path", str(tmp_path / name)], cwd=tmp_path)
+            for name, cmd in entries.items()
+        )
+    )
     for name in entries:
         results = load_results(tmp_path / name)
         assert results["config"]["model"] == "distperp"
@@ -42,9 +59,13 @@ def test_simple_evaluate_by_name(tiny_model_dir, tasks_dir):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model="distperp", model_args={"pretrained": str(tiny_model_dir), "max_length": 128},
-                                  tasks=["dptest_rolling"], task_manager=TaskManager(include_path=str(tasks_dir)),
-                                  limit=2)
+    out = lm_eval.simple_evaluate(
+        model="distperp",
+        model_args={"pretrained": str(tiny_model_dir), "max_length": 128},
+        tasks=["dptest_rolling"],
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        limit=2,
+    )
     assert out["config"]["distperp"]["world_size"] == 1
 
 

@@ -23,22 +23,37 @@ def _fresh_venv(root: Path) -> Path:
     cannot download, come from the test environment's site-packages through a path file (a path line: that
     folder's own ``.pth`` files, the checkout's editable install among them, are not run)."""
     wheels = root / "wheels"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, REPO_ROOT],
-         cwd=root)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, REPO_ROOT],
+        cwd=root,
+    )
     venv = root / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=root)
     python = venv / "bin" / "python"
     purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout
     (Path(purelib.strip()) / "_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q",
-          *wheels.glob("distperp_harness-*.whl")], cwd=root)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            *wheels.glob("distperp_harness-*.whl"),
+        ],
+        cwd=root,
+    )
     return venv
 
 
 def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
     _, venv = side_by_side(  # the demo model (cached, ~40 s the first time) builds while pip works
-        lambda: _run([sys.executable, "-m", "distperp_harness", "demo-model"], tmp_path),
-        lambda: _fresh_venv(tmp_path))
+        lambda: _run([sys.executable, "-m", "distperp_harness", "demo-model"], tmp_path), lambda: _fresh_venv(tmp_path)
+    )
     python, distperp = venv / "bin" / "python", venv / "bin" / "distperp"
     here = tmp_path / "first"
     here.mkdir()
@@ -49,26 +64,50 @@ def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
     assert (Path(model) / "config.json").exists(), model
     lm_eval = [python, "-m", "lm_eval"]  # the `lm_eval` script's module (its script lives with lm-eval's install)
     sample = ["--tasks", "distperp_wikitext2", "--metadata", json.dumps({"wikitext_path": "sample"})]
-    first = [*lm_eval, "--model", "distperp", "--model_args", f"pretrained={model}", *sample, "--output_path",
-             "results/"]
+    first = [
+        *lm_eval,
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model}",
+        *sample,
+        "--output_path",
+        "results/",
+    ]
     bad = [*lm_eval, "--model", "distperp", "--model_args", f"pretrained={model},quantize=int5", *sample]
-    hf = [*lm_eval, "--model", "hf", "--model_args", f"pretrained={model}", "--device", "cpu", *sample,
-          "--output_path", "results_hf/"]
-    ours, refused, theirs = side_by_side(lambda: _run(first, here), lambda: _run(bad, here, check=False),
-                                         lambda: _run(hf, here))
+    hf = [
+        *lm_eval,
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model}",
+        "--device",
+        "cpu",
+        *sample,
+        "--output_path",
+        "results_hf/",
+    ]
+    ours, refused, theirs = side_by_side(
+        lambda: _run(first, here), lambda: _run(bad, here, check=False), lambda: _run(hf, here)
+    )
 
     assert list((here / "results").rglob("results_*.json")), ours.stderr[-3000:]
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("distperp: error")]
-    assert errors == ["distperp: error: quantize='int5' is not valid for --model distperp; allowed: one of none, "
-                      "int4, int8, 8da4w. Fix: e.g. quantize=int4,group_size=128."], refused.stderr[-3000:]
+    assert errors == [
+        "distperp: error: quantize='int5' is not valid for --model distperp; allowed: one of none, "
+        "int4, int8, 8da4w. Fix: e.g. quantize=int4,group_size=128."
+    ], refused.stderr[-3000:]
 
     table = _run([distperp, "compare", "results/", "results_hf/"], cwd=here).stdout.splitlines()
     name = Path(model).name
     rows = [line.split(" | ") for line in table if line.startswith(f"| {name} |")]
-    assert [(row[1], row[2], row[3]) for row in rows] == [("none", "1", "distperp_wikitext2"),
-                                                         ("hf", "1", "distperp_wikitext2")], table
+    assert [(row[1], row[2], row[3]) for row in rows] == [
+        ("none", "1", "distperp_wikitext2"),
+        ("hf", "1", "distperp_wikitext2"),
+    ], table
     missing = _run([distperp, "compare", "nowhere/"], cwd=here, check=False)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
-        "compare: nowhere: no such results file or folder"], missing.stderr
+        "compare: nowhere: no such results file or folder"
+    ], missing.stderr
     assert os.listdir(here) and not (here / "distperp_harness").exists()

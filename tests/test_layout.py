@@ -15,15 +15,23 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distperp_harness"
 
 TOP_LEVEL: dict[str, str] = {
     # the modules left at the top of the package, and the unit each belongs to
-    "__init__": "base", "options": "base", "errors": "base",  # leaves every layer may use: constants, the
+    "__init__": "base",
+    "options": "base",
+    "errors": "base",  # leaves every layer may use: constants, the
     # validated model_args, the input-error type
-    "lm": "face", "docsplit": "face", "tokens": "face",  # the lm-eval face
-    "__main__": "entry", "_hook": "entry",  # ``python -m distperp_harness`` and the .pth registration hook
+    "lm": "face",
+    "docsplit": "face",
+    "tokens": "face",  # the lm-eval face
+    "__main__": "entry",
+    "_hook": "entry",  # ``python -m distperp_harness`` and the .pth registration hook
 }
 LAYERS: dict[str, int] = {
     # unit (a folder, or a group of top-level modules) -> layer; an arrow between units only reaches a lower layer
     "base": 0,
-    "planning": 1, "distributed": 1, "model": 1, "report": 1,  # independent of each other
+    "planning": 1,
+    "distributed": 1,
+    "model": 1,
+    "report": 1,  # independent of each other
     "run": 2,
     "face": 3,
     "commands": 4,  # above the face: ``sweep`` builds DistPerpLM itself
@@ -54,8 +62,13 @@ def import_edges() -> list[tuple[str, str, bool]]:
     for path in sorted(PACKAGE.rglob("*.py")):
         module = _module_name(path)
         tree = ast.parse(path.read_text(), filename=str(path))
-        local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for n in ast.walk(f) if n is not f}
+        local = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)
+            if n is not f
+        }
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         for node in ast.walk(tree):
             targets = []
@@ -64,7 +77,7 @@ def import_edges() -> list[tuple[str, str, bool]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
                 for alias in node.names:  # `from pkg import module` names a module; `from module import x` does not
                     full = f"{base}.{alias.name}"
@@ -91,8 +104,7 @@ def test_arrows_between_folders_point_down():
 
 
 def test_only_commands_reach_the_face():
-    into_face = [(a, b) for a, b, _ in import_edges()
-                 if _unit(b) == "face" and LAYERS[_unit(a)] < LAYERS["face"]]
+    into_face = [(a, b) for a, b, _ in import_edges() if _unit(b) == "face" and LAYERS[_unit(a)] < LAYERS["face"]]
     assert into_face == []
 
 
@@ -152,9 +164,12 @@ RUN_LAYERS: dict[str, int] = {
     # run's folders and top-level modules -> layer; an arrow between two of them only reaches a lower layer
     "rules": 0,  # the rules a call is planned by: imports nothing of run
     "scoring": 1,  # one batch's forward, masks and shared-prefix cache
-    "compiling": 2, "runtime": 2, "fit": 2,  # compile=, and the policy that chooses the rules and checks the fit
+    "compiling": 2,
+    "runtime": 2,
+    "fit": 2,  # compile=, and the policy that chooses the rules and checks the fit
     "execution": 3,  # the executor both stages share
-    "pipeline": 4, "generation": 4,  # the two orchestrators: a scoring call, generate_until
+    "pipeline": 4,
+    "generation": 4,  # the two orchestrators: a scoring call, generate_until
 }
 
 
@@ -172,8 +187,22 @@ def test_run_folders_are_its_stages_and_import_downward():
     assert ("generation", "execution") in arrows and ("execution", "scoring") in arrows  # the check sees them
 
 
-GENERATION = ["sampling", "thinking", "stats", "scheduler", "prefill", "kv_batch", "static_batch", "step", "loop",
-              "engines", "batchgen", "lanes", "jobs", "generate"]
+GENERATION = [
+    "sampling",
+    "thinking",
+    "stats",
+    "scheduler",
+    "prefill",
+    "kv_batch",
+    "static_batch",
+    "step",
+    "loop",
+    "engines",
+    "batchgen",
+    "lanes",
+    "jobs",
+    "generate",
+]
 """``run/generation``'s modules, lowest first: each imports only modules before it (the per-row rules, the
 scheduler, the KV batches and the step below the loop, the engine choice above it, the orchestrator on top)."""
 
@@ -183,8 +212,13 @@ def test_generation_roles_import_downward():
     modules = {p.stem for p in (PACKAGE / "run" / "generation").glob("*.py")} - {"__init__"}
     assert modules == set(GENERATION), f"place {sorted(modules ^ set(GENERATION))} in GENERATION"
     rank = {name: i for i, name in enumerate(GENERATION)}
-    upward = [(a, b) for a, b, _ in import_edges() if a.startswith(prefix) and b.startswith(prefix)
-              and rank[b.removeprefix(prefix)] >= rank[a.removeprefix(prefix)]]
+    upward = [
+        (a, b)
+        for a, b, _ in import_edges()
+        if a.startswith(prefix)
+        and b.startswith(prefix)
+        and rank[b.removeprefix(prefix)] >= rank[a.removeprefix(prefix)]
+    ]
     assert upward == []
     assert (prefix + "loop", prefix + "scheduler") in {(a, b) for a, b, _ in import_edges()}  # the check sees them
 

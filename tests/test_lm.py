@@ -21,11 +21,20 @@ def runs(tiny_model_dir, tasks_dir):
 
     manager = TaskManager(include_path=str(tasks_dir))
     out = {}
-    for name, model, extra, tasks in [("hf", "hf", "", TASKS), ("distperp", "distperp", "", TASKS),
-                                      ("unshared", "distperp", ",share_prefix=false", MC_TASKS)]:
+    for name, model, extra, tasks in [
+        ("hf", "hf", "", TASKS),
+        ("distperp", "distperp", "", TASKS),
+        ("unshared", "distperp", ",share_prefix=false", MC_TASKS),
+    ]:
         out[name] = lm_eval.simple_evaluate(
-            model=model, model_args=f"pretrained={tiny_model_dir},max_length=128{extra}", tasks=tasks,
-            task_manager=manager, batch_size=4, device="cpu", log_samples=True)
+            model=model,
+            model_args=f"pretrained={tiny_model_dir},max_length=128{extra}",
+            tasks=tasks,
+            task_manager=manager,
+            batch_size=4,
+            device="cpu",
+            log_samples=True,
+        )
     return out
 
 
@@ -42,7 +51,8 @@ def test_rolling_parity(runs):
         assert b.n_tokens > 0
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert runs["distperp"]["results"]["dptest_rolling"][metric] == pytest.approx(
-            runs["hf"]["results"]["dptest_rolling"][metric], rel=1e-6)
+            runs["hf"]["results"]["dptest_rolling"][metric], rel=1e-6
+        )
 
 
 @pytest.mark.parametrize("task", MC_TASKS)
@@ -50,11 +60,12 @@ def test_rolling_parity(runs):
 def test_loglikelihood_parity(runs, task, ours):
     hf, dp = _samples(runs["hf"], task), _samples(runs[ours], task)
     for doc_id in hf:
-        for (a_ll, a_greedy), (b_ll, b_greedy) in zip((r[0] for r in hf[doc_id]["resps"]),
-                                                      (r[0] for r in dp[doc_id]["resps"])):
+        for (a_ll, a_greedy), (b_ll, b_greedy) in zip(
+            (r[0] for r in hf[doc_id]["resps"]), (r[0] for r in dp[doc_id]["resps"])
+        ):
             # hf sums log-probs in float32: n additions of magnitude |ll| can be off by ~n * eps32 * |ll|,
             # which exceeds 1e-5 for long continuations of a random model; ours are float64 sums.
-            hf_rounding = b_ll.n_tokens * 2.0 ** -23 * abs(float(a_ll))
+            hf_rounding = b_ll.n_tokens * 2.0**-23 * abs(float(a_ll))
             assert abs(float(a_ll) - float(b_ll)) <= max(1e-5, hf_rounding)
             assert a_greedy == b_greedy
         assert hf[doc_id]["acc"] == dp[doc_id]["acc"]
@@ -66,9 +77,13 @@ def test_loglikelihood_parity(runs, task, ours):
 def test_shared_rows_are_recorded(runs):
     shared = runs["distperp"]["config"]["distperp"]
     unshared = runs["unshared"]["config"]["distperp"]
-    assert shared["sharing"] == {"mode": "prefix", "requests": "loglikelihood", "max_row_length": 128,
-                                 "fallback_reason": None,
-                                 "row_budget": "batch_size=4: rows of at most max_length=128 tokens"}
+    assert shared["sharing"] == {
+        "mode": "prefix",
+        "requests": "loglikelihood",
+        "max_row_length": 128,
+        "fallback_reason": None,
+        "row_budget": "batch_size=4: rows of at most max_length=128 tokens",
+    }
     assert unshared["sharing"]["mode"] == "off"
     call = next(c for c in shared["calls"] if c["kind"] == "loglikelihood")
     alone = next(c for c in unshared["calls"] if c["kind"] == "loglikelihood")
@@ -117,8 +132,10 @@ def chat_model_dir(tiny_model_dir, tmp_path_factory):
     for f in tiny_model_dir.iterdir():
         shutil.copy(f, out / f.name)
     tok = AutoTokenizer.from_pretrained(out)
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant> {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
     tok.save_pretrained(out)
     return out
 
@@ -127,9 +144,17 @@ def _evaluate(model, model_dir, tasks_dir, **kwargs):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model=model, model_args=f"pretrained={model_dir},max_length=128",
-                                   tasks=["dptest_gen"], task_manager=TaskManager(include_path=str(tasks_dir)),
-                                   batch_size=4, device="cpu", log_samples=True, limit=4, **kwargs)
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=f"pretrained={model_dir},max_length=128",
+        tasks=["dptest_gen"],
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        batch_size=4,
+        device="cpu",
+        log_samples=True,
+        limit=4,
+        **kwargs,
+    )
 
 
 def test_chat_template_generation_parity(chat_model_dir, tasks_dir):
@@ -161,9 +186,15 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
     monkeypatch.setattr(scoring, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
     with caplog.at_level(logging.INFO, logger="distperp_harness"):
         logging.getLogger("distperp_harness").addHandler(caplog.handler)
-        run = lm_eval.simple_evaluate(model="distperp", model_args=f"pretrained={tiny_model_dir},max_length=128",
-                                      tasks=["dptest_mc"], task_manager=TaskManager(include_path=str(tasks_dir)),
-                                      batch_size=4, device="cpu", log_samples=True)
+        run = lm_eval.simple_evaluate(
+            model="distperp",
+            model_args=f"pretrained={tiny_model_dir},max_length=128",
+            tasks=["dptest_mc"],
+            task_manager=TaskManager(include_path=str(tasks_dir)),
+            batch_size=4,
+            device="cpu",
+            log_samples=True,
+        )
         logging.getLogger("distperp_harness").removeHandler(caplog.handler)
     sharing = run["config"]["distperp"]["sharing"]
     assert sharing["mode"] == "inputs" and "model type 'llama'" in sharing["fallback_reason"]

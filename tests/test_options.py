@@ -6,8 +6,16 @@ from distperp_harness.options import Options
 
 
 def test_defaults_and_casts_from_cli_strings():
-    opts = Options.from_kwargs(pretrained="m", batch_size="8", max_length="512", trust_remote_code="true",
-                               timeout="60", dtype="bf16", group_size="64", quantize="INT4")
+    opts = Options.from_kwargs(
+        pretrained="m",
+        batch_size="8",
+        max_length="512",
+        trust_remote_code="true",
+        timeout="60",
+        dtype="bf16",
+        group_size="64",
+        quantize="INT4",
+    )
     assert opts.batch_size == 8 and opts.max_length == 512 and opts.trust_remote_code is True
     assert opts.timeout == 60.0 and opts.dtype == "bfloat16" and opts.group_size == 64 and opts.quantize == "int4"
     assert Options.from_kwargs(pretrained="m").batch_size == 1
@@ -20,24 +28,27 @@ def test_batch_size_forms(value, expected):
     assert Options.from_kwargs(pretrained="m", batch_size=value).batch_size == expected
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"pretrained": "m", "batch_sise": 4}, "did you mean 'batch_size'"),
-    ({"pretrained": "m", "dtype": "float8"}, "allowed: one of auto, float32, bfloat16, float16"),
-    ({"pretrained": "m", "batch_size": "auto:x"}, "'auto' or 'auto:N'"),
-    ({"pretrained": "m", "batch_size": 0}, "batch_size=0"),
-    ({"pretrained": "m", "quantize": "int3"}, "one of none, int4, int8, 8da4w"),
-    ({"pretrained": "m", "group_size": 100}, "one of 32, 64, 128, 256"),
-    ({"pretrained": "m", "stride": 0}, "0 < stride <= max_length"),
-    ({"pretrained": "m", "stride": 300, "max_length": 256}, "stride <= max_length (256)"),
-    ({"pretrained": "m", "max_length": 1}, "max_length=1"),
-    ({"pretrained": "m", "timeout": -1}, "timeout=-1"),
-    ({"pretrained": "m", "trust_remote_code": "maybe"}, "trust_remote_code=true or trust_remote_code=false"),
-    ({"pretrained": "m", "share_prefix": "sometimes"}, "share_prefix=true or share_prefix=false"),
-    ({}, "needs pretrained="),
-    ({"pretrained": "m", "shard_size": 0}, "shard_size=0 is not valid"),
-    ({"pretrained": "m", "shard_size": "nodes"}, "or 'node'"),
-    ({"pretrained": "m", "shard_size": "2.5"}, "shard_size='2.5'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"pretrained": "m", "batch_sise": 4}, "did you mean 'batch_size'"),
+        ({"pretrained": "m", "dtype": "float8"}, "allowed: one of auto, float32, bfloat16, float16"),
+        ({"pretrained": "m", "batch_size": "auto:x"}, "'auto' or 'auto:N'"),
+        ({"pretrained": "m", "batch_size": 0}, "batch_size=0"),
+        ({"pretrained": "m", "quantize": "int3"}, "one of none, int4, int8, 8da4w"),
+        ({"pretrained": "m", "group_size": 100}, "one of 32, 64, 128, 256"),
+        ({"pretrained": "m", "stride": 0}, "0 < stride <= max_length"),
+        ({"pretrained": "m", "stride": 300, "max_length": 256}, "stride <= max_length (256)"),
+        ({"pretrained": "m", "max_length": 1}, "max_length=1"),
+        ({"pretrained": "m", "timeout": -1}, "timeout=-1"),
+        ({"pretrained": "m", "trust_remote_code": "maybe"}, "trust_remote_code=true or trust_remote_code=false"),
+        ({"pretrained": "m", "share_prefix": "sometimes"}, "share_prefix=true or share_prefix=false"),
+        ({}, "needs pretrained="),
+        ({"pretrained": "m", "shard_size": 0}, "shard_size=0 is not valid"),
+        ({"pretrained": "m", "shard_size": "nodes"}, "or 'node'"),
+        ({"pretrained": "m", "shard_size": "2.5"}, "shard_size='2.5'"),
+    ],
+)
 def test_bad_values_are_named(kwargs, fragment):
     with pytest.raises(ValueError, match=None) as info:
         Options.from_kwargs(**kwargs)
@@ -92,9 +103,16 @@ def test_in_process_keywords_are_not_model_args(key):
 
 
 def test_checkpoint_keys_cast_from_cli_strings():
-    opts = Options.from_kwargs(pretrained="m", peft="adapters/a", merge_adapter="false", think_end_token="151668",
-                               enable_thinking="true", chat_template_args='{"x": 1}', gguf_file="m.gguf",
-                               subfolder="ckpt")
+    opts = Options.from_kwargs(
+        pretrained="m",
+        peft="adapters/a",
+        merge_adapter="false",
+        think_end_token="151668",
+        enable_thinking="true",
+        chat_template_args='{"x": 1}',
+        gguf_file="m.gguf",
+        subfolder="ckpt",
+    )
     assert opts.merge_adapter is False and opts.think_end_token == 151668 and opts.enable_thinking is True
     assert opts.chat_kwargs == {"x": 1, "enable_thinking": True}
     assert Options.from_kwargs(pretrained="m", think_end_token="</think>").think_end_token == "</think>"
@@ -102,18 +120,21 @@ def test_checkpoint_keys_cast_from_cli_strings():
     assert Options.from_kwargs(pretrained="m", delta="d", reference="pretrained").delta == "d"
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"peft": "a", "delta": "d"}, "delta= or peft=, not both"),
-    ({"reference": "pretrained"}, "reference=pretrained only with peft= or delta="),
-    ({"merge_adapter": False}, "merge_adapter=false only with peft="),
-    ({"peft": "a", "merge_adapter": False, "quantize": "int4"}, "the adapter is merged before quantize=int4"),
-    ({"peft": "a", "merge_adapter": False, "shard_size": 2}, "merge_adapter=false only with shard_size=1"),
-    ({"enable_thinking": True}, "enable_thinking=true together with think_end_token"),
-    ({"think_end_token": ""}, "a string (e.g. '</think>') or a token id"),
-    ({"chat_template_args": "[1, 2]"}, "is not a JSON object"),
-    ({"gguf_file": " "}, "gguf_file=' ' is not valid"),
-    ({"merge_adapter": "sometimes"}, "merge_adapter=true or merge_adapter=false"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"peft": "a", "delta": "d"}, "delta= or peft=, not both"),
+        ({"reference": "pretrained"}, "reference=pretrained only with peft= or delta="),
+        ({"merge_adapter": False}, "merge_adapter=false only with peft="),
+        ({"peft": "a", "merge_adapter": False, "quantize": "int4"}, "the adapter is merged before quantize=int4"),
+        ({"peft": "a", "merge_adapter": False, "shard_size": 2}, "merge_adapter=false only with shard_size=1"),
+        ({"enable_thinking": True}, "enable_thinking=true together with think_end_token"),
+        ({"think_end_token": ""}, "a string (e.g. '</think>') or a token id"),
+        ({"chat_template_args": "[1, 2]"}, "is not a JSON object"),
+        ({"gguf_file": " "}, "gguf_file=' ' is not valid"),
+        ({"merge_adapter": "sometimes"}, "merge_adapter=true or merge_adapter=false"),
+    ],
+)
 def test_bad_checkpoint_keys_are_named(kwargs, fragment):
     with pytest.raises(ValueError) as info:
         Options.from_kwargs(pretrained="m", **kwargs)

@@ -19,7 +19,9 @@ def test_cached_index_equals_lm_evals_own(tasks_dir):
 
 
 def test_subprocesses_use_it():
-    code = ("import json; from lm_eval.tasks import TaskManager; from lm_eval.tasks._index import TaskIndex; "
-            "tasks = TaskManager().all_tasks; print(json.dumps([TaskIndex.build.hits, 'gsm8k_cot' in tasks]))")
+    code = (
+        "import json; from lm_eval.tasks import TaskManager; from lm_eval.tasks._index import TaskIndex; "
+        "tasks = TaskManager().all_tasks; print(json.dumps([TaskIndex.build.hits, 'gsm8k_cot' in tasks]))"
+    )
     out = run_command([sys.executable, "-c", code]).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [1, True]  # the built-ins came from the cache, once

@@ -8,8 +8,10 @@ def test_a_shared_context_is_encoded_once_per_call(tiny_model_dir):
 
     lm = make_lm(tiny_model_dir, ",max_length=64")
     contexts = ["The river runs past the old mill and", "Bees make honey in"]
-    requests = [Instance("loglikelihood", {}, (c, a), i)
-                for i, (c, a) in enumerate((c, a) for c in contexts for a in (" one", " two", " three"))]
+    requests = [
+        Instance("loglikelihood", {}, (c, a), i)
+        for i, (c, a) in enumerate((c, a) for c in contexts for a in (" one", " two", " three"))
+    ]
     seen = []
     encode = lm.tokenizer.encode
     lm.tokenizer.encode = lambda text, **kw: seen.append(text) or encode(text, **kw)

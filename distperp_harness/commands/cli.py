@@ -18,8 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--processes", type=int, default=2, help="processes for the distributed runs (default 2)")
 
     sub.add_parser("tasks-path", help="print the folder to pass to lm-eval as --include_path")
-    sub.add_parser("demo-model", help="print the demo model's folder (a small Llama trained on the packaged "
-                                      "sample; built once, about 30 s, then cached)")
+    sub.add_parser(
+        "demo-model",
+        help="print the demo model's folder (a small Llama trained on the packaged "
+        "sample; built once, about 30 s, then cached)",
+    )
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
     compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
@@ -27,8 +30,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from distperp_harness.commands.sweep import add_arguments as sweep_arguments
 
-    sweep_arguments(sub.add_parser("sweep", help="quantization leaderboard: several schemes against one reference "
-                                                 "on lm-eval tasks (works under accelerate launch)"))
+    sweep_arguments(
+        sub.add_parser(
+            "sweep",
+            help="quantization leaderboard: several schemes against one reference "
+            "on lm-eval tasks (works under accelerate launch)",
+        )
+    )
 
     args = parser.parse_args(argv)
     install_excepthook()

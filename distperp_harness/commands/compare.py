@@ -19,8 +19,16 @@ from pathlib import Path
 from typing import Any
 
 PPL_METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity")
-METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "kl_divergence",
-           "top1_agreement", "flips", "flips_norm")
+METRICS = (
+    "token_perplexity",
+    "word_perplexity",
+    "byte_perplexity",
+    "bits_per_byte",
+    "kl_divergence",
+    "top1_agreement",
+    "flips",
+    "flips_norm",
+)
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,7 @@ def load_run(path: str | Path) -> Run:
     seconds = sum(c.get("total_seconds", 0.0) for c in calls)
     tokens = sum(c.get("scored_tokens", 0) for c in calls)
     stamp = path.stem.removeprefix("results_")
-    samples = {task: s for task in data.get("results", {})
-               for s in path.parent.glob(f"samples_{task}_{stamp}.jsonl")}
+    samples = {task: s for task in data.get("results", {}) for s in path.parent.glob(f"samples_{task}_{stamp}.jsonl")}
     return Run(
         path=path,
         model=_model_name(options, config),
@@ -120,8 +127,11 @@ def _scheme(options: dict[str, Any], config: dict[str, Any]) -> str:
     quantize = options.get("quantize")
     if quantize is None:
         return str(config.get("model", "?"))
-    return f"{quantize}:{options['group_size']}" if quantize in ("int4", "8da4w") and "group_size" in options \
+    return (
+        f"{quantize}:{options['group_size']}"
+        if quantize in ("int4", "8da4w") and "group_size" in options
         else str(quantize)
+    )
 
 
 def _cell(run: Run, task: str, metric: str) -> str:
@@ -136,15 +146,25 @@ def _cell(run: Run, task: str, metric: str) -> str:
 
 def markdown_table(runs: list[Run]) -> str:
     """One row per (run, task), columns for every metric present in any run."""
-    metrics = [m for m in METRICS if any(value_and_stderr(r, t, m)[0] is not None for r in runs
-                                         for t in {*r.tasks, *r.reference})]
+    metrics = [
+        m
+        for m in METRICS
+        if any(value_and_stderr(r, t, m)[0] is not None for r in runs for t in {*r.tasks, *r.reference})
+    ]
     head = ["model", "scheme", "procs", "task", *metrics, "tok/s", "weights MB", "fingerprint"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         for task in sorted({*run.tasks, *run.reference}):
-            row = [run.model, run.scheme, str(run.processes), task, *(_cell(run, task, m) for m in metrics),
-                   f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–",
-                   f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–", run.fingerprint or "–"]
+            row = [
+                run.model,
+                run.scheme,
+                str(run.processes),
+                task,
+                *(_cell(run, task, m) for m in metrics),
+                f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–",
+                f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–",
+                run.fingerprint or "–",
+            ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -154,8 +174,9 @@ def per_document(run: Run, task: str) -> dict[str, list[float]]:
     path = run.samples.get(task)
     if path is None:
         raise FileNotFoundError(f"{run.path}: no samples for {task} (run lm-eval with --log_samples)")
-    rows = sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()),
-                  key=lambda r: r["doc_id"])
+    rows = sorted(
+        (json.loads(line) for line in path.read_text().splitlines() if line.strip()), key=lambda r: r["doc_id"]
+    )
     nll, kl = [], []
     for row in rows:
         ll, n = row["token_perplexity"]
@@ -207,8 +228,9 @@ def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
                 if isinstance(value, (int, float)) and (name != "kl_divergence" or value > 0):
                     store[(task, label)] = (scale * value, _times(se, scale))
     for task in tasks:  # one perplexity per task: the first metric any run reports
-        metric = next((m for m in PPL_METRICS for r in runs if isinstance(value_and_stderr(r, task, m)[0], float)),
-                      None)
+        metric = next(
+            (m for m in PPL_METRICS for r in runs if isinstance(value_and_stderr(r, task, m)[0], float)), None
+        )
         for label, run in zip(labels, runs):
             value, se = value_and_stderr(run, task, metric) if metric else (None, None)
             if isinstance(value, float):
@@ -217,14 +239,36 @@ def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
     ppl_rows = sorted({row for row, _ in ppl})
     no_reference = "no reference= in these runs"
     candidates = [
-        (make_panel("kl_divergence", "KL(reference ‖ model) per token", "nats / token", kl, tasks, labels,
-                    log=_spread(kl)), "kl_divergence", no_reference),
-        (make_panel("top1_agreement", "top-1 agreement with the reference", "share of tokens", top1, tasks, labels),
-         "top1_agreement", no_reference),
-        (make_panel("perplexity", "perplexity (token unless named)", "perplexity (± stderr)", ppl, ppl_rows, labels,
-                    log=_spread(ppl)), "perplexity", "no perplexity metric"),
-        (make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, tasks, labels),
-         "flips", "no multiple-choice task with reference="),
+        (
+            make_panel(
+                "kl_divergence", "KL(reference ‖ model) per token", "nats / token", kl, tasks, labels, log=_spread(kl)
+            ),
+            "kl_divergence",
+            no_reference,
+        ),
+        (
+            make_panel("top1_agreement", "top-1 agreement with the reference", "share of tokens", top1, tasks, labels),
+            "top1_agreement",
+            no_reference,
+        ),
+        (
+            make_panel(
+                "perplexity",
+                "perplexity (token unless named)",
+                "perplexity (± stderr)",
+                ppl,
+                ppl_rows,
+                labels,
+                log=_spread(ppl),
+            ),
+            "perplexity",
+            "no perplexity metric",
+        ),
+        (
+            make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, tasks, labels),
+            "flips",
+            "no multiple-choice task with reference=",
+        ),
     ]
     sampled = sorted({t for r in runs for t in r.samples})
     skipped = [f"{name} ({why})" for panel, name, why in candidates if panel is None]

@@ -34,17 +34,48 @@ def _env() -> dict[str, str]:
 
 def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int) -> float:
     """Run lm-eval under ``accelerate launch``; stream its output; return wall seconds."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(port)]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+    ]
     if processes > 1:
         launch.insert(3, "--multi_gpu")
-    cmd = [*launch, "-m", "lm_eval", "--model", "distperp", "--model_args", model_args,
-           "--tasks", TASK, "--include_path", str(tasks_path()),
-           "--metadata", json.dumps({"wikitext_path": str(sample)}),
-           "--batch_size", "4", "--log_samples", "--output_path", str(out)]
-    print(f"\n$ accelerate launch --num_processes {processes} -m lm_eval --model distperp "
-          f"--model_args {model_args} --tasks {TASK} ...", flush=True)
+    cmd = [
+        *launch,
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        model_args,
+        "--tasks",
+        TASK,
+        "--include_path",
+        str(tasks_path()),
+        "--metadata",
+        json.dumps({"wikitext_path": str(sample)}),
+        "--batch_size",
+        "4",
+        "--log_samples",
+        "--output_path",
+        str(out),
+    ]
+    print(
+        f"\n$ accelerate launch --num_processes {processes} -m lm_eval --model distperp "
+        f"--model_args {model_args} --tasks {TASK} ...",
+        flush=True,
+    )
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
@@ -90,8 +121,10 @@ def run_demo(out: str | None = None, processes: int = 2) -> int:
     fingerprints = [many.fingerprint, one.fingerprint]
     identical = _per_doc(many.samples[TASK]) == _per_doc(one.samples[TASK]) and fingerprints[0] == fingerprints[1]
     print("\n" + markdown_table(list(runs.values())))
-    print(f"\n1 process vs {processes} processes: per-document log-likelihoods and fingerprint "
-          f"{'IDENTICAL' if identical else 'DIFFERENT'} ({fingerprints[0]} / {fingerprints[1]})")
+    print(
+        f"\n1 process vs {processes} processes: per-document log-likelihoods and fingerprint "
+        f"{'IDENTICAL' if identical else 'DIFFERENT'} ({fingerprints[0]} / {fingerprints[1]})"
+    )
     from distperp_harness.commands.plots import PlotUnavailable, plot_compare
 
     try:

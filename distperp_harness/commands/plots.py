@@ -79,8 +79,9 @@ def require_matplotlib() -> None:
         import matplotlib.backends.backend_agg  # noqa: F401
         import matplotlib.figure  # noqa: F401
     except ImportError as error:
-        raise PlotUnavailable("matplotlib is not installed; pip install 'distperp-harness[plot]' "
-                              "(or matplotlib>=3.7) for figures") from error
+        raise PlotUnavailable(
+            "matplotlib is not installed; pip install 'distperp-harness[plot]' (or matplotlib>=3.7) for figures"
+        ) from error
 
 
 def _figure(**kwargs: Any):
@@ -100,13 +101,21 @@ def _figure(**kwargs: Any):
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats on both coordinates (lower is better), sorted by x."""
-    front = [i for i, (x, y) in enumerate(points)
-             if not any(x2 <= x and y2 <= y and (x2 < x or y2 < y) for x2, y2 in points)]
+    front = [
+        i for i, (x, y) in enumerate(points) if not any(x2 <= x and y2 <= y and (x2 < x or y2 < y) for x2, y2 in points)
+    ]
     return sorted(front, key=lambda i: points[i])
 
 
-def make_panel(name: str, title: str, xlabel: str, values: dict[tuple[str, str], tuple[float, float | None]],
-               rows: list[str], series: list[str], **kw: Any) -> Panel | None:
+def make_panel(
+    name: str,
+    title: str,
+    xlabel: str,
+    values: dict[tuple[str, str], tuple[float, float | None]],
+    rows: list[str],
+    series: list[str],
+    **kw: Any,
+) -> Panel | None:
     """A :class:`Panel` keeping the rows and series (in the order given) that have values; ``None`` without any."""
     if not values:
         return None
@@ -138,15 +147,27 @@ def _dot_panel(ax, panel: Panel, rows: tuple[str, ...], styles: dict[str, tuple[
     n, m = len(rows), max(len(panel.series), 1)
     step = min(0.8 / m, 0.22)
     for j, s in enumerate(panel.series):
-        pts = [(n - 1 - i - (j - (m - 1) / 2) * step, *panel.values[(r, s)])
-               for i, r in enumerate(rows) if (r, s) in panel.values]
+        pts = [
+            (n - 1 - i - (j - (m - 1) / 2) * step, *panel.values[(r, s)])
+            for i, r in enumerate(rows)
+            if (r, s) in panel.values
+        ]
         if not pts:
             continue
         lo = [0.0 if se is None else (min(se, 0.9 * v) if panel.log else se) for _, v, se in pts]
         hi = [0.0 if se is None else se for _, _, se in pts]
         color, marker = styles[s]
-        ax.errorbar([v for _, v, _ in pts], [y for y, _, _ in pts], xerr=[lo, hi], fmt=marker, color=color, ms=4.5,
-                    capsize=2, lw=1, ls="none")
+        ax.errorbar(
+            [v for _, v, _ in pts],
+            [y for y, _, _ in pts],
+            xerr=[lo, hi],
+            fmt=marker,
+            color=color,
+            ms=4.5,
+            capsize=2,
+            lw=1,
+            ls="none",
+        )
     ax.set_yticks(range(n), rows[::-1] if labels else [""] * n, fontsize=FONT)
     ax.set_ylim(-0.5, n - 0.5)
     for k in range(n - 1):
@@ -193,9 +214,15 @@ def place_labels(ax, points: list[tuple[float, float]], labels: list[str], obsta
         for dist in DISTANCES:
             for dx, dy in DIRECTIONS:
                 norm = math.hypot(dx, dy)
-                ann = ax.annotate(label, (x, y), xytext=(dist * dx / norm, dist * dy / norm), fontsize=FONT,
-                                  textcoords="offset points", ha=("center", "left", "right")[dx],
-                                  va=("center", "bottom", "top")[dy])
+                ann = ax.annotate(
+                    label,
+                    (x, y),
+                    xytext=(dist * dx / norm, dist * dy / norm),
+                    fontsize=FONT,
+                    textcoords="offset points",
+                    ha=("center", "left", "right")[dx],
+                    va=("center", "bottom", "top")[dy],
+                )
                 cost = _cost(_box(ann, renderer).padded(2), taken, inside)
                 ann.remove()
                 if best is None or cost < best[0]:
@@ -207,9 +234,17 @@ def place_labels(ax, points: list[tuple[float, float]], labels: list[str], obsta
         _, dist, dx, dy = best
         norm = math.hypot(dx, dy)
         arrow = dict(arrowstyle="-", color="0.55", lw=0.6, shrinkA=0, shrinkB=4) if dist > 11 else None
-        ann = ax.annotate(label, (x, y), xytext=(dist * dx / norm, dist * dy / norm), textcoords="offset points",
-                          fontsize=FONT, ha=("center", "left", "right")[dx], va=("center", "bottom", "top")[dy],
-                          arrowprops=arrow, annotation_clip=False)
+        ann = ax.annotate(
+            label,
+            (x, y),
+            xytext=(dist * dx / norm, dist * dy / norm),
+            textcoords="offset points",
+            fontsize=FONT,
+            ha=("center", "left", "right")[dx],
+            va=("center", "bottom", "top")[dy],
+            arrowprops=arrow,
+            annotation_clip=False,
+        )
         taken.append(_box(ann, renderer).padded(2))
         placed.append(ann)
     return placed
@@ -226,17 +261,37 @@ def _scatter(ax, points, reference: tuple[float, str] | None):
     lows = [max(y - se, y / 10) if se is not None else y for _, _, y, se in points]
     highs = [y + se if se is not None else y for _, _, y, se in points]
     for i, (_, x, y, se) in enumerate(points):
-        ax.errorbar([x], [y], yerr=None if se is None else [[y - lows[i]], [se]], fmt="o", ms=6, color="C0",
-                    mfc="C0" if i in front else "white", ecolor="0.6", elinewidth=1, capsize=3, zorder=3)
+        ax.errorbar(
+            [x],
+            [y],
+            yerr=None if se is None else [[y - lows[i]], [se]],
+            fmt="o",
+            ms=6,
+            color="C0",
+            mfc="C0" if i in front else "white",
+            ecolor="0.6",
+            elinewidth=1,
+            capsize=3,
+            zorder=3,
+        )
     ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], "--", color="C1", lw=1.2, zorder=2)
-    handles = [Line2D([], [], ls="none", marker="o", color="C0", label="on the Pareto front"),
-               Line2D([], [], ls="none", marker="o", color="C0", mfc="white", label="dominated"),
-               Line2D([], [], ls="--", color="C1", label="Pareto front")]
+    handles = [
+        Line2D([], [], ls="none", marker="o", color="C0", label="on the Pareto front"),
+        Line2D([], [], ls="none", marker="o", color="C0", mfc="white", label="dominated"),
+        Line2D([], [], ls="--", color="C1", label="Pareto front"),
+    ]
     right = max([x for x, _ in xy] + ([reference[0]] if reference else []))
     if reference:
         ax.axvline(reference[0], ls=":", color="0.2", lw=1.2)
-        handles.append(Line2D([], [], ls=":", color="0.2", label=f"unquantized reference ({reference[1]}, "
-                                                                  f"{reference[0]:.2f} MB; KL 0)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                ls=":",
+                color="0.2",
+                label=f"unquantized reference ({reference[1]}, {reference[0]:.2f} MB; KL 0)",
+            )
+        )
     ax.set_yscale("log")
     ax.set_ylim(min(lows) / 3, max(highs) * 3)
     ax.set_xlim(0, right * 1.1)
@@ -245,8 +300,14 @@ def _scatter(ax, points, reference: tuple[float, str] | None):
     ax.set_xlabel("weight bytes (MB)", fontsize=FONT)
     ax.set_ylabel("KL(reference ‖ model), nats / token (log)", fontsize=FONT)
     ax.set_title("quality lost vs memory: KL per token pooled over tasks (± stderr)", fontsize=FONT + 1)
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=len(handles), fontsize=FONT,
-              frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncols=len(handles),
+        fontsize=FONT,
+        frameon=False,
+    )
     ax.set_gid("kl_vs_weight_bytes")
 
     def obstacles(renderer) -> list[Any]:
@@ -280,8 +341,9 @@ def leaderboard_figure(runs: list[tuple[str, Any]]):
 
     points, panels = leaderboard_panels(runs)
     if not points and not panels:
-        raise ValueError("nothing to plot: no scheme has weight bytes and a KL divergence (reference=) or a "
-                         "per-task reference entry")
+        raise ValueError(
+            "nothing to plot: no scheme has weight bytes and a KL divergence (reference=) or a per-task reference entry"
+        )
     rows = tuple(label for label, _ in ranked(runs))
     n_series = max((len(p.series) for p in panels), default=1)
     heights = ([4.2] if points else []) + ([1.7 + len(rows) * max(0.3, 0.11 * n_series)] if panels else [])
@@ -294,13 +356,21 @@ def leaderboard_figure(runs: list[tuple[str, Any]]):
     for k, panel in enumerate(panels):
         _dot_panel(fig.add_subplot(spec[len(heights) - 1, k]), panel, rows, styles, labels=k == 0)
     if panels:
-        fig.legend(handles=_legend_handles(styles), loc="outside lower center", ncols=min(len(tasks), 4),
-                   fontsize=FONT, title="tasks", title_fontsize=FONT, frameon=False)
+        fig.legend(
+            handles=_legend_handles(styles),
+            loc="outside lower center",
+            ncols=min(len(tasks), 4),
+            fontsize=FONT,
+            title="tasks",
+            title_fontsize=FONT,
+            frameon=False,
+        )
     fig.draw_without_rendering()
     fig.set_layout_engine("none")  # freeze the layout: label placement measures final positions
     if points:
-        place_labels(fig.axes[0], [(x, y) for _, x, y, _ in points], [p[0] for p in points],
-                     obstacles(fig.canvas.get_renderer()))
+        place_labels(
+            fig.axes[0], [(x, y) for _, x, y, _ in points], [p[0] for p in points], obstacles(fig.canvas.get_renderer())
+        )
     names = (["kl_vs_weight_bytes"] if points else []) + [p.name for p in panels]
     return fig, names
 
@@ -315,8 +385,7 @@ def _reference(runs: list[tuple[str, Any]]) -> tuple[float, str] | None:
 def plot_leaderboard(runs: list[tuple[str, Any]], out: str | Path) -> Drawn:
     """Draw and write the leaderboard figure (see the module doc)."""
     fig, names = leaderboard_figure(runs)
-    titles = {"kl_vs_weight_bytes": "KL vs weight bytes", "delta_ppl": "Δppl %", "flips": "flips",
-              "delta_acc": "Δacc"}
+    titles = {"kl_vs_weight_bytes": "KL vs weight bytes", "delta_ppl": "Δppl %", "flips": "flips", "delta_acc": "Δacc"}
     skipped = [] if "kl_vs_weight_bytes" in names else ["KL vs weight bytes (no weight bytes or KL)"]
     return _save(fig, out, names, [titles[n] for n in names], skipped)
 
@@ -328,8 +397,9 @@ def compare_figure(runs: list[Any]):
 
     panels, sampled, skipped = compare_panels(runs)
     if not panels and not sampled:
-        raise ValueError("nothing to plot: these results have no perplexity, no reference= comparison and no "
-                         "per-document samples")
+        raise ValueError(
+            "nothing to plot: these results have no perplexity, no reference= comparison and no per-document samples"
+        )
     labels = run_labels(runs)
     styles = _styles(labels)
     docs = {t: {j: per_document(r, t) for j, r in enumerate(runs) if t in r.samples} for t in sampled}
@@ -339,9 +409,11 @@ def compare_figure(runs: list[Any]):
         if any(d["kl_per_token"] for d in docs[t].values()):
             cells.append((f"kl_per_document:{t}", t))
     ncols = 1 if len(cells) == 1 else 2
-    grid = [cells[i:i + ncols] for i in range(0, len(cells), ncols)]
-    heights = [max(3.4, 1.6 + max(len(c.rows) * max(0.3, 0.11 * len(c.series)) if isinstance(c, Panel) else 0
-                                  for _, c in row)) for row in grid]
+    grid = [cells[i : i + ncols] for i in range(0, len(cells), ncols)]
+    heights = [
+        max(3.4, 1.6 + max(len(c.rows) * max(0.3, 0.11 * len(c.series)) if isinstance(c, Panel) else 0 for _, c in row))
+        for row in grid
+    ]
     from matplotlib.ticker import MaxNLocator
 
     fig = _figure(figsize=(6.2 * ncols, sum(heights) + 0.6), layout="constrained")
@@ -360,8 +432,12 @@ def compare_figure(runs: list[Any]):
             width = 0.8 / len(shown)
             for slot, j in enumerate(shown):
                 values = docs[content][j][key]
-                ax.bar([d + (slot - (len(shown) - 1) / 2) * width for d in range(len(values))], values, width=width,
-                       color=styles[labels[j]][0])
+                ax.bar(
+                    [d + (slot - (len(shown) - 1) / 2) * width for d in range(len(values))],
+                    values,
+                    width=width,
+                    color=styles[labels[j]][0],
+                )
             what = "NLL" if key == "nll_per_token" else "KL(reference ‖ model)"
             ax.set_title(f"{content}: {what} per token, by document", fontsize=FONT + 1)
             ax.set_xlabel("document", fontsize=FONT)
@@ -370,8 +446,15 @@ def compare_figure(runs: list[Any]):
             ax.tick_params(labelsize=FONT)
             ax.set_gid(name)
     shown_runs = {label: style for label, style in styles.items() if label in drawn}
-    fig.legend(handles=_legend_handles(shown_runs), loc="outside lower center", ncols=min(len(shown_runs), 3),
-               fontsize=FONT, title="runs", title_fontsize=FONT, frameon=False)
+    fig.legend(
+        handles=_legend_handles(shown_runs),
+        loc="outside lower center",
+        ncols=min(len(shown_runs), 3),
+        fontsize=FONT,
+        title="runs",
+        title_fontsize=FONT,
+        frameon=False,
+    )
     skipped += [f"run {label} (no value in any panel)" for label in labels if label not in drawn]
     return fig, [name for name, _ in cells], skipped
 
@@ -379,8 +462,14 @@ def compare_figure(runs: list[Any]):
 def plot_compare(runs: list[Any], out: str | Path) -> Drawn:
     """Draw and write the ``compare`` figure (see the module doc)."""
     fig, names, skipped = compare_figure(runs)
-    short = {"kl_divergence": "KL divergence", "top1_agreement": "top-1 agreement", "perplexity": "perplexity",
-             "flips": "flips", "nll_per_document": "NLL per document", "kl_per_document": "KL per document"}
+    short = {
+        "kl_divergence": "KL divergence",
+        "top1_agreement": "top-1 agreement",
+        "perplexity": "perplexity",
+        "flips": "flips",
+        "nll_per_document": "NLL per document",
+        "kl_per_document": "KL per document",
+    }
     titles = [short[n.split(":")[0]] + (f" ({n.split(':', 1)[1]})" if ":" in n else "") for n in names]
     return _save(fig, out, names, titles, skipped)
 
@@ -395,8 +484,9 @@ def text_overlaps(fig) -> list[tuple[str, str]]:
     texts = [t for leg in fig.legends for t in (*leg.get_texts(), leg.get_title())]
     for ax in fig.axes:
         for axis, (lo, hi) in ((ax.xaxis, sorted(ax.get_xlim())), (ax.yaxis, sorted(ax.get_ylim()))):
-            texts += [t.label1 for t in (*axis.get_major_ticks(), *axis.get_minor_ticks())
-                      if lo <= t.get_loc() <= hi]  # the drawn ones
+            texts += [
+                t.label1 for t in (*axis.get_major_ticks(), *axis.get_minor_ticks()) if lo <= t.get_loc() <= hi
+            ]  # the drawn ones
         texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
         if ax.get_legend() is not None:
             texts += ax.get_legend().get_texts()
@@ -404,5 +494,5 @@ def text_overlaps(fig) -> list[tuple[str, str]]:
     page = fig.bbox.padded(0.5)
     pairs = [(a, "<outside>") for a, box in boxes if Bbox.union([box, page]).bounds != page.bounds]
     for i, (a, box) in enumerate(boxes):
-        pairs += [(a, b) for b, other in boxes[i + 1:] if box.overlaps(other)]
+        pairs += [(a, b) for b, other in boxes[i + 1 :] if box.overlaps(other)]
     return pairs

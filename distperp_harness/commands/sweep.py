@@ -56,17 +56,20 @@ class Scheme:
 def parse_schemes(text: str) -> list[Scheme]:
     """``"int4:32,int4:128,int8,8da4w"`` → schemes, in the order given; ``ValueError`` names what is wrong."""
     allowed = [s for s in QUANT_SCHEMES if s != "none"]
-    fix = f"e.g. --schemes int4:32,int4:128,int8,8da4w (schemes: {', '.join(allowed)}; group sizes: " \
-          f"{', '.join(map(str, GROUP_SIZES))})"
+    fix = (
+        f"e.g. --schemes int4:32,int4:128,int8,8da4w (schemes: {', '.join(allowed)}; group sizes: "
+        f"{', '.join(map(str, GROUP_SIZES))})"
+    )
     schemes = []
     for item in (part.strip() for part in text.split(",")):
         name, _, group = item.partition(":")
         if name not in allowed:
-            raise InputError(f"--schemes item {item!r}: scheme {name!r} is not one of {', '.join(allowed)}. "
-                             f"Fix: {fix}")
+            raise InputError(f"--schemes item {item!r}: scheme {name!r} is not one of {', '.join(allowed)}. Fix: {fix}")
         if group and (not group.isdigit() or int(group) not in GROUP_SIZES):
-            raise InputError(f"--schemes item {item!r}: group size {group!r} is not one of "
-                             f"{', '.join(map(str, GROUP_SIZES))}. Fix: {fix}")
+            raise InputError(
+                f"--schemes item {item!r}: group size {group!r} is not one of "
+                f"{', '.join(map(str, GROUP_SIZES))}. Fix: {fix}"
+            )
         if group and name == "int8":
             raise InputError(f"--schemes item {item!r}: int8 uses per-row scales and takes no group size. Fix: {fix}")
         schemes.append(Scheme(item, name, int(group) if group else None))
@@ -79,20 +82,29 @@ def parse_schemes(text: str) -> list[Scheme]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``sweep`` subcommand's arguments."""
     parser.add_argument("--pretrained", required=True, help="hub id or local folder of the model")
-    parser.add_argument("--schemes", default="int4:32,int4:128,int8,8da4w",
-                        help="comma-separated schemes, each NAME or NAME:GROUP_SIZE (default: %(default)s)")
+    parser.add_argument(
+        "--schemes",
+        default="int4:32,int4:128,int8,8da4w",
+        help="comma-separated schemes, each NAME or NAME:GROUP_SIZE (default: %(default)s)",
+    )
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks")
     parser.add_argument("--reference", default="base", help="reference= for every scheme (default: base)")
     parser.add_argument("--model_args", default="", help="other --model_args for every scheme, k=v,...")
     parser.add_argument("--batch_size", default="1", help="batch_size= (N, auto)")
-    parser.add_argument("--include_path", default=None,
-                        help="more task YAML folders, comma-separated (distperp's own tasks are always included)")
+    parser.add_argument(
+        "--include_path",
+        default=None,
+        help="more task YAML folders, comma-separated (distperp's own tasks are always included)",
+    )
     parser.add_argument("--metadata", default=None, help="JSON passed to the tasks, as lm-eval's --metadata")
     parser.add_argument("--limit", type=float, default=None, help="documents per task (lm-eval's --limit)")
     parser.add_argument("--log_samples", action="store_true", help="also write per-document samples")
     parser.add_argument("--output_path", required=True, help="folder for one results folder per scheme")
-    parser.add_argument("--plot", default=None,
-                        help="path of the leaderboard figure (default: OUTPUT_PATH/leaderboard.png; needs matplotlib)")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="path of the leaderboard figure (default: OUTPUT_PATH/leaderboard.png; needs matplotlib)",
+    )
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,8 +113,10 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     extra = simple_parse_args_string(args.model_args) if args.model_args else {}
     clash = {"pretrained", "quantize", "group_size", "reference"} & set(extra)
     if clash:
-        raise InputError(f"--model_args {args.model_args!r} sets {', '.join(sorted(clash))}, which the sweep sets "
-                         "itself. Fix: use --pretrained, --schemes and --reference for them.")
+        raise InputError(
+            f"--model_args {args.model_args!r} sets {', '.join(sorted(clash))}, which the sweep sets "
+            "itself. Fix: use --pretrained, --schemes and --reference for them."
+        )
     return {"pretrained": args.pretrained, "reference": args.reference, "batch_size": args.batch_size, **extra}
 
 
@@ -124,12 +138,21 @@ def run_sweep(args: argparse.Namespace) -> int:
     reference, folders, t0 = None, [], time.perf_counter()
     for scheme in schemes:
         lm = DistPerpLM(**kwargs, **scheme.model_args(), reference_model=reference)
-        log.info(f"sweep: scheme {scheme.label} loaded in {lm.load_seconds:.1f} s "
-                 f"({'reference reused' if reference is not None else 'reference loaded'})", main_process_only=True)
+        log.info(
+            f"sweep: scheme {scheme.label} loaded in {lm.load_seconds:.1f} s "
+            f"({'reference reused' if reference is not None else 'reference loaded'})",
+            main_process_only=True,
+        )
         manager = TaskManager(include_path=include, metadata=metadata)
         tracker = EvaluationTracker(output_path=str(out / scheme.folder)) if lm.rank == 0 else None
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=args.limit,
-                                          log_samples=args.log_samples, evaluation_tracker=tracker)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=manager,
+            limit=args.limit,
+            log_samples=args.log_samples,
+            evaluation_tracker=tracker,
+        )
         if results is not None and tracker is not None:
             # lm-eval names an in-process model object by its class and a random folder: say what ran, and write
             # straight into <output_path>/<scheme>/
@@ -149,8 +172,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 
         lines = write_leaderboard(out, [(label, load_run(folder)) for label, folder in folders], args.plot)
         print("\n".join(lines))
-        print(f"sweep: {len(schemes)} schemes, reference loaded once, {time.perf_counter() - t0:.0f} s; "
-              f"results in {out}/<scheme>/")
+        print(
+            f"sweep: {len(schemes)} schemes, reference loaded once, {time.perf_counter() - t0:.0f} s; "
+            f"results in {out}/<scheme>/"
+        )
     return 0
 
 
@@ -211,8 +236,11 @@ def leaderboard_panels(runs: list[tuple[str, Any]]) -> tuple[list[tuple[str, flo
     from distperp_harness.commands.plots import make_panel
 
     runs = ranked(runs)
-    points = [(label, run.weight_bytes / 1e6, pooled_kl(run.reference), pooled_kl_stderr(run.reference))
-              for label, run in runs if run.weight_bytes and 0 < pooled_kl(run.reference) < math.inf]
+    points = [
+        (label, run.weight_bytes / 1e6, pooled_kl(run.reference), pooled_kl_stderr(run.reference))
+        for label, run in runs
+        if run.weight_bytes and 0 < pooled_kl(run.reference) < math.inf
+    ]
     rows = [label for label, _ in runs]
     tasks = sorted({t for _, run in runs for t in run.reference})
     dppl, flips, dacc = {}, {}, {}
@@ -225,10 +253,11 @@ def leaderboard_panels(runs: list[tuple[str, Any]]) -> tuple[list[tuple[str, flo
             elif e.get("ln_ppl_ratio") is not None:
                 ratio, se = e["ln_ppl_ratio"], e.get("ln_ppl_ratio_stderr")
                 dppl[(label, task)] = (100 * math.expm1(ratio), _times(se, 100 * math.exp(ratio)))
-    panels = [make_panel("delta_ppl", "Δ perplexity vs reference", "Δppl % (± stderr)", dppl, rows, tasks,
-                         zero=True),
-              make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, rows, tasks),
-              make_panel("delta_acc", "Δ accuracy vs reference", "points (± stderr)", dacc, rows, tasks, zero=True)]
+    panels = [
+        make_panel("delta_ppl", "Δ perplexity vs reference", "Δppl % (± stderr)", dppl, rows, tasks, zero=True),
+        make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, rows, tasks),
+        make_panel("delta_acc", "Δ accuracy vs reference", "points (± stderr)", dacc, rows, tasks, zero=True),
+    ]
     return points, [p for p in panels if p is not None]
 
 
@@ -250,21 +279,39 @@ def leaderboard(runs: list[tuple[str, Any]]) -> str:
     documents whose answer went from correct to wrong and back; Δppl is ``exp(ln_ppl_ratio) − 1`` in percent, with
     the delta-method standard error; tok/s counts scored tokens over scoring time (model and reference).
     """
-    head = ["rank", "scheme", "task", "KL (nats/tok)", "top-1 agree", "flips", "flips (norm)", "c→w / w→c",
-            "Δacc", "Δppl %", "weights MB", "tok/s"]
+    head = [
+        "rank",
+        "scheme",
+        "task",
+        "KL (nats/tok)",
+        "top-1 agree",
+        "flips",
+        "flips (norm)",
+        "c→w / w→c",
+        "Δacc",
+        "Δppl %",
+        "weights MB",
+        "tok/s",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rank, (label, run) in enumerate(ranked(runs), start=1):
         for task, e in sorted(run.reference.items()):
             ratio, ratio_se = e.get("ln_ppl_ratio"), e.get("ln_ppl_ratio_stderr")
             dppl = None if ratio is None else 100 * math.expm1(ratio)
             dppl_se = None if ratio_se is None else 100 * math.exp(ratio) * ratio_se
-            row = [str(rank), label, task, _pm(e.get("kl_divergence"), e.get("kl_divergence_stderr"), ".3g"),
-                   _pm(e.get("top1_agreement"), e.get("top1_agreement_stderr"), ".3f"),
-                   "–" if "flips" not in e else f"{e['flips']:.3f} ({e['n_flips']}/{e['n_docs']})",
-                   "–" if "flips_norm" not in e else f"{e['flips_norm']:.3f}",
-                   "–" if "n_correct_to_wrong" not in e else f"{e['n_correct_to_wrong']} / {e['n_wrong_to_correct']}",
-                   _pm(e.get("delta_acc"), e.get("delta_acc_stderr"), "+.3f"), _pm(dppl, dppl_se, "+.2f"),
-                   f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–",
-                   f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–"]
+            row = [
+                str(rank),
+                label,
+                task,
+                _pm(e.get("kl_divergence"), e.get("kl_divergence_stderr"), ".3g"),
+                _pm(e.get("top1_agreement"), e.get("top1_agreement_stderr"), ".3f"),
+                "–" if "flips" not in e else f"{e['flips']:.3f} ({e['n_flips']}/{e['n_docs']})",
+                "–" if "flips_norm" not in e else f"{e['flips_norm']:.3f}",
+                "–" if "n_correct_to_wrong" not in e else f"{e['n_correct_to_wrong']} / {e['n_wrong_to_correct']}",
+                _pm(e.get("delta_acc"), e.get("delta_acc_stderr"), "+.3f"),
+                _pm(dppl, dppl_se, "+.2f"),
+                f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–",
+                f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–",
+            ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -154,20 +154,25 @@ class AccelerateCollective:
         recv = torch.empty(int(sum(counts)), dtype=send.dtype)
         in_splits = [int(np.asarray(p).size) for p in parts]
         out_splits = [int(c) for c in counts]
-        self._guarded(name, lambda: torch.distributed.all_to_all_single(
-            recv, send, out_splits, in_splits, group=self._group, async_op=True))
+        self._guarded(
+            name,
+            lambda: torch.distributed.all_to_all_single(
+                recv, send, out_splits, in_splits, group=self._group, async_op=True
+            ),
+        )
         item = send.element_size()
         self._count(item * (send.numel() - in_splits[self.rank]), item * (recv.numel() - out_splits[self.rank]))
         bounds = np.concatenate([[0], np.cumsum(out_splits)])
         flat = recv.numpy()
-        return [flat[bounds[r]: bounds[r + 1]] for r in range(self.world_size)]
+        return [flat[bounds[r] : bounds[r + 1]] for r in range(self.world_size)]
 
     def _sizes(self, n: int, name: str) -> list[int]:
         """Every rank's ``n`` (one fixed-size all-gather)."""
         size = torch.tensor([n], dtype=torch.int64)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._guarded(f"{name} (sizes)", lambda: torch.distributed.all_gather(sizes, size, group=self._group,
-                                                                               async_op=True))
+        self._guarded(
+            f"{name} (sizes)", lambda: torch.distributed.all_gather(sizes, size, group=self._group, async_op=True)
+        )
         self._count(8 * (self.world_size - 1), 8 * (self.world_size - 1))
         return [int(s.item()) for s in sizes]
 
@@ -195,8 +200,10 @@ class AccelerateCollective:
             raise CollectiveError(self._explain(name, key, store, exc)) from exc
 
     def _explain(self, name: str, key: str, store: Any, exc: Exception) -> str:
-        head = (f"distperp: collective '{name}' failed on rank {self.rank} of {self.world_size} "
-                f"(timeout {self.timeout_s:g} s)")
+        head = (
+            f"distperp: collective '{name}' failed on rank {self.rank} of {self.world_size} "
+            f"(timeout {self.timeout_s:g} s)"
+        )
         missing: list[int] | None = None
         if store is not None:
             try:
@@ -209,8 +216,10 @@ class AccelerateCollective:
             who = store_gone(self.rank)
         else:
             who = "every rank arrived, so a peer failed during the exchange"
-        return (f"{head}: {who}. The evaluation is incomplete and no results were written. "
-                f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return (
+            f"{head}: {who}. The evaluation is incomplete and no results were written. "
+            f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        )
 
 
 @contextlib.contextmanager

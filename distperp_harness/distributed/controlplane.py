@@ -25,10 +25,12 @@ from distperp_harness.distributed.store import default_store
 from distperp_harness.errors import InputError
 
 VARIABLE = "GLOO_SOCKET_IFNAME"
-_HOW_TO_FIX = (f"Fix: set {VARIABLE}=<interface> on every node, the interface through which the nodes reach each "
-               f"other (usually the same as NCCL_SOCKET_IFNAME; `ip -brief addr` lists the interfaces, pick the one "
-               f"holding the address the other nodes use for this node, e.g. the one MASTER_ADDR belongs to on the "
-               f"main node), or make the host name resolve to that address (/etc/hosts).")
+_HOW_TO_FIX = (
+    f"Fix: set {VARIABLE}=<interface> on every node, the interface through which the nodes reach each "
+    f"other (usually the same as NCCL_SOCKET_IFNAME; `ip -brief addr` lists the interfaces, pick the one "
+    f"holding the address the other nodes use for this node, e.g. the one MASTER_ADDR belongs to on the "
+    f"main node), or make the host name resolve to that address (/etc/hosts)."
+)
 
 
 def bound_address() -> tuple[str, str]:
@@ -48,13 +50,15 @@ def bound_address() -> tuple[str, str]:
             addrs = psutil.net_if_addrs().get(first, [])
         except ImportError:  # pragma: no cover - psutil ships with accelerate
             addrs = []
-        found = [a.address for a in addrs if a.family == socket.AF_INET] + \
-                [a.address.split("%")[0] for a in addrs if a.family == socket.AF_INET6]
+        found = [a.address for a in addrs if a.family == socket.AF_INET] + [
+            a.address.split("%")[0] for a in addrs if a.family == socket.AF_INET6
+        ]
         return (found[0] if found else "unknown"), f"{VARIABLE}={names}"
     host = socket.gethostname()
     try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0], \
-            f"host name {host!r} resolves to it ({VARIABLE} unset)"
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][
+            0
+        ], f"host name {host!r} resolves to it ({VARIABLE} unset)"
     except OSError:
         return "127.0.0.1", f"host name {host!r} does not resolve, gloo falls back to loopback ({VARIABLE} unset)"
 
@@ -83,9 +87,11 @@ def binding_problem(entries: Sequence[tuple[str, str, str]]) -> str | None:
         return None
     shown = "; ".join(f"rank {r} on {host} binds to {addr} ({how})" for r, host, addr, how in bad[:4])
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-    return (f"the gloo control plane (distperp's own exchanges, on CPU and GPU runs alike) cannot connect across "
-            f"the {len({h for h, _, _ in entries})} nodes of this run: {shown}{more}, a loopback address the "
-            f"other nodes cannot reach. {_HOW_TO_FIX}")
+    return (
+        f"the gloo control plane (distperp's own exchanges, on CPU and GPU runs alike) cannot connect across "
+        f"the {len({h for h, _, _ in entries})} nodes of this run: {shown}{more}, a loopback address the "
+        f"other nodes cannot reach. {_HOW_TO_FIX}"
+    )
 
 
 def exchange(store: Any, rank: int, world_size: int, value: Any, key: str = "distperp/controlplane") -> list[Any]:
@@ -112,4 +118,5 @@ def control_group(rank: int, world_size: int, timeout_s: float) -> Any:
         raise RuntimeError(
             f"distperp: rank {rank} could not create or connect the gloo control group (bound to {address}: {how}); "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. If the nodes cannot reach "
-            f"that address: {_HOW_TO_FIX}") from exc
+            f"that address: {_HOW_TO_FIX}"
+        ) from exc

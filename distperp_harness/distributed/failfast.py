@@ -91,8 +91,16 @@ def record_of(rank: int, cause: str, *, where: str = "", stage: str = "scoring")
     return f"rank {rank}{f' ({where})' if where else ''} failed while {stage}: {cause}"
 
 
-def publish(store: Any, rank: int, world_size: int, cause: str, *, ack_wait_s: float = ACK_WAIT_S,
-            where: str = "", stage: str = "scoring") -> bool:
+def publish(
+    store: Any,
+    rank: int,
+    world_size: int,
+    cause: str,
+    *,
+    ack_wait_s: float = ACK_WAIT_S,
+    where: str = "",
+    stage: str = "scoring",
+) -> bool:
     """Record that ``rank`` failed (``cause``, while ``stage``), then wait until the other ranks acknowledged (at
     most ``ack_wait_s``). The first record stays: a later failing rank (the same error on every rank, say) leaves
     the first cause to be named, acknowledges it as a watch would, and returns at once, so that the first never
@@ -131,8 +139,10 @@ def read(store: Any) -> str | None:
 
 def stop_message(rank: int, record: str, stage: str | None = None) -> str:
     here = f" (rank {rank} was {stage})" if stage else ""
-    return (f"distperp: rank {rank} stops because {record}{here}. Every rank of the run stops; the evaluation is "
-            f"incomplete and no results were written.")
+    return (
+        f"distperp: rank {rank} stops because {record}{here}. Every rank of the run stops; the evaluation is "
+        f"incomplete and no results were written."
+    )
 
 
 class FailureWatch:
@@ -143,8 +153,15 @@ class FailureWatch:
     answers probes and watches the next rank: a lost peer is published as a record of its own, then handled as
     any record."""
 
-    def __init__(self, store: Any, rank: int, *, poll_s: float = POLL_S, gone_after: int = GONE_AFTER,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        *,
+        poll_s: float = POLL_S,
+        gone_after: int = GONE_AFTER,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self.store, self.rank, self.poll_s, self.gone_after = private_client(store), rank, poll_s, gone_after
         self.on_failure = on_failure or self._exit_now
         self.own_failure = False  # set when this rank failed: it raises (and names itself) instead
@@ -156,8 +173,9 @@ class FailureWatch:
     def watch_peers(self, world_size: int, timeout_s: float) -> "FailureWatch":
         """Beat and watch the next rank (before :meth:`start`; publishes this rank's probe address)."""
         peer, sock = liveness.me(host_name(), bound_address()[0])
-        self.liveness = liveness.Liveness(self.store, self.rank, world_size, liveness.silence_bound(timeout_s),
-                                          current_stage, peer, sock)
+        self.liveness = liveness.Liveness(
+            self.store, self.rank, world_size, liveness.silence_bound(timeout_s), current_stage, peer, sock
+        )
         return self
 
     def start(self) -> "FailureWatch":
@@ -306,8 +324,9 @@ def leaving() -> None:
             watch.liveness.leave(store)
 
 
-def start_watch(store: Any, rank: int, world_size: int | None = None,
-                timeout_s: float | None = None) -> FailureWatch | None:
+def start_watch(
+    store: Any, rank: int, world_size: int | None = None, timeout_s: float | None = None
+) -> FailureWatch | None:
     """Start this process's :class:`FailureWatch` once (None without a store); remember the rank for
     :func:`uncaught`. With ``timeout_s`` (the run's ``timeout``) it also beats and watches the next rank
     (:mod:`~distperp_harness.distributed.liveness`)."""
@@ -363,8 +382,11 @@ def stop_together(collective: Collective, device: Any = None, stage: str = "scor
             raise
         if is_distributed_failure(exc):
             record = read(store)
-            if record is not None and not record.startswith(f"rank {collective.rank} ") \
-                    and f"rank {collective.rank} stops because" not in str(exc):
+            if (
+                record is not None
+                and not record.startswith(f"rank {collective.rank} ")
+                and f"rank {collective.rank} stops because" not in str(exc)
+            ):
                 raise CollectiveError(stop_message(collective.rank, record, stage)) from exc
             raise
         fail_here(exc, collective.rank, collective.world_size, device, stage, store)

@@ -129,8 +129,9 @@ def published(store: Any, rank: int) -> Peer:
 def listener(address: str) -> socket.socket | None:
     """A non-blocking listening socket on ``address`` (port chosen by the system), or None when it cannot bind."""
     try:
-        family, kind, proto, _, where = socket.getaddrinfo(address or None, 0, type=socket.SOCK_STREAM,
-                                                            flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, where = socket.getaddrinfo(
+            address or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
         sock.bind(where)
         sock.listen(64)
@@ -184,14 +185,17 @@ def verdict(outcome: Probe, silent_s: float, bound_s: float) -> str | None:
     """The words for a peer silent for ``silent_s`` whose probe gave ``outcome``, or None while it is not lost
     (yet): refused is final at once; no reply or no connection only from the bound on."""
     if outcome is Probe.REFUSED:
-        return (f"is gone: no heartbeat for {silent_s:.0f} s and its process refuses connections (it was killed or "
-                f"crashed)")
+        return (
+            f"is gone: no heartbeat for {silent_s:.0f} s and its process refuses connections (it was killed or crashed)"
+        )
     if silent_s < bound_s or outcome is Probe.ALIVE:
         return None
     silence = f"no heartbeat for {silent_s:.0f} s (the bound: {bound_s:.0f} s, from timeout)"
     if outcome is Probe.NO_REPLY:
-        return (f"stopped responding: {silence} and its process accepts a connection but does not answer "
-                f"(stopped, hung, or its host stalls)")
+        return (
+            f"stopped responding: {silence} and its process accepts a connection but does not answer "
+            f"(stopped, hung, or its host stalls)"
+        )
     if outcome is Probe.NO_CONNECT:
         return f"is gone: {silence} and its host does not answer (the node was lost, or its network)"
     return f"stopped responding: {silence}"
@@ -208,9 +212,18 @@ class Liveness:
         probe_of: how a peer is probed (tests pass a fake).
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, bound_s: float, stage: Callable[[], str],
-                 me: Peer, sock: socket.socket | None = None, clock: Callable[[], float] = time.monotonic,
-                 probe_of: Callable[[Peer], Probe] = probe) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        bound_s: float,
+        stage: Callable[[], str],
+        me: Peer,
+        sock: socket.socket | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        probe_of: Callable[[Peer], Probe] = probe,
+    ) -> None:
         self.store, self.rank, self.world_size, self.bound_s = store, rank, world_size, bound_s
         self.stage, self.me, self.sock, self.clock, self.probe_of = stage, me, sock, clock, probe_of
         self.peer_rank = (rank + 1) % world_size
@@ -277,7 +290,9 @@ class Liveness:
         peer = self.peer()
         key = STAGE_KEY.format(self.peer_rank)
         stage = self.store.get(key).decode() if self.store.check([key]) else "starting"
-        return f"rank {self.peer_rank} ({peer.host}) {words}; it was {stage} (pid {peer.pid}); noticed by rank {self.rank}"
+        return (
+            f"rank {self.peer_rank} ({peer.host}) {words}; it was {stage} (pid {peer.pid}); noticed by rank {self.rank}"
+        )
 
     def close(self) -> None:
         if self.sock is not None:
@@ -297,11 +312,13 @@ def me(host: str, address: str) -> tuple[Peer, socket.socket | None]:
     return Peer(host, os.getpid(), address if known else socket.gethostname(), sock.getsockname()[1]), sock
 
 
-_STATE_OF = {Probe.ALIVE: "is alive (it answers) but had not arrived yet",
-             Probe.REFUSED: "is gone (its process refuses connections: killed or crashed)",
-             Probe.NO_REPLY: "stopped responding (it accepts a connection but does not answer)",
-             Probe.NO_CONNECT: "is gone or unreachable (its host does not answer)",
-             Probe.UNKNOWN: "never published where it answers"}
+_STATE_OF = {
+    Probe.ALIVE: "is alive (it answers) but had not arrived yet",
+    Probe.REFUSED: "is gone (its process refuses connections: killed or crashed)",
+    Probe.NO_REPLY: "stopped responding (it accepts a connection but does not answer)",
+    Probe.NO_CONNECT: "is gone or unreachable (its host does not answer)",
+    Probe.UNKNOWN: "never published where it answers",
+}
 
 
 def describe_ranks(store: Any, ranks: list[int], limit: int = 4, wait_s: float = 1.5) -> str:

@@ -61,9 +61,11 @@ def store_host() -> str:
 
 def store_gone(rank: int) -> str:
     """Why ``rank`` cannot reach the store any more, as a cause the failure messages print."""
-    return (f"the rendezvous store, served by {store_host()}, is unreachable from rank {rank}: rank 0 or node 0 "
-            f"(its launcher, its host) failed, was killed or was lost. The launcher of node 0 (its output or its "
-            f"log) says which rank failed first, and why")
+    return (
+        f"the rendezvous store, served by {store_host()}, is unreachable from rank {rank}: rank 0 or node 0 "
+        f"(its launcher, its host) failed, was killed or was lost. The launcher of node 0 (its output or its "
+        f"log) says which rank failed first, and why"
+    )
 
 
 _BROKEN = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "broken pipe", "socket")

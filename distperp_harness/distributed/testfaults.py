@@ -27,8 +27,12 @@ def inject(point: str, rank: int, actions: Mapping[str, Callable[[str], None]]) 
                     act(f"{name}={spec}")
 
 
-_POINTS = {"forward": "DISTPERP_TEST_FAIL", "planning": "DISTPERP_TEST_FAIL_PLANNING",
-           "generation": "DISTPERP_TEST_FAIL_GENERATION", "lane": "DISTPERP_TEST_FAIL_LANE"}
+_POINTS = {
+    "forward": "DISTPERP_TEST_FAIL",
+    "planning": "DISTPERP_TEST_FAIL_PLANNING",
+    "generation": "DISTPERP_TEST_FAIL_GENERATION",
+    "lane": "DISTPERP_TEST_FAIL_LANE",
+}
 
 
 def fail_for_tests(rank: int, point: str = "forward") -> None:

@@ -46,9 +46,14 @@ def _group_size(args: tuple, kwargs: dict) -> int:
 
 
 _EAGER = {  # torch.distributed function -> (kind, index of the payload argument)
-    "all_reduce": ("reduce", 0), "all_gather_single": ("gather", 0), "all_gather_into_tensor": ("gather", 0),
-    "all_gather": ("gather", 0), "reduce_scatter_single": ("scatter", 1), "reduce_scatter_tensor": ("scatter", 1),
-    "broadcast": ("broadcast", 0), "all_to_all_single": ("scatter", 1),
+    "all_reduce": ("reduce", 0),
+    "all_gather_single": ("gather", 0),
+    "all_gather_into_tensor": ("gather", 0),
+    "all_gather": ("gather", 0),
+    "reduce_scatter_single": ("scatter", 1),
+    "reduce_scatter_tensor": ("scatter", 1),
+    "broadcast": ("broadcast", 0),
+    "all_to_all_single": ("scatter", 1),
 }
 
 
@@ -74,8 +79,15 @@ class CollectiveBytes(TorchDispatchMode):
             n = max(1, _group_size(args, kwargs))
             sizes = [_tensor_bytes(a) for a in args]
             payload = sizes[0] * n if name.startswith("all_gather") else max(sizes, default=0)
-            kind = "reduce" if name.startswith("all_reduce") else "gather" if name.startswith("all_gather") \
-                else "broadcast" if name.startswith("broadcast") else "scatter"
+            kind = (
+                "reduce"
+                if name.startswith("all_reduce")
+                else "gather"
+                if name.startswith("all_gather")
+                else "broadcast"
+                if name.startswith("broadcast")
+                else "scatter"
+            )
             self.add(name, kind, payload, n)
         return func(*args, **kwargs)
 
@@ -132,8 +144,13 @@ def _fit(points: dict[int, float]) -> tuple[float, float]:
     return ya - per * a, per
 
 
-def forward_traffic(decode: Callable[[int], None], score: Callable[[int], None], around: Callable[[], ContextManager],
-                    rows: tuple[int, int] = (1, 8), tokens: tuple[int, int] = (32, 64)) -> dict:
+def forward_traffic(
+    decode: Callable[[int], None],
+    score: Callable[[int], None],
+    around: Callable[[], ContextManager],
+    rows: tuple[int, int] = (1, 8),
+    tokens: tuple[int, int] = (32, 64),
+) -> dict:
     """Bytes per rank of a decode step and of scoring, from the collectives of real forwards (every rank together).
 
     ``decode(r)``: one generation forward of ``r`` one-token rows; ``score(t)``: one scoring forward of a row of
@@ -146,13 +163,21 @@ def forward_traffic(decode: Callable[[int], None], score: Callable[[int], None],
     for r in rows:
         with counting() as c, around():
             decode(r)
-        out["decode"][r] = {"received": round(c.received), "payload": c.payload, "calls": c.calls,
-                            "by_op": dict(c.by_op)}
+        out["decode"][r] = {
+            "received": round(c.received),
+            "payload": c.payload,
+            "calls": c.calls,
+            "by_op": dict(c.by_op),
+        }
     for t in tokens:
         with counting() as c, around():
             score(t)
-        out["scoring"][t] = {"received": round(c.received), "payload": c.payload, "calls": c.calls,
-                             "by_op": dict(c.by_op)}
+        out["scoring"][t] = {
+            "received": round(c.received),
+            "payload": c.payload,
+            "calls": c.calls,
+            "by_op": dict(c.by_op),
+        }
     fixed, per_row = _fit({r: v["received"] for r, v in out["decode"].items()})
     out["decode_step_received_bytes"] = {"fixed": round(fixed), "per_row": round(per_row)}
     fixed, per_token = _fit({t: v["received"] for t, v in out["scoring"].items()})

@@ -53,8 +53,10 @@ class AdapterReport:
 
 def _require_peft() -> None:
     if importlib.util.find_spec("peft") is None:
-        raise InputError("peft= needs the 'peft' package, which is not installed. Fix: pip install 'peft>=0.13' "
-                         "(or pip install 'distperp-harness[checkpoints]').")
+        raise InputError(
+            "peft= needs the 'peft' package, which is not installed. Fix: pip install 'peft>=0.13' "
+            "(or pip install 'distperp-harness[checkpoints]')."
+        )
 
 
 def _vocab_size(model: torch.nn.Module) -> int:
@@ -71,30 +73,44 @@ def apply_peft(model: torch.nn.Module, options: Any, tokenizer: Any) -> tuple[to
 
     source = options.peft
     if tokenizer is not None and _vocab_size(model) != len(tokenizer):
-        log.info(f"distperp: the model's vocabulary ({_vocab_size(model)}) differs from the tokenizer's "
-                 f"({len(tokenizer)}): resizing the embeddings before applying the adapter (as lm-eval hf)",
-                 main_process_only=True)
+        log.info(
+            f"distperp: the model's vocabulary ({_vocab_size(model)}) differs from the tokenizer's "
+            f"({len(tokenizer)}): resizing the embeddings before applying the adapter (as lm-eval hf)",
+            main_process_only=True,
+        )
         model.resize_token_embeddings(len(tokenizer))
     device = next(model.parameters()).device
     try:
-        peft_model = PeftModel.from_pretrained(model, os.path.expanduser(source), revision=options.revision,
-                                               torch_device=str(device), is_trainable=False)
+        peft_model = PeftModel.from_pretrained(
+            model, os.path.expanduser(source), revision=options.revision, torch_device=str(device), is_trainable=False
+        )
     except (OSError, ValueError) as exc:
-        raise InputError(f"could not load a PEFT adapter from peft={source!r}: {exc}. Fix: give the folder (or hub "
-                         "id) holding adapter_config.json and adapter_model.safetensors.") from exc
+        raise InputError(
+            f"could not load a PEFT adapter from peft={source!r}: {exc}. Fix: give the folder (or hub "
+            "id) holding adapter_config.json and adapter_model.safetensors."
+        ) from exc
     config = peft_model.peft_config[peft_model.active_adapter]
     targets = getattr(config, "target_modules", None)
-    common = dict(kind="peft", source=source, peft_type=str(getattr(config.peft_type, "value", config.peft_type)),
-                  rank=getattr(config, "r", None), target_modules=sorted(targets) if targets else None)
+    common = dict(
+        kind="peft",
+        source=source,
+        peft_type=str(getattr(config.peft_type, "value", config.peft_type)),
+        rank=getattr(config, "r", None),
+        target_modules=sorted(targets) if targets else None,
+    )
     if not options.merge_adapter:  # the transformers model, its Linears replaced by PEFT's LoRA layers in place
         peft_model.eval()
-        return peft_model.base_model.model, AdapterReport(**common, merged=False,
-                                         note=f"PEFT adapter {source} applied unmerged (merge_adapter=false).")
+        return peft_model.base_model.model, AdapterReport(
+            **common, merged=False, note=f"PEFT adapter {source} applied unmerged (merge_adapter=false)."
+        )
     merged = peft_model.merge_and_unload()
     when = f" before quantize={options.quantize}" if options.quantize != "none" else ""
-    return merged, AdapterReport(**common, merged=True,
-                                 note=f"PEFT adapter {source} merged into the weights{when} "
-                                      f"(in {str(next(merged.parameters()).dtype).removeprefix('torch.')}).")
+    return merged, AdapterReport(
+        **common,
+        merged=True,
+        note=f"PEFT adapter {source} merged into the weights{when} "
+        f"(in {str(next(merged.parameters()).dtype).removeprefix('torch.')}).",
+    )
 
 
 def apply_delta(model: torch.nn.Module, delta: torch.nn.Module, source: str) -> AdapterReport:
@@ -107,11 +123,14 @@ def apply_delta(model: torch.nn.Module, delta: torch.nn.Module, source: str) -> 
                 continue
             seen.add(param.data_ptr())
             if name not in theirs:
-                raise InputError(f"delta={source!r} has no weight {name!r} of the base model. Fix: give a delta "
-                                 "checkpoint saved from the same architecture as pretrained=.")
+                raise InputError(
+                    f"delta={source!r} has no weight {name!r} of the base model. Fix: give a delta "
+                    "checkpoint saved from the same architecture as pretrained=."
+                )
             if theirs[name].shape != param.shape:
-                raise InputError(f"delta={source!r}: weight {name!r} has shape {tuple(theirs[name].shape)}, the "
-                                 f"base's is {tuple(param.shape)}. Fix: a delta of the same architecture.")
+                raise InputError(
+                    f"delta={source!r}: weight {name!r} has shape {tuple(theirs[name].shape)}, the "
+                    f"base's is {tuple(param.shape)}. Fix: a delta of the same architecture."
+                )
             param.add_(theirs[name].to(device=param.device, dtype=param.dtype))
-    return AdapterReport(kind="delta", source=source, merged=True,
-                         note=f"delta weights {source} added to the base's.")
+    return AdapterReport(kind="delta", source=source, merged=True, note=f"delta weights {source} added to the base's.")

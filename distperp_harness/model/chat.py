@@ -25,13 +25,18 @@ def fold_system(history: Sequence[dict[str, str]]) -> list[dict[str, str]]:
     return [{"role": "user", "content": system}, *rest]
 
 
-def render_chat(tokenizer: Any, history: Sequence[dict[str, str]], add_generation_prompt: bool,
-                chat_kwargs: dict | None = None) -> tuple[str, bool]:
+def render_chat(
+    tokenizer: Any, history: Sequence[dict[str, str]], add_generation_prompt: bool, chat_kwargs: dict | None = None
+) -> tuple[str, bool]:
     """The templated text of ``history`` and whether the system role had to be folded (module doc)."""
     import jinja2
 
-    kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
-                  continue_final_message=not add_generation_prompt, **(chat_kwargs or {}))
+    kwargs = dict(
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=not add_generation_prompt,
+        **(chat_kwargs or {}),
+    )
     try:
         return tokenizer.apply_chat_template(list(history), **kwargs), False
     except jinja2.exceptions.TemplateError:
@@ -52,10 +57,15 @@ class ChatTemplate:
         text, folded = render_chat(tokenizer, history, add_generation_prompt, self.chat_kwargs)
         if folded and not self.folded_system:
             self.folded_system = True
-            self.log("distperp: the chat template rejects a system role; the system instruction is folded into the "
-                     "first user turn (lm-eval hf drops it)")
+            self.log(
+                "distperp: the chat template rejects a system role; the system instruction is folded into the "
+                "first user turn (lm-eval hf drops it)"
+            )
         return text
 
     def to_dict(self) -> dict:
-        return {"template_args": self.chat_kwargs, "folded_system": self.folded_system,
-                "think_end_token": self.think_end_token}
+        return {
+            "template_args": self.chat_kwargs,
+            "folded_system": self.folded_system,
+            "think_end_token": self.think_end_token,
+        }

@@ -42,18 +42,25 @@ def check_gguf(options: Any) -> None:
     if not options.gguf_file:
         return
     if importlib.util.find_spec("gguf") is None:
-        raise InputError(f"gguf_file={options.gguf_file!r} needs the 'gguf' package (transformers reads GGUF "
-                         "files with it), which is not installed. Fix: pip install 'gguf>=0.10' "
-                         "(or pip install 'distperp-harness[checkpoints]').")
+        raise InputError(
+            f"gguf_file={options.gguf_file!r} needs the 'gguf' package (transformers reads GGUF "
+            "files with it), which is not installed. Fix: pip install 'gguf>=0.10' "
+            "(or pip install 'distperp-harness[checkpoints]')."
+        )
     folder = os.path.expanduser(options.pretrained)
     if os.path.isdir(folder):
         path = os.path.join(folder, options.subfolder or "", options.gguf_file)
         if not os.path.isfile(path):
-            found = sorted(f for f in os.listdir(os.path.dirname(path) or ".") if f.endswith(".gguf")) \
-                if os.path.isdir(os.path.dirname(path)) else []
-            raise InputError(f"gguf_file={options.gguf_file!r}: no such file in {os.path.dirname(path)!r}; "
-                             f"GGUF files there: {', '.join(found) or 'none'}. Fix: give gguf_file=<one of them> "
-                             "(a file name inside pretrained=).")
+            found = (
+                sorted(f for f in os.listdir(os.path.dirname(path) or ".") if f.endswith(".gguf"))
+                if os.path.isdir(os.path.dirname(path))
+                else []
+            )
+            raise InputError(
+                f"gguf_file={options.gguf_file!r}: no such file in {os.path.dirname(path)!r}; "
+                f"GGUF files there: {', '.join(found) or 'none'}. Fix: give gguf_file=<one of them> "
+                "(a file name inside pretrained=)."
+            )
 
 
 def stored_quantization(config: Any) -> dict | None:
@@ -82,7 +89,8 @@ def refuse_on_stored(options: Any, stored: dict | None) -> None:
             f"quantize={options.quantize} was asked for, but pretrained={options.pretrained!r} is already "
             f"quantized (its config.json stores a quantization_config, quant_method={method!r}): quantizing "
             "quantized weights again would measure neither scheme. Fix: drop quantize= to evaluate the checkpoint "
-            "as saved, or give pretrained=<its full-precision source> with quantize=.")
+            "as saved, or give pretrained=<its full-precision source> with quantize=."
+        )
 
 
 def stored_weight_bytes(options: Any) -> int | None:
@@ -92,9 +100,13 @@ def stored_weight_bytes(options: Any) -> int | None:
     if not os.path.isdir(folder):
         return _hub_weight_bytes(options)
     folder = os.path.join(folder, options.subfolder or "")
-    sizes = [os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
-             if f.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(folder, f))
-             and not f.startswith(("training_args", "optimizer", "scheduler", "rng_state"))]
+    sizes = [
+        os.path.getsize(os.path.join(folder, f))
+        for f in os.listdir(folder)
+        if f.endswith(WEIGHT_SUFFIXES)
+        and os.path.isfile(os.path.join(folder, f))
+        and not f.startswith(("training_args", "optimizer", "scheduler", "rng_state"))
+    ]
     return sum(sizes) or None
 
 
@@ -103,8 +115,9 @@ def _hub_weight_bytes(options: Any) -> int | None:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        config = try_to_load_from_cache(options.pretrained, "config.json", revision=options.revision,
-                                        subfolder=options.subfolder or None)
+        config = try_to_load_from_cache(
+            options.pretrained, "config.json", revision=options.revision, subfolder=options.subfolder or None
+        )
     except Exception:  # noqa: BLE001
         return None
     if not isinstance(config, str):

@@ -41,11 +41,15 @@ def resolve_device(options: Options, local_rank: int, world_size: int = 1) -> to
     if requested.startswith("cuda"):
         if not has_cuda:
             if options.device_from_cli and requested == CLI_DEFAULT_DEVICE:
-                log.info("device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU",
-                         main_process_only=True)
+                log.info(
+                    "device=cuda:0 (lm-eval's default) but this machine has no CUDA: using the CPU",
+                    main_process_only=True,
+                )
                 return torch.device("cpu")
-            raise InputError(f"device={options.device!r} was asked for, but this machine has no CUDA device "
-                             "(torch.cuda.is_available() is False). Fix: device=cpu, or run on a GPU machine.")
+            raise InputError(
+                f"device={options.device!r} was asked for, but this machine has no CUDA device "
+                "(torch.cuda.is_available() is False). Fix: device=cpu, or run on a GPU machine."
+            )
         count = torch.cuda.device_count()
         if world_size > 1 or requested == "cuda":
             return _use_cuda(local_rank % count)
@@ -54,8 +58,10 @@ def resolve_device(options: Options, local_rank: int, world_size: int = 1) -> to
         except ValueError:
             raise InputError(f"device={options.device!r} is not a device; allowed: cpu, cuda, cuda:N, auto") from None
         if not 0 <= index < count:
-            raise InputError(f"device={options.device!r}: this process sees {count} CUDA device(s) "
-                             f"(cuda:0..cuda:{count - 1}). Fix: device=cuda:0, or check CUDA_VISIBLE_DEVICES.")
+            raise InputError(
+                f"device={options.device!r}: this process sees {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}). Fix: device=cuda:0, or check CUDA_VISIBLE_DEVICES."
+            )
         return _use_cuda(index)
     if requested == "cpu":
         return torch.device("cpu")
@@ -93,9 +99,14 @@ def device_identity(device: torch.device) -> dict[str, Any]:
     """
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        kind = {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
-                "sm_count": int(props.multi_processor_count), "cuda": torch.version.cuda,
-                "cudnn": torch.backends.cudnn.version()}
+        kind = {
+            "type": "cuda",
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "sm_count": int(props.multi_processor_count),
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        }
     else:
         kind = {"type": device.type, "machine": platform.machine(), "capability": _cpu_capability()}
     return {**kind, "numerics": numerics_flags()}
@@ -113,8 +124,11 @@ def physical_device(device: torch.device) -> dict[str, Any]:
     where: dict[str, Any] = {"host": socket.gethostname(), "device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        where["gpu"] = str(getattr(props, "uuid", "") or f"{getattr(props, 'pci_domain_id', 0)}:"
-                           f"{getattr(props, 'pci_bus_id', 0)}:{getattr(props, 'pci_device_id', 0)}")
+        where["gpu"] = str(
+            getattr(props, "uuid", "")
+            or f"{getattr(props, 'pci_domain_id', 0)}:"
+            f"{getattr(props, 'pci_bus_id', 0)}:{getattr(props, 'pci_device_id', 0)}"
+        )
     return where
 
 
@@ -137,12 +151,15 @@ def find_disagreement(everyone: Sequence[Mapping[str, Any]]) -> str | None:
         flat = _flatten(theirs)
         fields = sorted(k for k in base.keys() | flat.keys() if base.get(k, "<missing>") != flat.get(k, "<missing>"))
         if fields:
-            shown = "; ".join(f"{k}: {base.get(k, '<missing>')!r} on rank 0 vs {flat.get(k, '<missing>')!r}"
-                              for k in fields[:6])
+            shown = "; ".join(
+                f"{k}: {base.get(k, '<missing>')!r} on rank 0 vs {flat.get(k, '<missing>')!r}" for k in fields[:6]
+            )
             more = f" (and {len(fields) - 6} more)" if len(fields) > 6 else ""
-            return (f"rank {rank} does not run what rank 0 runs: {shown}{more}. Results computed by different "
-                    "kernels, settings or versions would be mixed into one result. Fix: the same GPU model, torch "
-                    "precision settings, library versions and --model_args on every process and node.")
+            return (
+                f"rank {rank} does not run what rank 0 runs: {shown}{more}. Results computed by different "
+                "kernels, settings or versions would be mixed into one result. Fix: the same GPU model, torch "
+                "precision settings, library versions and --model_args on every process and node."
+            )
     return None
 
 
@@ -155,9 +172,11 @@ def find_shared_gpus(everyone: Sequence[Mapping[str, Any]]) -> str | None:
     for (host, gpu), ranks in owners.items():
         if len(ranks) > 1:
             device = everyone[ranks[0]]["device"]
-            return (f"ranks {ranks} on host {host} all compute on the same GPU ({device}, {gpu}): more processes "
-                    "per node than GPUs they can see. Fix: start at most one process per GPU (accelerate launch "
-                    "--num_processes = number of GPUs, or srun --gpus-per-task=1), or check CUDA_VISIBLE_DEVICES.")
+            return (
+                f"ranks {ranks} on host {host} all compute on the same GPU ({device}, {gpu}): more processes "
+                "per node than GPUs they can see. Fix: start at most one process per GPU (accelerate launch "
+                "--num_processes = number of GPUs, or srun --gpus-per-task=1), or check CUDA_VISIBLE_DEVICES."
+            )
     return None
 
 

@@ -33,14 +33,18 @@ class Given:
 def split_given(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Given | None]:
     """``(kwargs with strings in place of objects, the objects or None)`` (module doc)."""
     if "in_memory" in kwargs:  # set here only, from the type of pretrained
-        raise InputError("Unknown --model_args key(s) for --model distperp: 'in_memory' (it is set when "
-                         "pretrained is a model object). Fix: drop in_memory.")
+        raise InputError(
+            "Unknown --model_args key(s) for --model distperp: 'in_memory' (it is set when "
+            "pretrained is a model object). Fix: drop in_memory."
+        )
     model, tokenizer = kwargs.get("pretrained"), kwargs.get("tokenizer")
     if not isinstance(model, torch.nn.Module):
         if tokenizer is not None and not isinstance(tokenizer, str):
-            raise InputError(f"tokenizer={type(tokenizer).__name__} object was given with pretrained={model!r}. "
-                             "Fix: pass a tokenizer object only with an in-memory model (pretrained=<model>), "
-                             "or tokenizer=<path or hub id>.")
+            raise InputError(
+                f"tokenizer={type(tokenizer).__name__} object was given with pretrained={model!r}. "
+                "Fix: pass a tokenizer object only with an in-memory model (pretrained=<model>), "
+                "or tokenizer=<path or hub id>."
+            )
         return kwargs, None
     out = dict(kwargs)
     out["pretrained"] = str(getattr(model, "name_or_path", "") or "in-memory")
@@ -55,10 +59,13 @@ def split_given(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Given | None]:
 def check_given(options: Any, given: Given) -> None:
     """ValueError for the options an in-memory model cannot take (module doc)."""
     if not hasattr(given.model, "config") or not hasattr(given.model, "get_input_embeddings"):
-        raise InputError(f"pretrained={type(given.model).__name__} is not a transformers causal LM. Fix: pass a "
-                         "PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained) or its folder.")
-    refused = [f"{key}={getattr(options, key)}" for key in ("peft", "delta", "gguf_file", "subfolder")
-               if getattr(options, key)]
+        raise InputError(
+            f"pretrained={type(given.model).__name__} is not a transformers causal LM. Fix: pass a "
+            "PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained) or its folder."
+        )
+    refused = [
+        f"{key}={getattr(options, key)}" for key in ("peft", "delta", "gguf_file", "subfolder") if getattr(options, key)
+    ]
     if options.quantize != "none":
         refused.append(f"quantize={options.quantize}")
     if options.reference in ("base", "pretrained"):
@@ -68,17 +75,21 @@ def check_given(options: Any, given: Given) -> None:
     if options.tensor_parallel != 1:
         refused.append(f"tp_size={options.tensor_parallel}")
     if refused:
-        raise InputError(f"{', '.join(refused)} with an in-memory model (pretrained={type(given.model).__name__}) "
-                         "would change the caller's model in place or needs its files. Fix: "
-                         "model.save_pretrained(DIR) and pass pretrained=DIR, or drop those keys "
-                         "(reference=<path> works with an in-memory model).")
+        raise InputError(
+            f"{', '.join(refused)} with an in-memory model (pretrained={type(given.model).__name__}) "
+            "would change the caller's model in place or needs its files. Fix: "
+            "model.save_pretrained(DIR) and pass pretrained=DIR, or drop those keys "
+            "(reference=<path> works with an in-memory model)."
+        )
     if given.tokenizer is None and not options.tokenizer:
         import os
 
         if not os.path.isdir(os.path.expanduser(options.pretrained)):
-            raise InputError(f"an in-memory model needs its tokenizer: its name_or_path {options.pretrained!r} is "
-                             "not a folder to load one from. Fix: model_args={'pretrained': model, "
-                             "'tokenizer': tokenizer} (an object or a path).")
+            raise InputError(
+                f"an in-memory model needs its tokenizer: its name_or_path {options.pretrained!r} is "
+                "not a folder to load one from. Fix: model_args={'pretrained': model, "
+                "'tokenizer': tokenizer} (an object or a path)."
+            )
 
 
 def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

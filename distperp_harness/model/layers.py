@@ -15,8 +15,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     depth = getattr(config, "num_hidden_layers", None)
-    stacks = [m for m in base.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
-              and len({type(layer) for layer in m}) == 1]
+    stacks = [
+        m
+        for m in base.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) and len({type(layer) for layer in m}) == 1
+    ]
     exact = [m for m in stacks if depth is not None and len(m) == depth]
     if exact:
         return list(exact[0])

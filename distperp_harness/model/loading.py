@@ -37,8 +37,10 @@ def _check_source(name: str, what: str) -> None:
     if os.path.isdir(os.path.expanduser(name)):
         return
     if looks_local or os.path.exists(name):
-        raise InputError(f"{what}={name!r}: no such model folder (expected a directory with config.json); "
-                         "give an existing local folder or a Hugging Face hub id like 'org/name'")
+        raise InputError(
+            f"{what}={name!r}: no such model folder (expected a directory with config.json); "
+            "give an existing local folder or a Hugging Face hub id like 'org/name'"
+        )
 
 
 def load_tokenizer(options: Options):
@@ -65,8 +67,15 @@ def load_tokenizer(options: Options):
     return tokenizer
 
 
-def load_model(options: Options, device: torch.device, dtype: torch.dtype | str, source: str | None = None,
-               key: str = "pretrained", quantization_config: Any = None, distributed_config: Any = None):
+def load_model(
+    options: Options,
+    device: torch.device,
+    dtype: torch.dtype | str,
+    source: str | None = None,
+    key: str = "pretrained",
+    quantization_config: Any = None,
+    distributed_config: Any = None,
+):
     """The causal LM at ``source`` (default ``options.pretrained``) in ``dtype`` on ``device``, in eval mode.
 
     ``key``: the ``--model_args`` key that named ``source``, for error messages; only ``pretrained`` gets
@@ -82,8 +91,12 @@ def load_model(options: Options, device: torch.device, dtype: torch.dtype | str,
     _check_source(source, key)
     if key == "pretrained":
         check_gguf(options)
-    kwargs = {"revision": options.revision, "trust_remote_code": options.trust_remote_code, "dtype": dtype,
-              **source_kwargs(options, key)}
+    kwargs = {
+        "revision": options.revision,
+        "trust_remote_code": options.trust_remote_code,
+        "dtype": dtype,
+        **source_kwargs(options, key),
+    }
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
     if quantization_config is not None:
@@ -115,8 +128,10 @@ def _to_device(model: torch.nn.Module, device: torch.device, source: str) -> Non
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
             placed = next(model.parameters()).device
             if placed.type != device.type:
-                raise InputError(f"{source!r} is a bitsandbytes checkpoint placed on {placed} by its quantizer, "
-                                 f"which cannot be moved to {device} ({exc}). Fix: device={placed.type}.") from exc
+                raise InputError(
+                    f"{source!r} is a bitsandbytes checkpoint placed on {placed} by its quantizer, "
+                    f"which cannot be moved to {device} ({exc}). Fix: device={placed.type}."
+                ) from exc
             return
         raise
 
@@ -139,9 +154,12 @@ def load_config(options: Options, source: str | None = None, key: str = "pretrai
     if key == "pretrained":
         check_gguf(options)
     try:
-        return transformers.AutoConfig.from_pretrained(os.path.expanduser(source), revision=options.revision,
-                                                       trust_remote_code=options.trust_remote_code,
-                                                       **source_kwargs(options, key))
+        return transformers.AutoConfig.from_pretrained(
+            os.path.expanduser(source),
+            revision=options.revision,
+            trust_remote_code=options.trust_remote_code,
+            **source_kwargs(options, key),
+        )
     except (OSError, ValueError) as exc:
         raise InputError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
 
@@ -157,8 +175,9 @@ def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = No
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         extra = {"attn_implementation": options.attn_implementation} if options.attn_implementation else {}
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                             trust_remote_code=options.trust_remote_code, **extra)
+        return transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=options.trust_remote_code, **extra
+        )
 
 
 def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, distributed_config: Any = None):
@@ -188,26 +207,37 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
         skipped.update(narrow)
     if notes:  # quantizing a tied head unties it, which transformers' loader does not do
         if distributed_config is not None:
-            raise InputError(f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "
-                             "head is tied to its input embeddings, and quantizing it means untying it after "
-                             "loading, which a tensor-parallel slice cannot do. Fix: quantize_lm_head=false, or "
-                             "tp_size=1.")
+            raise InputError(
+                f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "
+                "head is tied to its input embeddings, and quantizing it means untying it after "
+                "loading, which a tensor-parallel slice cannot do. Fix: quantize_lm_head=false, or "
+                "tp_size=1."
+            )
         model = load_model(options, device, dtype)
-        report = quantize_model(model, scheme, group_size=options.group_size,
-                                include_lm_head=options.quantize_lm_head)
-        return model, dataclasses.replace(report, notes=report.notes + (
-            "Quantized after loading (a tied output embedding is quantized by untying it).",))
+        report = quantize_model(model, scheme, group_size=options.group_size, include_lm_head=options.quantize_lm_head)
+        return model, dataclasses.replace(
+            report,
+            notes=report.notes + ("Quantized after loading (a tied output embedding is quantized by untying it).",),
+        )
     _import_torchao()
     start = time.perf_counter()
-    config = transformers.TorchAoConfig(quant_type=plan.config,
-                                        modules_to_not_convert=[re.escape(name) for name in skipped])
+    config = transformers.TorchAoConfig(
+        quant_type=plan.config, modules_to_not_convert=[re.escape(name) for name in skipped]
+    )
     model = load_model(options, device, dtype, quantization_config=config, distributed_config=distributed_config)
-    common = dict(scheme=scheme, storage=plan.storage, note=plan.note, device_type=device.type,
-                  model_dtype=str(dtype).removeprefix("torch."), include_lm_head=options.quantize_lm_head,
-                  weight_bytes_before=sum(p.numel() * p.element_size() for p in meta.parameters()))
+    common = dict(
+        scheme=scheme,
+        storage=plan.storage,
+        note=plan.note,
+        device_type=device.type,
+        model_dtype=str(dtype).removeprefix("torch."),
+        include_lm_head=options.quantize_lm_head,
+        weight_bytes_before=sum(p.numel() * p.element_size() for p in meta.parameters()),
+    )
     notes.append("Quantized while loading (transformers TorchAoConfig, tensor by tensor); seconds include loading.")
-    return model, finish_report(model, scheme, plan, options.group_size, selected, skipped, notes, common,
-                                time.perf_counter() - start)
+    return model, finish_report(
+        model, scheme, plan, options.group_size, selected, skipped, notes, common, time.perf_counter() - start
+    )
 
 
 @dataclass
@@ -235,8 +265,9 @@ class Loaded:
     stored_quantization: dict | None = None
 
 
-def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | str, tokenizer: Any,
-                 distributed_config: Any = None) -> tuple[torch.nn.Module, AdapterReport | None]:
+def load_adapted(
+    options: Options, device: torch.device, dtype: torch.dtype | str, tokenizer: Any, distributed_config: Any = None
+) -> tuple[torch.nn.Module, AdapterReport | None]:
     """``pretrained`` unquantized on ``device`` in ``dtype``, with its ``peft=`` adapter or ``delta=`` weights applied
     (:mod:`~distperp_harness.model.adapters`); without either, :func:`load_model` (tensor-parallel with
     ``distributed_config``; options refuse adapters then)."""
@@ -253,8 +284,9 @@ def load_adapted(options: Options, device: torch.device, dtype: torch.dtype | st
     return model, None
 
 
-def load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None,
-             tp_mesh: Any = None) -> Loaded:
+def load_all(
+    options: Options, device: torch.device, mesh: Any = None, given: Any = None, tp_mesh: Any = None
+) -> Loaded:
     """:func:`_load_all`; with ``tp_mesh`` (``tp_size`` > 1, :func:`~distperp_harness.model.tensor_parallel.
     make_tp_mesh`), the model and the reference are loaded tensor-parallel on it, each rank reading its slices."""
     if tp_mesh is None:
@@ -274,8 +306,9 @@ def load_all(options: Options, device: torch.device, mesh: Any = None, given: An
     return loaded
 
 
-def _load_all(options: Options, device: torch.device, mesh: Any = None, given: Any = None,
-              distributed_config: Any = None) -> Loaded:
+def _load_all(
+    options: Options, device: torch.device, mesh: Any = None, given: Any = None, distributed_config: Any = None
+) -> Loaded:
     """Tokenizer → model on ``device`` (quantized while loading) → reference; with ``mesh``, both sharded.
 
     The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
@@ -311,10 +344,14 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
         dtype = asked if dtype is None else dtype
         if options.peft or options.delta or options.gguf_file:  # merge first, then quantize the merged weights
             model, adapter = load_adapted(options, device, dtype, tokenizer)
-            report = quantize_model(model, options.quantize, group_size=options.group_size,
-                                    include_lm_head=options.quantize_lm_head)
-            why = adapter.note if adapter else ("transformers dequantizes a GGUF file while loading and cannot "
-                                                "quantize it in the same pass.")
+            report = quantize_model(
+                model, options.quantize, group_size=options.group_size, include_lm_head=options.quantize_lm_head
+            )
+            why = (
+                adapter.note
+                if adapter
+                else ("transformers dequantizes a GGUF file while loading and cannot quantize it in the same pass.")
+            )
             report = dataclasses.replace(report, notes=report.notes + (f"Quantized after loading: {why}",))
         else:
             model, report = load_quantized(options, device, dtype, distributed_config)
@@ -324,8 +361,11 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
     if adapter is not None:
         log.info(f"distperp: {adapter.note}", main_process_only=True)
     if stored is not None:
-        log.info(f"distperp: pretrained={options.pretrained!r} was saved quantized "
-                 f"(quant_method={stored.get('quant_method')!r}); loaded as saved", main_process_only=True)
+        log.info(
+            f"distperp: pretrained={options.pretrained!r} was saved quantized "
+            f"(quant_method={stored.get('quant_method')!r}); loaded as saved",
+            main_process_only=True,
+        )
     sharding: dict[str, Any] = {}
     model_bytes = weight_bytes(model)
     if mesh is not None:
@@ -337,8 +377,14 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
         elif options.reference == "pretrained":
             reference = load_model(options, staging, asked)
         else:
-            reference = load_model(options, staging, asked, source=options.reference, key="reference",
-                                   distributed_config=distributed_config)
+            reference = load_model(
+                options,
+                staging,
+                asked,
+                source=options.reference,
+                key="reference",
+                distributed_config=distributed_config,
+            )
         reference_bytes = weight_bytes(reference)
         if mesh is not None:
             sharding["reference"] = shard_model(reference, mesh, what="reference")
@@ -346,11 +392,24 @@ def _load_all(options: Options, device: torch.device, mesh: Any = None, given: A
         log.info(shard_report.note, main_process_only=True)
     max_length = model_max_length(options, model, tokenizer)
     if options.stride is not None and options.stride > max_length:
-        raise InputError(f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
-                         "Fix: lower stride or set max_length.")
-    return Loaded(device, tokenizer, model, reference, report, model_bytes, max_length,
-                  reference_weight_bytes=reference_bytes, sharding=sharding, load_memory=meter.stop(),
-                  adapter=adapter, stored_quantization=stored)
+        raise InputError(
+            f"stride={options.stride} is not valid: need 0 < stride <= max_length ({max_length}). "
+            "Fix: lower stride or set max_length."
+        )
+    return Loaded(
+        device,
+        tokenizer,
+        model,
+        reference,
+        report,
+        model_bytes,
+        max_length,
+        reference_weight_bytes=reference_bytes,
+        sharding=sharding,
+        load_memory=meter.stop(),
+        adapter=adapter,
+        stored_quantization=stored,
+    )
 
 
 def _load_given(options: Options, device: torch.device, given: Any, meter: Any) -> Loaded:
@@ -364,12 +423,18 @@ def _load_given(options: Options, device: torch.device, given: Any, meter: Any) 
     model = place(given.model, device)
     reference = None
     if options.reference is not None:
-        reference = load_model(options, device, torch_dtype(options.dtype), source=options.reference,
-                               key="reference")
-    return Loaded(device, tokenizer, model, reference, None, weight_bytes(model),
-                  model_max_length(options, model, tokenizer),
-                  reference_weight_bytes=weight_bytes(reference) if reference is not None else None,
-                  load_memory=meter.stop())
+        reference = load_model(options, device, torch_dtype(options.dtype), source=options.reference, key="reference")
+    return Loaded(
+        device,
+        tokenizer,
+        model,
+        reference,
+        None,
+        weight_bytes(model),
+        model_max_length(options, model, tokenizer),
+        reference_weight_bytes=weight_bytes(reference) if reference is not None else None,
+        load_memory=meter.stop(),
+    )
 
 
 def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:
@@ -379,5 +444,7 @@ def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -
     rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
     if not 0 <= token < rows:
         what = "prefix_token_id" if given else "the tokenizer's BOS/EOS id"
-        raise InputError(f"{what}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
-                         f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id).")
+        raise InputError(
+            f"{what}={token} is not a token of this model: its embeddings hold ids 0..{rows - 1}. "
+            f"Fix: pass prefix_token_id=<an id below {rows}> in --model_args (e.g. the BOS id)."
+        )

@@ -66,8 +66,10 @@ def tree_mask_bytes_per_token(max_length: int) -> int:
 def _cgroup_memory() -> tuple[int, int] | None:
     """``(limit, usage)`` of this process's cgroup (v2 ``memory.max``/``memory.current``, or v1), None when
     unlimited or unknown."""
-    candidates = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+    candidates = [
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ]
     for limit_path, usage_path in candidates:
         try:
             with open(limit_path, encoding="ascii") as f:
@@ -120,8 +122,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("ALLOC_FAILED", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY",
-                                      "cudaErrorMemoryAllocation"))
+        marker in text
+        for marker in ("ALLOC_FAILED", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation")
+    )
 
 
 def room_bytes(device: torch.device) -> int:
@@ -139,7 +142,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
-
 
 
 def kv_cache_bytes_per_token(model: torch.nn.Module) -> int:

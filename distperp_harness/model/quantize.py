@@ -49,8 +49,16 @@ from distperp_harness.options import DTYPES, GROUP_SIZES
 # module before transformers' model classes for the setting to take effect. Set the variable to 0 to override.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-__all__ = ["SCHEMES", "Plan", "QuantReport", "Scheme", "quantize_model", "register_scheme",
-           "resolve_model_dtype", "weight_bytes"]
+__all__ = [
+    "SCHEMES",
+    "Plan",
+    "QuantReport",
+    "Scheme",
+    "quantize_model",
+    "register_scheme",
+    "resolve_model_dtype",
+    "weight_bytes",
+]
 
 SkipCheck = Callable[[nn.Linear], "str | None"]
 """Why a Linear cannot be quantized by a plan, or ``None`` when it can."""
@@ -119,10 +127,15 @@ def _k_divisible(group_size: int, n_multiple: int = 1) -> SkipCheck:
 def _int4_in_int8(group_size: int, why: str) -> Plan:
     from torchao.quantization import IntxWeightOnlyConfig, MappingType, PerGroup
 
-    config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size),
-                                  mapping_type=MappingType.ASYMMETRIC)
-    return Plan(config, "int4-in-int8", f"int4 values stored one per byte (memory as int8), dequantized per matmul, "
-                f"because {why}", _k_divisible(group_size))
+    config = IntxWeightOnlyConfig(
+        weight_dtype=torch.int4, granularity=PerGroup(group_size), mapping_type=MappingType.ASYMMETRIC
+    )
+    return Plan(
+        config,
+        "int4-in-int8",
+        f"int4 values stored one per byte (memory as int8), dequantized per matmul, because {why}",
+        _k_divisible(group_size),
+    )
 
 
 @register_scheme("none", uses_group_size=False)
@@ -133,35 +146,54 @@ def _plan_none(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
 @register_scheme("int4", uses_group_size=True, preferred_dtype=torch.bfloat16)
 def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
     if dtype != torch.bfloat16:
-        return _int4_in_int8(group_size, f"the packed int4 kernels need a bfloat16 model and this one is "
-                             f"{_name(dtype)} (dtype=auto or dtype=bfloat16 gives packed int4)")
+        return _int4_in_int8(
+            group_size,
+            f"the packed int4 kernels need a bfloat16 model and this one is "
+            f"{_name(dtype)} (dtype=auto or dtype=bfloat16 gives packed int4)",
+        )
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 0):
-            return _int4_in_int8(group_size, f"the tinygemm int4 kernel needs compute capability >= 8.0, this GPU "
-                                 f"has {capability}")
+            return _int4_in_int8(
+                group_size, f"the tinygemm int4 kernel needs compute capability >= 8.0, this GPU has {capability}"
+            )
         from torchao.quantization import Int4WeightOnlyConfig
         from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
-        config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
-                                      int4_tile_packed_ntile=16 if torch.version.hip else 8, set_inductor_config=False)
-        return Plan(config, "int4-packed", "int4 packed two per byte, tinygemm kernel aten._weight_int4pack_mm",
-                    _k_divisible(group_size))
+        config = Int4WeightOnlyConfig(
+            group_size=group_size,
+            int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
+            int4_tile_packed_ntile=16 if torch.version.hip else 8,
+            set_inductor_config=False,
+        )
+        return Plan(
+            config,
+            "int4-packed",
+            "int4 packed two per byte, tinygemm kernel aten._weight_int4pack_mm",
+            _k_divisible(group_size),
+        )
     if group_size > 128:
         return _int4_in_int8(group_size, f"the CPU int4 kernel takes group_size 32, 64 or 128, not {group_size}")
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
     config = PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
-    return Plan(config, "int4-packed", "int4 packed two per byte, CPU kernel aten._weight_int4pack_mm_for_cpu",
-                _k_divisible(group_size, 16))
+    return Plan(
+        config,
+        "int4-packed",
+        "int4 packed two per byte, CPU kernel aten._weight_int4pack_mm_for_cpu",
+        _k_divisible(group_size, 16),
+    )
 
 
 @register_scheme("int8", uses_group_size=False)
 def _plan_int8(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
     from torchao.quantization import Int8WeightOnlyConfig
 
-    return Plan(Int8WeightOnlyConfig(set_inductor_config=False), "int8",
-                "int8 weights with per-row scales, matmul in the model dtype")
+    return Plan(
+        Int8WeightOnlyConfig(set_inductor_config=False),
+        "int8",
+        "int8 weights with per-row scales, matmul in the model dtype",
+    )
 
 
 @register_scheme("8da4w", uses_group_size=True)
@@ -169,9 +201,13 @@ def _plan_8da4w(dtype: torch.dtype, group_size: int, device: torch.device) -> Pl
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup
 
     config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
-    return Plan(config, "int4-in-int8", "per-token int8 activations x symmetric group-wise int4 weights, reference "
-                "kernel (int4 values stored one per byte; no packed 8da4w kernel for this device in torchao)",
-                _k_divisible(group_size))
+    return Plan(
+        config,
+        "int4-in-int8",
+        "per-token int8 activations x symmetric group-wise int4 weights, reference "
+        "kernel (int4 values stored one per byte; no packed 8da4w kernel for this device in torchao)",
+        _k_divisible(group_size),
+    )
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -180,15 +216,19 @@ def _name(dtype: torch.dtype) -> str:
 
 def _scheme(scheme: str) -> Scheme:
     if scheme not in SCHEMES:
-        raise InputError(f"quantize={scheme!r} is not a known scheme; allowed: {', '.join(SCHEMES)}. "
-                         "Fix: e.g. quantize=int4,group_size=128.")
+        raise InputError(
+            f"quantize={scheme!r} is not a known scheme; allowed: {', '.join(SCHEMES)}. "
+            "Fix: e.g. quantize=int4,group_size=128."
+        )
     return SCHEMES[scheme]
 
 
 def _check_device_type(scheme: str, device_type: str) -> None:
     if scheme != "none" and device_type not in ("cpu", "cuda"):
-        raise InputError(f"quantize={scheme} runs on cpu or cuda devices, not {device_type!r}. "
-                         "Fix: use device=cpu or device=cuda, or quantize=none.")
+        raise InputError(
+            f"quantize={scheme} runs on cpu or cuda devices, not {device_type!r}. "
+            "Fix: use device=cpu or device=cuda, or quantize=none."
+        )
 
 
 def resolve_model_dtype(scheme: str, requested: str, device: torch.device | str) -> tuple[torch.dtype | None, str]:
@@ -208,13 +248,17 @@ def resolve_model_dtype(scheme: str, requested: str, device: torch.device | str)
     if requested != "auto":
         dtype = getattr(torch, requested)
         if preferred is not None and dtype != preferred:
-            return dtype, (f"dtype={requested} as asked; quantize={scheme} then stores int4 values one per byte "
-                           f"(memory as int8) and computes in {requested}: the packed int4 kernels need "
-                           f"{_name(preferred)} (dtype=auto or dtype={_name(preferred)})")
+            return dtype, (
+                f"dtype={requested} as asked; quantize={scheme} then stores int4 values one per byte "
+                f"(memory as int8) and computes in {requested}: the packed int4 kernels need "
+                f"{_name(preferred)} (dtype=auto or dtype={_name(preferred)})"
+            )
         return dtype, f"dtype={requested} as asked"
     if preferred is not None:
-        return preferred, (f"dtype=auto with quantize={scheme} on {device.type}: loading in {_name(preferred)}, "
-                           f"which the packed {scheme} kernel needs")
+        return preferred, (
+            f"dtype=auto with quantize={scheme} on {device.type}: loading in {_name(preferred)}, "
+            f"which the packed {scheme} kernel needs"
+        )
     return None, "dtype=auto: the loader's default dtype"
 
 
@@ -226,8 +270,9 @@ def is_tensor_subclass(t: torch.Tensor) -> bool:
 def _storage_bytes(t: torch.Tensor, seen: set[tuple[int, int]]) -> int:
     if is_tensor_subclass(t):
         names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh: tensors only
-        return sum(_storage_bytes(inner, seen) for inner in (getattr(t, n) for n in names)
-                   if isinstance(inner, torch.Tensor))
+        return sum(
+            _storage_bytes(inner, seen) for inner in (getattr(t, n) for n in names) if isinstance(inner, torch.Tensor)
+        )
     key = (t.data_ptr(), t.numel() * t.element_size())
     if key[0] != 0 and key in seen:
         return 0
@@ -285,8 +330,9 @@ class QuantReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field (lists for tuples), plus ``warnings``."""
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out.update(quantized=list(self.quantized), skipped=dict(self.skipped), notes=list(self.notes),
-                   warnings=self.warnings)
+        out.update(
+            quantized=list(self.quantized), skipped=dict(self.skipped), notes=list(self.notes), warnings=self.warnings
+        )
         return out
 
     @property
@@ -296,10 +342,12 @@ class QuantReport:
             return []
         reasons = collections.Counter(self.skipped.values())
         why = "; ".join(f"{n}x {reason}" for reason, n in reasons.most_common(3))
-        return [f"quantize={self.scheme}{'' if self.group_size is None else f',group_size={self.group_size}'} "
-                f"quantized no layer: all {len(self.skipped)} Linear layers were skipped ({why}); the model runs in "
-                f"{self.model_dtype}, unquantized. Fix: a group_size that divides the layers' input widths, or "
-                f"another scheme."]
+        return [
+            f"quantize={self.scheme}{'' if self.group_size is None else f',group_size={self.group_size}'} "
+            f"quantized no layer: all {len(self.skipped)} Linear layers were skipped ({why}); the model runs in "
+            f"{self.model_dtype}, unquantized. Fix: a group_size that divides the layers' input widths, or "
+            f"another scheme."
+        ]
 
     def summary(self) -> str:
         """One line for the rank-0 log."""
@@ -310,11 +358,15 @@ class QuantReport:
         reasons = collections.Counter(self.skipped.values())
         why = "; ".join(f"{n}x {reason}" for reason, n in reasons.items())
         ratio = self.weight_bytes_after / max(self.weight_bytes_before, 1)
-        return " ".join([
-            f"quantize={self.scheme}: {self.config_name} [{self.storage}] on {self.device_type}, {self.model_dtype}"
-            f"{groups}: {len(self.quantized)} Linear layers quantized, {len(self.skipped)} skipped"
-            f"{f' ({why})' if why else ''}; {weights} -> {self.weight_bytes_after / 1e6:.2f} MB (x{ratio:.2f}) in "
-            f"{self.seconds:.1f} s. {self.note}.", *self.notes])
+        return " ".join(
+            [
+                f"quantize={self.scheme}: {self.config_name} [{self.storage}] on {self.device_type}, {self.model_dtype}"
+                f"{groups}: {len(self.quantized)} Linear layers quantized, {len(self.skipped)} skipped"
+                f"{f' ({why})' if why else ''}; {weights} -> {self.weight_bytes_after / 1e6:.2f} MB (x{ratio:.2f}) in "
+                f"{self.seconds:.1f} s. {self.note}.",
+                *self.notes,
+            ]
+        )
 
 
 def _placement(model: nn.Module, scheme: str) -> tuple[torch.device, torch.dtype]:
@@ -325,14 +377,17 @@ def _placement(model: nn.Module, scheme: str) -> tuple[torch.device, torch.dtype
         raise InputError(f"quantize={scheme}: the model has no floating-point weights to quantize.")
     types = sorted({p.device.type for p in params})
     if len(types) > 1:
-        raise InputError(f"quantize={scheme}: the model's weights are spread over {', '.join(types)}; quantize a "
-                         "model that sits on one device type (no CPU/disk offload).")
+        raise InputError(
+            f"quantize={scheme}: the model's weights are spread over {', '.join(types)}; quantize a "
+            "model that sits on one device type (no CPU/disk offload)."
+        )
     _check_device_type(scheme, types[0])
     return params[0].device, params[0].dtype
 
 
-def quantize_model(model: nn.Module, scheme: str, *, group_size: int = 128,
-                   include_lm_head: bool = False) -> QuantReport:
+def quantize_model(
+    model: nn.Module, scheme: str, *, group_size: int = 128, include_lm_head: bool = False
+) -> QuantReport:
     """Quantize ``model``'s Linear layers in place with the torchao config that ``scheme`` picks for its device.
 
     Args:
@@ -351,18 +406,36 @@ def quantize_model(model: nn.Module, scheme: str, *, group_size: int = 128,
     """
     spec = _scheme(scheme)
     if group_size not in GROUP_SIZES:
-        raise InputError(f"group_size={group_size!r} is not valid; allowed: {', '.join(map(str, GROUP_SIZES))}. "
-                         "Fix: e.g. group_size=128.")
+        raise InputError(
+            f"group_size={group_size!r} is not valid; allowed: {', '.join(map(str, GROUP_SIZES))}. "
+            "Fix: e.g. group_size=128."
+        )
     device, dtype = _placement(model, scheme)
     if scheme != "none":
         _import_torchao()
     plan = spec.plan(dtype, group_size, device)
     before = weight_bytes(model)
-    common = dict(scheme=scheme, storage=plan.storage, note=plan.note, device_type=device.type,
-                  model_dtype=_name(dtype), include_lm_head=include_lm_head, weight_bytes_before=before)
+    common = dict(
+        scheme=scheme,
+        storage=plan.storage,
+        note=plan.note,
+        device_type=device.type,
+        model_dtype=_name(dtype),
+        include_lm_head=include_lm_head,
+        weight_bytes_before=before,
+    )
     if plan.config is None:
-        return QuantReport(config_name=None, config=None, group_size=None, weight_format=None, quantized=(),
-                           skipped={}, weight_bytes_after=before, seconds=0.0, **common)
+        return QuantReport(
+            config_name=None,
+            config=None,
+            group_size=None,
+            weight_format=None,
+            quantized=(),
+            skipped={},
+            weight_bytes_after=before,
+            seconds=0.0,
+            **common,
+        )
 
     selected, skipped, notes = select_layers(model, plan, include_lm_head)
     chosen = set(selected)
@@ -371,8 +444,7 @@ def quantize_model(model: nn.Module, scheme: str, *, group_size: int = 128,
     start = time.perf_counter()
     with torch.no_grad():
         quantize_(model, plan.config, filter_fn=lambda module, fqn: fqn in chosen)
-    return finish_report(model, scheme, plan, group_size, selected, skipped, notes, common,
-                         time.perf_counter() - start)
+    return finish_report(model, scheme, plan, group_size, selected, skipped, notes, common, time.perf_counter() - start)
 
 
 def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[list[str], dict[str, str], list[str]]:
@@ -401,13 +473,24 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     head_name = next((name for name, module in model.named_modules() if module is lm_head), None)
     if head_name in selected and getattr(embedding, "weight", None) is lm_head.weight:
-        notes.append("The output embedding was tied to the input embedding: quantizing it untied them, and the "
-                     "input embedding keeps its full-precision copy.")
+        notes.append(
+            "The output embedding was tied to the input embedding: quantizing it untied them, and the "
+            "input embedding keeps its full-precision copy."
+        )
     return selected, skipped, notes
 
 
-def finish_report(model: nn.Module, scheme: str, plan: Plan, group_size: int, selected: list[str],
-                  skipped: dict[str, str], notes: list[str], common: dict[str, Any], seconds: float) -> QuantReport:
+def finish_report(
+    model: nn.Module,
+    scheme: str,
+    plan: Plan,
+    group_size: int,
+    selected: list[str],
+    skipped: dict[str, str],
+    notes: list[str],
+    common: dict[str, Any],
+    seconds: float,
+) -> QuantReport:
     """The :class:`QuantReport` of ``model`` after ``plan`` ran on the ``selected`` layers: a selected layer whose
     weight is still a plain tensor is listed as skipped (left unquantized by torchao)."""
     from torchao.core.config import config_to_dict
@@ -421,7 +504,15 @@ def finish_report(model: nn.Module, scheme: str, plan: Plan, group_size: int, se
             formats[type(modules[name].weight).__name__] += 1
         else:
             skipped[name] = "left unquantized by torchao (the weight is a plain tensor after quantize_)"
-    return QuantReport(config_name=type(plan.config).__name__, config=config_to_dict(plan.config),
-                       group_size=group_size if SCHEMES[scheme].uses_group_size else None,
-                       weight_format=", ".join(formats) or None, quantized=tuple(quantized), skipped=skipped,
-                       weight_bytes_after=weight_bytes(model), seconds=seconds, notes=tuple(notes), **common)
+    return QuantReport(
+        config_name=type(plan.config).__name__,
+        config=config_to_dict(plan.config),
+        group_size=group_size if SCHEMES[scheme].uses_group_size else None,
+        weight_format=", ".join(formats) or None,
+        quantized=tuple(quantized),
+        skipped=skipped,
+        weight_bytes_after=weight_bytes(model),
+        seconds=seconds,
+        notes=tuple(notes),
+        **common,
+    )

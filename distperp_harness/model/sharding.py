@@ -42,8 +42,9 @@ def resolve_shard_size(option: int | str, world_size: int, local_world_size: int
         ValueError: when the size does not divide the processes per node (groups must not span nodes; every rank
         must belong to exactly one group) — with the value, what is allowed and the fix.
     """
-    return resolve_group_size("shard_size", option, world_size, local_world_size,
-                              "each group of processes sharing one copy of the weights")
+    return resolve_group_size(
+        "shard_size", option, world_size, local_world_size, "each group of processes sharing one copy of the weights"
+    )
 
 
 def resolve_group_size(key: str, option: int | str, world_size: int, local_world_size: int, group: str) -> int:
@@ -59,7 +60,8 @@ def resolve_group_size(key: str, option: int | str, world_size: int, local_world
             f"{key}={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
             f"{key} must divide the processes per node, so that {group} lies within one node; allowed here: "
             f"{', '.join(map(str, divisors))} or 'node'. Fix: {key}=node, or launch a multiple of {size} processes "
-            f"per node.")
+            f"per node."
+        )
     return size
 
 
@@ -74,7 +76,8 @@ def check_groups_within_hosts(hosts: Sequence[str], shard_size: int, key: str = 
                 f"{key}={shard_size}: the group of ranks {group[0]}..{group[-1]} spans the hosts "
                 f"{', '.join(names)}; a group must lie within one node (it communicates at every forward). Fix: "
                 f"launch with accelerate launch or torchrun (they set LOCAL_WORLD_SIZE), or give {key}=<a "
-                f"divisor of the processes per node>.")
+                f"divisor of the processes per node>."
+            )
 
 
 def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
@@ -89,9 +92,12 @@ def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s:
     from torch.distributed.device_mesh import init_device_mesh
 
     override = mesh_backend(timeout_s)
-    return init_device_mesh(device.type, (world_size // shard_size, shard_size),
-                            mesh_dim_names=("replicate", "shard"),
-                            backend_override={"replicate": override, "shard": override})
+    return init_device_mesh(
+        device.type,
+        (world_size // shard_size, shard_size),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override={"replicate": override, "shard": override},
+    )
 
 
 def mesh_backend(timeout_s: float) -> tuple[str, Any]:
@@ -136,14 +142,19 @@ def shard_model(model: nn.Module, mesh, *, what: str = "model") -> ShardReport:
         if any(p not in mine for p in layer.parameters()):
             fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=mine or None)
     fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+    device = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
         else torch.device(mesh.device_type)
+    )
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
     if replicated:
-        note = (f"{what}: {len(replicated)} torchao-quantized weight tensor(s) stay replicated on every rank "
-                f"(FSDP2 cannot shard torchao's quantized tensors); its other weights are sharded over "
-                f"{shard_size} processes")
+        note = (
+            f"{what}: {len(replicated)} torchao-quantized weight tensor(s) stay replicated on every rank "
+            f"(FSDP2 cannot shard torchao's quantized tensors); its other weights are sharded over "
+            f"{shard_size} processes"
+        )
     else:
         note = f"{what}: all weights sharded over {shard_size} processes (FSDP2, gathered in their own dtype)"
     return ShardReport(shard_size, replicated, note)
@@ -179,8 +190,9 @@ def regather(*models: nn.Module | None) -> None:
         m.unshard()
 
 
-def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int,
-                    tp_size: int = 1) -> dict:
+def sharding_report(
+    shard_size: int, reports: dict, per_rank: Sequence[dict], world_size: int, tp_size: int = 1
+) -> dict:
     """``config.distperp.sharding``: the layout and the weight bytes each rank holds.
 
     ``tp_size`` > 1: ``engine`` says so, ``mesh`` is ``[dp, tp]`` and ``groups`` are the tensor-parallel groups;
@@ -191,10 +203,14 @@ def sharding_report(shard_size: int, reports: dict, per_rank: Sequence[dict], wo
     ``None`` without a reference). ``replicated``: weights every rank holds whole, per model.
     """
     size = tp_size if tp_size > 1 else shard_size
-    engine = ("transformers tensor-parallel plan (DTensor) on a (dp, tp) DeviceMesh" if tp_size > 1
-              else "torch FSDP2 fully_shard, no mixed precision")
+    engine = (
+        "transformers tensor-parallel plan (DTensor) on a (dp, tp) DeviceMesh"
+        if tp_size > 1
+        else "torch FSDP2 fully_shard, no mixed precision"
+    )
     return {
-        "shard_size": 1 if tp_size > 1 else shard_size, "tp_size": tp_size,
+        "shard_size": 1 if tp_size > 1 else shard_size,
+        "tp_size": tp_size,
         "engine": engine if size > 1 else None,
         "mesh": [world_size // size, size] if size > 1 else None,
         "groups": shard_groups(world_size, size) if size > 1 else None,

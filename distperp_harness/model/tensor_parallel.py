@@ -40,8 +40,9 @@ def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -
         layer, so it must lie within one node) — with the value, what is allowed and the fix.
     """
 
-    return resolve_group_size("tp_size", option, world_size, local_world_size,
-                              "each tensor-parallel group (all-reduces at every layer)")
+    return resolve_group_size(
+        "tp_size", option, world_size, local_world_size, "each tensor-parallel group (all-reduces at every layer)"
+    )
 
 
 def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
@@ -55,7 +56,8 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
         raise InputError(
             f"tp_size={tp_size}: {source!r} ({kind}) has no tensor-parallel plan in transformers (its config's "
             f"base_model_tp_plan is empty), so its layers cannot be split over {tp_size} processes. Fix: "
-            f"shard_size={tp_size} (FSDP2 works for any model), or tp_size=1.")
+            f"shard_size={tp_size} (FSDP2 works for any model), or tp_size=1."
+        )
     text = getattr(config, "get_text_config", lambda: config)()
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -65,27 +67,37 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
             raise InputError(
                 f"tp_size={tp_size}: {source!r} has {name}={count}, which does not divide by tp_size={tp_size} "
                 f"(each process takes whole heads). Allowed tp_size for this model: "
-                f"{', '.join(map(str, allowed)) or 'none above 1'}. Fix: one of those, or shard_size={tp_size}.")
+                f"{', '.join(map(str, allowed)) or 'none above 1'}. Fix: one of those, or shard_size={tp_size}."
+            )
 
 
 def plan_rules(model: torch.nn.Module, style: str = "") -> list[re.Pattern[str]]:
     """Patterns of the module names transformers' TP plan covers with a style starting with ``style``: the model's
     full plan (``tp_plan``: its class's, its config's base plan, the input embeddings), else the config's."""
     plan = dict(getattr(model, "tp_plan", None) or getattr(model.config, "base_model_tp_plan", None) or {})
-    return [re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
-            for pattern, kind in plan.items() if str(kind).startswith(style)]
+    return [
+        re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        for pattern, kind in plan.items()
+        if str(kind).startswith(style)
+    ]
 
 
 def planned_matrices(model: torch.nn.Module) -> set[int]:
     """``id`` of each matrix (2+ dimensions) of a module the TP plan splits: what a member holds a slice of. The
     rest (norms, biases, modules the plan leaves out) stays whole on every member."""
     rules = plan_rules(model)
-    return {id(p) for name, module in model.named_modules() if any(rule.search(name) for rule in rules)
-            for p in module.parameters(recurse=False) if p.dim() >= 2}
+    return {
+        id(p)
+        for name, module in model.named_modules()
+        if any(rule.search(name) for rule in rules)
+        for p in module.parameters(recurse=False)
+        if p.dim() >= 2
+    }
 
 
-def rowwise_slices_too_narrow(model: torch.nn.Module, tp_size: int, group_size: int,
-                              names: Sequence[str]) -> dict[str, str]:
+def rowwise_slices_too_narrow(
+    model: torch.nn.Module, tp_size: int, group_size: int, names: Sequence[str]
+) -> dict[str, str]:
     """Of the Linear layers ``names`` (to be quantized in groups of ``group_size`` inputs), those whose input slice
     under the model's TP plan (a ``rowwise`` rule: inputs split over ``tp_size`` processes) does not divide into
     whole groups: ``{name: reason}``. transformers quantizes each slice on its own, so such a layer stays in full
@@ -96,8 +108,10 @@ def rowwise_slices_too_narrow(model: torch.nn.Module, tp_size: int, group_size: 
     for name in names:
         inputs = int(getattr(modules[name], "in_features", 0))
         if any(rule.search(name) for rule in rules) and (inputs % tp_size or (inputs // tp_size) % group_size):
-            out[name] = (f"its {inputs} inputs are split over tp_size={tp_size} processes, and a slice of "
-                         f"{inputs / tp_size:g} does not divide into groups of {group_size} (group_size=)")
+            out[name] = (
+                f"its {inputs} inputs are split over tp_size={tp_size} processes, and a slice of "
+                f"{inputs / tp_size:g} does not divide into groups of {group_size} (group_size=)"
+            )
     return out
 
 
@@ -108,8 +122,12 @@ def make_tp_mesh(device: torch.device, world_size: int, tp_size: int, timeout_s:
 
     override = mesh_backend(timeout_s)
     names = ("pp", "dp_replicate", "fsdp", "tp")
-    return init_device_mesh(device.type, (1, world_size // tp_size, 1, tp_size), mesh_dim_names=names,
-                            backend_override={n: override for n in names})
+    return init_device_mesh(
+        device.type,
+        (1, world_size // tp_size, 1, tp_size),
+        mesh_dim_names=names,
+        backend_override={n: override for n in names},
+    )
 
 
 @contextlib.contextmanager
@@ -157,8 +175,10 @@ def tp_report(model: torch.nn.Module, tp_size: int, what: str = "model") -> Shar
     """Which of ``model``'s parameters the TP plan split and which stay whole on every member (``replicated``)."""
     layout = list(_layout(model))
     whole = tuple(name for name, _, split in layout if not split)
-    note = (f"{what}: tensor-parallel over {tp_size} processes (transformers' TP plan): {len(layout) - len(whole)} "
-            f"weight tensors split, {len(whole)} whole on every process (norms, and what the plan leaves out)")
+    note = (
+        f"{what}: tensor-parallel over {tp_size} processes (transformers' TP plan): {len(layout) - len(whole)} "
+        f"weight tensors split, {len(whole)} whole on every process (norms, and what the plan leaves out)"
+    )
     return ShardReport(tp_size, whole, note)
 
 

@@ -60,9 +60,15 @@ class Plan:
         return [i for i, r in enumerate(self.owner) if r == rank]
 
 
-def make_batches(lengths: Sequence[int], *, batch_size: int | None = None, token_budget: int | None = None,
-                 max_batch_size: int = 64, n_score: Sequence[int] | None = None,
-                 group_starts: Sequence[int] = (0,)) -> list[Batch]:
+def make_batches(
+    lengths: Sequence[int],
+    *,
+    batch_size: int | None = None,
+    token_budget: int | None = None,
+    max_batch_size: int = 64,
+    n_score: Sequence[int] | None = None,
+    group_starts: Sequence[int] = (0,),
+) -> list[Batch]:
     """Pack units, given by input ``lengths`` in canonical (non-increasing) order, into batches.
 
     Exactly one of ``batch_size`` (rows per batch) or ``token_budget`` (rows x padded length per batch, at
@@ -111,8 +117,9 @@ def batch_cost(batch: Batch, attention_coef: float = 0.0, head_coef: float = 0.0
     return batch.padded_tokens * (1.0 + attention_coef * batch.padded_length) + head_coef * batch.scored
 
 
-def assign_batches(batches: Sequence[Batch], world_size: int, attention_coef: float = 0.0,
-                   head_coef: float = 0.0) -> Plan:
+def assign_batches(
+    batches: Sequence[Batch], world_size: int, attention_coef: float = 0.0, head_coef: float = 0.0
+) -> Plan:
     """Longest-processing-time-first assignment of whole batches to ``world_size`` ranks.
 
     Batches in order of cost, then scored tokens (both descending), then index; each goes to the rank with the

@@ -32,8 +32,7 @@ BLOCK = 16
 CHUNK = 1 << 20
 """Tokens hashed at a time (bounds the temporaries of :meth:`FlatUnits.prefix_hashes`)."""
 
-UNIT = np.dtype([("key", "<u8", (2,)), ("input", "<u8"), ("context", "<u8"), ("length", "<i4"),
-                 ("n_score", "<i4")])
+UNIT = np.dtype([("key", "<u8", (2,)), ("input", "<u8"), ("context", "<u8"), ("length", "<i4"), ("n_score", "<i4")])
 INPUT = np.dtype([("hash", "<u8"), ("length", "<i4"), ("blocks", "<i4")])
 _HEADER = 3  # int64 counts: units, inputs, ladder entries
 
@@ -88,14 +87,14 @@ class FlatUnits:
 
     def sequence(self, i: int) -> tuple[int, ...]:
         """Unit ``i``'s tokens."""
-        return tuple(self.tokens[self.offsets[i]: self.offsets[i + 1]].tolist())
+        return tuple(self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist())
 
     def keys(self) -> np.ndarray:
         """``uint64 [n, 2]``: blake2b-128 of each unit's int32 tokens and scored count (its identity)."""
         out = np.empty((len(self), 2), dtype=np.uint64)
         raw = self.tokens.astype("<i4", copy=False)
         for i in range(len(self)):
-            h = hashlib.blake2b(raw[self.offsets[i]: self.offsets[i + 1]].tobytes(), digest_size=16)
+            h = hashlib.blake2b(raw[self.offsets[i] : self.offsets[i + 1]].tobytes(), digest_size=16)
             h.update(int(self.n_score[i]).to_bytes(4, "little"))
             out[i] = np.frombuffer(h.digest(), dtype="<u8")
         return out
@@ -117,12 +116,15 @@ class FlatUnits:
             if q0 == q1:
                 continue
             base = int(self.offsets[lo])
-            tokens = self.tokens[base: int(self.offsets[hi])]
-            offsets = self.offsets[lo: hi + 1] - base
+            tokens = self.tokens[base : int(self.offsets[hi])]
+            offsets = self.offsets[lo : hi + 1] - base
             with np.errstate(over="ignore"):
                 pos = np.arange(len(tokens), dtype=np.int64) - np.repeat(offsets[:-1], np.diff(offsets))
-                v = _mix(tokens.astype(np.uint64) * _K_TOKEN + (pos.astype(np.uint64) + np.uint64(1)) * _K_POS
-                         + np.uint64(seed))
+                v = _mix(
+                    tokens.astype(np.uint64) * _K_TOKEN
+                    + (pos.astype(np.uint64) + np.uint64(1)) * _K_POS
+                    + np.uint64(seed)
+                )
                 total = np.concatenate([[np.uint64(0)], np.cumsum(v, dtype=np.uint64)])
                 q = order[q0:q1]
                 start = offsets[unit[q] - lo]
@@ -159,8 +161,9 @@ def local_records(flat: FlatUnits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def encode(units: np.ndarray, inputs: np.ndarray, ladder: np.ndarray) -> np.ndarray:
     """The records as one ``uint8`` payload."""
     head = np.asarray([len(units), len(inputs), len(ladder)], dtype="<i8")
-    return np.concatenate([head.view(np.uint8), units.view(np.uint8), inputs.view(np.uint8),
-                           ladder.astype("<u8").view(np.uint8)])
+    return np.concatenate(
+        [head.view(np.uint8), units.view(np.uint8), inputs.view(np.uint8), ladder.astype("<u8").view(np.uint8)]
+    )
 
 
 def decode(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -168,11 +171,11 @@ def decode(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     payload = np.ascontiguousarray(payload, dtype=np.uint8)
     n, m, k = (int(x) for x in payload[: 8 * _HEADER].view("<i8"))
     at = 8 * _HEADER
-    units = payload[at: at + n * UNIT.itemsize].view(UNIT)
+    units = payload[at : at + n * UNIT.itemsize].view(UNIT)
     at += n * UNIT.itemsize
-    inputs = payload[at: at + m * INPUT.itemsize].view(INPUT)
+    inputs = payload[at : at + m * INPUT.itemsize].view(INPUT)
     at += m * INPUT.itemsize
-    return units, inputs, payload[at: at + 8 * k].view("<u8")
+    return units, inputs, payload[at : at + 8 * k].view("<u8")
 
 
 class GlobalTable:
@@ -187,8 +190,11 @@ class GlobalTable:
 
     def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
         units = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, UNIT)
-        rank = np.concatenate([np.full(len(p[0]), r, dtype=np.int32) for r, p in enumerate(parts)]) if parts else \
-            np.empty(0, np.int32)
+        rank = (
+            np.concatenate([np.full(len(p[0]), r, dtype=np.int32) for r, p in enumerate(parts)])
+            if parts
+            else np.empty(0, np.int32)
+        )
         order = np.lexsort((rank, units["key"][:, 1], units["key"][:, 0]))
         units, rank = units[order], rank[order]
         repeated = np.zeros(len(units), dtype=bool)  # one rank listing a unit twice holds it once
@@ -198,8 +204,9 @@ class GlobalTable:
         new[1:] = (units["key"][1:] != units["key"][:-1]).any(axis=1)
         same = ~new
         if same.any() and (units[1:][same[1:]].tobytes() != units[:-1][same[1:]].tobytes()):
-            raise HashCollision("two ranks hold different units under one 128-bit key; the run stops here "
-                                "rather than mix their results")
+            raise HashCollision(
+                "two ranks hold different units under one 128-bit key; the run stops here rather than mix their results"
+            )
         self.units = units[new]
         self.holder_ptr = np.append(np.flatnonzero(new), len(units)).astype(np.int64)
         self.holders = rank
@@ -221,8 +228,9 @@ class GlobalTable:
         self.inputs = inputs[first]
         blocks = self.inputs["blocks"].astype(np.int64)
         self.ladder_ptr = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
-        take = np.repeat(starts[first], blocks) + (np.arange(int(blocks.sum())) -
-                                                   np.repeat(self.ladder_ptr[:-1], blocks))
+        take = np.repeat(starts[first], blocks) + (
+            np.arange(int(blocks.sum())) - np.repeat(self.ladder_ptr[:-1], blocks)
+        )
         self.ladder = flat_ladder[take]
         self.unit_input = np.searchsorted(self.inputs["hash"], self.units["input"])
 

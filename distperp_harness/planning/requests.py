@@ -52,9 +52,10 @@ def continuation_unit(context: Sequence[int], continuation: Sequence[int], max_l
     if not 1 <= len(continuation) <= max_length:
         raise ValueError(
             f"continuation of {len(continuation)} tokens cannot be scored with max_length={max_length}; "
-            "raise max_length or shorten the continuation")
+            "raise max_length or shorten the continuation"
+        )
     whole = list(context) + list(continuation)
-    return Unit(tuple(whole[-(max_length + 1):]), len(continuation))
+    return Unit(tuple(whole[-(max_length + 1) :]), len(continuation))
 
 
 def window_units(tokens: Sequence[int], prefix_token: int, max_length: int, stride: int | None = None) -> list[Unit]:
@@ -73,7 +74,7 @@ def window_units(tokens: Sequence[int], prefix_token: int, max_length: int, stri
     units = []
     for s in range(0, n, stride):
         e = min(s + stride, n)
-        units.append(Unit(tuple(seq[max(0, e - max_length): e + 1]), e - s))
+        units.append(Unit(tuple(seq[max(0, e - max_length) : e + 1]), e - s))
     return units
 
 

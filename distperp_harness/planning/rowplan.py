@@ -43,8 +43,9 @@ class PlannedRows:
     first_scored: np.ndarray
 
 
-def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: int | None = None,
-                      attention_coef: float = 0.0) -> PlannedRows:
+def plan_from_records(
+    table: GlobalTable, mode: str = "prefix", max_row_length: int | None = None, attention_coef: float = 0.0
+) -> PlannedRows:
     """Rows for every unit of ``table`` (module docstring); the result depends only on the table."""
     if mode not in SHARE_MODES:
         raise ValueError(f"share mode {mode!r} is not one of {', '.join(SHARE_MODES)}")
@@ -54,15 +55,29 @@ def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: 
     first_scored = units["length"].astype(np.int64) - 1 - n_score  # input positions before it feed no target
     if mode == "off":
         ids = np.arange(n)
-        return _ordered(ids, units["length"].astype(np.int64) - 1, first_scored, n_score, mode,
-                        span=np.stack([ids, ids], 1), lcp=np.zeros(n, np.int64))
+        return _ordered(
+            ids,
+            units["length"].astype(np.int64) - 1,
+            first_scored,
+            n_score,
+            mode,
+            span=np.stack([ids, ids], 1),
+            lcp=np.zeros(n, np.int64),
+        )
     m = len(table.inputs)
     if mode == "inputs":
         host = _context_hosts(table)
         hosts, row_of_input = np.unique(host, return_inverse=True)
         k = len(hosts)
-        return _ordered(row_of_input[table.unit_input], table.inputs["length"].astype(np.int64)[hosts], first_scored,
-                        n_score, mode, span=np.stack([np.arange(k)] * 2, 1), lcp=np.zeros(k, np.int64))
+        return _ordered(
+            row_of_input[table.unit_input],
+            table.inputs["length"].astype(np.int64)[hosts],
+            first_scored,
+            n_score,
+            mode,
+            span=np.stack([np.arange(k)] * 2, 1),
+            lcp=np.zeros(k, np.int64),
+        )
     order, lcp = _trie_order(table)
     leaf_len = table.inputs["length"].astype(np.int64)[order]
     limit = max_row_length if max_row_length is not None else int(leaf_len.sum())
@@ -83,8 +98,15 @@ def plan_from_records(table: GlobalTable, mode: str = "prefix", max_row_length: 
     position = np.empty(m, dtype=np.int64)
     position[order] = np.arange(m)
     span = np.stack([starts, [*starts[1:], m]], 1).astype(np.int64) - [0, 1] if starts else np.zeros((0, 2), np.int64)
-    return _ordered(pack_of[position[table.unit_input]], np.asarray(sizes, dtype=np.int64), first_scored, n_score,
-                    mode, span=span, lcp=lcp)
+    return _ordered(
+        pack_of[position[table.unit_input]],
+        np.asarray(sizes, dtype=np.int64),
+        first_scored,
+        n_score,
+        mode,
+        span=span,
+        lcp=lcp,
+    )
 
 
 def _trie_order(table: GlobalTable) -> tuple[np.ndarray, np.ndarray]:
@@ -142,8 +164,16 @@ def _context_hosts(table: GlobalTable) -> np.ndarray:
     return host
 
 
-def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, first_scored: np.ndarray, n_score: np.ndarray, mode: str,
-             *, span: np.ndarray, lcp: np.ndarray) -> PlannedRows:
+def _ordered(
+    row_of_unit: np.ndarray,
+    lengths: np.ndarray,
+    first_scored: np.ndarray,
+    n_score: np.ndarray,
+    mode: str,
+    *,
+    span: np.ndarray,
+    lcp: np.ndarray,
+) -> PlannedRows:
     """Rows (unit ``i`` in row ``row_of_unit[i]``) in plan order: ``mode="prefix"`` groups consecutive rows sharing a
     long prefix (rows sharing none first), each group and the loose rows by (longest first, lowest unit id)."""
     k = len(lengths)
@@ -175,8 +205,9 @@ def _ordered(row_of_unit: np.ndarray, lengths: np.ndarray, first_scored: np.ndar
         order.append(group)
         at += len(group)
     idx = np.concatenate(order).astype(np.int64) if k else np.zeros(0, np.int64)
-    return PlannedRows([members[i] for i in idx.tolist()], lengths[idx], scored[idx], tuple(starts), span[idx], lcp,
-                       min_scored[idx])
+    return PlannedRows(
+        [members[i] for i in idx.tolist()], lengths[idx], scored[idx], tuple(starts), span[idx], lcp, min_scored[idx]
+    )
 
 
 def batch_shared(rows: PlannedRows, start: int, stop: int) -> int:
@@ -186,6 +217,6 @@ def batch_shared(rows: PlannedRows, start: int, stop: int) -> int:
     if stop - start < 2:
         return 0
     lo, hi = int(rows.span[start:stop, 0].min()), int(rows.span[start:stop, 1].max())
-    shared = int(rows.lcp[lo + 1: hi + 1].min()) if hi > lo else 0
+    shared = int(rows.lcp[lo + 1 : hi + 1].min()) if hi > lo else 0
     shared = min(shared, int(rows.first_scored[start:stop].min()))
     return shared if shared >= MIN_SHARED_PREFIX else 0

@@ -141,12 +141,16 @@ class Row:
         cols: list[int] = []
         for r in self.path(self.placement[i]):
             cols.extend(range(column[r], column[r] + len(self.runs[r])))
-        return cols[unit.input_length - unit.n_score: unit.input_length]
+        return cols[unit.input_length - unit.n_score : unit.input_length]
 
     def key(self) -> bytes:
         """Identity of the row's layout and units (for saved batches)."""
-        parts = [np.asarray([len(self.runs), *map(len, self.runs), *self.parents, *self.placement],
-                            dtype=np.int64).tobytes(), np.asarray(self.tokens(), dtype=np.int64).tobytes()]
+        parts = [
+            np.asarray(
+                [len(self.runs), *map(len, self.runs), *self.parents, *self.placement], dtype=np.int64
+            ).tobytes(),
+            np.asarray(self.tokens(), dtype=np.int64).tobytes(),
+        ]
         return b"|".join(parts + [u.key() for u in self.units])
 
 
@@ -164,14 +168,16 @@ def unit_rows(units: Sequence[Unit], first_id: int = 0) -> list[Row]:
     return [Row((u.tokens[:-1],), (-1,), (u,), (first_id + i,), (0,)) for i, u in enumerate(units)]
 
 
-def build_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int | None = None,
-               attention_coef: float = 0.0) -> list[Row]:
+def build_rows(
+    units: Sequence[Unit], mode: str = "prefix", max_row_length: int | None = None, attention_coef: float = 0.0
+) -> list[Row]:
     """The rows of :func:`plan_rows`, in plan order."""
     return plan_rows(units, mode, max_row_length, attention_coef).rows
 
 
-def plan_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int | None = None,
-              attention_coef: float = 0.0) -> RowPlan:
+def plan_rows(
+    units: Sequence[Unit], mode: str = "prefix", max_row_length: int | None = None, attention_coef: float = 0.0
+) -> RowPlan:
     """Rows for ``units`` (the canonical table: a unit's index is its id) and their groups.
 
     Args:
@@ -202,8 +208,9 @@ def plan_rows(units: Sequence[Unit], mode: str = "prefix", max_row_length: int |
         else:
             packs.append([j])
             size = len(leaf)
-    rows = [_tree_row([leaves[j] for j in pack], [lcps[j] for j in pack[1:]], readers, classes, units)
-            for pack in packs]
+    rows = [
+        _tree_row([leaves[j] for j in pack], [lcps[j] for j in pack[1:]], readers, classes, units) for pack in packs
+    ]
     if mode == "inputs":
         return RowPlan(sorted(rows, key=_order), (0,) if rows else ())
     return _grouped(rows, [lcps[p[0]] for p in packs[1:]])
@@ -272,8 +279,9 @@ def worth_merging(length: int, shared: int, own: int, attention_coef: float) -> 
     return -shared + attention_coef * (2 * own * (length - shared) - shared * shared) < 0
 
 
-def _tree_row(leaves: list[tuple[int, ...]], lcps: list[int], readers: dict, classes: dict,
-              units: Sequence[Unit]) -> Row:
+def _tree_row(
+    leaves: list[tuple[int, ...]], lcps: list[int], readers: dict, classes: dict, units: Sequence[Unit]
+) -> Row:
     """The row of ``leaves`` (lexicographic order, ``lcps[k]`` shared by leaves ``k`` and ``k + 1``): the radix
     tree of their paths in depth-first order, each leaf's classes and reader classes placed on its path."""
     runs: list[tuple[int, ...]] = []
@@ -283,7 +291,7 @@ def _tree_row(leaves: list[tuple[int, ...]], lcps: list[int], readers: dict, cla
     stack = [(0, len(leaves), 0, -1)]  # (leaf range, depth, parent run), popped in depth-first order
     while stack:
         lo, hi, start, parent = stack.pop()
-        end = len(leaves[lo]) if hi - lo == 1 else min(lcps[lo: hi - 1])
+        end = len(leaves[lo]) if hi - lo == 1 else min(lcps[lo : hi - 1])
         me = len(runs)
         runs.append(leaves[lo][start:end])
         parents.append(parent)
@@ -306,8 +314,9 @@ def _tree_row(leaves: list[tuple[int, ...]], lcps: list[int], readers: dict, cla
             end_run = next(p for p in path if depth[p] <= len(inp) - 1)  # deepest run holding its last input token
             ids.extend((i, end_run) for i in classes[inp])
     ids.sort()
-    return Row(tuple(runs), tuple(parents), tuple(units[i] for i, _ in ids), tuple(i for i, _ in ids),
-               tuple(r for _, r in ids))
+    return Row(
+        tuple(runs), tuple(parents), tuple(units[i] for i, _ in ids), tuple(i for i, _ in ids), tuple(r for _, r in ids)
+    )
 
 
 def _grouped(rows: list[Row], boundaries: list[int]) -> RowPlan:

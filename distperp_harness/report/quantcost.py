@@ -163,9 +163,20 @@ def records_from(requests: Sequence[Any], scores: Sequence[Any], tasks: Mapping[
         length = None
         if req.request_type == "loglikelihood":
             length = lengths[req.idx] if lengths and req.idx < len(lengths) else float(len(req.args[1]))
-        record = Record(task_name, int(req.doc_id), int(req.idx), float(score), float(score.ref_loglikelihood),
-                        int(score.n_tokens), int(score.top1_agree), np.asarray(score.kl, dtype=np.float64),
-                        multiple_choice, n_choices, length, gold)
+        record = Record(
+            task_name,
+            int(req.doc_id),
+            int(req.idx),
+            float(score),
+            float(score.ref_loglikelihood),
+            int(score.n_tokens),
+            int(score.top1_agree),
+            np.asarray(score.kl, dtype=np.float64),
+            multiple_choice,
+            n_choices,
+            length,
+            gold,
+        )
         out.setdefault(record.key, record)
     return list(out.values())
 
@@ -217,8 +228,13 @@ def choose(doc: Sequence[Record]) -> Choice:
     ref = np.array([r.ref_loglikelihood for r in rows], dtype=np.float64)
     lengths = np.array([r.choice_length for r in rows], dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):  # an empty choice: lm-eval divides by zero too
-        return Choice(int(np.argmax(lls)), int(np.argmax(ref)), int(np.argmax(lls / lengths)),
-                      int(np.argmax(ref / lengths)), doc[0].gold)
+        return Choice(
+            int(np.argmax(lls)),
+            int(np.argmax(ref)),
+            int(np.argmax(lls / lengths)),
+            int(np.argmax(ref / lengths)),
+            doc[0].gold,
+        )
 
 
 def _is_multiple_choice(docs: Sequence[Sequence[Record]]) -> bool:
@@ -242,14 +258,21 @@ def _flip_stats(choices: Sequence[Choice]) -> dict[str, Any]:
         return entry
     c2w = sum(c.reference in c.gold and c.model not in c.gold for c in labelled)
     w2c = sum(c.reference not in c.gold and c.model in c.gold for c in labelled)
-    entry.update({"correct_to_wrong": c2w / n, "wrong_to_correct": w2c / n,
-                  "n_correct_to_wrong": c2w, "n_wrong_to_correct": w2c})
+    entry.update(
+        {"correct_to_wrong": c2w / n, "wrong_to_correct": w2c / n, "n_correct_to_wrong": c2w, "n_wrong_to_correct": w2c}
+    )
     for suffix, model, reference in (("", "model", "reference"), ("_norm", "model_norm", "reference_norm")):
         mine = [float(getattr(c, model) in c.gold) for c in labelled]
         theirs = [float(getattr(c, reference) in c.gold) for c in labelled]
         delta, se = _mean_stderr([a - b for a, b in zip(mine, theirs)])
-        entry.update({f"acc{suffix}": math.fsum(mine) / len(mine), f"ref_acc{suffix}": math.fsum(theirs) / len(theirs),
-                      f"delta_acc{suffix}": delta, f"delta_acc{suffix}_stderr": se})
+        entry.update(
+            {
+                f"acc{suffix}": math.fsum(mine) / len(mine),
+                f"ref_acc{suffix}": math.fsum(theirs) / len(theirs),
+                f"delta_acc{suffix}": delta,
+                f"delta_acc{suffix}_stderr": se,
+            }
+        )
     return entry
 
 
@@ -288,21 +311,28 @@ def task_entries(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
 
 def log_line(task: str, entry: Mapping[str, Any]) -> str:
     """One line for a task's entry: KL, top-1 agreement, flips (and their split)."""
+
     def pm(name: str, digits: str) -> str:
         value, se = entry.get(name), entry.get(f"{name}_stderr")
         if value is None:
             return "–"
         return f"{value:{digits}}" + (f" ± {se:{digits.lstrip('+')}}" if se is not None else "")
 
-    text = (f"reference vs model on {task} ({entry['n_docs']} docs, {entry['n_tokens']} tokens): "
-            f"KL {pm('kl_divergence', '.4g')} nats/token, top-1 agreement {pm('top1_agreement', '.4f')}, "
-            f"ln(PPL/PPL_ref) {pm('ln_ppl_ratio', '.4g')}")
+    text = (
+        f"reference vs model on {task} ({entry['n_docs']} docs, {entry['n_tokens']} tokens): "
+        f"KL {pm('kl_divergence', '.4g')} nats/token, top-1 agreement {pm('top1_agreement', '.4f')}, "
+        f"ln(PPL/PPL_ref) {pm('ln_ppl_ratio', '.4g')}"
+    )
     if "flips" in entry:
-        text += (f", flips {entry['flips']:.4f} ({entry['n_flips']}/{entry['n_docs']}; "
-                 f"acc_norm rule {entry['flips_norm']:.4f})")
+        text += (
+            f", flips {entry['flips']:.4f} ({entry['n_flips']}/{entry['n_docs']}; "
+            f"acc_norm rule {entry['flips_norm']:.4f})"
+        )
         if "n_correct_to_wrong" in entry:
-            text += (f", correct→wrong {entry['n_correct_to_wrong']}, wrong→correct {entry['n_wrong_to_correct']}"
-                     f", Δacc {pm('delta_acc', '+.4f')}")
+            text += (
+                f", correct→wrong {entry['n_correct_to_wrong']}, wrong→correct {entry['n_wrong_to_correct']}"
+                f", Δacc {pm('delta_acc', '+.4f')}"
+            )
     return text
 
 
@@ -324,8 +354,13 @@ class ReferenceComparison:
     def __init__(self) -> None:
         self._records: dict[tuple, Record] = {}
 
-    def add(self, requests: Sequence[Any], scores: Sequence[Any], collective: GathersToOne,
-            tasks: Mapping[str, Any] | None = None) -> list[str]:
+    def add(
+        self,
+        requests: Sequence[Any],
+        scores: Sequence[Any],
+        collective: GathersToOne,
+        tasks: Mapping[str, Any] | None = None,
+    ) -> list[str]:
         """Gather this call's records from every rank on rank 0 (all ranks call this together); rank 0 merges and
         keeps them (it is the rank that reports them), the others keep nothing.
 
@@ -348,8 +383,9 @@ class ReferenceComparison:
         return task_entries(list(self._records.values()))
 
 
-def quantization_warnings(report, reference_source: str | None, model: torch.nn.Module,
-                          reference: torch.nn.Module | None) -> list[str]:
+def quantization_warnings(
+    report, reference_source: str | None, model: torch.nn.Module, reference: torch.nn.Module | None
+) -> list[str]:
     """The quantization report's warnings (recorded in the results) and, with a reference, what a comparison against
     an unquantized model then measures."""
     warnings = list(report.warnings) if report else []
@@ -357,5 +393,6 @@ def quantization_warnings(report, reference_source: str | None, model: torch.nn.
         warnings.append(
             f"reference={reference_source}: with no layer quantized, the comparison measures only the cast from the "
             f"reference's {next(reference.parameters()).dtype} to the model's {next(model.parameters()).dtype}, not "
-            "quantization.")
+            "quantization."
+        )
     return warnings

@@ -62,10 +62,13 @@ class Need:
         return self.model + self.reference + self.gathered + self.activations + self.logits + self.comm
 
     def describe(self) -> str:
-        parts = [f"model weights {self.model / GiB:.2f}", f"reference {self.reference / GiB:.2f}",
-                 f"gathered while computing {self.gathered / GiB:.2f}",
-                 f"activations of one batch {self.activations / GiB:.2f}",
-                 f"logits chunks {self.logits / GiB:.2f}"]
+        parts = [
+            f"model weights {self.model / GiB:.2f}",
+            f"reference {self.reference / GiB:.2f}",
+            f"gathered while computing {self.gathered / GiB:.2f}",
+            f"activations of one batch {self.activations / GiB:.2f}",
+            f"logits chunks {self.logits / GiB:.2f}",
+        ]
         if self.comm:
             parts.append(f"communication buffers {self.comm / GiB:.2f}")
         return f"{' + '.join(parts)} = {self.total / GiB:.2f} GiB"
@@ -92,8 +95,9 @@ def _quantized_bytes(storage: str, weight: torch.Tensor, group_size: int, device
     return weight.numel() * _PER_ELEMENT[storage] + _scales(storage, weight, group_size)
 
 
-def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: bool,
-            device: torch.device) -> tuple[dict[int, float], set[int]]:
+def _stored(
+    model: nn.Module, scheme: str, group_size: int, include_lm_head: bool, device: torch.device
+) -> tuple[dict[int, float], set[int]]:
     """Stored bytes per parameter (by id) after ``scheme``, and the ids that torchao quantizes (kept whole)."""
     from distperp_harness.model.quantize import SCHEMES, select_layers
 
@@ -112,9 +116,16 @@ def _stored(model: nn.Module, scheme: str, group_size: int, include_lm_head: boo
     return sizes, quantized
 
 
-def _parts(model: nn.Module, shard_size: int, *, scheme: str = "none", group_size: int = 128,
-           include_lm_head: bool = False, device: torch.device = torch.device("cpu"),
-           tensor_parallel: bool = False) -> tuple[int, int, int]:
+def _parts(
+    model: nn.Module,
+    shard_size: int,
+    *,
+    scheme: str = "none",
+    group_size: int = 128,
+    include_lm_head: bool = False,
+    device: torch.device = torch.device("cpu"),
+    tensor_parallel: bool = False,
+) -> tuple[int, int, int]:
     """``(resident bytes per rank, root group bytes, largest decoder layer bytes)``; the last two are what FSDP
     gathers (0 when unsharded; torchao-quantized weights are never gathered: they stay whole on every rank).
     ``tensor_parallel``: ``shard_size`` is a TP group's size: every matrix the TP plan covers (projections,
@@ -130,25 +141,43 @@ def _parts(model: nn.Module, shard_size: int, *, scheme: str = "none", group_siz
     resident = sum(b if pid in quantized else b / shard_size for pid, b in sizes.items())
     in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
     root = sum(b for pid, b in sizes.items() if pid not in in_layers and pid not in quantized)
-    layer = max((sum(sizes[id(p)] for p in lay.parameters() if id(p) not in quantized) for lay in decoder_layers(model)),
-                default=0)
+    layer = max(
+        (sum(sizes[id(p)] for p in lay.parameters() if id(p) not in quantized) for lay in decoder_layers(model)),
+        default=0,
+    )
     return int(resident), int(root), int(layer)
 
 
-def weights_per_rank(model: nn.Module, shard_size: int, *, scheme: str = "none", group_size: int = 128,
-                     include_lm_head: bool = False, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
+def weights_per_rank(
+    model: nn.Module,
+    shard_size: int,
+    *,
+    scheme: str = "none",
+    group_size: int = 128,
+    include_lm_head: bool = False,
+    device: torch.device = torch.device("cpu"),
+) -> tuple[int, int]:
     """``(resident bytes per rank, peak bytes gathered during a forward)`` of ``model`` (a meta skeleton) under
     ``scheme`` and ``shard_size`` (see :mod:`distperp_harness.model.sharding` for the layout). The root group
     (embeddings, final norm, head) stays gathered for a whole batch; a decoder layer counts twice while gathered:
     FSDP2 all-gathers into one flat buffer and then copies each parameter out of it."""
-    resident, root, layer = _parts(model, shard_size, scheme=scheme, group_size=group_size,
-                                   include_lm_head=include_lm_head, device=device)
+    resident, root, layer = _parts(
+        model, shard_size, scheme=scheme, group_size=group_size, include_lm_head=include_lm_head, device=device
+    )
     return resident, root + 2 * layer
 
 
-def estimate(options: Options, model: nn.Module, reference: nn.Module | None, shard_size: int, max_length: int,
-             device: torch.device, batch_rows: int | None = None, stored_bytes: int | None = None,
-             tensor_parallel: bool = False) -> Need:
+def estimate(
+    options: Options,
+    model: nn.Module,
+    reference: nn.Module | None,
+    shard_size: int,
+    max_length: int,
+    device: torch.device,
+    batch_rows: int | None = None,
+    stored_bytes: int | None = None,
+    tensor_parallel: bool = False,
+) -> Need:
     """What one rank needs (module doc); ``model``/``reference`` are meta skeletons in their load dtypes.
     ``tensor_parallel``: ``shard_size`` is the ``tp_size`` (matrices split, nothing gathered).
 
@@ -163,25 +192,42 @@ def estimate(options: Options, model: nn.Module, reference: nn.Module | None, sh
     """
     from distperp_harness.run.scoring.forward import chunk_bytes
 
-    kept, root, layer = _parts(model, shard_size, scheme=options.quantize, group_size=options.group_size,
-                               include_lm_head=options.quantize_lm_head, device=device, tensor_parallel=tensor_parallel)
+    kept, root, layer = _parts(
+        model,
+        shard_size,
+        scheme=options.quantize,
+        group_size=options.group_size,
+        include_lm_head=options.quantize_lm_head,
+        device=device,
+        tensor_parallel=tensor_parallel,
+    )
     if stored_bytes is not None:  # torchao weights stay whole on an FSDP rank; a TP member reads its slices
         kept, root, layer = (stored_bytes // shard_size if tensor_parallel else stored_bytes), 0, 0
-    ref_kept, ref_root, ref_layer = (0, 0, 0) if reference is None else \
-        _parts(reference, shard_size, tensor_parallel=tensor_parallel)
+    ref_kept, ref_root, ref_layer = (
+        (0, 0, 0) if reference is None else _parts(reference, shard_size, tensor_parallel=tensor_parallel)
+    )
     rows = batch_rows if batch_rows is not None else (1 if options.auto_batch else int(options.batch_size))
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
     vocab = max(int(getattr(m.config, "vocab_size", 0) or 0) for m in (model, reference) if m is not None)
-    logits = chunk_bytes(device.type, first_float_dtype(model), first_float_dtype(reference),
-                         positions=rows * max_length, vocab=vocab)
+    logits = chunk_bytes(
+        device.type, first_float_dtype(model), first_float_dtype(reference), positions=rows * max_length, vocab=vocab
+    )
     comm = COMM_MARGIN_CUDA if device.type == "cuda" and shard_size > 1 else 0
-    return Need(kept, ref_kept, root + ref_root + 2 * max(layer, ref_layer), rows * max_length * per_token,
-                logits, comm)
+    return Need(
+        kept, ref_kept, root + ref_root + 2 * max(layer, ref_layer), rows * max_length * per_token, logits, comm
+    )
 
 
-
-def _fixes(options: Options, need_for, room: int, shard_size: int, local_world: int,
-           stored: bool = False, key: str = "shard_size", runs_on=lambda size: True) -> list[str]:
+def _fixes(
+    options: Options,
+    need_for,
+    room: int,
+    shard_size: int,
+    local_world: int,
+    stored: bool = False,
+    key: str = "shard_size",
+    runs_on=lambda size: True,
+) -> list[str]:
     """Options that would make the estimate fit ``room``, each with its total (``stored``: a pre-quantized
     checkpoint, which ``quantize=`` cannot apply to; ``key``: the group option in use, shard_size or tp_size;
     ``runs_on(size)``: whether the model runs on groups of that size)."""
@@ -228,8 +274,14 @@ def _skeletons(options: Options, device: torch.device) -> tuple[nn.Module, nn.Mo
     return model, skeleton(options, asked, source=options.reference, key="reference")
 
 
-def check_fits(collective: "Collective", options: Options, device: torch.device, shard_size: int,
-               local_world: int, tp_size: int = 1) -> Need | None:
+def check_fits(
+    collective: "Collective",
+    options: Options,
+    device: torch.device,
+    shard_size: int,
+    local_world: int,
+    tp_size: int = 1,
+) -> Need | None:
     """Rank 0's estimate against every rank's free memory; ``ValueError`` on every rank when it cannot fit.
 
     Every rank calls this together, before loading. On the CPU the ``local_world`` processes of a node share its
@@ -251,8 +303,9 @@ def check_fits(collective: "Collective", options: Options, device: torch.device,
     return need
 
 
-def _verdict(options: Options, device: torch.device, shard_size: int, local_world: int,
-             free: list[int], tp_size: int = 1) -> tuple[str | None, Need]:
+def _verdict(
+    options: Options, device: torch.device, shard_size: int, local_world: int, free: list[int], tp_size: int = 1
+) -> tuple[str | None, Need]:
     """``(why the run cannot fit, or None; rank 0's need)`` (see :func:`check_fits`)."""
     from distperp_harness.model.checkpoint import refuse_on_stored, stored_quantization, stored_weight_bytes
     from distperp_harness.model.loading import load_config, load_tokenizer, model_max_length
@@ -269,8 +322,17 @@ def _verdict(options: Options, device: torch.device, shard_size: int, local_worl
         if opts.quantize not in cache:
             cache[opts.quantize] = _skeletons(opts, device)
         model, reference = cache[opts.quantize]
-        return estimate(opts, model, reference, size, max_length, device, rows, stored_bytes=stored_bytes,
-                        tensor_parallel=key == "tp_size")
+        return estimate(
+            opts,
+            model,
+            reference,
+            size,
+            max_length,
+            device,
+            rows,
+            stored_bytes=stored_bytes,
+            tensor_parallel=key == "tp_size",
+        )
 
     need = need_for(options, size, None)
     sharing = local_world if device.type == "cpu" else 1
@@ -278,12 +340,26 @@ def _verdict(options: Options, device: torch.device, shard_size: int, local_worl
     if need.total <= room:
         return None, need
     worst = min(range(len(free)), key=free.__getitem__)
-    fixes = _fixes(options, need_for, room, size, local_world, stored, key,
-                   lambda n: key != "tp_size" or _tp_runs_on(cache[options.quantize][0].config, n))
+    fixes = _fixes(
+        options,
+        need_for,
+        room,
+        size,
+        local_world,
+        stored,
+        key,
+        lambda n: key != "tp_size" or _tp_runs_on(cache[options.quantize][0].config, n),
+    )
     source = "the stored weight files and the model config" if stored_bytes else "the model config"
-    return (f"the run does not fit: each rank needs about {need.describe()} (estimated from {source}, "
-            f"{key}={size}, quantize={options.quantize}, batch_size={options.batch_size}, "
-            f"max_length={max_length}), but rank {worst} has {free[worst] / GiB:.2f} GiB free on {device.type}"
-            f"{f' shared by {sharing} processes' if sharing > 1 else ''}. Fix: "
-            + (", or ".join(fixes) if fixes else "more devices per shard group, a smaller model, or "
-               "max_length=<fewer tokens>") + "."), need
+    return (
+        f"the run does not fit: each rank needs about {need.describe()} (estimated from {source}, "
+        f"{key}={size}, quantize={options.quantize}, batch_size={options.batch_size}, "
+        f"max_length={max_length}), but rank {worst} has {free[worst] / GiB:.2f} GiB free on {device.type}"
+        f"{f' shared by {sharing} processes' if sharing > 1 else ''}. Fix: "
+        + (
+            ", or ".join(fixes)
+            if fixes
+            else "more devices per shard group, a smaller model, or max_length=<fewer tokens>"
+        )
+        + "."
+    ), need

@@ -58,10 +58,17 @@ class RequestResult:
 Progress = Callable[[int], None]
 
 
-def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Executor, rule: ScoringRule, *,
-                   kind: str = "score", stats: RunStats | None = None,
-                   progress: Callable[[int], Progress] | None = None, log: Callable[[str], None] | None = None,
-                   prepare: Callable[[bool], None] | None = None) -> list[RequestResult]:
+def score_requests(
+    per_request_units: Sequence[Sequence[Unit]],
+    executor: Executor,
+    rule: ScoringRule,
+    *,
+    kind: str = "score",
+    stats: RunStats | None = None,
+    progress: Callable[[int], Progress] | None = None,
+    log: Callable[[str], None] | None = None,
+    prepare: Callable[[bool], None] | None = None,
+) -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
     Args:
@@ -100,14 +107,19 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
     if sharing.mode == "prefix" and sharing.cached_prefix:
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
     if prepare is not None:
-        prepare(sharing.mode == "prefix" and any(len(planned.members[r]) > 1 for b in batches if not b.shared
-                                                 for r in range(b.start, b.stop)))
+        prepare(
+            sharing.mode == "prefix"
+            and any(len(planned.members[r]) > 1 for b in batches if not b.shared for r in range(b.start, b.stop))
+        )
     workers = executor.workers  # a tensor-parallel group is one worker; without TP a worker is a rank
     plan = assign_batches(batches, workers.count, rule.attention_coef, rule.head_coef)
     step = executor.step
     owner = np.asarray(plan.owner, dtype=np.int64)
-    ranks = workers.ranks(np.stack([owner, [helper_of(o, workers.count, step) for o in owner] if step
-                                    else np.full_like(owner, -1)], 1) if len(owner) else np.zeros((0, 2), np.int64))
+    ranks = workers.ranks(
+        np.stack([owner, [helper_of(o, workers.count, step) for o in owner] if step else np.full_like(owner, -1)], 1)
+        if len(owner)
+        else np.zeros((0, 2), np.int64)
+    )
     unit_batch = np.empty(len(table), dtype=np.int64)
     for b, batch in enumerate(batches):
         for r in range(batch.start, batch.stop):
@@ -115,9 +127,11 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
     available = move_tokens(collective, table, ranks[unit_batch], flat, local_ids)
     t_plan = time.perf_counter() - t0
     if log is not None and me == 0 and len(batches) < workers.count:
-        log(f"{kind}: {len(batches)} batches for {workers.count} workers: {workers.count - len(batches)} have no "
+        log(
+            f"{kind}: {len(batches)} batches for {workers.count} workers: {workers.count - len(batches)} have no "
             f"batch (batches never depend on the number of processes; batch_size="
-            f"{max(1, len(planned.members) // workers.count)} or smaller would give every worker one)")
+            f"{max(1, len(planned.members) // workers.count)} or smaller would give every worker one)"
+        )
 
     scored = np.bincount(unit_batch, weights=table.units["n_score"], minlength=len(batches)).astype(np.int64)
     update = progress(int(sum(scored[i] for i in plan.batches_of(executor.worker)))) if progress else None
@@ -154,8 +168,9 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
         computer[np.asarray(part, dtype=np.int64)] = rank
     if (computer < 0).any():
         raise RuntimeError("internal error: some batches of the plan were not computed by any rank")
-    results = return_results(collective, table, unit_batch, computer, computed, local_ids,
-                             local_checks, N_COLUMNS, with_reference)
+    results = return_results(
+        collective, table, unit_batch, computer, computed, local_ids, local_checks, N_COLUMNS, with_reference
+    )
     out = [_assemble([results[index_of[u.key()]] for u in units], with_reference) for units in per_request_units]
     if stats is not None:
         stats._digest.update((sum(m for _, _, m in everyone) % (1 << 8 * MARK_BYTES)).to_bytes(MARK_BYTES, "little"))
@@ -163,17 +178,32 @@ def score_requests(per_request_units: Sequence[Sequence[Unit]], executor: Execut
         per_rank = [s for _, s, _ in everyone]
         tokens = sum(s.tokens for s in per_rank)
         input_tokens = int((table.units["length"].astype(np.int64) - 1).sum())
-        stats.calls.append(ScoringCall(
-            kind=kind, units=len(table), rows=len(planned.members), share_mode=sharing.mode,
-            computed_tokens=tokens, tokens_saved=input_tokens - tokens,
-            contexts=len(np.unique(table.units["context"])), row_groups=len(planned.group_starts),
-            batches=len(batches), batches_sharing_a_prefix=sum(1 for b in batches if b.shared),
-            scored_tokens=int(table.units["n_score"].astype(np.int64).sum()),
-            padded_tokens_per_rank=balance.padded_tokens_per_rank, max_over_mean=balance.max_over_mean,
-            best_max_over_mean=balance.best_max_over_mean, scored_max_over_mean=balance.scored_max_over_mean,
-            claiming=executor.claiming_mode, per_rank=per_rank, planning_seconds=t_plan, scoring_seconds=t_score,
-            total_seconds=time.perf_counter() - t0, seconds_after_arrival=time.perf_counter() - t_met,
-            facts=executor.facts(received_before)))
+        stats.calls.append(
+            ScoringCall(
+                kind=kind,
+                units=len(table),
+                rows=len(planned.members),
+                share_mode=sharing.mode,
+                computed_tokens=tokens,
+                tokens_saved=input_tokens - tokens,
+                contexts=len(np.unique(table.units["context"])),
+                row_groups=len(planned.group_starts),
+                batches=len(batches),
+                batches_sharing_a_prefix=sum(1 for b in batches if b.shared),
+                scored_tokens=int(table.units["n_score"].astype(np.int64).sum()),
+                padded_tokens_per_rank=balance.padded_tokens_per_rank,
+                max_over_mean=balance.max_over_mean,
+                best_max_over_mean=balance.best_max_over_mean,
+                scored_max_over_mean=balance.scored_max_over_mean,
+                claiming=executor.claiming_mode,
+                per_rank=per_rank,
+                planning_seconds=t_plan,
+                scoring_seconds=t_score,
+                total_seconds=time.perf_counter() - t0,
+                seconds_after_arrival=time.perf_counter() - t_met,
+                facts=executor.facts(received_before),
+            )
+        )
     return out
 
 
@@ -184,8 +214,12 @@ def unit_mark(uid: int, stats: np.ndarray) -> int:
     """A unit's mark: a 128-bit hash of its id (its place in the call's canonical unit order) and its results. The
     call's fingerprint is the sum of all marks: equal exactly when every unit's results are (up to a hash
     collision), whichever batch, rank or order computed them, and each rank adds only its own units."""
-    return int.from_bytes(hashlib.blake2b(int(uid).to_bytes(8, "little") + np.ascontiguousarray(stats).tobytes(),
-                                          digest_size=MARK_BYTES).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(
+            int(uid).to_bytes(8, "little") + np.ascontiguousarray(stats).tobytes(), digest_size=MARK_BYTES
+        ).digest(),
+        "little",
+    )
 
 
 def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: str) -> None:
@@ -194,11 +228,15 @@ def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row],
     collision of prefix hashes breaks this; the run then stops rather than compute something else."""
     for r, row in zip(range(batch.start, batch.stop), rows):
         if row.length > planned.lengths[r] or (mode != "prefix" and row.packed):
-            raise HashCollision(f"row {r} holds {row.length} tokens ({len(row.runs)} runs) where its plan allows "
-                                f"{planned.lengths[r]} ({mode}): prefix hashes collided")
+            raise HashCollision(
+                f"row {r} holds {row.length} tokens ({len(row.runs)} runs) where its plan allows "
+                f"{planned.lengths[r]} ({mode}): prefix hashes collided"
+            )
     if shared < batch.shared:
-        raise HashCollision(f"the rows of a batch share {shared} tokens where the plan counted on {batch.shared}: "
-                            "prefix hashes collided")
+        raise HashCollision(
+            f"the rows of a batch share {shared} tokens where the plan counted on {batch.shared}: "
+            "prefix hashes collided"
+        )
 
 
 def _build_row(planned: PlannedRows, r: int, available, mode: str) -> Row:
@@ -211,8 +249,9 @@ def _build_row(planned: PlannedRows, r: int, available, mode: str) -> Row:
 
 def _assemble(parts: list[tuple[np.ndarray, np.ndarray | None]], with_kl: bool) -> RequestResult:
     if not parts:
-        return RequestResult(0.0, True, 0, 0.0 if with_kl else None, 0 if with_kl else None,
-                             np.zeros(0) if with_kl else None)
+        return RequestResult(
+            0.0, True, 0, 0.0 if with_kl else None, 0 if with_kl else None, np.zeros(0) if with_kl else None
+        )
     rows = np.stack([stats for stats, _ in parts])
     result = RequestResult(
         loglikelihood=math.fsum(rows[:, LL]),
@@ -221,6 +260,11 @@ def _assemble(parts: list[tuple[np.ndarray, np.ndarray | None]], with_kl: bool) 
     )
     if not with_kl:
         return result
-    return RequestResult(result.loglikelihood, result.is_greedy, result.n_tokens,
-                         ref_loglikelihood=math.fsum(rows[:, REF_LL]), top1_agree=int(rows[:, TOP1].sum()),
-                         kl=np.concatenate([kl for _, kl in parts]))
+    return RequestResult(
+        result.loglikelihood,
+        result.is_greedy,
+        result.n_tokens,
+        ref_loglikelihood=math.fsum(rows[:, REF_LL]),
+        top1_agree=int(rows[:, TOP1].sum()),
+        kl=np.concatenate([kl for _, kl in parts]),
+    )

@@ -20,12 +20,18 @@ class Batching:
     token_budget: int | None = None
     max_batch_size: int = 64
 
-    def batches(self, lengths: Sequence[int], n_score: Sequence[int] | None = None,
-                group_starts: Sequence[int] = (0,)) -> list[Batch]:
+    def batches(
+        self, lengths: Sequence[int], n_score: Sequence[int] | None = None, group_starts: Sequence[int] = (0,)
+    ) -> list[Batch]:
         """Batches over rows in plan order, never across ``group_starts``; ``n_score`` only annotates them."""
         if self.token_budget is not None:
-            return make_batches(lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
-                                n_score=n_score, group_starts=group_starts)
+            return make_batches(
+                lengths,
+                token_budget=self.token_budget,
+                max_batch_size=self.max_batch_size,
+                n_score=n_score,
+                group_starts=group_starts,
+            )
         return make_batches(lengths, batch_size=self.batch_size, n_score=n_score, group_starts=group_starts)
 
     def rows_for(self, padded_length: int) -> int:

@@ -127,8 +127,16 @@ def clamp_budget(tokens: int, max_length: int, max_batch_size: int) -> int:
     return max(low, _floor_pow2(tokens))
 
 
-def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, total_bytes: int, *,
-                  device_type: str = "cpu", resident_bytes: int = 0, reference: torch.nn.Module | None = None) -> int:
+def memory_budget(
+    model: torch.nn.Module,
+    max_length: int,
+    max_batch_size: int,
+    total_bytes: int,
+    *,
+    device_type: str = "cpu",
+    resident_bytes: int = 0,
+    reference: torch.nn.Module | None = None,
+) -> int:
     """The token budget of ``batch_size=auto`` (module doc): a pure function of the model(s), ``device_type`` and
     ``total_bytes``; ``resident_bytes`` are the stored weights of the model and the reference."""
     from distperp_harness.run.scoring.forward import chunk_bytes
@@ -143,9 +151,16 @@ def memory_budget(model: torch.nn.Module, max_length: int, max_batch_size: int, 
     return clamp_budget(tokens, max_length, max_batch_size)
 
 
-
-def check_budget(budget: int, max_length: int, device: torch.device, *, free_bytes: int,
-                 probe: Probe | None = None, bytes_per_token: int = 0, fixed_bytes: int = 0) -> str | None:
+def check_budget(
+    budget: int,
+    max_length: int,
+    device: torch.device,
+    *,
+    free_bytes: int,
+    probe: Probe | None = None,
+    bytes_per_token: int = 0,
+    fixed_bytes: int = 0,
+) -> str | None:
     """``None`` when this rank can hold ``budget`` tokens per batch, else the reason it cannot.
 
     CUDA: ``probe(budget)`` (a full-length worst-case batch) must run without running out of memory and peak
@@ -177,8 +192,14 @@ def _release_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int, *,
-                  reference: torch.nn.Module | None = None, pad_token_id: int = 0) -> Probe:
+def scoring_probe(
+    model: torch.nn.Module,
+    device: torch.device,
+    max_length: int,
+    *,
+    reference: torch.nn.Module | None = None,
+    pad_token_id: int = 0,
+) -> Probe:
     """A :data:`Probe` that scores ``budget // max_length`` rows of ``max_length + 1`` tokens, every position
     scored (the worst case), with the real :func:`~distperp_harness.run.scoring.forward.score_batch`."""
     from distperp_harness.model.sharding import gathered
@@ -205,9 +226,16 @@ def scoring_probe(model: torch.nn.Module, device: torch.device, max_length: int,
     return probe
 
 
-def batching_for(options: Options, model: torch.nn.Module, device: torch.device, max_length: int, *,
-                 reference: torch.nn.Module | None = None, resident_bytes: int = 0,
-                 total_memory: TotalMemory = total_memory_bytes) -> Batching:
+def batching_for(
+    options: Options,
+    model: torch.nn.Module,
+    device: torch.device,
+    max_length: int,
+    *,
+    reference: torch.nn.Module | None = None,
+    resident_bytes: int = 0,
+    total_memory: TotalMemory = total_memory_bytes,
+) -> Batching:
     """Fixed rows per batch, or for ``batch_size=auto`` / ``auto:N`` the token budget of :func:`memory_budget`.
 
     Args:
@@ -221,16 +249,34 @@ def batching_for(options: Options, model: torch.nn.Module, device: torch.device,
     if not options.auto_batch:
         return Batching(batch_size=int(options.batch_size), max_batch_size=options.max_batch_size)
     if options.auto_batch_schedule > 1:
-        _log_main("batch_size=%s: distperp detects one token budget at start (a batch of shorter units gets more "
-                  "rows), so it re-detects nothing; treated as batch_size=auto", options.batch_size)
+        _log_main(
+            "batch_size=%s: distperp detects one token budget at start (a batch of shorter units gets more "
+            "rows), so it re-detects nothing; treated as batch_size=auto",
+            options.batch_size,
+        )
     total = total_memory(device)
-    budget = memory_budget(model, max_length, options.max_batch_size, total, device_type=device.type,
-                           resident_bytes=resident_bytes, reference=reference)
+    budget = memory_budget(
+        model,
+        max_length,
+        options.max_batch_size,
+        total,
+        device_type=device.type,
+        resident_bytes=resident_bytes,
+        reference=reference,
+    )
     fraction = _MEMORY_FRACTION.get(device.type, _MEMORY_FRACTION["cpu"])
-    _log_main("batch_size=auto: token budget %d (%d rows of max_length=%d; %.0f%% of %s's %.1f GiB less %.2f GiB "
-              "of weights%s)", budget, budget // max_length, max_length, 100 * fraction, device.type,
-              total / 2**30, resident_bytes / 2**30,
-              f", at most {_CPU_MAX_TOKENS} tokens on CPU" if device.type == "cpu" else "")
+    _log_main(
+        "batch_size=auto: token budget %d (%d rows of max_length=%d; %.0f%% of %s's %.1f GiB less %.2f GiB "
+        "of weights%s)",
+        budget,
+        budget // max_length,
+        max_length,
+        100 * fraction,
+        device.type,
+        total / 2**30,
+        resident_bytes / 2**30,
+        f", at most {_CPU_MAX_TOKENS} tokens on CPU" if device.type == "cpu" else "",
+    )
     return Batching(batch_size=None, token_budget=budget, max_batch_size=options.max_batch_size)
 
 
@@ -249,8 +295,10 @@ def row_budget(batching: Batching, max_length: int, attention_coef: float) -> tu
     factor = int(1.0 / (attention_coef * max_length)) if attention_coef > 0 else MAX_ROW_FACTOR
     factor = max(1, min(MAX_ROW_FACTOR, factor))
     tokens = max(max_length, min(batching.token_budget, factor * max_length))
-    return tokens, (f"batch_size=auto: {factor} x max_length={max_length} (dense attention at most the linear work, "
-                    f"attention coefficient {attention_coef:.3g}), within the token budget {batching.token_budget}")
+    return tokens, (
+        f"batch_size=auto: {factor} x max_length={max_length} (dense attention at most the linear work, "
+        f"attention coefficient {attention_coef:.3g}), within the token budget {batching.token_budget}"
+    )
 
 
 def generation_rows(batching: Batching, length: int, *, activation_bytes: int, kv_bytes: int) -> int:
@@ -268,9 +316,17 @@ def generation_rows(batching: Batching, length: int, *, activation_bytes: int, k
     return max(1, min(rows, room // max(1, length * (activation_bytes + kv_bytes))))
 
 
-def agree_on_batching(collective: "Collective", options: Options, model: torch.nn.Module, device: torch.device,
-                      max_length: int, *, reference: torch.nn.Module | None = None,
-                      pad_token_id: int = 0, unsharded_bytes: int | None = None) -> Batching:
+def agree_on_batching(
+    collective: "Collective",
+    options: Options,
+    model: torch.nn.Module,
+    device: torch.device,
+    max_length: int,
+    *,
+    reference: torch.nn.Module | None = None,
+    pad_token_id: int = 0,
+    unsharded_bytes: int | None = None,
+) -> Batching:
     """Rank 0's :func:`batching_for`, after every rank checked it can hold it (:func:`check_budget`).
 
     ``unsharded_bytes``: the stored bytes of whole copies of the model and the reference. With sharded weights
@@ -282,11 +338,15 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
     """
     from distperp_harness.model.quantize import weight_bytes
 
-    resident = unsharded_bytes if unsharded_bytes is not None else \
-        weight_bytes(model) + (weight_bytes(reference) if reference is not None else 0)
+    resident = (
+        unsharded_bytes
+        if unsharded_bytes is not None
+        else weight_bytes(model) + (weight_bytes(reference) if reference is not None else 0)
+    )
     batching: Batching = collective.all_gather_object(
         batching_for(options, model, device, max_length, reference=reference, resident_bytes=resident),
-        "agree on batching")[0]
+        "agree on batching",
+    )[0]
     if batching.token_budget is None:
         return batching
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
@@ -295,13 +355,23 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
     from distperp_harness.model.sharding import is_sharded
     from distperp_harness.model.tensor_parallel import is_tensor_parallel
 
-    probe = (scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
-             if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model) else None)
+    probe = (
+        scoring_probe(model, device, max_length, reference=reference, pad_token_id=pad_token_id)
+        if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model)
+        else None
+    )
     from distperp_harness.run.scoring.forward import chunk_bytes
 
     logits = chunk_bytes(device.type, first_float_dtype(model), first_float_dtype(reference))
-    problem = check_budget(batching.token_budget, max_length, device, free_bytes=room_bytes(device), probe=probe,
-                           bytes_per_token=per_token, fixed_bytes=logits)
+    problem = check_budget(
+        batching.token_budget,
+        max_length,
+        device,
+        free_bytes=room_bytes(device),
+        probe=probe,
+        bytes_per_token=per_token,
+        fixed_bytes=logits,
+    )
     problems = collective.all_gather_object((problem, str(device)), "check the batch budget")
     bad = [f"rank {rank} ({where}): {why}" for rank, (why, where) in enumerate(problems) if why]
     if bad:
@@ -309,12 +379,15 @@ def agree_on_batching(collective: "Collective", options: Options, model: torch.n
             f"batch_size=auto chose {batching.token_budget} tokens per batch (on rank 0, from the model and the "
             f"device's total memory, so that every rank computes the same batches), but not every rank can hold "
             f"it: {'; '.join(bad)}. Another process may be using that device's memory. Fix: free it, or pass "
-            f"batch_size=N (rows per batch) or a smaller max_batch_size.", same_on_every_rank=True)
+            f"batch_size=N (rows per batch) or a smaller max_batch_size.",
+            same_on_every_rank=True,
+        )
     return batching
 
 
-def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: Batching,
-                   max_length: int) -> tuple[Sharing, str | None, str | None, str | None]:
+def choose_sharing(
+    share_prefix: bool, models: list[torch.nn.Module], batching: Batching, max_length: int
+) -> tuple[Sharing, str | None, str | None, str | None]:
     """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any): ``(sharing, why
     tree rows are off when a model cannot take their mask, how the row budget was chosen, the line to log at the
     first loglikelihood call)``."""
@@ -324,11 +397,14 @@ def choose_sharing(share_prefix: bool, models: list[torch.nn.Module], batching: 
         return Sharing(ShareMode.OFF), None, None, None
     why = next((r for r in (packed_rows_unsupported(m, max_length) for m in models) if r), None)
     if why is not None:
-        line = (f"shared-prefix rows are off: {why}; units with the same input still share a row, every other answer "
-                "gets a row of its own")
+        line = (
+            f"shared-prefix rows are off: {why}; units with the same input still share a row, every other answer "
+            "gets a row of its own"
+        )
         return Sharing(ShareMode.INPUTS, max_length), why, None, line
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
     cached = not any(cached_prefix_unsupported(m) for m in models)
-    line = f"tree rows of at most {tokens} tokens ({how})" + \
-        ("" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r))
+    line = f"tree rows of at most {tokens} tokens ({how})" + (
+        "" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r)
+    )
     return Sharing(ShareMode.PREFIX, tokens, cached), None, how, line

@@ -16,11 +16,29 @@ def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
 
     def run(name, extra):
-        run_command([sys.executable, "-m", "lm_eval", "--model", "distperp", "--model_args",
-                     f"pretrained={tiny_model_dir},max_length=64{extra}", "--tasks", "distperp_wikitext2",
-                     "--include_path", str(REPO_ROOT / "tasks"), "--metadata",
-                     json.dumps({"wikitext_path": str(sample_text_path())}), "--limit", "4", "--log_samples",
-                     "--output_path", str(root / name)], cwd=root)
+        run_command(
+            [
+                sys.executable,
+                "-m",
+                "lm_eval",
+                "--model",
+                "distperp",
+                "--model_args",
+                f"pretrained={tiny_model_dir},max_length=64{extra}",
+                "--tasks",
+                "distperp_wikitext2",
+                "--include_path",
+                str(REPO_ROOT / "tasks"),
+                "--metadata",
+                json.dumps({"wikitext_path": str(sample_text_path())}),
+                "--limit",
+                "4",
+                "--log_samples",
+                "--output_path",
+                str(root / name),
+            ],
+            cwd=root,
+        )
         return root / name
 
     return side_by_side(lambda: run("base", ""), lambda: run("int8", ",quantize=int8,reference=base"))
@@ -64,8 +82,10 @@ def test_plot_is_a_png(runs, tmp_path):
 
 
 def test_cli(runs, tmp_path):
-    proc = run_command([sys.executable, "-m", "distperp_harness", "compare", *map(str, runs), "--plot",
-                        str(tmp_path / "p.png")], cwd=tmp_path)
+    proc = run_command(
+        [sys.executable, "-m", "distperp_harness", "compare", *map(str, runs), "--plot", str(tmp_path / "p.png")],
+        cwd=tmp_path,
+    )
     assert proc.stdout.startswith("| model | scheme | procs |") and (tmp_path / "p.png").exists()
 
 
@@ -76,19 +96,31 @@ def _fixed(root, with_reference=True, perplexity=True):
     """A base run and an int8 run (reference= on a perplexity task and a multiple-choice task, when asked)."""
     from helpers import mc_entry, rolling_entry, write_results_json
 
-    results = {"wiki": {"token_perplexity,none": 42.0, "token_perplexity_stderr,none": 3.0} if perplexity else {},
-               "mc": {"acc,none": 0.45, "acc_stderr,none": 0.1}}
+    results = {
+        "wiki": {"token_perplexity,none": 42.0, "token_perplexity_stderr,none": 3.0} if perplexity else {},
+        "mc": {"acc,none": 0.45, "acc_stderr,none": 0.1},
+    }
     base = write_results_json(root / "base", results=results)
     reference = {"wiki": rolling_entry(1e-4, 6000), "mc": mc_entry(2e-4, 0.05, 0.0)} if with_reference else None
-    int8 = write_results_json(root / "int8", quantize="int8", weight_bytes=2_700_000, reference=reference,
-                              results={"wiki": {"token_perplexity,none": 41.9, "token_perplexity_stderr,none": 3.0},
-                                       "mc": results["mc"]} if perplexity else results)
+    int8 = write_results_json(
+        root / "int8",
+        quantize="int8",
+        weight_bytes=2_700_000,
+        reference=reference,
+        results={"wiki": {"token_perplexity,none": 41.9, "token_perplexity_stderr,none": 3.0}, "mc": results["mc"]}
+        if perplexity
+        else results,
+    )
     return [load_run(base), load_run(int8)]
 
 
-@pytest.mark.parametrize("with_reference, panels, skipped", [
-    (True, ["kl_divergence", "top1_agreement", "perplexity", "flips"], []),
-    (False, ["perplexity"], ["kl_divergence", "top1_agreement", "flips"])])
+@pytest.mark.parametrize(
+    "with_reference, panels, skipped",
+    [
+        (True, ["kl_divergence", "top1_agreement", "perplexity", "flips"], []),
+        (False, ["perplexity"], ["kl_divergence", "top1_agreement", "flips"]),
+    ],
+)
 def test_plot_draws_the_panels_that_have_data(with_reference, panels, skipped, tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image
@@ -122,8 +154,10 @@ def test_plot_cli_says_in_one_line_what_it_drew(tmp_path, capsys, monkeypatch):
     assert run_compare([str(tmp_path / "base"), str(tmp_path / "int8")], plot=str(tmp_path / "p.png")) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| model | scheme |") and (tmp_path / "p.png").exists()
-    assert out[-1] == (f"compare: figure {tmp_path / 'p.png'}: drew KL divergence, top-1 agreement, perplexity, "
-                       "flips; skipped per-document panels (no samples: run lm-eval with --log_samples)")
+    assert out[-1] == (
+        f"compare: figure {tmp_path / 'p.png'}: drew KL divergence, top-1 agreement, perplexity, "
+        "flips; skipped per-document panels (no samples: run lm-eval with --log_samples)"
+    )
     _fixed(tmp_path / "bare", with_reference=False, perplexity=False)
     assert run_compare([str(tmp_path / "bare" / "base")], plot=str(tmp_path / "q.png")) == 1
     assert capsys.readouterr().out.splitlines()[-1].startswith("compare: no plot: nothing to plot")
@@ -139,8 +173,13 @@ def test_plot_with_samples_adds_per_document_panels(runs):
     from distperp_harness.commands.plots import compare_figure, text_overlaps
 
     fig, names, skipped = compare_figure([load_run(p) for p in runs])
-    assert names == ["kl_divergence", "top1_agreement", "perplexity", "nll_per_document:distperp_wikitext2",
-                     "kl_per_document:distperp_wikitext2"]
+    assert names == [
+        "kl_divergence",
+        "top1_agreement",
+        "perplexity",
+        "nll_per_document:distperp_wikitext2",
+        "kl_per_document:distperp_wikitext2",
+    ]
     assert skipped == ["flips (no multiple-choice task with reference=)"]
     fig.canvas.draw()
     assert text_overlaps(fig) == []
@@ -161,19 +200,37 @@ def test_runs_are_labelled_by_model_and_backend_whatever_form_model_args_takes(t
 
     as_dict = _write(tmp_path / "a", "1", {"model": "hf", "model_args": {"pretrained": "/m/wt2-llama-5m"}})
     as_text = _write(tmp_path / "b", "1", {"model": "hf", "model_args": "pretrained=org/wt2-llama-5m,dtype=float32"})
-    ours = _write(tmp_path / "c", "1", {"model": "distperp", "distperp": {"options": {
-        "pretrained": "/m/wt2-llama-5m/", "quantize": "int4", "group_size": 128}, "world_size": 2}})
+    ours = _write(
+        tmp_path / "c",
+        "1",
+        {
+            "model": "distperp",
+            "distperp": {
+                "options": {"pretrained": "/m/wt2-llama-5m/", "quantize": "int4", "group_size": 128},
+                "world_size": 2,
+            },
+        },
+    )
     assert [load_run(p).label for p in (as_dict, as_text, ours)] == [
-        "wt2-llama-5m hf x1", "wt2-llama-5m hf x1", "wt2-llama-5m int4:128 x2"]
+        "wt2-llama-5m hf x1",
+        "wt2-llama-5m hf x1",
+        "wt2-llama-5m int4:128 x2",
+    ]
 
 
 def test_a_folder_of_several_results_compares_them_all_and_a_missing_path_is_one_line(tmp_path, capsys):
     from distperp_harness.commands.compare import run_compare
 
-    _write(tmp_path / "sweep" / "int8", "1", {"model": "distperp", "distperp": {"options": {
-        "pretrained": "m", "quantize": "int8"}}})
-    _write(tmp_path / "sweep" / "int4", "2", {"model": "distperp", "distperp": {"options": {
-        "pretrained": "m", "quantize": "int4", "group_size": 32}}})
+    _write(
+        tmp_path / "sweep" / "int8",
+        "1",
+        {"model": "distperp", "distperp": {"options": {"pretrained": "m", "quantize": "int8"}}},
+    )
+    _write(
+        tmp_path / "sweep" / "int4",
+        "2",
+        {"model": "distperp", "distperp": {"options": {"pretrained": "m", "quantize": "int4", "group_size": 32}}},
+    )
     assert run_compare([str(tmp_path / "sweep")]) == 0
     table = capsys.readouterr().out
     assert "int8" in table and "int4:32" in table
@@ -190,8 +247,11 @@ def test_the_legend_lists_the_runs_a_panel_shows_and_names_the_others(tmp_path):
 
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "results_1.json").write_text(json.dumps({"results": {"mc": {"acc,none": 0.4}}, "config": {
-        "model": "hf", "model_args": {"pretrained": "/m/other"}}}))
+    (folder / "results_1.json").write_text(
+        json.dumps(
+            {"results": {"mc": {"acc,none": 0.4}}, "config": {"model": "hf", "model_args": {"pretrained": "/m/other"}}}
+        )
+    )
     runs = [*_fixed(tmp_path, with_reference=False), load_run(folder)]
     fig, names, skips = compare_figure(runs)
     assert names == ["perplexity"]

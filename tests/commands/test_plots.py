@@ -31,8 +31,10 @@ def test_text_overlaps_finds_overlapping_texts():
     ax.text(0.1, 0.1, "alone")
     ax.text(1.5, 0.5, "far outside the figure")
     fig.canvas.draw()
-    assert sorted(plots.text_overlaps(fig)) == [("far outside the figure", "<outside>"),
-                                                ("first label", "second label")]
+    assert sorted(plots.text_overlaps(fig)) == [
+        ("far outside the figure", "<outside>"),
+        ("first label", "second label"),
+    ]
 
 
 def test_labels_of_crowded_points_meet_nothing():
@@ -42,8 +44,11 @@ def test_labels_of_crowded_points_meet_nothing():
 
     fig = plots._figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    points = [(1.0 + 0.01 * i, 0.01 * 1.1 ** i) for i in range(5)] + [(2.7, 1e-4), (2.7, 1e-4)] + \
-             [(2.7 + 0.02 * i, 0.02 * 1.05 ** i) for i in range(5)]
+    points = (
+        [(1.0 + 0.01 * i, 0.01 * 1.1**i) for i in range(5)]
+        + [(2.7, 1e-4), (2.7, 1e-4)]
+        + [(2.7 + 0.02 * i, 0.02 * 1.05**i) for i in range(5)]
+    )
     ax.plot(*zip(*points), "o", ms=6)
     ax.set(yscale="log", xlim=(0, 3.5), ylim=(3e-5, 0.1))
     fig.canvas.draw()
@@ -60,7 +65,7 @@ def test_labels_of_crowded_points_meet_nothing():
     inside = ax.get_window_extent(renderer)
     for i, box in enumerate(boxes):
         assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
-        assert not any(box.overlaps(other) for other in boxes[i + 1:])
+        assert not any(box.overlaps(other) for other in boxes[i + 1 :])
         assert not any(box.overlaps(m) for m in markers)
     assert plots.text_overlaps(fig) == []
 

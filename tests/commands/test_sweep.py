@@ -18,15 +18,24 @@ SCHEMES = "int4:32,int8"
 
 def test_parse_schemes():
     assert parse_schemes("int4:32, int4:128,int8,8da4w") == [
-        Scheme("int4:32", "int4", 32), Scheme("int4:128", "int4", 128), Scheme("int8", "int8", None),
-        Scheme("8da4w", "8da4w", None)]
+        Scheme("int4:32", "int4", 32),
+        Scheme("int4:128", "int4", 128),
+        Scheme("int8", "int8", None),
+        Scheme("8da4w", "8da4w", None),
+    ]
     assert parse_schemes("int4:32")[0].folder == "int4-g32"
 
 
-@pytest.mark.parametrize("text, says", [("int3", "'int3' is not one of int4, int8, 8da4w"),
-                                        ("int4:100", "group size '100' is not one of 32, 64, 128, 256"),
-                                        ("int8:32", "int8 uses per-row scales"), ("none", "'none' is not one of"),
-                                        ("int8,int8", "names a scheme twice")])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("int3", "'int3' is not one of int4, int8, 8da4w"),
+        ("int4:100", "group size '100' is not one of 32, 64, 128, 256"),
+        ("int8:32", "int8 uses per-row scales"),
+        ("none", "'none' is not one of"),
+        ("int8,int8", "names a scheme twice"),
+    ],
+)
 def test_bad_schemes_say_what_is_allowed(text, says):
     with pytest.raises(ValueError, match="Fix: e.g. --schemes") as info:
         parse_schemes(text)
@@ -34,9 +43,23 @@ def test_bad_schemes_say_what_is_allowed(text, says):
 
 
 def _sweep_args(model, tasks_dir, out):
-    return ["sweep", "--pretrained", str(model), "--schemes", SCHEMES, "--tasks", "dptest_mc,dptest_rolling",
-            "--include_path", str(tasks_dir), "--model_args", "max_length=128", "--batch_size", "4",
-            "--output_path", str(out)]
+    return [
+        "sweep",
+        "--pretrained",
+        str(model),
+        "--schemes",
+        SCHEMES,
+        "--tasks",
+        "dptest_mc,dptest_rolling",
+        "--include_path",
+        str(tasks_dir),
+        "--model_args",
+        "max_length=128",
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +77,9 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
     loads = []
     original, threads = loading.load_model, torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loading, "load_model", lambda *a, **k: loads.append(k.get("key", "pretrained")) or
-                      original(*a, **k))
+        patch.setattr(
+            loading, "load_model", lambda *a, **k: loads.append(k.get("key", "pretrained")) or original(*a, **k)
+        )
         torch.set_num_threads(1)
         try:
             assert main(_sweep_args(model, tasks_dir, root / "out")) == 0
@@ -78,8 +102,11 @@ def test_one_results_folder_per_scheme_ranked_by_pooled_kl(sweep):
         assert run.model == Path(str(sweep["model"])).name
     for run in runs.values():
         assert sorted(run.reference) == ["dptest_mc", "dptest_rolling"]
-    kl = {label: sum(e["kl_divergence"] * e["n_tokens"] for e in r.reference.values())
-          / sum(e["n_tokens"] for e in r.reference.values()) for label, r in runs.items()}
+    kl = {
+        label: sum(e["kl_divergence"] * e["n_tokens"] for e in r.reference.values())
+        / sum(e["n_tokens"] for e in r.reference.values())
+        for label, r in runs.items()
+    }
     assert kl == {label: pytest.approx(pooled_kl(r.reference), rel=1e-12) for label, r in runs.items()}
     rows = [line.split("|")[1:-1] for line in (sweep["out"] / "leaderboard.md").read_text().splitlines()[2:]]
     order = [row[1].strip() for row in rows[::2]]
@@ -121,8 +148,20 @@ def test_two_processes_give_the_same_entries(sweep, tasks_dir, tmp_path):
 
 # --- the leaderboard figure, from fixed results JSONs -------------------------------------------------------------
 
-TWELVE = ["int4:32", "int4:64", "int4:128", "int4:256", "8da4w:32", "8da4w:64", "8da4w:128", "8da4w:256", "int8",
-          "int8 bf16", "int4:32 hqq", "int4:128 awq"]
+TWELVE = [
+    "int4:32",
+    "int4:64",
+    "int4:128",
+    "int4:256",
+    "8da4w:32",
+    "8da4w:64",
+    "8da4w:128",
+    "8da4w:256",
+    "int8",
+    "int8 bf16",
+    "int4:32 hqq",
+    "int4:128 awq",
+]
 MB = [1.42, 1.39, 1.36, 1.35, 1.42, 1.39, 1.36, 1.35, 2.71, 2.71, 1.42, 1.36]  # clusters of equal weight bytes
 KL = [0.0127, 0.015, 0.0214, 0.025, 0.014, 0.017, 0.0252, 0.03, 9.4e-5, 1.0e-4, 0.0128, 0.02]
 
@@ -134,8 +173,13 @@ def _fixed_runs(root, labels, tasks):
     runs = []
     for i, label in enumerate(labels):
         reference = {task: make(KL[i]) for task, make in tasks.items()}
-        path = write_results_json(root / f"s{i}", quantize="int4", weight_bytes=int(MB[i] * 1e6),
-                                  reference=reference, reference_bytes=4_461_056)
+        path = write_results_json(
+            root / f"s{i}",
+            quantize="int4",
+            weight_bytes=int(MB[i] * 1e6),
+            reference=reference,
+            reference_bytes=4_461_056,
+        )
         runs.append((label, load_run(path)))
     return runs
 
@@ -152,19 +196,25 @@ def _tasks(kind):
 def test_pooled_kl_stderr():
     from distperp_harness.commands.sweep import pooled_kl_stderr
 
-    entries = {"a": {"kl_divergence": 0.1, "kl_divergence_stderr": 0.01, "n_tokens": 300},
-               "b": {"kl_divergence": 0.2, "kl_divergence_stderr": 0.04, "n_tokens": 100}, "c": {"n_docs": 3}}
-    assert pooled_kl_stderr(entries) == pytest.approx(math.sqrt((300 * 0.01) ** 2 + (100 * 0.04) ** 2) / 400,
-                                                      rel=1e-12)
+    entries = {
+        "a": {"kl_divergence": 0.1, "kl_divergence_stderr": 0.01, "n_tokens": 300},
+        "b": {"kl_divergence": 0.2, "kl_divergence_stderr": 0.04, "n_tokens": 100},
+        "c": {"n_docs": 3},
+    }
+    assert pooled_kl_stderr(entries) == pytest.approx(math.sqrt((300 * 0.01) ** 2 + (100 * 0.04) ** 2) / 400, rel=1e-12)
     entries["b"]["kl_divergence_stderr"] = None
     assert pooled_kl_stderr(entries) is None and pooled_kl_stderr({}) is None
 
 
-@pytest.mark.parametrize("kind, panels", [
-    ("rolling", ["kl_vs_weight_bytes", "delta_ppl"]),
-    ("mc", ["kl_vs_weight_bytes", "flips", "delta_acc"]),
-    ("mc_no_gold", ["kl_vs_weight_bytes", "flips"]),
-    ("both", ["kl_vs_weight_bytes", "delta_ppl", "flips", "delta_acc"])])
+@pytest.mark.parametrize(
+    "kind, panels",
+    [
+        ("rolling", ["kl_vs_weight_bytes", "delta_ppl"]),
+        ("mc", ["kl_vs_weight_bytes", "flips", "delta_acc"]),
+        ("mc_no_gold", ["kl_vs_weight_bytes", "flips"]),
+        ("both", ["kl_vs_weight_bytes", "delta_ppl", "flips", "delta_acc"]),
+    ],
+)
 def test_leaderboard_figure_has_the_panels_of_its_data(kind, panels, tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image
@@ -206,8 +256,10 @@ def test_leaderboard_figure_is_readable_with_2_or_12_schemes(n, tmp_path):
     labels = {a.get_text(): Text.get_window_extent(a, renderer) for a in ax.texts}
     assert sorted(labels) == sorted(TWELVE[:n])
     inside = ax.get_window_extent(renderer)
-    markers = [Bbox.from_extents(*(ax.transData.transform((MB[i], KL[i])) - 4),
-                                 *(ax.transData.transform((MB[i], KL[i])) + 4)) for i in range(n)]
+    markers = [
+        Bbox.from_extents(*(ax.transData.transform((MB[i], KL[i])) - 4), *(ax.transData.transform((MB[i], KL[i])) + 4))
+        for i in range(n)
+    ]
     for box in labels.values():
         assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
         assert not any(box.overlaps(m) for m in markers)

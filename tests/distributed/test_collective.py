@@ -55,8 +55,11 @@ def test_a_failure_at_wait_time_is_a_collective_error_naming_the_missing_rank(mo
         return work  # returns at once, as NCCL does; the error only shows at wait()
 
     monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
-    with pytest.raises(CollectiveError, match=r"'gather scores \(sizes\)' failed on rank 0 of 2 \(timeout 7 s\): "
-                                              r"rank\(s\) \[1\] never arrived") as info:
+    with pytest.raises(
+        CollectiveError,
+        match=r"'gather scores \(sizes\)' failed on rank 0 of 2 \(timeout 7 s\): "
+        r"rank\(s\) \[1\] never arrived",
+    ) as info:
         _two_rank_collective().all_gather_tensor(torch.zeros(3), name="gather scores")
     assert works and works[0].waited == timedelta(seconds=7)  # every wait bounded by the run's timeout
     assert "no results were written" in str(info.value) and "watchdog timeout" in str(info.value)
@@ -97,7 +100,9 @@ def test_a_dead_store_host_is_named(monkeypatch):
 
     monkeypatch.setattr(coll, "default_store", lambda: _DeadStore())
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None, async_op=False: _FailingWork())
-    with pytest.raises(CollectiveError, match=r"the rendezvous store, served by .* is unreachable from rank 1: rank 0 or node 0"):
+    with pytest.raises(
+        CollectiveError, match=r"the rendezvous store, served by .* is unreachable from rank 1: rank 0 or node 0"
+    ):
         _two_rank_collective(rank=1).barrier("lm-eval barrier")
 
 
@@ -106,9 +111,11 @@ def test_exit_waits_on_the_control_group_with_a_bounded_monitored_barrier(monkey
     group = object()
     monkeypatch.setattr(coll, "_FAILED", False)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "monitored_barrier",
-                        lambda group=None, timeout=None, wait_all_ranks=False: calls.append((group, timeout,
-                                                                                             wait_all_ranks)))
+    monkeypatch.setattr(
+        torch.distributed,
+        "monitored_barrier",
+        lambda group=None, timeout=None, wait_all_ranks=False: calls.append((group, timeout, wait_all_ranks)),
+    )
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroyed"))
     monkeypatch.setattr(coll, "stop_watch", lambda: calls.append("watch stopped"))
     coll._leave_group(1800.0, group)
@@ -130,7 +137,7 @@ def test_a_failing_rank_leaves_without_waiting(monkeypatch):
     assert exits == [1]  # at once: no destructor of a process group may wait for a lost peer
 
 
-_JOB = r'''
+_JOB = r"""
 import json, sys
 import numpy as np, torch
 from distperp_harness.distributed.collective import AccelerateCollective
@@ -148,7 +155,7 @@ out = {"exchange": [g.tolist() for g in got], "uneven": [u.tolist() for u in une
        "uneven_bytes": uneven_bytes, "objects": objects, "object_bytes": c.bytes_received - before}
 with open(sys.argv[1] + f".{r}", "w") as f:
     json.dump(out, f)
-'''
+"""
 
 
 def test_exchange_uneven_gathers_and_gather_to_one_rank_move_no_padding(tmp_path):
@@ -163,9 +170,23 @@ def test_exchange_uneven_gathers_and_gather_to_one_rank_move_no_padding(tmp_path
     job = tmp_path / "job.py"
     job.write_text(_JOB)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
-                           str(free_port()), str(job), str(out)], env=offline_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "3",
+            "--master_port",
+            str(free_port()),
+            str(job),
+            str(out),
+        ],
+        env=offline_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
     for r, res in enumerate(results):

@@ -136,8 +136,11 @@ def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(mon
 
 # -------------------------------------------------------------------------------------- control plane rules
 def test_a_loopback_bind_on_several_hosts_is_refused_naming_address_variable_and_fix():
-    entries = [("node-a", "10.0.0.1", "host name resolves"), ("node-a", "10.0.0.1", "x"),
-               ("node-b", "127.0.1.1", "host name 'node-b' resolves to it (GLOO_SOCKET_IFNAME unset)")]
+    entries = [
+        ("node-a", "10.0.0.1", "host name resolves"),
+        ("node-a", "10.0.0.1", "x"),
+        ("node-b", "127.0.1.1", "host name 'node-b' resolves to it (GLOO_SOCKET_IFNAME unset)"),
+    ]
     problem = controlplane.binding_problem(entries)
     assert "rank 2 on node-b binds to 127.0.1.1" in problem and "GLOO_SOCKET_IFNAME=<interface>" in problem
     assert "NCCL_SOCKET_IFNAME" in problem and "ip -brief addr" in problem
@@ -168,27 +171,31 @@ def _assert_named(text, *, peer, failing, stage, host="", device="cpu", failing_
 
 
 @pytest.mark.distributed
-def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named(tiny_model_dir, tasks_dir,
-                                                                                 tmp_path):
+def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named(tiny_model_dir, tasks_dir, tmp_path):
     """Rank 1 of a ``shard_size=2`` group raises before its 3rd forward (its peer waits in the forward's first
     gather); with ``timeout=600`` only failfast can end the peer: it does within seconds, naming rank 1."""
     failing = 1
     out = tmp_path / "out"
-    run = launch_one_node(distperp_args(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600"), tmp_path,
-                    {"DISTPERP_TEST_FAIL": "1:3"})
+    run = launch_one_node(
+        distperp_args(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600"),
+        tmp_path,
+        {"DISTPERP_TEST_FAIL": "1:3"},
+    )
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
     assert run.procs[0].returncode != 0
     _assert_named(text, peer=1 - failing, failing=failing, stage="scoring")
-    root_cause = text[text.index("Root Cause"):]  # the failing rank exited first: its launcher names it
+    root_cause = text[text.index("Root Cause") :]  # the failing rank exited first: its launcher names it
     assert f"rank      : {failing} (local_rank: {failing})" in root_cause, root_cause
     assert not list(out.rglob("results_*.json"))
     assert ended - failed_at < 30  # far below the 600 s any gather or store call would wait
 
 
-_NAN_DOCS = ["Zyzzyva quokka marmoset. Zyzzyva quokka marmoset. Zyzzyva quokka marmoset.",  # its batch: rank 0's
-             "The river was high after the rain."]
+_NAN_DOCS = [
+    "Zyzzyva quokka marmoset. Zyzzyva quokka marmoset. Zyzzyva quokka marmoset.",  # its batch: rank 0's
+    "The river was high after the rain.",
+]
 
 
 def _nan_model_and_task(model_dir, tmp_path):
@@ -209,8 +216,12 @@ def _nan_model_and_task(model_dir, tmp_path):
     tokenizer.save_pretrained(tmp_path / "nan_model")
     tasks = shutil.copytree(TASKS_DIR, tmp_path / "tasks")
     (tasks / "dptest_nan.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _NAN_DOCS))
-    (tasks / "dptest_nan.yaml").write_text((tasks / "dptest_rolling.yaml").read_text().replace(
-        "task: dptest_rolling", "task: dptest_nan").replace("dptest_rolling.jsonl", "dptest_nan.jsonl"))
+    (tasks / "dptest_nan.yaml").write_text(
+        (tasks / "dptest_rolling.yaml")
+        .read_text()
+        .replace("task: dptest_rolling", "task: dptest_nan")
+        .replace("dptest_rolling.jsonl", "dptest_nan.jsonl")
+    )
     return tmp_path / "nan_model", tasks
 
 
@@ -222,19 +233,33 @@ def test_nan_logits_on_rank_0_only_are_named_by_rank_1(tiny_model_dir, tmp_path)
     before, its poll queued behind that ``get``: rank 1 died of the launcher's SIGTERM, unnamed.)"""
     model, tasks = _nan_model_and_task(tiny_model_dir, tmp_path)
     out = tmp_path / "out"
-    args = ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model},max_length=128,shard_size=2,timeout=600", "--tasks", "dptest_nan", "--include_path",
-            str(tasks), "--batch_size", "1", "--output_path", str(out)]
+    args = [
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model},max_length=128,shard_size=2,timeout=600",
+        "--tasks",
+        "dptest_nan",
+        "--include_path",
+        str(tasks),
+        "--batch_size",
+        "1",
+        "--output_path",
+        str(out),
+    ]
     run = launch_one_node(args, tmp_path, {})
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
     assert run.procs[0].returncode != 0
     assert "distperp: rank 1 stops because rank 0 (" in text, text[-4000:]
-    assert "failed while scoring: ValueError: the model produced NaN/inf logits while scoring the window " \
-           "'Zyzzyva" in text
+    assert (
+        "failed while scoring: ValueError: the model produced NaN/inf logits while scoring the window 'Zyzzyva" in text
+    )
     assert "Try dtype=float32, or check the checkpoint." in text  # rank 0's own traceback, as in one process
-    assert "rank      : 0 (local_rank: 0)" in text[text.index("Root Cause"):]  # rank 0 exited first
+    assert "rank      : 0 (local_rank: 0)" in text[text.index("Root Cause") :]  # rank 0 exited first
     assert not list(out.rglob("results_*.json"))
     assert ended - failed_at < 30
 
@@ -245,29 +270,46 @@ def test_rank_0_failing_while_planning_on_two_nodes_is_named_on_the_other_node(t
     no launcher that saw it, waits in the exchange of units (``timeout=600``)."""
     out = tmp_path / "out"
     env = {"DISTPERP_TEST_FAIL_PLANNING": "0:1"}
-    run = LaunchOutputs(start_two_nodes(distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
-                                   cwd=tmp_path, envs=[env, env],
-                                   outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run = LaunchOutputs(
+        start_two_nodes(
+            distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
+            cwd=tmp_path,
+            envs=[env, env],
+            outputs=[subprocess.PIPE, subprocess.PIPE],
+        )
+    )
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     assert [p.returncode != 0 for p in run.procs] == [True, True]
-    _assert_named(run.texts[1], peer=1, failing=0, host=socket.gethostname(), failing_text=run.texts[0],
-                  stage="planning, exchanging or gathering loglikelihood")
+    _assert_named(
+        run.texts[1],
+        peer=1,
+        failing=0,
+        host=socket.gethostname(),
+        failing_text=run.texts[0],
+        stage="planning, exchanging or gathering loglikelihood",
+    )
     assert not list(out.rglob("results_*.json"))
     assert ended - failed_at < 30
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("failing, variable, stage", [(0, "DISTPERP_TEST_FAIL_LANE", "generating (lane "),
-                                                      (1, "DISTPERP_TEST_FAIL_GENERATION", "generating")])
-def test_a_rank_failing_in_generation_stops_its_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing, variable,
-                                                           stage):
+@pytest.mark.parametrize(
+    "failing, variable, stage",
+    [(0, "DISTPERP_TEST_FAIL_LANE", "generating (lane "), (1, "DISTPERP_TEST_FAIL_GENERATION", "generating")],
+)
+def test_a_rank_failing_in_generation_stops_its_peer_named(
+    tiny_model_dir, tasks_dir, tmp_path, failing, variable, stage
+):
     """``generate_until`` runs inside the channel, and so does every lane: the peer (generating its share, or
     waiting in generation's gathers) ends within seconds, naming the failing rank, rank 0 (the store's node)
     included, and the lane it was generating (rank 0 in a lane; rank 1 at the call's start)."""
     out = tmp_path / "out"
-    run = launch_one_node(distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"), tmp_path,
-                    {variable: f"{failing}:1"})
+    run = launch_one_node(
+        distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"),
+        tmp_path,
+        {variable: f"{failing}:1"},
+    )
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     assert run.procs[0].returncode != 0
@@ -285,9 +327,14 @@ def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir,
     """Node 0's launcher (the store's host) and rank 0 die with SIGKILL while rank 0 scores (it holds after its
     first batch); rank 1, alone on node 1, must end within ``timeout=20`` saying node 0 / rank 0 is gone."""
     out = tmp_path / "out"
-    run = LaunchOutputs(start_two_nodes(distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=20"), cwd=tmp_path,
-                                   envs=[{"DISTPERP_TEST_HOLD": "0:1"}, {}],
-                                   outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run = LaunchOutputs(
+        start_two_nodes(
+            distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=20"),
+            cwd=tmp_path,
+            envs=[{"DISTPERP_TEST_HOLD": "0:1"}, {}],
+            outputs=[subprocess.PIPE, subprocess.PIPE],
+        )
+    )
     run.wait_for("distperp loglikelihood", timeout=240)  # rank 0's progress bar: scoring has begun
     time.sleep(1.0)
     killed_at = time.monotonic()
@@ -304,21 +351,62 @@ def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir,
 @pytest.mark.distributed
 def test_a_faked_loopback_bind_on_two_nodes_is_refused_at_start(tiny_model_dir, tasks_dir, tmp_path):
     port = free_port()
-    args = ["-m", "lm_eval", "--model", "distperp", "--model_args", f"pretrained={tiny_model_dir},max_length=64",
-            "--tasks", "dptest_mc", "--include_path", str(tasks_dir), "--output_path", str(tmp_path / "out")]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
-         "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", *args],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=offline_env({"DISTPERP_TEST_HOSTNAME": f"node{rank}",
-                         **({"DISTPERP_TEST_GLOO_ADDRESS": "127.0.1.1"} if rank == 1 else {})}))
-        for rank in (0, 1)]
+    args = [
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={tiny_model_dir},max_length=64",
+        "--tasks",
+        "dptest_mc",
+        "--include_path",
+        str(tasks_dir),
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--multi_gpu",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--num_processes",
+                "2",
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                *args,
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=offline_env(
+                {
+                    "DISTPERP_TEST_HOSTNAME": f"node{rank}",
+                    **({"DISTPERP_TEST_GLOO_ADDRESS": "127.0.1.1"} if rank == 1 else {}),
+                }
+            ),
+        )
+        for rank in (0, 1)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, output in zip(procs, outputs):
         assert p.returncode != 0
-        assert "rank 1 on node1 binds to 127.0.1.1" in output and "GLOO_SOCKET_IFNAME=<interface>" in output, \
-            output[-3000:]
+        assert "rank 1 on node1 binds to 127.0.1.1" in output and "GLOO_SOCKET_IFNAME=<interface>" in output, output[
+            -3000:
+        ]
 
 
 def test_stopping_the_watch_waits_for_its_thread():

@@ -61,8 +61,9 @@ def _watcher(store, clock, outcomes, world_size=4, rank=1, bound_s=10.0):
         probed.append(p)
         return outcomes.pop(0)
 
-    live = Liveness(store, rank, world_size, bound_s, lambda: "scoring", Peer("node-a", 12), clock=clock,
-                    probe_of=probe_of)
+    live = Liveness(
+        store, rank, world_size, bound_s, lambda: "scoring", Peer("node-a", 12), clock=clock, probe_of=probe_of
+    )
     return live, probed, liveness.BEAT_KEY.format(peer)
 
 
@@ -95,7 +96,9 @@ def test_a_peer_that_accepts_but_does_not_answer_is_named_unresponsive_at_the_bo
     assert len(probed) == 1
     clock.now += 1
     record = live.tick()
-    assert len(probed) == 2 and record.startswith("rank 2 (node-b) stopped responding: no heartbeat for 10 s (the bound: 10 s")
+    assert len(probed) == 2 and record.startswith(
+        "rank 2 (node-b) stopped responding: no heartbeat for 10 s (the bound: 10 s"
+    )
 
 
 def test_a_lost_host_is_named_gone_at_the_bound_and_an_answering_peer_restarts_the_clock():
@@ -138,8 +141,9 @@ def test_a_poll_costs_the_same_few_store_calls_at_any_world_size(world_size):
 
 def test_a_rank_lost_before_it_published_is_still_named(monkeypatch):
     store, clock = DictStore(), _Clock()
-    live = Liveness(store, 0, 2, 10.0, lambda: "starting", Peer("a", 1), clock=clock,
-                    probe_of=lambda p: liveness.probe(p))
+    live = Liveness(
+        store, 0, 2, 10.0, lambda: "starting", Peer("a", 1), clock=clock, probe_of=lambda p: liveness.probe(p)
+    )
     live.tick()
     clock.now += 11
     assert live.tick().startswith("rank 1 (?) stopped responding: no heartbeat for 11 s")

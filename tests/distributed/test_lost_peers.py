@@ -33,14 +33,15 @@ def _alive(pid):
 def _assert_survivor_named(text, survivor, lost, words, lost_stage, own_stage):
     line = f"distperp: rank {survivor} stops because rank {lost} ({HOST}) {words}"
     assert line in text, text[-4000:]
-    said = text[text.index(line):].split("\n", 1)[0]
+    said = text[text.index(line) :].split("\n", 1)[0]
     assert f"it was {lost_stage}" in said and f"(rank {survivor} was {own_stage}" in said, said
     assert "no results were written" in said
 
 
 @pytest.mark.parametrize("layout", ["", ",tp_plan=auto"], ids=["data-parallel", "tensor-parallel"])
-def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(tiny_model_dir, tasks_dir,
-                                                                                 tmp_path, layout):
+def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
+    tiny_model_dir, tasks_dir, tmp_path, layout
+):
     """Two loopback nodes of two processes. Data-parallel: every rank stalls in its first generation lane (a long
     decode step, longer than the bound: slow, not lost, and nobody is named). Tensor-parallel (one TP group a node):
     each group's leader stalls there while its member waits on it (for the leader's next decision or inside the
@@ -49,10 +50,14 @@ def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
     their ten-minute step ended), well within ``timeout=60``."""
     out = tmp_path / "out"
     args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=60" + layout, "dptest_chain", batch_size=1)
-    holds = [{"DISTPERP_TEST_HOLD_LANE": "0:1,1:1"}, {"DISTPERP_TEST_HOLD_LANE": "2:1,3:1"}] if not layout else \
-        [{"DISTPERP_TEST_HOLD_LANE": "0:1"}, {"DISTPERP_TEST_HOLD_LANE": "2:1"}]
-    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, per_node=2, envs=holds,
-                                        outputs=[subprocess.PIPE, subprocess.PIPE]))
+    holds = (
+        [{"DISTPERP_TEST_HOLD_LANE": "0:1,1:1"}, {"DISTPERP_TEST_HOLD_LANE": "2:1,3:1"}]
+        if not layout
+        else [{"DISTPERP_TEST_HOLD_LANE": "0:1"}, {"DISTPERP_TEST_HOLD_LANE": "2:1"}]
+    )
+    run = LaunchOutputs(
+        start_two_nodes(args, cwd=tmp_path, per_node=2, envs=holds, outputs=[subprocess.PIPE, subprocess.PIPE])
+    )
     run.wait_for("distperp generate_until", timeout=240)
     time.sleep(silence_bound(60) + 2)  # every rank holds or waits, silent in the main thread, past the bound
     assert "stops because" not in run.texts[0] + run.texts[1], run.texts[0][-3000:]
@@ -62,8 +67,7 @@ def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
     text = run.texts[0]
     assert run.procs[0].returncode != 0
     for survivor in (0, 1):  # a TP member waiting on its leader is in the leader's lane too
-        _assert_survivor_named(text, survivor, 2, "is gone: no heartbeat for", "generating (lane",
-                               "generating (lane")
+        _assert_survivor_named(text, survivor, 2, "is gone: no heartbeat for", "generating (lane", "generating (lane")
     assert "noticed by rank 1" in text and "refuses connections (it was killed or crashed)" in text
     assert not list(out.rglob("results_*.json"))
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10  # launcher's teardown included
@@ -75,9 +79,14 @@ def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(t
     within seconds, where only the next collective (ten minutes on) would have failed."""
     out = tmp_path / "out"
     args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", "dptest_rolling", batch_size=1)
-    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, envs=[{"DISTPERP_TEST_HOLD": "0:1"},
-                                                                  {"DISTPERP_TEST_HOLD": "1:1"}],
-                                        outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run = LaunchOutputs(
+        start_two_nodes(
+            args,
+            cwd=tmp_path,
+            envs=[{"DISTPERP_TEST_HOLD": "0:1"}, {"DISTPERP_TEST_HOLD": "1:1"}],
+            outputs=[subprocess.PIPE, subprocess.PIPE],
+        )
+    )
     run.wait_for("distperp loglikelihood_rolling", timeout=240)
     time.sleep(2.0)
     worker = run.workers(1)[1]
@@ -85,8 +94,14 @@ def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(t
     os.kill(worker, signal.SIGKILL)
     ended = run.wait_all(timeout=60)
     assert [p.returncode != 0 for p in run.procs] == [True, True]
-    _assert_survivor_named(run.texts[0], 0, 1, "is gone: no heartbeat for", "planning, exchanging or gathering",
-                           "planning, exchanging or gathering loglikelihood_rolling")
+    _assert_survivor_named(
+        run.texts[0],
+        0,
+        1,
+        "is gone: no heartbeat for",
+        "planning, exchanging or gathering",
+        "planning, exchanging or gathering loglikelihood_rolling",
+    )
     assert not list(out.rglob("results_*.json"))
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10
 
@@ -117,9 +132,10 @@ def test_a_stopped_rank_in_generation_is_named_unresponsive_within_the_bound(tin
     run.wait_all(timeout=60)
     text = run.texts[0]
     assert run.procs[0].returncode != 0
-    root_cause = text[text.index("Root Cause"):]
+    root_cause = text[text.index("Root Cause") :]
     assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 1 " in root_cause, root_cause
     _assert_survivor_named(text, 0, 1, "stopped responding: no heartbeat for ", "generating", "generating (lane")
-    assert f"s (the bound: {bound:.0f} s, from timeout) and its process accepts a connection but does not answer" \
-        in text
+    assert (
+        f"s (the bound: {bound:.0f} s, from timeout) and its process accepts a connection but does not answer" in text
+    )
     assert not list(out.rglob("results_*.json"))

@@ -8,8 +8,11 @@ import pytest
 import torch
 from helpers import lora_adapter, make_lm, score_rolling
 
-TEXTS = ["The quick brown fox jumps over the lazy dog, again and again.", "an adapter changes what a model says",
-         "= Title =\n a short article of a few words"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, again and again.",
+    "an adapter changes what a model says",
+    "= Title =\n a short article of a few words",
+]
 PAIRS = [("The quick brown", " fox jumps"), ("an adapter", " changes everything")]
 
 
@@ -39,8 +42,9 @@ def _hf(model_dir, **kwargs):
 def _hf_rolling(lm, texts):
     from lm_eval.api.instance import Instance
 
-    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
-                                    disable_tqdm=True)
+    return lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)], disable_tqdm=True
+    )
 
 
 def _loglikelihood(lm, pairs):

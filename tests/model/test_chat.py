@@ -9,10 +9,12 @@ from helpers import make_lm
 
 from distperp_harness.model.chat import fold_system, render_chat
 
-NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-             "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-             "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
-             "<think></think>{% endif %}{% if style is defined %}[{{ style }}]{% endif %}{% endif %}")
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% if style is defined %}[{{ style }}]{% endif %}{% endif %}"
+)
 HISTORY = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]
 
 
@@ -25,8 +27,10 @@ def accelerate_state():
 
 def test_fold_system_joins_the_instruction_to_the_first_user_turn():
     assert fold_system(HISTORY) == [{"role": "user", "content": "Answer briefly.\n\nWhat is 2+2?"}]
-    assert fold_system([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]) == \
-        [{"role": "user", "content": "S"}, {"role": "assistant", "content": "A"}]
+    assert fold_system([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]) == [
+        {"role": "user", "content": "S"},
+        {"role": "assistant", "content": "A"},
+    ]
 
 
 def test_a_template_that_rejects_system_gets_it_folded(tiny_tokenizer):
@@ -52,13 +56,19 @@ def test_template_arguments_reach_the_template_as_in_hf(tiny_model_dir):
     for lm in (ours, hf):
         lm.tokenizer.chat_template = NO_SYSTEM
     history = HISTORY[1:]
-    assert ours.apply_chat_template(history) == hf.apply_chat_template(history) == \
-        "<|user|>What is 2+2?\n<|assistant|><think></think>[terse]"
+    assert (
+        ours.apply_chat_template(history)
+        == hf.apply_chat_template(history)
+        == "<|user|>What is 2+2?\n<|assistant|><think></think>[terse]"
+    )
     assert ours.apply_chat_template(HISTORY).startswith("<|user|>Answer briefly.\n\n")  # hf: the instruction lost
     assert hf.apply_chat_template(HISTORY) == "<|user|>What is 2+2?\n<|assistant|><think></think>[terse]"
     chat = ours.get_model_info()["distperp"]["chat"]
-    assert chat == {"template_args": {"style": "terse", "enable_thinking": False}, "folded_system": True,
-                    "think_end_token": "</think>"}
+    assert chat == {
+        "template_args": {"style": "terse", "enable_thinking": False},
+        "folded_system": True,
+        "think_end_token": "</think>",
+    }
 
 
 def test_chat_template_args_from_the_command_line(tiny_model_dir):

@@ -17,10 +17,12 @@ from distperp_harness.model.devices import (
 )
 from distperp_harness.options import Options
 
-H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
-                       total_memory=80 << 30, uuid="GPU-1111")
-A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0, multi_processor_count=108,
-                       total_memory=80 << 30, uuid="GPU-2222")
+H100 = SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, total_memory=80 << 30, uuid="GPU-1111"
+)
+A100 = SimpleNamespace(
+    name="NVIDIA A100-SXM4-80GB", major=8, minor=0, multi_processor_count=108, total_memory=80 << 30, uuid="GPU-2222"
+)
 
 
 @pytest.fixture
@@ -73,8 +75,12 @@ def test_identity_of_a_gpu_names_what_chooses_its_kernels(fake_cuda):
     ident = device_identity(torch.device("cuda:0"))
     assert ident["name"] == "NVIDIA H100 80GB HBM3" and ident["capability"] == "9.0" and ident["sm_count"] == 132
     assert "total_memory" not in ident  # an A100-40GB and an A100-80GB run the same kernels
-    assert set(ident["numerics"]) >= {"float32_matmul_precision", "cuda_matmul_allow_tf32",
-                                      "cuda_bf16_reduced_precision_reduction", "cudnn_allow_tf32"}
+    assert set(ident["numerics"]) >= {
+        "float32_matmul_precision",
+        "cuda_matmul_allow_tf32",
+        "cuda_bf16_reduced_precision_reduction",
+        "cudnn_allow_tf32",
+    }
 
 
 def test_identity_carries_the_precision_flags():
@@ -114,7 +120,8 @@ def test_two_ranks_on_one_gpu_are_refused(fake_cuda):
 @pytest.mark.distributed
 def test_a_mismatched_rank_stops_a_real_launch_before_loading(tiny_model_dir, tmp_path):
     script = tmp_path / "mismatch.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os
         from distperp_harness import lm
         if os.environ["RANK"] == "1":  # rank 1 pretends to be another GPU model
@@ -122,8 +129,11 @@ def test_a_mismatched_rank_stops_a_real_launch_before_loading(tiny_model_dir, tm
             lm.device_identity = lambda device: {{**real(device), "name": "NVIDIA H100 80GB HBM3"}}
         lm.load_all = lambda *a, **k: os._exit(42)  # loading must not even start
         lm.DistPerpLM(pretrained={str(tiny_model_dir)!r}, device="cpu", timeout=30)
-    """))
+    """)
+    )
     proc = run_command([*accelerate_launch_prefix(2), str(script)], cwd=tmp_path, check=False, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0  # and not from load_all: the message below comes first
-    assert "rank 1 does not run what rank 0 runs: device.name: '<missing>' on rank 0 vs 'NVIDIA H100" in out, out[-3000:]
+    assert "rank 1 does not run what rank 0 runs: device.name: '<missing>' on rank 0 vs 'NVIDIA H100" in out, out[
+        -3000:
+    ]

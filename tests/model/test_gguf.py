@@ -35,10 +35,15 @@ def _hf_rolling(model_dir, texts, **kwargs):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model_dir if isinstance(model_dir, torch.nn.Module) else str(model_dir), device="cpu",
-              batch_size=1, **kwargs)
-    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
-                                    disable_tqdm=True)
+    lm = HFLM(
+        pretrained=model_dir if isinstance(model_dir, torch.nn.Module) else str(model_dir),
+        device="cpu",
+        batch_size=1,
+        **kwargs,
+    )
+    return lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)], disable_tqdm=True
+    )
 
 
 def test_gguf_weights_and_scores_equal_the_source_checkpoint(tiny_model_dir, gguf_dir):
@@ -65,8 +70,7 @@ def test_gguf_identity_is_the_file_and_its_hash(gguf_dir):
 def test_gguf_quantized_with_reference_base(gguf_dir):
     lm = make_lm(gguf_dir, ",gguf_file=tiny-f32.gguf,quantize=int8,reference=base")
     rows = score_rolling(lm, TEXTS)
-    assert lm.quant_report.quantized and all(r.ref_loglikelihood is not None and len(r.kl) == r.n_tokens
-                                             for r in rows)
+    assert lm.quant_report.quantized and all(r.ref_loglikelihood is not None and len(r.kl) == r.n_tokens for r in rows)
     assert lm.estimate is not None and lm.estimate.model > 0  # the fit check sized the GGUF model's skeleton
 
 
@@ -84,8 +88,10 @@ def test_gguf_errors_name_the_fix(gguf_dir, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED / SHARED_FILE).is_file(), reason="the shared SmolLM2 GGUF is not on this machine")
 def test_shared_smollm2_gguf_parity_with_hf():
-    texts = ["The capital of France is Paris. It is known for the Eiffel Tower.",
-             "Large language models are trained on text from the web."]
+    texts = [
+        "The capital of France is Paris. It is known for the Eiffel Tower.",
+        "Large language models are trained on text from the web.",
+    ]
     lm = make_lm(SHARED, f",gguf_file={SHARED_FILE},max_length=256")
     ours = score_rolling(lm, texts)
     # hf scores the weights distperp loaded (transformers' GGUF loader is the same call on both sides: dequantizing

@@ -17,9 +17,16 @@ def _evaluate(model_args, tasks_dir):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model="distperp", model_args=model_args, tasks=["dptest_rolling", "dptest_mc"],
-                                   task_manager=TaskManager(include_path=str(tasks_dir)), batch_size=4,
-                                   device="cpu", log_samples=True, limit=6)
+    return lm_eval.simple_evaluate(
+        model="distperp",
+        model_args=model_args,
+        tasks=["dptest_rolling", "dptest_mc"],
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        batch_size=4,
+        device="cpu",
+        log_samples=True,
+        limit=6,
+    )
 
 
 def test_in_memory_model_scores_as_its_folder(tiny_model_dir, tasks_dir, objects):
@@ -27,10 +34,14 @@ def test_in_memory_model_scores_as_its_folder(tiny_model_dir, tasks_dir, objects
     given = _evaluate({"pretrained": model, "tokenizer": tokenizer, "max_length": 128}, tasks_dir)
     folder = _evaluate(f"pretrained={tiny_model_dir},max_length=128", tasks_dir)
     for task in ("dptest_rolling", "dptest_mc"):
-        a = [(s["doc_id"], [float(r[0][0]) if isinstance(r[0], (list, tuple)) else float(r[0]) for r in s["resps"]])
-             for s in given["samples"][task]]
-        b = [(s["doc_id"], [float(r[0][0]) if isinstance(r[0], (list, tuple)) else float(r[0]) for r in s["resps"]])
-             for s in folder["samples"][task]]
+        a = [
+            (s["doc_id"], [float(r[0][0]) if isinstance(r[0], (list, tuple)) else float(r[0]) for r in s["resps"]])
+            for s in given["samples"][task]
+        ]
+        b = [
+            (s["doc_id"], [float(r[0][0]) if isinstance(r[0], (list, tuple)) else float(r[0]) for r in s["resps"]])
+            for s in folder["samples"][task]
+        ]
         assert a == b and len(a) == 6
     assert given["config"]["model_sha"] == ""
     assert given["config"]["distperp"]["options"]["pretrained_in_memory"] is True

@@ -54,7 +54,8 @@ def test_subfolder_loads_hashes_and_records_it(tiny_model_dir, tmp_path):
     info = lm.get_model_info()
     assert info["subfolder"] == "checkpoint-100" and info["model_sha"] == content_hash(tiny_model_dir)
     texts = ["a subfolder of a repository"]
-    assert [float(x) for x in score_rolling(lm, texts)] == \
-        [float(x) for x in score_rolling(make_lm(tiny_model_dir, ""), texts)]
+    assert [float(x) for x in score_rolling(lm, texts)] == [
+        float(x) for x in score_rolling(make_lm(tiny_model_dir, ""), texts)
+    ]
     with pytest.raises(ValueError, match="could not load"):
         make_lm(tmp_path / "repo", ",subfolder=checkpoint-999")

@@ -33,14 +33,17 @@ def accelerate_state():
 def deep_model_dir(tmp_path_factory):
     """The test model with 4 decoder layers (float32 checkpoint), so that "one layer" and "the whole model" differ
     by 4x."""
-    return build_tiny_model(dataclasses.replace(TEST_SPEC, num_layers=4, name="test-llama-4l"),
-                            tmp_path_factory.mktemp("deep"))
+    return build_tiny_model(
+        dataclasses.replace(TEST_SPEC, num_layers=4, name="test-llama-4l"), tmp_path_factory.mktemp("deep")
+    )
 
 
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory):
-    return build_tiny_model(dataclasses.replace(TEST_SPEC, tie_word_embeddings=True, name="test-llama-tied"),
-                            tmp_path_factory.mktemp("tied"))
+    return build_tiny_model(
+        dataclasses.replace(TEST_SPEC, tie_word_embeddings=True, name="test-llama-tied"),
+        tmp_path_factory.mktemp("tied"),
+    )
 
 
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
@@ -61,16 +64,25 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def _after_loading(options: Options, dtype: torch.dtype):
     model = load_model(options, CPU, dtype)
-    return model, quantize_model(model, options.quantize, group_size=options.group_size,
-                                 include_lm_head=options.quantize_lm_head)
+    return model, quantize_model(
+        model, options.quantize, group_size=options.group_size, include_lm_head=options.quantize_lm_head
+    )
 
 
-@pytest.mark.parametrize("scheme, group_size, dtype, lm_head", [
-    ("int4", 32, torch.bfloat16, False), ("int4", 64, torch.float32, False), ("int8", 128, torch.bfloat16, False),
-    ("8da4w", 32, torch.float32, False), ("int4", 32, torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "scheme, group_size, dtype, lm_head",
+    [
+        ("int4", 32, torch.bfloat16, False),
+        ("int4", 64, torch.float32, False),
+        ("int8", 128, torch.bfloat16, False),
+        ("8da4w", 32, torch.float32, False),
+        ("int4", 32, torch.bfloat16, True),
+    ],
+)
 def test_quantized_while_loading_equals_quantized_after_loading(tiny_model_dir, scheme, group_size, dtype, lm_head):
-    options = Options.from_kwargs(pretrained=str(tiny_model_dir), quantize=scheme, group_size=group_size,
-                                  quantize_lm_head=lm_head)
+    options = Options.from_kwargs(
+        pretrained=str(tiny_model_dir), quantize=scheme, group_size=group_size, quantize_lm_head=lm_head
+    )
     early, report = load_quantized(options, CPU, dtype)
     late, expected = _after_loading(options, dtype)
     _assert_same_weights(early, late)
@@ -85,8 +97,7 @@ def test_quantized_while_loading_equals_quantized_after_loading(tiny_model_dir, 
 
 
 def test_tied_output_embedding_is_quantized_after_loading_and_says_so(tied_model_dir):
-    options = Options.from_kwargs(pretrained=str(tied_model_dir), quantize="int4", group_size=32,
-                                  quantize_lm_head=True)
+    options = Options.from_kwargs(pretrained=str(tied_model_dir), quantize="int4", group_size=32, quantize_lm_head=True)
     model, report = load_quantized(options, CPU, torch.bfloat16)
     late, expected = _after_loading(options, torch.bfloat16)
     _assert_same_weights(model, late)
@@ -119,8 +130,13 @@ class UnquantizedBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == self.dtype and t.dim() == 2 \
-                    and tuple(t.shape) not in self.exclude and t.device.type == "cpu":
+            if (
+                type(t) in (torch.Tensor, torch.nn.Parameter)
+                and t.dtype == self.dtype
+                and t.dim() == 2
+                and tuple(t.shape) not in self.exclude
+                and t.device.type == "cpu"
+            ):
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 if key and key not in self.live:
@@ -137,7 +153,7 @@ def test_load_path_holds_at_most_one_layer_of_unquantized_weights(deep_model_dir
     monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")  # load on this thread, where the dispatch mode sees it
     spec = dataclasses.replace(TEST_SPEC, num_layers=4)
     kv = spec.hidden_size // spec.num_heads * spec.num_kv_heads
-    layer = 2 * (2 * spec.hidden_size ** 2 + 2 * spec.hidden_size * kv + 3 * spec.hidden_size * spec.intermediate_size)
+    layer = 2 * (2 * spec.hidden_size**2 + 2 * spec.hidden_size * kv + 3 * spec.hidden_size * spec.intermediate_size)
     options = Options.from_kwargs(pretrained=str(deep_model_dir), quantize="int4", group_size=32, reference="base")
     with UnquantizedBytes(torch.bfloat16, {(spec.vocab_size, spec.hidden_size)}) as meter:
         loaded = load_all(options, CPU)

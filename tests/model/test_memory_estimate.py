@@ -47,15 +47,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _reset_host_peak(),
-                    reason="needs Linux's resettable peak resident set (/proc/self/clear_refs)")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _reset_host_peak(),
+    reason="needs Linux's resettable peak resident set (/proc/self/clear_refs)",
+)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_estimate_matches_the_measured_scoring_peak_within_25_percent(tmp_path, attn):
     script = tmp_path / "measure.py"
     script.write_text(SCRIPT)
     proc = run_command([sys.executable, str(script), attn], cwd=tmp_path, timeout=300)
     line = next(li for li in proc.stdout.splitlines() if li.startswith("RESULT "))
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     assert 0.75 <= r["estimate"] / r["measured"] <= 1.25, r
     beyond = r["measured"] - r["weights"]  # the weights are exact: what else scoring held
     # the part beyond the weights is small and moves with the allocator and the kernel's page reclaim (seen

@@ -24,8 +24,9 @@ def accelerate_state():
 def _save_quantized(source, out, quantization_config, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, quantization_config=quantization_config,
-                                                 device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, quantization_config=quantization_config, device_map="cpu"
+    )
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return model
@@ -49,8 +50,9 @@ def _hf_rolling(model_dir, texts, **kwargs):
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=str(model_dir), device="cpu", batch_size=1, **kwargs)
-    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],
-                                    disable_tqdm=True)
+    return lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)], disable_tqdm=True
+    )
 
 
 def test_torchao_checkpoint_loads_as_saved(torchao_dir):

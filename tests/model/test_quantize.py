@@ -67,17 +67,42 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
 
 # scheme, model dtype -> config class, storage, weight tensor class, reference weight quantizer, layer tolerance
 CASES = {
-    ("int4", torch.bfloat16): ("PrototypeInt4WeightOnlyConfig", "int4-packed", "Int4OpaqueTensor",
-                               lambda w, g: fake_quant(w, g, 4, "tinygemm"), 0.1),
-    ("int4", torch.float32): ("IntxWeightOnlyConfig", "int4-in-int8", "IntxUnpackedToInt8Tensor",
-                              lambda w, g: fake_quant(w, g, 4, "asymmetric"), 1e-3),
-    ("int8", torch.float32): ("Int8WeightOnlyConfig", "int8", "Int8Tensor",
-                              lambda w, g: fake_quant(w, w.shape[1], 8, "symmetric"), 1e-3),
+    ("int4", torch.bfloat16): (
+        "PrototypeInt4WeightOnlyConfig",
+        "int4-packed",
+        "Int4OpaqueTensor",
+        lambda w, g: fake_quant(w, g, 4, "tinygemm"),
+        0.1,
+    ),
+    ("int4", torch.float32): (
+        "IntxWeightOnlyConfig",
+        "int4-in-int8",
+        "IntxUnpackedToInt8Tensor",
+        lambda w, g: fake_quant(w, g, 4, "asymmetric"),
+        1e-3,
+    ),
+    ("int8", torch.float32): (
+        "Int8WeightOnlyConfig",
+        "int8",
+        "Int8Tensor",
+        lambda w, g: fake_quant(w, w.shape[1], 8, "symmetric"),
+        1e-3,
+    ),
     ("int8", torch.bfloat16): ("Int8WeightOnlyConfig", "int8", "Int8Tensor", None, None),  # bf16 output rounding
-    ("8da4w", torch.float32): ("Int8DynamicActivationIntxWeightConfig", "int4-in-int8", "IntxUnpackedToInt8Tensor",
-                               lambda w, g: fake_quant(w, g, 4, "symmetric"), 1e-3),
-    ("8da4w", torch.bfloat16): ("Int8DynamicActivationIntxWeightConfig", "int4-in-int8",
-                                "IntxUnpackedToInt8Tensor", lambda w, g: fake_quant(w, g, 4, "symmetric"), 0.1),
+    ("8da4w", torch.float32): (
+        "Int8DynamicActivationIntxWeightConfig",
+        "int4-in-int8",
+        "IntxUnpackedToInt8Tensor",
+        lambda w, g: fake_quant(w, g, 4, "symmetric"),
+        1e-3,
+    ),
+    ("8da4w", torch.bfloat16): (
+        "Int8DynamicActivationIntxWeightConfig",
+        "int4-in-int8",
+        "IntxUnpackedToInt8Tensor",
+        lambda w, g: fake_quant(w, g, 4, "symmetric"),
+        0.1,
+    ),
 }  # is as large as the int8 error itself, so int8/bf16 is only checked at model level
 
 
@@ -160,8 +185,10 @@ def test_cpu_int4_kernel_shape_limits_are_skipped_not_crashed():
     model = nn.Sequential(nn.Linear(128, 100), nn.ReLU(), nn.Linear(100, 64), nn.Linear(64, 32)).bfloat16()
     report = quantize_model(model, "int4", group_size=64)
     assert report.quantized == ("3",)
-    assert report.skipped == {"0": "out_features=100 is not divisible by 16 (CPU int4 pack kernel)",
-                              "2": "in_features=100 is not divisible by group_size=64"}
+    assert report.skipped == {
+        "0": "out_features=100 is not divisible by 16 (CPU int4 pack kernel)",
+        "2": "in_features=100 is not divisible by group_size=64",
+    }
     assert model(torch.randn(3, 128, dtype=torch.bfloat16)).shape == (3, 32)
 
 
@@ -243,10 +270,20 @@ def test_device_the_scheme_cannot_run_on():
     assert resolve_model_dtype("none", "auto", "mps") == (None, "dtype=auto: the loader's default dtype")
 
 
-@pytest.mark.parametrize(("scheme", "requested", "expected"), [
-    ("int4", "auto", torch.bfloat16), ("int4", "bfloat16", torch.bfloat16), ("int4", "float32", torch.float32),
-    ("int4", "float16", torch.float16), ("int8", "auto", None), ("8da4w", "auto", None),
-    ("8da4w", "float32", torch.float32), ("none", "auto", None), ("none", "float16", torch.float16)])
+@pytest.mark.parametrize(
+    ("scheme", "requested", "expected"),
+    [
+        ("int4", "auto", torch.bfloat16),
+        ("int4", "bfloat16", torch.bfloat16),
+        ("int4", "float32", torch.float32),
+        ("int4", "float16", torch.float16),
+        ("int8", "auto", None),
+        ("8da4w", "auto", None),
+        ("8da4w", "float32", torch.float32),
+        ("none", "auto", None),
+        ("none", "float16", torch.float16),
+    ],
+)
 def test_resolve_model_dtype(scheme, requested, expected):
     dtype, note = resolve_model_dtype(scheme, requested, torch.device("cpu"))
     assert dtype == expected and note
@@ -274,8 +311,10 @@ def test_import_is_cheap():
     assert out.split() == ["False", "False"]
 
 
-@pytest.mark.parametrize(("capability", "config_name", "storage"), [
-    ((9, 0), "Int4WeightOnlyConfig", "int4-packed"), ((7, 5), "IntxWeightOnlyConfig", "int4-in-int8")])
+@pytest.mark.parametrize(
+    ("capability", "config_name", "storage"),
+    [((9, 0), "Int4WeightOnlyConfig", "int4-packed"), ((7, 5), "IntxWeightOnlyConfig", "int4-in-int8")],
+)
 def test_int4_plan_on_cuda(monkeypatch, capability, config_name, storage):
     """The CUDA choice, without a GPU: tinygemm (tile_packed_to_4d) from sm80 on, unpacked int4 below."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)

@@ -26,8 +26,10 @@ FAMILY_TASKS = {"fp32": TASKS, "int4": TASKS.replace(",dptest_chain", "")}
 same lockstep again (the int4 weights stay outside FSDP either way), at a minute of make test."""
 
 
-@pytest.mark.parametrize("option, world, local, expected", [
-    (1, 4, 4, 1), (2, 4, 4, 2), ("node", 4, 2, 2), ("node", 8, 8, 8), (4, 16, 8, 4), (1, 3, 3, 1)])
+@pytest.mark.parametrize(
+    "option, world, local, expected",
+    [(1, 4, 4, 1), (2, 4, 4, 2), ("node", 4, 2, 2), ("node", 8, 8, 8), (4, 16, 8, 4), (1, 3, 3, 1)],
+)
 def test_resolve_shard_size(option, world, local, expected):
     assert resolve_shard_size(option, world, local) == expected
 
@@ -54,10 +56,23 @@ def test_shard_groups_are_consecutive_ranks():
 
 # ------------------------------------------------------------------------------------------ real launches
 def _args(model_dir, tasks_dir, out, model_args, tasks=TASKS):
-    return ["-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model_dir},max_length=128{model_args}",
-            "--tasks", tasks, "--include_path", str(tasks_dir), "--batch_size", "3", "--log_samples",
-            "--output_path", str(out)]
+    return [
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model_dir},max_length=128{model_args}",
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(tasks_dir),
+        "--batch_size",
+        "3",
+        "--log_samples",
+        "--output_path",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +86,31 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
 
     def one_process(name, extra):
         out[f"1p-{name}"] = root / f"1p-{name}"
-        run_command([*accelerate_launch_prefix(1), *_args(tiny_model_dir, tasks_dir, out[f"1p-{name}"], extra,
-                                                          FAMILY_TASKS[name])], cwd=root)
+        run_command(
+            [
+                *accelerate_launch_prefix(1),
+                *_args(tiny_model_dir, tasks_dir, out[f"1p-{name}"], extra, FAMILY_TASKS[name]),
+            ],
+            cwd=root,
+        )
 
     side_by_side(*(functools.partial(one_process, name, extra) for name, extra in families))
     for name, extra in families:
         tasks = FAMILY_TASKS[name]
         out[f"2p-{name}"] = root / f"2p-{name}"
-        run_command([*accelerate_launch_prefix(2), *_args(tiny_model_dir, tasks_dir, out[f"2p-{name}"],
-                                                          extra + ",shard_size=2", tasks)], cwd=root)
+        run_command(
+            [
+                *accelerate_launch_prefix(2),
+                *_args(tiny_model_dir, tasks_dir, out[f"2p-{name}"], extra + ",shard_size=2", tasks),
+            ],
+            cwd=root,
+        )
         out[f"2nodes-{name}"] = root / f"2nodes-{name}"
-        run_two_nodes(_args(tiny_model_dir, tasks_dir, out[f"2nodes-{name}"], extra + ",shard_size=node", tasks),
-                      cwd=root, per_node=2)
+        run_two_nodes(
+            _args(tiny_model_dir, tasks_dir, out[f"2nodes-{name}"], extra + ",shard_size=node", tasks),
+            cwd=root,
+            per_node=2,
+        )
     return out
 
 
@@ -105,8 +133,9 @@ def test_sharded_runs_give_the_same_bits_as_one_unsharded_process(runs, name, se
         assert other["results"]["dptest_mc"][metric] == base["results"]["dptest_mc"][metric]
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         # lm-eval's weighted_perplexity (and stderr) sum per-rank lists in rank order: equal up to summation order
-        assert other["results"]["dptest_rolling"][metric] == pytest.approx(base["results"]["dptest_rolling"][metric],
-                                                                           rel=1e-12)
+        assert other["results"]["dptest_rolling"][metric] == pytest.approx(
+            base["results"]["dptest_rolling"][metric], rel=1e-12
+        )
 
 
 @pytest.mark.distributed
@@ -118,8 +147,9 @@ def test_bytes_per_rank_at_most_0_6_of_unsharded(runs, name):
         sharding, whole = info["sharding"], base["sharding"]
         assert whole["shard_size"] == 1 and whole["model_bytes_per_rank"] == [base["weight_bytes"]]
         assert info["weight_bytes"] == base["weight_bytes"]  # one whole copy, whatever the layout
-        per_rank = [m + (r or 0) for m, r in zip(sharding["model_bytes_per_rank"],
-                                                 sharding["reference_bytes_per_rank"])]
+        per_rank = [
+            m + (r or 0) for m, r in zip(sharding["model_bytes_per_rank"], sharding["reference_bytes_per_rank"])
+        ]
         unsharded = whole["model_bytes_per_rank"][0] + (whole["reference_bytes_per_rank"][0] or 0)
         assert max(per_rank) <= 0.6 * unsharded
         if name == "fp32":
@@ -151,8 +181,9 @@ def test_load_memory_is_reported_per_rank(runs):
     info = load_results(runs["2nodes-int4"])["config"]["distperp"]
     peaks = info["load_memory_per_rank"]
     assert len(peaks) == 4 and all(p["device"] == "cpu" and p["device_peak_bytes"] is None for p in peaks)
-    assert all(p["host_peak_rss_bytes"] is None or p["host_peak_rss_bytes"] >= p["host_rss_before_bytes"]
-               for p in peaks)
+    assert all(
+        p["host_peak_rss_bytes"] is None or p["host_peak_rss_bytes"] >= p["host_rss_before_bytes"] for p in peaks
+    )
     json.dumps(info)  # everything recorded is plain JSON
 
 
@@ -161,9 +192,13 @@ def test_a_rank_that_hangs_mid_scoring_is_named_within_the_timeout(tiny_model_di
     """Rank 1 stalls after its second batch; rank 0's next gather of sharded weights fails at ``timeout`` and the
     control group names rank 1. No results file."""
     out = tmp_path / "out"
-    proc = run_command([*accelerate_launch_prefix(2), *_args(tiny_model_dir, tasks_dir, out,
-                                                             ",shard_size=2,timeout=15")],
-                       cwd=tmp_path, env={"DISTPERP_TEST_HOLD": "1:2"}, check=False, timeout=300)
+    proc = run_command(
+        [*accelerate_launch_prefix(2), *_args(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=15")],
+        cwd=tmp_path,
+        env={"DISTPERP_TEST_HOLD": "1:2"},
+        check=False,
+        timeout=300,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank(s) [1] never arrived" in text and "gather of sharded weights" in text, text[-3000:]
@@ -176,8 +211,10 @@ def test_a_sharded_run_resumes_from_an_unsharded_one(tiny_model_dir, tasks_dir, 
     idle one, matched across the group): same bits, nothing recomputed."""
     saved = tmp_path / "saved"
     for n, extra, out in ((1, "", tmp_path / "first"), (2, ",shard_size=2", tmp_path / "again")):
-        run_command([*accelerate_launch_prefix(n), *_args(tiny_model_dir, tasks_dir, out,
-                                                          f",resume_dir={saved}{extra}")], cwd=tmp_path)
+        run_command(
+            [*accelerate_launch_prefix(n), *_args(tiny_model_dir, tasks_dir, out, f",resume_dir={saved}{extra}")],
+            cwd=tmp_path,
+        )
     again = load_results(tmp_path / "again")["config"]["distperp"]
     assert again["resume"]["reused"] > 0 and again["resume"]["saved"] == 0
     assert again["fingerprint"] == load_results(tmp_path / "first")["config"]["distperp"]["fingerprint"]

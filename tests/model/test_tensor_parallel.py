@@ -38,9 +38,12 @@ def test_resolve_tp_size(option, world, local, expected):
 
 
 def test_a_tp_size_that_does_not_divide_the_node_fails_with_the_fix():
-    with pytest.raises(ValueError, match=r"tp_size=3 is not valid with 4 process\(es\), 4 per node: tp_size must "
-                                         r"divide .*each tensor-parallel group .*allowed here: 1, 2, 4 or 'node'. "
-                                         r"Fix: tp_size=node"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size=3 is not valid with 4 process\(es\), 4 per node: tp_size must "
+        r"divide .*each tensor-parallel group .*allowed here: 1, 2, 4 or 'node'. "
+        r"Fix: tp_size=node",
+    ):
         resolve_tp_size(3, 4, 4)
 
 
@@ -56,13 +59,17 @@ class _Config:
 
 
 def test_a_model_without_a_tp_plan_is_refused_before_loading():
-    with pytest.raises(ValueError, match=r"tp_size=2: 'org/m' \(toy\) has no tensor-parallel plan.*Fix: "
-                                         r"shard_size=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size=2: 'org/m' \(toy\) has no tensor-parallel plan.*Fix: "
+        r"shard_size=2",
+    ):
         check_tp_plan(_Config(None, 4, 4), 2, "org/m")
 
 
-@pytest.mark.parametrize("heads, kv_heads, name, count", [(6, 6, "num_attention_heads", 6),
-                                                          (8, 2, "num_key_value_heads", 2)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, name, count", [(6, 6, "num_attention_heads", 6), (8, 2, "num_key_value_heads", 2)]
+)
 def test_heads_that_do_not_divide_name_both_numbers_and_the_sizes_that_work(heads, kv_heads, name, count):
     with pytest.raises(ValueError) as info:
         check_tp_plan(_Config({"layers.*.q_proj": "colwise"}, heads, kv_heads), 4, "m")
@@ -77,15 +84,23 @@ def test_a_rowwise_slice_that_splits_a_quantization_group_stays_in_full_precisio
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     narrow = rowwise_slices_too_narrow(model, 2, 32, names)
     assert list(narrow) == ["model.layers.0.mlp.down_proj"]  # 96 / 2 = 48 inputs; o_proj's 64 / 2 = 32 divide
-    assert "96 inputs are split over tp_size=2 processes, and a slice of 48 does not divide into groups of 32" in \
-        narrow["model.layers.0.mlp.down_proj"]
+    assert (
+        "96 inputs are split over tp_size=2 processes, and a slice of 48 does not divide into groups of 32"
+        in narrow["model.layers.0.mlp.down_proj"]
+    )
     assert rowwise_slices_too_narrow(model, 2, 16, names) == {}
 
 
@@ -96,8 +111,14 @@ def test_the_matrices_the_plan_splits_are_transformers_full_plan():
     from distperp_harness.model.tensor_parallel import planned_matrices
     from distperp_harness.run.fit import _tp_runs_on
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config)
     names = {id(p): n for n, p in model.named_parameters()}
     split = sorted(names[i] for i in planned_matrices(model))
@@ -123,8 +144,14 @@ def tp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     from lm_eval.tasks import TaskManager
 
     out["1p"] = lm_eval.simple_evaluate(  # one process without TP: in this process (no launch to wait for)
-        model="distperp", model_args=f"pretrained={tiny_model_dir},max_length=128", tasks=INT4_TASKS.split(","),
-        task_manager=TaskManager(include_path=str(tasks_dir)), batch_size=3, device="cpu", log_samples=True)
+        model="distperp",
+        model_args=f"pretrained={tiny_model_dir},max_length=128",
+        tasks=INT4_TASKS.split(","),
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        batch_size=3,
+        device="cpu",
+        log_samples=True,
+    )
     saved = root / "saved"
     run_command([*accelerate_launch_prefix(2), *args("2p", f",tp_size=2,resume_dir={saved}")], cwd=root)
     run_two_nodes(args("2nodes", ",tp_plan=auto"), cwd=root, per_node=2)
@@ -155,10 +182,12 @@ def _value(response) -> float:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family, setups, tasks", [
-    ("", ("2p", "2nodes"), TASKS), ("-int4", ("2p-int4", "4p-int4"), INT4_TASKS)])
-def test_a_fixed_tp_size_gives_the_same_bits_on_any_number_of_data_parallel_groups_and_nodes(tp_runs, family,
-                                                                                             setups, tasks):
+@pytest.mark.parametrize(
+    "family, setups, tasks", [("", ("2p", "2nodes"), TASKS), ("-int4", ("2p-int4", "4p-int4"), INT4_TASKS)]
+)
+def test_a_fixed_tp_size_gives_the_same_bits_on_any_number_of_data_parallel_groups_and_nodes(
+    tp_runs, family, setups, tasks
+):
     results = {s: load_results(tp_runs[s]) for s in setups}
     worlds = {"2p": 2, "4p": 4, "2nodes": 4, "2p-int4": 2, "4p-int4": 4}
     for setup, result in results.items():
@@ -240,18 +269,23 @@ def test_a_tp_run_on_more_processes_resumes_what_another_saved(tp_runs):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("procs,failing,peers", [(4, 3, (0, 1, 2)), (2, 0, (1,))], ids=["member", "leader"])
-def test_one_failing_rank_of_a_tp_group_is_named_and_every_rank_stops(tiny_model_dir, tasks_dir, tmp_path, procs,
-                                                                       failing, peers):
+def test_one_failing_rank_of_a_tp_group_is_named_and_every_rank_stops(
+    tiny_model_dir, tasks_dir, tmp_path, procs, failing, peers
+):
     """``tp_size=2``, ``timeout=600`` (only the failure channel can end the others in time). Member: on 4
     processes, rank 3 (the second group's member) raises before its 2nd forward, while its leader waits in the
     forward's all-reduce and the first group computes on. Leader: on 2 processes, rank 0 raises before its 2nd
     forward, while its member waits for the leader's next decision or inside the forward. Every rank stops within
     seconds, naming the failed rank; no results are written."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([*accelerate_launch_prefix(procs), *distperp_args(tiny_model_dir, tasks_dir, out,
-                                                                              ",tp_size=2,timeout=600")],
-                            cwd=tmp_path, env=offline_env({"DISTPERP_TEST_FAIL": f"{failing}:2"}),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*accelerate_launch_prefix(procs), *distperp_args(tiny_model_dir, tasks_dir, out, ",tp_size=2,timeout=600")],
+        cwd=tmp_path,
+        env=offline_env({"DISTPERP_TEST_FAIL": f"{failing}:2"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     run = LaunchOutputs([proc])
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)

@@ -52,15 +52,15 @@ def test_records_round_trip_and_ladders_cover_full_blocks():
 def test_any_split_with_duplicates_merges_into_the_same_table(cut):
     units = _units()
     whole = _table([units])
-    split = _table([units[:cut] + units[:3], units[cut - 1:]])  # duplicates across and within ranks
+    split = _table([units[:cut] + units[:3], units[cut - 1 :]])  # duplicates across and within ranks
     assert np.array_equal(whole.units, split.units) and np.array_equal(whole.ladder, split.ladder)
     assert np.array_equal(whole.inputs, split.inputs)
-    holders = [tuple(split.holders[split.holder_ptr[i]: split.holder_ptr[i + 1]]) for i in range(len(split))]
+    holders = [tuple(split.holders[split.holder_ptr[i] : split.holder_ptr[i + 1]]) for i in range(len(split))]
     keys = FlatUnits.of(units).keys()
     ids = split.ids(keys)
     assert sorted(ids.tolist()) == list(range(len(units)))
     for k, i in enumerate(ids):
-        expect = tuple(r for r, part in enumerate([units[:cut] + units[:3], units[cut - 1:]]) if units[k] in part)
+        expect = tuple(r for r, part in enumerate([units[:cut] + units[:3], units[cut - 1 :]]) if units[k] in part)
         assert holders[i] == expect
 
 
@@ -77,8 +77,9 @@ def test_prefix_hashes_do_not_depend_on_the_chunk_size(monkeypatch):
     import distperp_harness.planning.records as records
 
     rng = np.random.default_rng(0)
-    flat = FlatUnits.of([Unit(tuple(int(t) for t in rng.integers(5, 900, int(rng.integers(2, 120)))), 1)
-                         for _ in range(200)])
+    flat = FlatUnits.of(
+        [Unit(tuple(int(t) for t in rng.integers(5, 900, int(rng.integers(2, 120)))), 1) for _ in range(200)]
+    )
     unit = rng.integers(0, 200, 1000)
     length = np.asarray([rng.integers(1, flat.lengths[i] + 1) for i in unit])
     whole = flat.prefix_hashes(unit, length)

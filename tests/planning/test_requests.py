@@ -12,7 +12,7 @@ def _hf_rolling(tokens, prefix, max_length):
     """What lm-eval's hf model feeds and scores: (input, scored targets) per window."""
     out = []
     for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(tokens, prefix, max_length, 1)):
-        whole = (ctx + cont)[-(max_length + 1):]
+        whole = (ctx + cont)[-(max_length + 1) :]
         out.append((whole[:-1], cont))
     return out
 
@@ -24,7 +24,7 @@ def _direct_strided(tokens, prefix, max_length, stride):
     while k * stride < n:
         s = k * stride
         e = min(s + stride, n)
-        blocks.append((seq[max(0, e - max_length): e], seq[s + 1: e + 1]))
+        blocks.append((seq[max(0, e - max_length) : e], seq[s + 1 : e + 1]))
         k += 1
     return blocks
 
@@ -33,7 +33,7 @@ def _direct_strided(tokens, prefix, max_length, stride):
 @pytest.mark.parametrize("max_length", [4, 16])
 def test_default_windows_equal_lm_eval_rolling(n, max_length):
     tokens = list(range(10, 10 + n))
-    ours = [(list(u.tokens[:-1]), list(u.tokens[-u.n_score:])) for u in window_units(tokens, 1, max_length)]
+    ours = [(list(u.tokens[:-1]), list(u.tokens[-u.n_score :])) for u in window_units(tokens, 1, max_length)]
     assert ours == _hf_rolling(tokens, 1, max_length)
 
 
@@ -43,7 +43,7 @@ def test_strided_windows_follow_the_rule(stride):
     tokens = [rng.randrange(2, 50) for _ in range(57)]
     units = window_units(tokens, 0, 16, stride)
     direct = _direct_strided(tokens, 0, 16, stride)
-    assert [(list(u.tokens[:-1]), list(u.tokens[-u.n_score:])) for u in units] == direct
+    assert [(list(u.tokens[:-1]), list(u.tokens[-u.n_score :])) for u in units] == direct
     assert sum(u.n_score for u in units) == len(tokens)  # every token scored exactly once
     for k, u in enumerate(units):  # scored tokens see max_length - stride tokens of context (or all before them)
         context_of_first = u.input_length - u.n_score + 1

@@ -86,7 +86,7 @@ def test_batches_share_at_most_what_their_rows_share(units, row_length):
     assert any(shared)
     for b, s in zip(batches, shared):
         if s:
-            assert s <= shared_prefix(rows[b.start: b.stop])
+            assert s <= shared_prefix(rows[b.start : b.stop])
 
 
 @pytest.mark.parametrize("mode", ["off", "inputs", "prefix"])

@@ -127,7 +127,7 @@ def test_rows_sharing_a_long_prefix_form_a_group_batches_never_mix():
     batches = make_batches([r.length for r in plan.rows], batch_size=4, group_starts=plan.group_starts)
     assert all(not (b.start < first < b.stop) for b in batches)
     for b in batches:
-        rows = plan.rows[b.start: b.stop]
+        rows = plan.rows[b.start : b.stop]
         expected = len(shots) if b.start >= first and len(rows) > 1 else 0
         assert shared_prefix(rows) == expected
 

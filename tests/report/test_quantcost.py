@@ -22,14 +22,27 @@ MC_TASKS = ["dptest_mc", "dptest_rolling"]
 def _record(task, doc, idx, ll, ref, length=None, gold=(0,), n=3, mc=True, n_choices=None, rng=None):
     rng = rng or np.random.default_rng(doc * 10 + idx)
     kl = rng.random(n) * 1e-3
-    return Record(task, doc, idx, ll, ref, n, int(rng.integers(0, n + 1)), kl, mc, n_choices,
-                  None if length is None else float(length), gold)
+    return Record(
+        task,
+        doc,
+        idx,
+        ll,
+        ref,
+        n,
+        int(rng.integers(0, n + 1)),
+        kl,
+        mc,
+        n_choices,
+        None if length is None else float(length),
+        gold,
+    )
 
 
 def _doc(lls, refs, lengths=None, gold=(0,), doc=0, **kw):
     lengths = lengths or [1.0] * len(lls)
-    return [_record("t", doc, i, ll, ref, length, gold, **kw) for i, (ll, ref, length) in
-            enumerate(zip(lls, refs, lengths))]
+    return [
+        _record("t", doc, i, ll, ref, length, gold, **kw) for i, (ll, ref, length) in enumerate(zip(lls, refs, lengths))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -49,9 +62,22 @@ def test_ties_take_the_first_argmax():
     assert (entry["n_flips"], entry["flips"], entry["n_docs"]) == (1, 0.5, 2)
 
 
-@pytest.mark.parametrize("target, gold", [
-    (1, (1,)), (np.int64(2), (2,)), ("b", (1,)), ([0, 2], (0, 2)),
-    (3, None), (-1, None), ("z", None), ([0, 9], None), (None, None), (True, None), (1.0, None)])
+@pytest.mark.parametrize(
+    "target, gold",
+    [
+        (1, (1,)),
+        (np.int64(2), (2,)),
+        ("b", (1,)),
+        ([0, 2], (0, 2)),
+        (3, None),
+        (-1, None),
+        ("z", None),
+        ([0, 9], None),
+        (None, None),
+        (True, None),
+        (1.0, None),
+    ],
+)
 def test_gold_indices_follow_lm_eval(target, gold):
     assert gold_indices(target, ["a", "b", "c"]) == gold
 
@@ -64,10 +90,12 @@ def test_a_task_without_gold_still_counts_flips():
 
 
 def test_correct_to_wrong_and_wrong_to_correct_split_the_flips():
-    docs = [_doc([-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0], gold=(1,), doc=0),   # correct -> wrong
-            _doc([-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0], gold=(0,), doc=1),   # wrong -> correct
-            _doc([-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0], gold=(2,), doc=2),   # wrong -> another wrong
-            _doc([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0], gold=(0,), doc=3)]   # no flip
+    docs = [
+        _doc([-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0], gold=(1,), doc=0),  # correct -> wrong
+        _doc([-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0], gold=(0,), doc=1),  # wrong -> correct
+        _doc([-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0], gold=(2,), doc=2),  # wrong -> another wrong
+        _doc([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0], gold=(0,), doc=3),
+    ]  # no flip
     entry = task_entry([r for d in docs for r in d])
     assert entry["n_flips"] == 3 and (entry["n_correct_to_wrong"], entry["n_wrong_to_correct"]) == (1, 1)
     assert entry["correct_to_wrong"] == 0.25 and entry["acc"] == entry["ref_acc"] == 0.5
@@ -103,8 +131,22 @@ def _random_records(seed=0, n_docs=12):
                 n = int(rng.integers(0, 6))
                 kl = rng.exponential(1e-3, n)
                 ll = -float(rng.exponential(3.0)) - n
-                out.append(Record(task, doc, idx, ll, ll + float(rng.normal(0, 0.05)), n, int(rng.integers(0, n + 1)),
-                                  kl, mc, 4 if mc else None, float(rng.integers(1, 9)) if mc else None, gold))
+                out.append(
+                    Record(
+                        task,
+                        doc,
+                        idx,
+                        ll,
+                        ll + float(rng.normal(0, 0.05)),
+                        n,
+                        int(rng.integers(0, n + 1)),
+                        kl,
+                        mc,
+                        4 if mc else None,
+                        float(rng.integers(1, 9)) if mc else None,
+                        gold,
+                    )
+                )
     return out
 
 
@@ -128,8 +170,9 @@ def test_entry_against_plain_loops():
         lls, refs = [r.loglikelihood for r in d], [r.ref_loglikelihood for r in d]
         lens = [r.choice_length for r in d]
         flips += max(range(4), key=lambda i: (lls[i], -i)) != max(range(4), key=lambda i: (refs[i], -i))
-        flips_norm += (max(range(4), key=lambda i: (lls[i] / lens[i], -i))
-                       != max(range(4), key=lambda i: (refs[i] / lens[i], -i)))
+        flips_norm += max(range(4), key=lambda i: (lls[i] / lens[i], -i)) != max(
+            range(4), key=lambda i: (refs[i] / lens[i], -i)
+        )
     assert entry["n_flips"] == flips and entry["n_flips_norm"] == flips_norm and entry["n_docs"] == 12
     assert entry["n_docs_with_gold"] == 8
     assert "flips" not in task_entries(records)["roll"]
@@ -176,11 +219,15 @@ def mc_runs(sharp_model, tasks_dir, tmp_path_factory):
     logger.addHandler(handler)
     out = {}
     try:
-        for name, args in [("base", ""), ("int4", f",quantize=int4,group_size=32,reference=base,resume_dir={resume}"),
-                           ("resumed", f",quantize=int4,group_size=32,reference=base,resume_dir={resume}")]:
+        for name, args in [
+            ("base", ""),
+            ("int4", f",quantize=int4,group_size=32,reference=base,resume_dir={resume}"),
+            ("resumed", f",quantize=int4,group_size=32,reference=base,resume_dir={resume}"),
+        ]:
             lm = make_lm(sharp_model, f",max_length=128,batch_size=4{args}")
-            out[name] = lm_eval.simple_evaluate(model=lm, tasks=MC_TASKS, task_manager=manager, log_samples=True,
-                                                verbosity="ERROR")
+            out[name] = lm_eval.simple_evaluate(
+                model=lm, tasks=MC_TASKS, task_manager=manager, log_samples=True, verbosity="ERROR"
+            )
             del lm
     finally:
         logger.removeHandler(handler)
@@ -259,8 +306,11 @@ def test_records_read_lengths_and_gold_from_the_task_and_drop_padding_copies():
     from distperp_harness.report.results import Score
 
     docs = [{"choices": ["a", "bbbb"], "label": 1}, {"choices": ["cc", "d"]}, {"choices": ["e", "f"], "label": 7}]
-    requests = [Instance("loglikelihood", doc, ("Q:", " " + c), i, ("mc", d, 1))
-                for d, doc in enumerate(docs) for i, c in enumerate(doc["choices"])]
+    requests = [
+        Instance("loglikelihood", doc, ("Q:", " " + c), i, ("mc", d, 1))
+        for d, doc in enumerate(docs)
+        for i, c in enumerate(doc["choices"])
+    ]
     scores = [Score(-1.0 - i, 1, -1.5, np.array([0.25]), 1) for i in range(len(requests))]
     records = records_from(requests + requests[-1:], scores + scores[-1:], {"mc": _FakeTask()})
     assert len(records) == 6

@@ -24,9 +24,16 @@ def collective():
     return AccelerateCollective(60, cpu=True)
 
 
-@pytest.mark.parametrize("scheme, dtype", [
-    ("none", torch.float32), ("int4", torch.bfloat16), ("int4", torch.float32), ("int8", torch.bfloat16),
-    ("8da4w", torch.float32)])
+@pytest.mark.parametrize(
+    "scheme, dtype",
+    [
+        ("none", torch.float32),
+        ("int4", torch.bfloat16),
+        ("int4", torch.float32),
+        ("int8", torch.bfloat16),
+        ("8da4w", torch.float32),
+    ],
+)
 def test_whole_copy_estimate_equals_the_loaded_bytes(tiny_model_dir, collective, scheme, dtype):
     options = Options.from_kwargs(pretrained=str(tiny_model_dir), quantize=scheme, group_size=32)
     meta = skeleton(options, dtype)
@@ -54,8 +61,9 @@ def test_sharded_estimate_halves_what_fsdp_shards(tiny_model_dir, collective):
 
 
 def test_estimate_counts_batch_rows_and_the_reference(tiny_model_dir):
-    options = Options.from_kwargs(pretrained=str(tiny_model_dir), quantize="int4", group_size=32, reference="base",
-                                  batch_size=4)
+    options = Options.from_kwargs(
+        pretrained=str(tiny_model_dir), quantize="int4", group_size=32, reference="base", batch_size=4
+    )
     model, reference = skeleton(options, torch.bfloat16), skeleton(options, "auto")
     need = estimate(options, model, reference, 1, 128, CPU)
     one_row = estimate(options, model, reference, 1, 128, CPU, batch_rows=1)

@@ -54,6 +54,7 @@ def _requests(seed=0):
 def _score_fn(slow_rank=None, rank=None, delay=0.0, batch_terms=True, nudge=None):
     """Scores that depend on the unit and (``batch_terms``) on the batch it is computed in; ``nudge``: the key of
     one unit whose score moves by one ulp."""
+
     def score(rows, shared):
         if rank == slow_rank:
             time.sleep(delay)
@@ -70,11 +71,26 @@ def _score_fn(slow_rank=None, rank=None, delay=0.0, batch_terms=True, nudge=None
                 stats.append(v)
                 kl.append(np.full(u.n_score, 0.25) + 1e-3 * len(rows))
         return BatchScores(np.stack(stats), kl)
+
     return score
 
 
-def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_reference=True, shard_size=1,
-          forwards=None, batch_size=3, tp_size=1, seen=None, batch_terms=True, nudge=None):
+def _call(
+    world,
+    requests,
+    mode,
+    claiming=True,
+    slow=None,
+    delay=0.0,
+    with_reference=True,
+    shard_size=1,
+    forwards=None,
+    batch_size=3,
+    tp_size=1,
+    seen=None,
+    batch_terms=True,
+    nudge=None,
+):
     store = _Store()
     shares = [[k for k in range(len(requests)) if k % world == r] for r in range(world)]
 
@@ -91,10 +107,16 @@ def _call(world, requests, mode, claiming=True, slow=None, delay=0.0, with_refer
 
         def idle():
             forwards[c.rank] += 1
-        executor = Executor(c, Forwards(score=counted, idle_score=idle), claiming=claiming, shard_size=shard_size,
-                            tp_size=tp_size, local_world_size=world)
-        rule = ScoringRule(Batching(batch_size), Sharing(mode, 200), attention_coef=1e-4,
-                           with_reference=with_reference)
+
+        executor = Executor(
+            c,
+            Forwards(score=counted, idle_score=idle),
+            claiming=claiming,
+            shard_size=shard_size,
+            tp_size=tp_size,
+            local_world_size=world,
+        )
+        rule = ScoringRule(Batching(batch_size), Sharing(mode, 200), attention_coef=1e-4, with_reference=with_reference)
         out = score_requests([requests[k] for k in shares[c.rank]], executor, rule, stats=stats)
         return out, stats
 
@@ -159,8 +181,9 @@ def test_shard_groups_keep_their_forward_calls_in_step(claiming):
     requests = _requests(2)
     one, stats1 = _call(1, requests, "prefix", batch_size=1)
     forwards = [0] * 4
-    many, stats = _call(4, requests, "prefix", claiming=claiming, shard_size=2, forwards=forwards,
-                        slow=0, delay=0.03, batch_size=1)  # a member takes its next batch before the step agrees,
+    many, stats = _call(
+        4, requests, "prefix", claiming=claiming, shard_size=2, forwards=forwards, slow=0, delay=0.03, batch_size=1
+    )  # a member takes its next batch before the step agrees,
     # so only batches two steps ahead can go to the other group: enough of them per rank
     assert [r.loglikelihood for r in one] == [r.loglikelihood for r in many]
     assert stats[0].fingerprint == stats1[0].fingerprint
@@ -180,8 +203,9 @@ def test_a_tensor_parallel_group_is_one_worker_whose_members_make_their_leaders_
     requests = _requests(3)
     one, stats1 = _call(1, requests, "prefix", batch_size=1)
     seen = [[] for _ in range(4)]
-    many, stats = _call(4, requests, "prefix", claiming=claiming, tp_size=2, seen=seen, slow=0, delay=0.03,
-                        batch_size=1)
+    many, stats = _call(
+        4, requests, "prefix", claiming=claiming, tp_size=2, seen=seen, slow=0, delay=0.03, batch_size=1
+    )
     assert [r.loglikelihood for r in one] == [r.loglikelihood for r in many]
     assert [r.kl.tolist() for r in one] == [r.kl.tolist() for r in many]
     assert stats[0].fingerprint == stats1[0].fingerprint

@@ -41,8 +41,9 @@ def test_fixed_batch_size_is_rows(model):
     assert (batching.batch_size, batching.token_budget) == (8, None)
 
 
-@pytest.mark.parametrize("tokens, expected", [(1, 128), (128, 128), (129, 128), (255, 128), (256, 256),
-                                              (5000, 4096), (10**9, 8192)])
+@pytest.mark.parametrize(
+    "tokens, expected", [(1, 128), (128, 128), (129, 128), (255, 128), (256, 256), (5000, 4096), (10**9, 8192)]
+)
 def test_clamp_rounds_down_to_a_power_of_two_within_bounds(tokens, expected):
     assert clamp_budget(tokens, max_length=128, max_batch_size=64) == expected
 
@@ -70,23 +71,30 @@ def test_memory_budget_math(model):
 def test_auto_on_cpu_uses_a_quarter_of_total_memory_up_to_the_cpu_cap(model):
     per_token = activation_bytes_per_token(model, 128)
     total = GIB // 4
-    batching = batching_for(_options(batch_size="auto", max_batch_size=10**6), model, CPU, 128,
-                            total_memory=_total(total))
+    batching = batching_for(
+        _options(batch_size="auto", max_batch_size=10**6), model, CPU, 128, total_memory=_total(total)
+    )
     assert batching.batch_size is None
     budget = batching.token_budget
     assert budget * per_token <= 0.25 * total  # fits the memory budget
     assert 2 * budget * per_token > 0.25 * total - 8 * chunk_elements("cpu")  # the largest that does
-    roomy = batching_for(_options(batch_size="auto", max_batch_size=10**6), model, CPU, 128,
-                         total_memory=_total(1 << 50))
+    roomy = batching_for(
+        _options(batch_size="auto", max_batch_size=10**6), model, CPU, 128, total_memory=_total(1 << 50)
+    )
     assert roomy.token_budget == runtime._CPU_MAX_TOKENS  # a bigger batch would not be faster on CPU
 
 
 def test_auto_respects_max_batch_size(model):
-    batching = batching_for(_options(batch_size="auto", max_batch_size=16), model, CUDA, 128,
-                            total_memory=_total(1 << 50))
+    batching = batching_for(
+        _options(batch_size="auto", max_batch_size=16), model, CUDA, 128, total_memory=_total(1 << 50)
+    )
     assert batching.token_budget == 16 * 128 and batching.max_batch_size == 16
-    rows = [b.rows for b in make_batches([128] * 40 + [8] * 100, token_budget=batching.token_budget,
-                                         max_batch_size=batching.max_batch_size)]
+    rows = [
+        b.rows
+        for b in make_batches(
+            [128] * 40 + [8] * 100, token_budget=batching.token_budget, max_batch_size=batching.max_batch_size
+        )
+    ]
     assert max(rows) == 16
 
 
@@ -103,8 +111,11 @@ def test_budget_depends_on_total_memory_never_on_free_memory(model, device, monk
     for free in (GIB, 40 * GIB):
         monkeypatch.setattr(runtime, "free_memory_bytes", lambda d, free=free: free, raising=False)
         monkeypatch.setattr(memory, "free_memory_bytes", lambda d, free=free: free)
-        chosen.append(batching_for(_options(batch_size="auto"), model, device, 128, total_memory=_total(80 * GIB),
-                                   resident_bytes=GIB))
+        chosen.append(
+            batching_for(
+                _options(batch_size="auto"), model, device, 128, total_memory=_total(80 * GIB), resident_bytes=GIB
+            )
+        )
     assert chosen[0] == chosen[1]
     a = batching_for(_options(batch_size="auto"), model, device, 128, total_memory=_total(3 * GIB))
     b = batching_for(_options(batch_size="auto"), model, device, 128, total_memory=_total(3 * GIB + 12345))
@@ -129,12 +140,18 @@ def _probe(peak=0, error=None):
         if error is not None:
             raise error
         return peak
+
     return probe
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                   RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
-                                   RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    ],
+)
 def test_check_budget_names_every_kind_of_out_of_memory(error, monkeypatch):
     monkeypatch.setattr(runtime, "_release_cuda_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
@@ -149,8 +166,9 @@ def test_check_budget_passes_other_errors_through_and_compares_the_peak(monkeypa
     with pytest.raises(RuntimeError, match="shape mismatch"):
         check_budget(4096, 128, CUDA, free_bytes=GIB, probe=_probe(error=RuntimeError("shape mismatch")))
     assert check_budget(4096, 128, CUDA, free_bytes=GIB, probe=_probe(peak=GIB // 2)) is None
-    assert "peaked at 2.00 GiB, 1.00 GiB is free" in check_budget(4096, 128, CUDA, free_bytes=GIB,
-                                                                  probe=_probe(peak=2 * GIB))
+    assert "peaked at 2.00 GiB, 1.00 GiB is free" in check_budget(
+        4096, 128, CUDA, free_bytes=GIB, probe=_probe(peak=2 * GIB)
+    )
     assert len(resets) == 3  # the run's reported peak never includes the probe
     assert check_budget(4096, 128, CPU, free_bytes=GIB, bytes_per_token=1000) is None
     assert "needs about" in check_budget(4096, 128, CPU, free_bytes=GIB, bytes_per_token=10**6)
@@ -170,8 +188,11 @@ def test_a_rank_that_cannot_hold_rank_0s_budget_stops_the_run_naming_itself(mode
     monkeypatch.setattr(runtime, "total_memory_bytes", lambda device: 8 * GIB)
     monkeypatch.setattr(runtime, "room_bytes", lambda device: 8 * GIB)
     ranks = _Ranks({}, {"check the batch budget": ("a batch needs about 1.00 GiB, 0.10 GiB is available", "cpu")})
-    with pytest.raises(ValueError, match=r"rank 2 \(cpu\): a batch needs about 1.00 GiB.*Fix: free it, or pass "
-                                         r"batch_size=N"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 2 \(cpu\): a batch needs about 1.00 GiB.*Fix: free it, or pass "
+        r"batch_size=N",
+    ):
         runtime.agree_on_batching(ranks, _options(batch_size="auto"), model, CPU, 128)
     fine = runtime.agree_on_batching(_Ranks({}), _options(batch_size="auto"), model, CPU, 128)
     assert fine.token_budget is not None
@@ -193,11 +214,15 @@ def test_kv_cache_bytes_per_token_of_llama_2_7b():
 
     from transformers import LlamaConfig
 
-    llama2 = SimpleNamespace(config=LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                                num_key_value_heads=32), dtype=torch.bfloat16)
+    llama2 = SimpleNamespace(
+        config=LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+        dtype=torch.bfloat16,
+    )
     assert kv_cache_bytes_per_token(llama2) == 512 * 1024
-    gqa = SimpleNamespace(config=LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                             num_key_value_heads=8), dtype=torch.bfloat16)
+    gqa = SimpleNamespace(
+        config=LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+        dtype=torch.bfloat16,
+    )
     assert kv_cache_bytes_per_token(gqa) == 128 * 1024
 
 

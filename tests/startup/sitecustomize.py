@@ -56,8 +56,12 @@ def patch(module, cache: Path) -> None:
                 part = original([root], resolve_includes=resolve_includes)
             for name, entry in part.items():
                 if name in index:
-                    log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
-                                index[name].yaml_path)
+                    log.warning(
+                        "Task '%s' from %s overrides existing task from %s",
+                        name,
+                        entry.yaml_path,
+                        index[name].yaml_path,
+                    )
                 index[name] = entry
         return index
 

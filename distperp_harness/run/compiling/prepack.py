@@ -42,8 +42,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` computed by oneDNN from the packed copy of ``weight``."""
     packed = _PACKED.get((weight.data_ptr(), tuple(weight.shape)))
     if packed is None:
-        raise RuntimeError(f"internal error: no packed copy of a {tuple(weight.shape)} weight (was it moved after "
-                           f"compile= packed it?)")
+        raise RuntimeError(
+            f"internal error: no packed copy of a {tuple(weight.shape)} weight (was it moved after compile= packed it?)"
+        )
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -87,8 +88,16 @@ def _packable(module: torch.nn.Module) -> bool:
     if type(module) is not torch.nn.Linear or "forward" in module.__dict__:  # a hook's wrapper: left alone
         return False
     params = [module.weight] + ([module.bias] if module.bias is not None else [])
-    return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided and p.device.type == "cpu"
-               and p.dtype == module.weight.dtype for p in params) and module.weight.dtype in packable_dtypes()
+    return (
+        all(
+            type(p) in (torch.Tensor, torch.nn.Parameter)
+            and p.layout == torch.strided
+            and p.device.type == "cpu"
+            and p.dtype == module.weight.dtype
+            for p in params
+        )
+        and module.weight.dtype in packable_dtypes()
+    )
 
 
 def _linears(layers: Sequence[torch.nn.Module]) -> list[torch.nn.Linear]:
@@ -102,8 +111,9 @@ def packable_bytes(layers: Sequence[torch.nn.Module], device: torch.device) -> i
     return sum(m.weight.numel() * m.weight.element_size() for m in _linears(layers))
 
 
-def prepack(layers: Sequence[torch.nn.Module], device: torch.device, hint: int,
-            state: Prepacked | None = None) -> Prepacked:
+def prepack(
+    layers: Sequence[torch.nn.Module], device: torch.device, hint: int, state: Prepacked | None = None
+) -> Prepacked:
     """Route every packable ``nn.Linear`` of ``layers`` through :func:`packed_linear` with weights packed for
     GEMMs of ``hint`` rows. Returns ``state`` (new if None) with what was packed."""
     state = state if state is not None else Prepacked()

@@ -115,19 +115,33 @@ class CompileState:
         failure = first_failure([why for why, _ in in_turn(collective, "the tree-mask graph", attempt)])
         self.tree_mask = "compiled" if failure is None else f"eager: {failure}"
         if failure is not None:
-            log.warning(f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: "
-                        f"{failure}", main_process_only=True)
+            log.warning(
+                f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: {failure}",
+                main_process_only=True,
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "active": self.active, "reason": self.reason,
-                "compile_seconds": round(self.seconds, 3), "layers": self.layers, "warmup": self.warmup,
-                "graphs": self.graphs, "recompilations": self.recompilations(),
-                "tree_mask": self.tree_mask,
-                "compiled_calls": self.compiled_calls, "eager_calls": dict(self.eager_calls),
-                "not_covered_example": self.not_covered_example, "cache": self.cache,
-                "decode": self.decode.to_dict() if self.decode is not None else None,
-                "prepacked": {"linears": self.prepacked.linears, "bytes": self.prepacked.packed_bytes,
-                              "rows_hint": self.prepacked.hint}}
+        return {
+            "mode": self.mode,
+            "active": self.active,
+            "reason": self.reason,
+            "compile_seconds": round(self.seconds, 3),
+            "layers": self.layers,
+            "warmup": self.warmup,
+            "graphs": self.graphs,
+            "recompilations": self.recompilations(),
+            "tree_mask": self.tree_mask,
+            "compiled_calls": self.compiled_calls,
+            "eager_calls": dict(self.eager_calls),
+            "not_covered_example": self.not_covered_example,
+            "cache": self.cache,
+            "decode": self.decode.to_dict() if self.decode is not None else None,
+            "prepacked": {
+                "linears": self.prepacked.linears,
+                "bytes": self.prepacked.packed_bytes,
+                "rows_hint": self.prepacked.hint,
+            },
+        }
 
 
 def warmup_shapes(rows_for: Callable[[int], int], max_length: int) -> list[tuple[int, int]]:
@@ -168,8 +182,11 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
             return eager(*args, **kwargs)
         if state._warming:
             return compiled(*args, **kwargs)
-        if state.tree_mask is not None and state.tree_mask.startswith("eager") \
-                and kwargs.get("attention_mask") is not None:
+        if (
+            state.tree_mask is not None
+            and state.tree_mask.startswith("eager")
+            and kwargs.get("attention_mask") is not None
+        ):
             state.eager_calls["not_covered"] += 1  # the tree-mask graph failed on some rank: eager on all
             return eager(*args, **kwargs)
         try:
@@ -211,8 +228,9 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
 
 
 @torch.no_grad()
-def _warm_up(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int,
-             device: torch.device) -> list[str]:
+def _warm_up(
+    model: torch.nn.Module, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int, device: torch.device
+) -> list[str]:
     """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with
     ``tree`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.masks.Packing` hands them)."""
     from distperp_harness.run.scoring.masks import Packing
@@ -238,23 +256,33 @@ def warming(state: CompileState):
     state._warming = True
     try:
         # use_duck_shape=False: a warm-up size equal to a weight's (hidden size, heads) must not fix rows or length.
-        with torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)), \
-                torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)), \
-                fx_config.patch(_known(fx_config, use_duck_shape=False)):
+        with (
+            torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)),
+            torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)),
+            fx_config.patch(_known(fx_config, use_duck_shape=False)),
+        ):
             yield
     finally:
         state._warming = False
         state.seconds += time.perf_counter() - t0
         state.graphs += _unique_graphs() - before[0]
         state._graphs_at_ready = _unique_graphs()
-        state.cache = {"fx_graph_cache": bool(torch._inductor.config.fx_graph_cache), "dir": _cache_dir(),
-                       "hits": state.cache.get("hits", 0) + counters["inductor"]["fxgraph_cache_hit"] - before[1],
-                       "misses": (state.cache.get("misses", 0) + counters["inductor"]["fxgraph_cache_miss"]
-                                  - before[2])}
+        state.cache = {
+            "fx_graph_cache": bool(torch._inductor.config.fx_graph_cache),
+            "dir": _cache_dir(),
+            "hits": state.cache.get("hits", 0) + counters["inductor"]["fxgraph_cache_hit"] - before[1],
+            "misses": (state.cache.get("misses", 0) + counters["inductor"]["fxgraph_cache_miss"] - before[2]),
+        }
 
 
-def _compile(state: CompileState, models: Sequence[torch.nn.Module], shapes: Sequence[tuple[int, int]],
-             packed: bool, pad_token_id: int, device: torch.device) -> None:
+def _compile(
+    state: CompileState,
+    models: Sequence[torch.nn.Module],
+    shapes: Sequence[tuple[int, int]],
+    packed: bool,
+    pad_token_id: int,
+    device: torch.device,
+) -> None:
     """Patch and warm up every model for plain rows (raises on any failure; the caller restores); with ``packed``,
     the tree-mask warm-up waits for the first plan that has tree rows (:meth:`CompileState.prepare`)."""
     state.active = True
@@ -289,21 +317,26 @@ def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | Non
     if not hasattr(torch.compiler, "set_stance"):
         return f"torch {torch.__version__} has no torch.compiler.set_stance (needs torch >= 2.6)"
     if shard_size > 1:
-        return ("sharded weights (shard_size > 1) are gathered by FSDP hooks around each layer; compiling them is "
-                "not supported here")
+        return (
+            "sharded weights (shard_size > 1) are gathered by FSDP hooks around each layer; compiling them is "
+            "not supported here"
+        )
     from distperp_harness.model.tensor_parallel import is_tensor_parallel
 
     if any(is_tensor_parallel(m) for m in models):
-        return ("tensor-parallel weights (tp_size > 1) are DTensor slices whose all-reduces run in transformers' TP "
-                "hooks; compiling them is not supported here")
+        return (
+            "tensor-parallel weights (tp_size > 1) are DTensor slices whose all-reduces run in transformers' TP "
+            "hooks; compiling them is not supported here"
+        )
     for model in models:
         if not decoder_layers(model):
             return f"{type(model).__name__} has no stack of decoder layers to compile"
     return None
 
 
-def compile_extra_bytes(mode: str | None, models: Sequence[torch.nn.Module | None], device: torch.device,
-                        shard_size: int = 1) -> int:
+def compile_extra_bytes(
+    mode: str | None, models: Sequence[torch.nn.Module | None], device: torch.device, shard_size: int = 1
+) -> int:
     """Bytes that compiling ``models`` with ``mode`` will hold besides their weights: the packed copies of their
     decoder layers' linear weights on CPU (:mod:`~distperp_harness.run.compiling.prepack`); 0 when nothing is compiled."""
     from distperp_harness.model.tensor_parallel import is_tensor_parallel
@@ -313,9 +346,18 @@ def compile_extra_bytes(mode: str | None, models: Sequence[torch.nn.Module | Non
     return sum(packable_bytes(decoder_layers(m), device) for m in models if m is not None)
 
 
-def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *, collective: Collective,
-                   rows_for: Callable[[int], int], max_length: int, packed: bool, pad_token_id: int,
-                   device: torch.device, shard_size: int = 1) -> CompileState:
+def compile_models(
+    mode: str | None,
+    models: Sequence[torch.nn.Module | None],
+    *,
+    collective: Collective,
+    rows_for: Callable[[int], int],
+    max_length: int,
+    packed: bool,
+    pad_token_id: int,
+    device: torch.device,
+    shard_size: int = 1,
+) -> CompileState:
     """Compile the decoder layers of ``models`` (None entries skipped) with ``mode`` (None: nothing to do) and warm
     them up; every rank must call this together. Returns the :class:`CompileState` (``active`` False, with a
     ``reason``, when any rank could not compile: all ranks then run eager)."""
@@ -340,17 +382,21 @@ def compile_models(mode: str | None, models: Sequence[torch.nn.Module | None], *
         state.restore()
         log.warning(f"compile={mode}: not compiled, running eager: {state.reason}", main_process_only=True)
     else:
-        log.info(f"compile={mode}: {state.layers} decoder layers compiled in {state.seconds:.1f} s "
-                 f"({state.graphs} graphs; warm-up {', '.join(state.warmup)}; on-disk cache hits "
-                 f"{state.cache.get('hits')}, misses {state.cache.get('misses')}; "
-                 f"{state.prepacked.linears} linear weights packed for oneDNN"
-                 + ("; tree-mask graph when a plan has tree rows" if state.tree_mask else "") + ")",
-                 main_process_only=True)
+        log.info(
+            f"compile={mode}: {state.layers} decoder layers compiled in {state.seconds:.1f} s "
+            f"({state.graphs} graphs; warm-up {', '.join(state.warmup)}; on-disk cache hits "
+            f"{state.cache.get('hits')}, misses {state.cache.get('misses')}; "
+            f"{state.prepacked.linears} linear weights packed for oneDNN"
+            + ("; tree-mask graph when a plan has tree rows" if state.tree_mask else "")
+            + ")",
+            main_process_only=True,
+        )
     return state
 
 
-def in_turn(collective: Collective, what: str, attempt: Callable[[], Any], reason: str | None = None
-            ) -> list[tuple[str | None, Any]]:
+def in_turn(
+    collective: Collective, what: str, attempt: Callable[[], Any], reason: str | None = None
+) -> list[tuple[str | None, Any]]:
     """``attempt()`` on every rank (skipped where ``reason`` already says why not), the node's local rank 0 first: it
     fills inductor's on-disk cache and the node's other ranks then load its kernels. Returns every rank's ``(failure
     reason or None, what attempt returned)``; a failure never escapes (the evaluation runs eager instead)."""

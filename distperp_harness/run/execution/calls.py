@@ -114,8 +114,14 @@ class GenerationCall:
     def to_dict(self) -> dict[str, Any]:
         """``seconds``, not ``total_seconds`` (compare.py divides the scoring calls' scored tokens by their
         ``total_seconds``); ``lanes``, not ``batches`` (resume counts those)."""
-        out = {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                     if f.name not in ("per_rank", "facts", "kind")}}
+        out = {
+            "kind": self.kind,
+            **{
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name not in ("per_rank", "facts", "kind")
+            },
+        }
         out["decode_positions_per_generated"] = self.decode_positions_per_generated
         out["per_rank"] = [share.to_dict("lanes") for share in self.per_rank]
         return {**out, **_facts(self.facts)}
@@ -124,8 +130,10 @@ class GenerationCall:
 def _facts(facts: list[RankFacts]) -> dict[str, list]:
     if not facts:
         return {}
-    return {"peak_memory_bytes_per_rank": [f.peak_memory_bytes for f in facts],
-            "bytes_received_per_rank": [f.bytes_received for f in facts]}
+    return {
+        "peak_memory_bytes_per_rank": [f.peak_memory_bytes for f in facts],
+        "bytes_received_per_rank": [f.bytes_received for f in facts],
+    }
 
 
 Call = ScoringCall | GenerationCall

@@ -104,8 +104,8 @@ class GroupSteps:
 
     def agree(self, calls: int) -> int:
         """Raises:
-            CollectiveError: a member did not announce its step within the store's timeout (the run's ``timeout=``),
-                naming the members that never arrived."""
+        CollectiveError: a member did not announce its step within the store's timeout (the run's ``timeout=``),
+            naming the members that never arrived."""
         key = f"{self.prefix}/step{self.step}"
         self.step += 1
         try:
@@ -119,8 +119,13 @@ class GroupSteps:
             missing = [r for r in self.group if not self.store.check([f"{key}/{r}"])]
         except Exception:  # noqa: BLE001 - store host gone
             missing = []
-        who = (f"rank(s) {missing} never arrived (died, hung, or were killed)" if missing else
-               "the store that keeps the group in step is unreachable (rank 0 died or was killed)")
-        return (f"distperp: the step of shard group {list(self.group)} before its next gather of sharded weights "
-                f"failed on rank {self.rank}: {who}. The evaluation is incomplete and no results were written. "
-                f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        who = (
+            f"rank(s) {missing} never arrived (died, hung, or were killed)"
+            if missing
+            else "the store that keeps the group in step is unreachable (rank 0 died or was killed)"
+        )
+        return (
+            f"distperp: the step of shard group {list(self.group)} before its next gather of sharded weights "
+            f"failed on rank {self.rank}: {who}. The evaluation is incomplete and no results were written. "
+            f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        )

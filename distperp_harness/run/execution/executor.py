@@ -58,9 +58,16 @@ class Forwards:
     idle_decode: Callable[[], None] = lambda: None
 
 
-def model_forwards(model: torch.nn.Module, reference: torch.nn.Module | None, device: torch.device,
-                   pad_token_id: int | None, describe: Callable[[Sequence[int]], str], shard_size: int = 1,
-                   collective: Collective | None = None, tp_size: int = 1) -> Forwards:
+def model_forwards(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    device: torch.device,
+    pad_token_id: int | None,
+    describe: Callable[[Sequence[int]], str],
+    shard_size: int = 1,
+    collective: Collective | None = None,
+    tp_size: int = 1,
+) -> Forwards:
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
     gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
     rows."""
@@ -69,18 +76,33 @@ def model_forwards(model: torch.nn.Module, reference: torch.nn.Module | None, de
     def score(rows, shared: int = 0) -> BatchScores:
         try:
             with naming_failures(collective, sharded), gathered(model, reference):
-                return score_batch(model, rows, device=device, shared=shared, pad_token_id=pad_token_id,
-                                   reference=reference, between_forwards=functools.partial(regather, model, reference))
+                return score_batch(
+                    model,
+                    rows,
+                    device=device,
+                    shared=shared,
+                    pad_token_id=pad_token_id,
+                    reference=reference,
+                    between_forwards=functools.partial(regather, model, reference),
+                )
         except NonFiniteLogitsError as exc:
-            where = "; ".join(f"the window {describe(list(rows[r].root[:24]))!r}... ({rows[r].length} tokens)"
-                              for r in exc.rows[:3])
-            raise ValueError(f"the model produced NaN/inf logits while scoring {where}: results would be "
-                             "meaningless. Try dtype=float32, or check the checkpoint.") from exc
+            where = "; ".join(
+                f"the window {describe(list(rows[r].root[:24]))!r}... ({rows[r].length} tokens)" for r in exc.rows[:3]
+            )
+            raise ValueError(
+                f"the model produced NaN/inf logits while scoring {where}: results would be "
+                "meaningless. Try dtype=float32, or check the checkpoint."
+            ) from exc
 
     def idle_score() -> None:
         with naming_failures(collective, True), gathered(model, reference):
-            score_batch(model, [Unit((pad_token_id, pad_token_id), 1)], device=device, pad_token_id=pad_token_id,
-                        reference=reference)
+            score_batch(
+                model,
+                [Unit((pad_token_id, pad_token_id), 1)],
+                device=device,
+                pad_token_id=pad_token_id,
+                reference=reference,
+            )
 
     @contextlib.contextmanager
     def root():
@@ -106,8 +128,18 @@ class Executor:
         shard_size: ranks per shard group (1: unsharded); ``tp_size``: ranks per tensor-parallel group (1: none).
     """
 
-    def __init__(self, collective: Collective, forwards: Forwards, *, device: torch.device | None = None, store: Any = None,
-                 claiming: bool = True, local_world_size: int = 1, shard_size: int = 1, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        collective: Collective,
+        forwards: Forwards,
+        *,
+        device: torch.device | None = None,
+        store: Any = None,
+        claiming: bool = True,
+        local_world_size: int = 1,
+        shard_size: int = 1,
+        tp_size: int = 1,
+    ) -> None:
         self.collective, self.forwards, self.device, self.store = collective, forwards, device, store
         self.shard_size, self.tp_size = shard_size, tp_size
         self.rank, self.world_size = collective.rank, collective.world_size
@@ -115,8 +147,7 @@ class Executor:
         self.worker = self.workers.of(self.rank)
         self.reports = self.workers.leads(self.rank)
         """Whether this rank reports what it computes (a TP group's members compute it too, and stay silent)."""
-        self.step = helper_step(self.workers.count, max(1, local_world_size // tp_size), shard_size) \
-            if claiming else 0
+        self.step = helper_step(self.workers.count, max(1, local_world_size // tp_size), shard_size) if claiming else 0
         self._follow: Follow | None = None
 
     @property
@@ -144,8 +175,10 @@ class Executor:
             return
         store = default_store()
         if store is None:
-            raise RuntimeError("tensor parallelism needs the process group's store to keep a group's decisions "
-                               "together, and torch.distributed did not provide it")
+            raise RuntimeError(
+                "tensor parallelism needs the process group's store to keep a group's decisions "
+                "together, and torch.distributed did not provide it"
+            )
         follow = self._follow = Follow(store, f"{prefix}/walk", self.rank, self.tp_size)
         try:
             if follow.leader:
@@ -215,8 +248,10 @@ class Executor:
         """This rank's shard group's lockstep for the call with store prefix ``prefix``."""
         store = default_store()
         if store is None:
-            raise RuntimeError("sharded weights need the process group's store to keep a shard group's forward "
-                               "calls in step, and torch.distributed did not provide it")
+            raise RuntimeError(
+                "sharded weights need the process group's store to keep a shard group's forward "
+                "calls in step, and torch.distributed did not provide it"
+            )
         return GroupSteps(store, f"{prefix}/groups", self.rank, self.shard_size)
 
     # ------------------------------------------------------------------ one unit
@@ -238,13 +273,13 @@ class Executor:
         fault_for_tests(self.rank)
         return scores
 
-    def lane(self, key: bytes | None, jobs: int, what: str, compute: Callable[[], tuple[list[str], Any]]
-             ) -> tuple[list[str], Any]:
+    def lane(
+        self, key: bytes | None, jobs: int, what: str, compute: Callable[[], tuple[list[str], Any]]
+    ) -> tuple[list[str], Any]:
         """One generation lane's texts and statistics (``None`` when read back from ``resume_dir`` under ``key``):
         computed in the failure channel (``what`` names it) and saved. A TP group's member gets ``([], None)`` when
         its leader read the lane back."""
-        saved = self.store.load_lane(key, jobs) if self.store is not None and key is not None and self.reports \
-            else None
+        saved = self.store.load_lane(key, jobs) if self.store is not None and key is not None and self.reports else None
         if not self._computes(saved is not None):
             return saved or [], None
         with stop_together(self.collective, self.device, what):
@@ -270,11 +305,12 @@ class Executor:
     def facts(self, received_before: int) -> list[RankFacts]:
         """Every rank's :class:`RankFacts` for the call that began when ``bytes_received`` was ``received_before``;
         with ``resume_dir``, the store's counters are added up across ranks (every rank calls this together)."""
-        mine = RankFacts(peak_memory_bytes(self.device) if self.device is not None else 0,
-                         getattr(self.collective, "bytes_received", 0) - received_before,
-                         self.store.local_counts() if self.store else None)
+        mine = RankFacts(
+            peak_memory_bytes(self.device) if self.device is not None else 0,
+            getattr(self.collective, "bytes_received", 0) - received_before,
+            self.store.local_counts() if self.store else None,
+        )
         everyone = self.collective.all_gather_object(mine, "gather peak memory, resume counts and traffic")
         if self.store:
             self.store.add_up([f.resume_counts for f in everyone])
         return everyone
-

@@ -82,9 +82,13 @@ class Follow:
                 return int(value)
             return int(self.store.get(key))  # waits for the key
         except Exception as exc:  # noqa: BLE001 - the store raises DistStoreError variants (timeout, host gone)
-            what = ("could not publish its next decision to its tensor-parallel group (the store is gone)"
-                    if self.leader else f"waited for the next decision of its tensor-parallel group's leader, rank "
-                    f"{self.first}, and none came (it died, hung, or the store is gone)")
+            what = (
+                "could not publish its next decision to its tensor-parallel group (the store is gone)"
+                if self.leader
+                else f"waited for the next decision of its tensor-parallel group's leader, rank "
+                f"{self.first}, and none came (it died, hung, or the store is gone)"
+            )
             raise CollectiveError(
                 f"distperp: rank {self.rank} {what}. The evaluation is incomplete and no results were written. "
-                f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+                f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc

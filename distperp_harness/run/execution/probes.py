@@ -11,8 +11,9 @@ import torch
 from distperp_harness.distributed.traffic import forward_traffic
 
 
-def model_probes(model: torch.nn.Module, device: torch.device, pad_token_id: int | None
-                 ) -> tuple[Callable[[int], None], Callable[[int], None]]:
+def model_probes(
+    model: torch.nn.Module, device: torch.device, pad_token_id: int | None
+) -> tuple[Callable[[int], None], Callable[[int], None]]:
     """``(decode, score)`` probes of :func:`forward_traffic` for a loaded model (the real scoring path, no
     reference)."""
     from distperp_harness.planning.requests import Unit
@@ -30,8 +31,9 @@ def model_probes(model: torch.nn.Module, device: torch.device, pad_token_id: int
     return decode, score
 
 
-def model_traffic(model: torch.nn.Module, device: torch.device, pad_token_id: int | None, *, sharded: bool,
-                  tensor_parallel: bool) -> dict | None:
+def model_traffic(
+    model: torch.nn.Module, device: torch.device, pad_token_id: int | None, *, sharded: bool, tensor_parallel: bool
+) -> dict | None:
     """:func:`forward_traffic` of a loaded model whose forwards are collective (``sharded``: FSDP2, its root
     gathered around each forward as scoring and generation do; ``tensor_parallel``), else ``None`` (no
     collectives). Every rank calls this together."""

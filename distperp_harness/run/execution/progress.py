@@ -17,8 +17,15 @@ def token_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int], 
             return lambda n: None
         from accelerate.utils import tqdm
 
-        bar = tqdm(total=total_tokens, desc=desc, unit="tok", unit_scale=True, main_process_only=True,
-                   dynamic_ncols=True, leave=False)
+        bar = tqdm(
+            total=total_tokens,
+            desc=desc,
+            unit="tok",
+            unit_scale=True,
+            main_process_only=True,
+            dynamic_ncols=True,
+            leave=False,
+        )
 
         def update(n: int) -> None:
             bar.update(n)
@@ -73,8 +80,9 @@ def setup_logging() -> None:
     logger = logging.getLogger("distperp_harness")
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [distperp] %(message)s",
-                                               datefmt="%Y-%m-%d:%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)-8s [distperp] %(message)s", datefmt="%Y-%m-%d:%H:%M:%S")
+        )
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
@@ -91,8 +99,9 @@ def generation_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[i
 
         from accelerate.utils import tqdm
 
-        bar = tqdm(total=total_prompts, desc=desc, unit="prompt", main_process_only=True, dynamic_ncols=True,
-                   leave=False)
+        bar = tqdm(
+            total=total_prompts, desc=desc, unit="prompt", main_process_only=True, dynamic_ncols=True, leave=False
+        )
         began, generated = time.perf_counter(), [0]
 
         def update(prompts: int, tokens: int) -> None:

@@ -35,11 +35,18 @@ def run_record(lm: Any) -> dict:
             "num_nodes": lm.collective.num_nodes,
             "max_length": lm.max_length,
             "weight_bytes": lm.weight_bytes,
-            "batching": {"batch_size": lm.batching.batch_size, "token_budget": lm.batching.token_budget,
-                         "max_batch_size": lm.batching.max_batch_size},
-            "sharing": {"mode": lm.sharing.mode, "requests": "loglikelihood",
-                        "max_row_length": lm.sharing.max_row_length,
-                        "row_budget": lm.row_budget_reason, "fallback_reason": lm.sharing_fallback},
+            "batching": {
+                "batch_size": lm.batching.batch_size,
+                "token_budget": lm.batching.token_budget,
+                "max_batch_size": lm.batching.max_batch_size,
+            },
+            "sharing": {
+                "mode": lm.sharing.mode,
+                "requests": "loglikelihood",
+                "max_row_length": lm.sharing.max_row_length,
+                "row_budget": lm.row_budget_reason,
+                "fallback_reason": lm.sharing_fallback,
+            },
             "load_seconds": lm.load_seconds,
             "compile": lm.compiled.to_dict(),
             "calls": lm.stats.to_dicts(),
@@ -49,12 +56,17 @@ def run_record(lm: Any) -> dict:
             "stored_quantization": lm.loaded.stored_quantization,
             "chat": lm.chat.to_dict(),
             "resume": lm.store.report() if lm.store else None,
-            "reference": None if lm.reference is None else {
-                "source": lm.options.reference, "dtype": str(next(lm.reference.parameters()).dtype),
+            "reference": None
+            if lm.reference is None
+            else {
+                "source": lm.options.reference,
+                "dtype": str(next(lm.reference.parameters()).dtype),
                 "tasks": lm.comparison.entries(),
-                "weight_bytes": lm.reference_weight_bytes},
-            "sharding": sharding_report(lm.shard_size, lm.loaded.sharding, lm.per_rank,
-                                        lm.collective.world_size, tp_size=lm.tp_size),
+                "weight_bytes": lm.reference_weight_bytes,
+            },
+            "sharding": sharding_report(
+                lm.shard_size, lm.loaded.sharding, lm.per_rank, lm.collective.world_size, tp_size=lm.tp_size
+            ),
             "traffic": lm.traffic,
             "load_memory_per_rank": [r["load_memory"] for r in lm.per_rank],
             "memory_estimate": dataclasses.asdict(lm.estimate) if lm.estimate else None,

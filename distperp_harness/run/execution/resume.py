@@ -72,8 +72,15 @@ class BatchStore:
             most recent store of the process is the one reported).
     """
 
-    def __init__(self, folder: str | os.PathLike, config: dict, *, with_kl: bool = False, is_main: bool = True,
-                 exit_on_sigterm: bool = False) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        config: dict,
+        *,
+        with_kl: bool = False,
+        is_main: bool = True,
+        exit_on_sigterm: bool = False,
+    ) -> None:
         self.folder = Path(folder).expanduser()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -180,8 +187,13 @@ class BatchStore:
         except Exception as exc:  # noqa: BLE001 - untrusted bytes: recompute
             return self._damaged(path, exc)
         texts = data.get("texts") if isinstance(data, dict) else None
-        if (not isinstance(texts, list) or len(texts) != jobs or not all(isinstance(t, str) for t in texts)
-                or data.get("key") != key or data.get("sha256") != _text_sha(texts)):
+        if (
+            not isinstance(texts, list)
+            or len(texts) != jobs
+            or not all(isinstance(t, str) for t in texts)
+            or data.get("key") != key
+            or data.get("sha256") != _text_sha(texts)
+        ):
             return self._damaged(path, DamagedFile("not this lane's texts, or they changed after saving"))
         self.counts["reused"] += 1
         return texts
@@ -228,8 +240,10 @@ class BatchStore:
         self._logged_corrupt = self.totals["recomputed_corrupt"]
         if new_corrupt and self.is_main:
             example = next((c["damage"] for c in present if c["damage"]), "")
-            log.warning(f"resume_dir: {new_corrupt} saved batch file(s) in {self.folder} were damaged or did not "
-                        f"verify (e.g. {example}); they were recomputed and overwritten.")
+            log.warning(
+                f"resume_dir: {new_corrupt} saved batch file(s) in {self.folder} were damaged or did not "
+                f"verify (e.g. {example}); they were recomputed and overwritten."
+            )
         failed = {r: c["save_error"] for r, c in enumerate(per_rank) if c and c["save_error"]}
         new_failures = {r: e for r, e in failed.items() if r not in self._warned_ranks and r != 0}
         self._warned_ranks.update(failed)
@@ -238,9 +252,11 @@ class BatchStore:
 
     def _warn_save_failure(self, errors: dict[int, str]) -> None:
         for rank, error in errors.items():
-            log.warning(f"resume_dir: could not save a finished batch on rank {rank}: {error}. That process "
-                        "saves nothing more; the evaluation continues and its results are unaffected (a rerun "
-                        "recomputes the batches that were not saved).")
+            log.warning(
+                f"resume_dir: could not save a finished batch on rank {rank}: {error}. That process "
+                "saves nothing more; the evaluation continues and its results are unaffected (a rerun "
+                "recomputes the batches that were not saved)."
+            )
 
     def report(self) -> dict:
         """``config.distperp.resume`` of the results: the folder and the counts summed over ranks."""
@@ -285,8 +301,12 @@ def _checksum(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def _check_layout(arrays: dict[str, np.ndarray], units: Sequence[Unit]) -> None:
-    want = {"key": (np.uint8, (32,)), "sha256": (np.uint8, (32,)), "stats": (np.float64, (len(units), N_COLUMNS)),
-            "kl": (np.float64, (sum(u.n_score for u in units),))}
+    want = {
+        "key": (np.uint8, (32,)),
+        "sha256": (np.uint8, (32,)),
+        "stats": (np.float64, (len(units), N_COLUMNS)),
+        "kl": (np.float64, (sum(u.n_score for u in units),)),
+    }
     for name, array in arrays.items():
         dtype, shape = want[name]
         if array.dtype != dtype or array.shape != shape:
@@ -302,8 +322,10 @@ def _check_values(arrays: dict[str, np.ndarray], units: Sequence[Unit]) -> None:
         "a log-likelihood > 0": bool((stats[:, [LL, REF_LL]] > 0).any()),
         "a greedy flag other than 0/1": not np.isin(stats[:, GREEDY], (0.0, 1.0)).all(),
         "token counts that differ from the batch's": not np.array_equal(stats[:, N_TOKENS], n_score),
-        "top-1 counts out of range": not (np.all(stats[:, TOP1] == np.round(stats[:, TOP1]))
-                                          and np.all((stats[:, TOP1] >= 0) & (stats[:, TOP1] <= n_score))),
+        "top-1 counts out of range": not (
+            np.all(stats[:, TOP1] == np.round(stats[:, TOP1]))
+            and np.all((stats[:, TOP1] >= 0) & (stats[:, TOP1] <= n_score))
+        ),
     }
     if "kl" not in arrays and (stats[:, [REF_LL, TOP1]] != 0).any():
         problems["reference columns without a reference"] = True
@@ -338,10 +360,12 @@ def _on_sigterm(signum: int, frame) -> None:  # noqa: ARG001 - signal handler si
         store._discard_in_flight()
         if store.is_main:
             saved = store.saved_batches()
-            log.warning(f"stopped by SIGTERM: {'an unknown number of' if saved is None else saved} finished "
-                        f"batch(es) of this model configuration are saved in resume_dir={store.folder}. Run the "
-                        "same command again to resume: saved batches are reused (with any number of processes), "
-                        "the rest are computed, and the results are identical.")
+            log.warning(
+                f"stopped by SIGTERM: {'an unknown number of' if saved is None else saved} finished "
+                f"batch(es) of this model configuration are saved in resume_dir={store.folder}. Run the "
+                "same command again to resume: saved batches are reused (with any number of processes), "
+                "the rest are computed, and the results are identical."
+            )
     hard_exit(128 + signum)
 
 
@@ -352,5 +376,6 @@ def fault_for_tests(rank: int) -> None:
     ``DISTPERP_TEST_CRASH=<rank>:<batches>`` kills that rank after it has scored that many batches (as a SIGKILL
     would); ``DISTPERP_TEST_HOLD=<rank>:<batches>`` makes it stall there (a long batch, to be preempted).
     """
-    inject("batch", rank, {"DISTPERP_TEST_CRASH": lambda _: os._exit(17),
-                           "DISTPERP_TEST_HOLD": lambda _: time.sleep(600)})
+    inject(
+        "batch", rank, {"DISTPERP_TEST_CRASH": lambda _: os._exit(17), "DISTPERP_TEST_HOLD": lambda _: time.sleep(600)}
+    )

@@ -63,7 +63,7 @@ def _by_rank(ids: np.ndarray, ranks: np.ndarray, world_size: int) -> list[np.nda
     """``ids`` split by ``ranks`` (one array per rank, ids ascending within each)."""
     order = np.lexsort((ids, ranks))
     bounds = np.searchsorted(ranks[order], np.arange(world_size + 1))
-    return [ids[order[bounds[r]: bounds[r + 1]]] for r in range(world_size)]
+    return [ids[order[bounds[r] : bounds[r + 1]]] for r in range(world_size)]
 
 
 def _holds(table: GlobalTable, units: np.ndarray, ranks: np.ndarray, world_size: int) -> np.ndarray:
@@ -73,8 +73,9 @@ def _holds(table: GlobalTable, units: np.ndarray, ranks: np.ndarray, world_size:
     return np.isin(units.astype(np.int64) * world_size + ranks, held)
 
 
-def token_routes(table: GlobalTable, unit_ranks: np.ndarray, rank: int, world_size: int
-                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def token_routes(
+    table: GlobalTable, unit_ranks: np.ndarray, rank: int, world_size: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``(send, expect)``: the unit ids ``rank`` sends to each rank and receives from each rank (ascending).
 
     Each unit's lowest holding rank sends it to each rank of ``unit_ranks[unit]`` (``int [units, k]``: the ranks that
@@ -97,8 +98,9 @@ def token_routes(table: GlobalTable, unit_ranks: np.ndarray, rank: int, world_si
     return send, expect
 
 
-def move_tokens(collective: Collective, table: GlobalTable, unit_ranks: np.ndarray, local: FlatUnits,
-                local_ids: np.ndarray) -> Available:
+def move_tokens(
+    collective: Collective, table: GlobalTable, unit_ranks: np.ndarray, local: FlatUnits, local_ids: np.ndarray
+) -> Available:
     """Send and receive the tokens of every unit a rank may compute (:func:`token_routes`).
 
     Args:
@@ -111,8 +113,9 @@ def move_tokens(collective: Collective, table: GlobalTable, unit_ranks: np.ndarr
     position = np.full(len(table), -1, dtype=np.int64)
     position[local_ids] = np.arange(len(local_ids))
     parts = [_front_coded(local, position[ids], ids) for ids in send]
-    sizes = collective.exchange([np.asarray([len(p)], np.int64) for p in parts], [1] * world,
-                                "sizes of the token messages")
+    sizes = collective.exchange(
+        [np.asarray([len(p)], np.int64) for p in parts], [1] * world, "sizes of the token messages"
+    )
     received = collective.exchange(parts, [int(x[0]) for x in sizes], "send tokens to the ranks that compute them")
     got: dict[int, np.ndarray] = {}
     for message in received:
@@ -122,21 +125,25 @@ def move_tokens(collective: Collective, table: GlobalTable, unit_ranks: np.ndarr
     if sorted(got) != ids.tolist():
         raise RuntimeError(f"internal error: rank {me} received the tokens of other units than the plan says")
     lengths = np.asarray([len(got[i]) for i in ids.tolist()], dtype=np.int64)
-    flat = FlatUnits(np.concatenate([got[i] for i in ids.tolist()]).astype(np.int32) if len(ids) else
-                     np.zeros(0, np.int32), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                     table.units["n_score"][ids].astype(np.int32))
+    flat = FlatUnits(
+        np.concatenate([got[i] for i in ids.tolist()]).astype(np.int32) if len(ids) else np.zeros(0, np.int32),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        table.units["n_score"][ids].astype(np.int32),
+    )
     if len(ids) and not np.array_equal(flat.keys(), table.units["key"][ids]):
         bad = int(ids[np.flatnonzero((flat.keys() != table.units["key"][ids]).any(axis=1))[0]])
-        raise HashCollision(f"rank {me} received tokens for unit {bad} from rank {int(table.first_holder()[bad])} "
-                            "whose 128-bit key differs from the one in the plan: two different sequences met under "
-                            "one key")
+        raise HashCollision(
+            f"rank {me} received tokens for unit {bad} from rank {int(table.first_holder()[bad])} "
+            "whose 128-bit key differs from the one in the plan: two different sequences met under "
+            "one key"
+        )
     return Available(local, local_ids, flat, ids)
 
 
 def _front_coded(local: FlatUnits, positions: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Units as one int32 message, in token order, each as ``[id, shared, n, n tokens]``: ``shared`` tokens of the
     unit before it, then its own ``n`` (a few-shot block travels once per message, not once per unit)."""
-    seqs = [local.tokens[local.offsets[p]: local.offsets[p + 1]] for p in positions]
+    seqs = [local.tokens[local.offsets[p] : local.offsets[p + 1]] for p in positions]
     order = sorted(range(len(seqs)), key=lambda k: seqs[k].astype(">i4").tobytes())
     out: list[np.ndarray] = []
     previous = np.zeros(0, np.int32)
@@ -156,16 +163,17 @@ def _front_decoded(message: np.ndarray) -> dict[int, np.ndarray]:
     previous = np.zeros(0, np.int32)
     at = 0
     while at < len(message):
-        uid, shared, n = (int(x) for x in message[at: at + 3])
-        seq = np.concatenate([previous[:shared], message[at + 3: at + 3 + n]])
+        uid, shared, n = (int(x) for x in message[at : at + 3])
+        seq = np.concatenate([previous[:shared], message[at + 3 : at + 3 + n]])
         out[uid] = seq
         previous = seq
         at += 3 + n
     return out
 
 
-def result_routes(table: GlobalTable, unit_batch: np.ndarray, computer: np.ndarray, rank: int,
-                  world_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def result_routes(
+    table: GlobalTable, unit_batch: np.ndarray, computer: np.ndarray, rank: int, world_size: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``(send, expect)``: the unit ids whose results ``rank`` sends to each rank (it computed them, that rank holds
     them) and receives from each rank (ascending)."""
     counts = np.diff(table.holder_ptr)
@@ -174,14 +182,23 @@ def result_routes(table: GlobalTable, unit_batch: np.ndarray, computer: np.ndarr
     source = computer[unit_batch[uid]]
     moving = source != holder
     uid, holder, source = uid[moving], holder[moving], source[moving]
-    return (_by_rank(uid[source == rank], holder[source == rank], world_size),
-            _by_rank(uid[holder == rank], source[holder == rank], world_size))
+    return (
+        _by_rank(uid[source == rank], holder[source == rank], world_size),
+        _by_rank(uid[holder == rank], source[holder == rank], world_size),
+    )
 
 
-def return_results(collective: Collective, table: GlobalTable, unit_batch: np.ndarray, computer: np.ndarray,
-                   computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]], local_ids: np.ndarray,
-                   local_checks: np.ndarray, n_columns: int, with_kl: bool
-                   ) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
+def return_results(
+    collective: Collective,
+    table: GlobalTable,
+    unit_batch: np.ndarray,
+    computer: np.ndarray,
+    computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]],
+    local_ids: np.ndarray,
+    local_checks: np.ndarray,
+    n_columns: int,
+    with_kl: bool,
+) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
     """Every local unit's ``(statistics float64 [n_columns], KL values or None)``, from whichever rank computed it.
 
     Args:
@@ -202,7 +219,9 @@ def return_results(collective: Collective, table: GlobalTable, unit_batch: np.nd
                 blocks.append(kl)
         parts.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float64))
     sizes = width if with_kl else np.full(len(table), width, dtype=np.int64)
-    received = collective.exchange(parts, [int(sizes[ids].sum()) for ids in expect], "send scores to the ranks that asked")
+    received = collective.exchange(
+        parts, [int(sizes[ids].sum()) for ids in expect], "send scores to the ranks that asked"
+    )
     checks = dict(zip(local_ids.tolist(), local_checks.tolist()))
     out: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
     for i in local_ids.tolist():
@@ -212,15 +231,17 @@ def return_results(collective: Collective, table: GlobalTable, unit_batch: np.nd
     for s, (ids, values) in enumerate(zip(expect, received)):
         at = 0
         for i in ids.tolist():
-            stats = values[at: at + n_columns]
-            check = int(values[at + n_columns: at + n_columns + 1].view(np.uint64)[0])
+            stats = values[at : at + n_columns]
+            check = int(values[at + n_columns : at + n_columns + 1].view(np.uint64)[0])
             at += n_columns + 1
             kl = None
             if with_kl:
-                kl = values[at: at + n_score[i]]
+                kl = values[at : at + n_score[i]]
                 at += int(n_score[i])
             if check != checks[i]:
-                raise HashCollision(f"rank {s} computed unit {i} from other tokens than rank {me} holds under the "
-                                    "same 128-bit key; the run stops rather than report mixed results")
+                raise HashCollision(
+                    f"rank {s} computed unit {i} from other tokens than rank {me} holds under the "
+                    "same 128-bit key; the run stops rather than report mixed results"
+                )
             out[i] = (stats, kl)
     return out

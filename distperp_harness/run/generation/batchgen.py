@@ -36,8 +36,10 @@ def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
     except CacheNotShareable as exc:
         if not _UNSHAREABLE:
             _UNSHAREABLE.append(str(exc))
-            log.info(f"generation: the model's {exc} cannot start rows from a shared prefix; batches are computed "
-                     "whole", main_process_only=True)
+            log.info(
+                f"generation: the model's {exc} cannot start rows from a shared prefix; batches are computed whole",
+                main_process_only=True,
+            )
         return None
 
 
@@ -53,8 +55,15 @@ class BatchArgs:
 
 
 @torch.no_grad()
-def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prompts: Sequence[Sequence[int]],
-                   shared: int, args: BatchArgs, seeds: Sequence[int] | None) -> tuple[list[str], LaneStats]:
+def generate_batch(
+    model: torch.nn.Module,
+    tokenizer,
+    device: torch.device,
+    prompts: Sequence[Sequence[int]],
+    shared: int,
+    args: BatchArgs,
+    seeds: Sequence[int] | None,
+) -> tuple[list[str], LaneStats]:
     """Texts of one batch of ``prompts`` whose first ``shared`` tokens are equal (``seeds``: one per row for a
     sampled batch) and its statistics."""
     kwargs, until, max_new, think_end = dict(args.kwargs), args.until, args.max_new, args.think_end
@@ -62,10 +71,14 @@ def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prom
     suffix_width = max(len(s) for s in suffixes)
     width = shared + suffix_width
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([list(prompts[0][:shared]) + [pad] * (suffix_width - len(s)) + s for s in suffixes],
-                       dtype=torch.long, device=device)
-    mask = torch.tensor([[1] * shared + [0] * (suffix_width - len(s)) + [1] * len(s) for s in suffixes],
-                        dtype=torch.long, device=device)
+    ids = torch.tensor(
+        [list(prompts[0][:shared]) + [pad] * (suffix_width - len(s)) + s for s in suffixes],
+        dtype=torch.long,
+        device=device,
+    )
+    mask = torch.tensor(
+        [[1] * shared + [0] * (suffix_width - len(s)) + [1] * len(s) for s in suffixes], dtype=torch.long, device=device
+    )
     if kwargs.get("do_sample") is False and kwargs.get("temperature", 0.0) == 0.0:
         kwargs.pop("temperature", None)
     extra: dict[str, Any] = {}
@@ -76,20 +89,32 @@ def generate_batch(model: torch.nn.Module, tokenizer, device: torch.device, prom
     cache = _prefix_cache(model, ids[:1, :shared], len(prompts)) if shared else None
     if cache is not None:
         extra[cache_argument(model)] = cache
-    out = model.generate(input_ids=ids, attention_mask=mask, max_length=max_length, use_cache=True,
-                         stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(prompts))
-                         if think_end is None else StoppingCriteriaList([_AnswerStops(
-                             lambda row: stop_in_answer(tokenizer, think_end, until, row), width)]),
-                         pad_token_id=pad, **kwargs, **extra)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_length=max_length,
+        use_cache=True,
+        stopping_criteria=stop_sequences_criteria(tokenizer, until, width, len(prompts))
+        if think_end is None
+        else StoppingCriteriaList([_AnswerStops(lambda row: stop_in_answer(tokenizer, think_end, until, row), width)]),
+        pad_token_id=pad,
+        **kwargs,
+        **extra,
+    )
     new = out[:, width:]
     texts = [answer(tokenizer, row.tolist(), think_end, until) for row in new]
     shared = shared if cache is not None else 0
     steps = new.shape[1]
-    stats = LaneStats(prompts=len(prompts), prompt_tokens=sum(len(p) for p in prompts), shared_tokens=shared,
-                      prefill_forwards=1 + bool(shared),
-                      prefill_positions=shared + len(prompts) * suffix_width if shared else len(prompts) * width,
-                      decode_forwards=max(0, steps - 1), decode_positions=len(prompts) * max(0, steps - 1),
-                      generated=int((new != pad).sum()) if pad is not None else int(new.numel()))
+    stats = LaneStats(
+        prompts=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        shared_tokens=shared,
+        prefill_forwards=1 + bool(shared),
+        prefill_positions=shared + len(prompts) * suffix_width if shared else len(prompts) * width,
+        decode_forwards=max(0, steps - 1),
+        decode_positions=len(prompts) * max(0, steps - 1),
+        generated=int((new != pad).sum()) if pad is not None else int(new.numel()),
+    )
     return texts, stats
 
 
@@ -100,5 +125,6 @@ class _AnswerStops(StoppingCriteria):
         self.hit, self.width = hit, width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.tensor([self.hit(row) for row in input_ids[:, self.width:].tolist()], dtype=torch.bool,
-                            device=input_ids.device)
+        return torch.tensor(
+            [self.hit(row) for row in input_ids[:, self.width :].tolist()], dtype=torch.bool, device=input_ids.device
+        )

@@ -25,10 +25,21 @@ SLOT_KEYS = frozenset({"do_sample", "num_beams", "num_return_sequences", *SAMPLI
 """Normalized generation arguments (besides ``until`` and ``max_gen_toks``) that slots decode; any other key sends
 the lane to ``model.generate`` batches."""
 
-_NEUTRAL_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
-                       "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
-                       "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-                       "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False}
+_NEUTRAL_PROCESSORS = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "bad_words_ids": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+}
 """``generation_config`` fields that make ``generate`` add a logits processor, with their neutral values."""
 
 
@@ -47,8 +58,11 @@ def arguments_refused(model: torch.nn.Module, kwargs: dict) -> str | None:
     if int(kwargs.get("num_beams", 1) or 1) > 1 or int(kwargs.get("num_return_sequences", 1) or 1) > 1:
         return "beam search or several sequences per request"
     config = getattr(model, "generation_config", None)
-    added = [name for name, neutral in _NEUTRAL_PROCESSORS.items()
-             if config is not None and getattr(config, name, neutral) not in (neutral, None)]
+    added = [
+        name
+        for name, neutral in _NEUTRAL_PROCESSORS.items()
+        if config is not None and getattr(config, name, neutral) not in (neutral, None)
+    ]
     return f"the model's generation_config sets {added}" if added else None
 
 
@@ -76,5 +90,8 @@ def note_fallback(reason: str) -> None:
     """Say once per reason (rank 0) that lanes run as ``model.generate`` batches."""
     if reason not in _FALLBACKS:
         _FALLBACKS.add(reason)
-        log.info(f"generation: {reason}: lanes run as model.generate batches (every row waits for the batch's "
-                 "last; no refill)", main_process_only=True)
+        log.info(
+            f"generation: {reason}: lanes run as model.generate batches (every row waits for the batch's "
+            "last; no refill)",
+            main_process_only=True,
+        )

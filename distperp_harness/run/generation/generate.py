@@ -155,8 +155,12 @@ def _encode(setup: GenerationSetup, context: str) -> list[int]:
     return tokenizer.encode(context)
 
 
-def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identities: Sequence[Any] | None = None,
-             calls: list | None = None) -> list[str]:
+def generate(
+    setup: GenerationSetup,
+    args: Sequence[tuple[str, dict]],
+    identities: Sequence[Any] | None = None,
+    calls: list | None = None,
+) -> list[str]:
     """Generated continuations for this rank's ``(context, gen_kwargs)`` requests, in order; every rank calls
     this together.
 
@@ -171,8 +175,9 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     local_keys = _job_keys(args, identities)
     mine = _local_jobs(setup, local_keys, args)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
-    planned = plan_generation(collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step,
-                              executor.workers)
+    planned = plan_generation(
+        collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step, executor.workers
+    )
     table, lanes, plan, seed = planned.table, planned.lanes, planned.plan, planned.seed
     if setup.static is not None:  # compile the decode step for the plan's buckets, every rank together
         setup.static.prepare(collective, lanes)
@@ -183,8 +188,13 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
         for j in range(lane.start, lane.stop):
             record, group = jobs[j], int(jobs["group"][j])
             key, kw = key_hex(record["key"]), planned.kwargs_of[group]
-            job = Job(key, planned.available.sequence(int(table.prompt_id[j])), kwargs_key_of(kw), kw,
-                      _seed_of(seed, key) if record["sampled"] else None)
+            job = Job(
+                key,
+                planned.available.sequence(int(table.prompt_id[j])),
+                kwargs_key_of(kw),
+                kw,
+                _seed_of(seed, key) if record["sampled"] else None,
+            )
             part.append((job, _prepare(setup, job)))
         return part
 
@@ -197,9 +207,12 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
             lane = lanes[i]
             part = lane_jobs(lane)
             key = _lane_key(part, lane) if executor.store is not None else None
-            saved, lane_record = executor.lane(key, lane.jobs, f"generating (lane {i}, {lane.jobs} prompts)",
-                                               functools.partial(_run_lane, setup, part, (i, lane), prefixes, bar,
-                                                                 around))
+            saved, lane_record = executor.lane(
+                key,
+                lane.jobs,
+                f"generating (lane {i}, {lane.jobs} prompts)",
+                functools.partial(_run_lane, setup, part, (i, lane), prefixes, bar, around),
+            )
             if not executor.reports:
                 continue  # a tensor-parallel member: its leader reports the same texts
             if lane_record is not None:
@@ -211,23 +224,34 @@ def generate(setup: GenerationSetup, args: Sequence[tuple[str, dict]], identitie
     share = RankShare(me, len(stats), claims.taken_from_ward, round(time.perf_counter() - start_time, 4))
     all_texts = _texts_to_holders(collective, texts, holders)
     gathered = collective.all_gather_object((stats, share), "gather lane statistics")
-    record = _record([s for g in gathered for s in g[0]], lanes, jobs=len(table),
-                     sampled=int(jobs["sampled"].astype(bool).sum()), seed=seed, setup=setup,
-                     per_rank=[g[1] for g in gathered], seconds=time.perf_counter() - start_time)
+    record = _record(
+        [s for g in gathered for s in g[0]],
+        lanes,
+        jobs=len(table),
+        sampled=int(jobs["sampled"].astype(bool).sum()),
+        seed=seed,
+        setup=setup,
+        per_rank=[g[1] for g in gathered],
+        seconds=time.perf_counter() - start_time,
+    )
     record.facts = executor.facts(received_before)
-    log.info(f"generate_until: {record.jobs} generations ({record.sampled_jobs} sampled"
-             f"{f', seed {seed}' if record.sampled_jobs else ''}) in {record.lanes} lanes of up to "
-             f"{record.slots_max} slots; {record.shared_lanes} started from a shared prefix; prompt tokens "
-             f"computed {record.prefill_positions} of {record.prompt_tokens}; {record.generated} new tokens, "
-             f"{record.decode_positions_per_generated:.3f} decode positions per new token; "
-             f"{record.seconds:.1f} s", main_process_only=True)
+    log.info(
+        f"generate_until: {record.jobs} generations ({record.sampled_jobs} sampled"
+        f"{f', seed {seed}' if record.sampled_jobs else ''}) in {record.lanes} lanes of up to "
+        f"{record.slots_max} slots; {record.shared_lanes} started from a shared prefix; prompt tokens "
+        f"computed {record.prefill_positions} of {record.prompt_tokens}; {record.generated} new tokens, "
+        f"{record.decode_positions_per_generated:.3f} decode positions per new token; "
+        f"{record.seconds:.1f} s",
+        main_process_only=True,
+    )
     if calls is not None:
         calls.append(record)
     return [all_texts[key] for key, _, _ in local_keys]
 
 
-def _local_jobs(setup: GenerationSetup, keys: Sequence[tuple[str, str, bool]],
-                args: Sequence[tuple[str, dict]]) -> LocalJobs:
+def _local_jobs(
+    setup: GenerationSetup, keys: Sequence[tuple[str, str, bool]], args: Sequence[tuple[str, dict]]
+) -> LocalJobs:
     """Tokenize this rank's own prompts (each distinct job once) and make its records."""
     seen: dict[str, tuple] = {}
     prompts: dict[tuple[int, ...], None] = {}
@@ -237,9 +261,11 @@ def _local_jobs(setup: GenerationSetup, keys: Sequence[tuple[str, str, bool]],
             continue
         prepared = _prepare(setup, Job(key, tuple(_encode(setup, context)), kwargs_key, gen_kwargs))
         if not prepared.prompt:
-            raise InputError(f"generate_until got a request whose prompt has no tokens (context {context!r}); "
-                             "the model needs at least one token to continue. Fix: give the task a non-empty "
-                             "prompt, or set add_bos_token=true so that every prompt starts with the BOS token")
+            raise InputError(
+                f"generate_until got a request whose prompt has no tokens (context {context!r}); "
+                "the model needs at least one token to continue. Fix: give the task a non-empty "
+                "prompt, or set add_bos_token=true so that every prompt starts with the BOS token"
+            )
         group = group_hash(kwargs_key)
         kwargs.setdefault(group, gen_kwargs)
         prompts.setdefault(prepared.prompt)
@@ -266,8 +292,9 @@ def _texts_to_holders(collective: Collective, texts: dict[str, str], holders: di
         for rank in holders.get(key, ()):
             outgoing[rank][key] = text
     parts = [np.frombuffer(json.dumps(out).encode(), dtype=np.uint8) for out in outgoing]
-    sizes = collective.exchange([np.array([p.size], dtype=np.int64) for p in parts], [1] * world,
-                                "exchange the sizes of generated texts")
+    sizes = collective.exchange(
+        [np.array([p.size], dtype=np.int64) for p in parts], [1] * world, "exchange the sizes of generated texts"
+    )
     received = collective.exchange(parts, [int(n[0]) for n in sizes], "send generated texts to their ranks")
     mine: dict[str, str] = {}
     for part in received:
@@ -293,8 +320,10 @@ def _prepare(setup: GenerationSetup, job: Job) -> _Prepared:
     max_new = int(kwargs.pop("max_gen_toks"))
     max_ctx = setup.max_length - max_new
     if max_ctx <= 0:
-        raise InputError(f"max_gen_toks={max_new} leaves no room for a prompt with max_length={setup.max_length}; "
-                         "raise max_length or lower max_gen_toks in the task's generation_kwargs")
+        raise InputError(
+            f"max_gen_toks={max_new} leaves no room for a prompt with max_length={setup.max_length}; "
+            "raise max_length or lower max_gen_toks in the task's generation_kwargs"
+        )
     return _Prepared(job.tokens[-max_ctx:], max_new, tuple(until), kwargs)
 
 
@@ -308,8 +337,14 @@ def _lane_key(part: Sequence[tuple[Job, _Prepared]], lane: LanePlan) -> bytes:
     return digest.digest()
 
 
-def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], indexed: tuple[int, LanePlan],
-              prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], LaneRecord]:
+def _run_lane(
+    setup: GenerationSetup,
+    part: Sequence[tuple[Job, _Prepared]],
+    indexed: tuple[int, LanePlan],
+    prefixes: PrefixCache,
+    bar,
+    around: Callable[[], ContextManager],
+) -> tuple[list[str], LaneRecord]:
     """Texts of the lane ``indexed`` (its index in the plan, the lane), in lane order, and its record, from the
     engine :func:`~.engines.choose_engine` picks (same lane, same bits on any rank either way)."""
     index, lane = indexed
@@ -323,33 +358,51 @@ def _run_lane(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], ind
     return texts, LaneRecord(index, engine.value, lane.slots, stats)
 
 
-def _decode_slots(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan,
-                  prefixes: PrefixCache, bar, around: Callable[[], ContextManager]) -> tuple[list[str], LaneStats]:
+def _decode_slots(
+    setup: GenerationSetup,
+    part: Sequence[tuple[Job, _Prepared]],
+    lane: LanePlan,
+    prefixes: PrefixCache,
+    bar,
+    around: Callable[[], ContextManager],
+) -> tuple[list[str], LaneStats]:
     """Continuous batching of the lane (:func:`~.loop.decode_lane`), over the compiled step where it serves."""
     first = part[0][1]
     sampled = bool(first.kwargs.get("do_sample"))
     prompts = [p.prompt for _, p in part]
     warpers = warpers_for(setup.model, dict(first.kwargs)) if sampled else None
-    allowed = (None if setup.think_end is None else
-               functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until))
-    rule = StopRule.of(setup.tokenizer, first.until, eos_ids(setup.tokenizer, setup.model), first.max_new,
-                       allowed=allowed)
+    allowed = (
+        None
+        if setup.think_end is None
+        else functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until)
+    )
+    rule = StopRule.of(
+        setup.tokenizer, first.until, eos_ids(setup.tokenizer, setup.model), first.max_new, allowed=allowed
+    )
     on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
     shared, donor = lane_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
     seeds = [job.seed for job, _ in part] if sampled else None
     decoder = Decoder(setup.model, setup.tokenizer, setup.device, prefixes, around, setup.static)
-    tokens, stats = decode_lane(decoder, Lane(prompts, tuple(prompts[donor][:shared]), lane.slots, seeds), rule,
-                                warpers=warpers, on_done=on_done)
+    tokens, stats = decode_lane(
+        decoder,
+        Lane(prompts, tuple(prompts[donor][:shared]), lane.slots, seeds),
+        rule,
+        warpers=warpers,
+        on_done=on_done,
+    )
     return [answer(setup.tokenizer, t, setup.think_end, first.until) for t in tokens], stats
 
 
-def _generate_batches(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan, reason: str,
-                      bar) -> tuple[list[str], LaneStats]:
+def _generate_batches(
+    setup: GenerationSetup, part: Sequence[tuple[Job, _Prepared]], lane: LanePlan, reason: str, bar
+) -> tuple[list[str], LaneStats]:
     """The lane as ``model.generate`` batches of ``lane.slots`` rows (:mod:`.batchgen`)."""
     if setup.executor.shard_size > 1:
-        raise InputError(f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane "
-                         "would run as model.generate batches, whose forwards a shard group cannot keep in step. "
-                         "Fix: drop those generation arguments, or run this task with shard_size=1.")
+        raise InputError(
+            f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane "
+            "would run as model.generate batches, whose forwards a shard group cannot keep in step. "
+            "Fix: drop those generation arguments, or run this task with shard_size=1."
+        )
     note_fallback(reason)
     first = part[0][1]
     prompts = [p.prompt for _, p in part]
@@ -358,9 +411,15 @@ def _generate_batches(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepare
     args = BatchArgs(dict(first.kwargs), list(first.until), first.max_new, setup.think_end)
     for b in range(0, len(prompts), lane.slots):
         chunk = slice(b, b + lane.slots)
-        out, batch_stats = generate_batch(setup.model, setup.tokenizer, setup.device, prompts[chunk],
-                                          common_prefix(prompts[chunk], setup.min_shared_tokens), args,
-                                          seeds[chunk] if seeds else None)
+        out, batch_stats = generate_batch(
+            setup.model,
+            setup.tokenizer,
+            setup.device,
+            prompts[chunk],
+            common_prefix(prompts[chunk], setup.min_shared_tokens),
+            args,
+            seeds[chunk] if seeds else None,
+        )
         texts += out
         total.add(batch_stats)
         if bar is not None:
@@ -368,20 +427,43 @@ def _generate_batches(setup: GenerationSetup, part: Sequence[tuple[Job, _Prepare
     return texts, total
 
 
-def _record(records: list[LaneRecord], lanes: Sequence[LanePlan], *, jobs: int, sampled: int, seed: int,
-            setup: GenerationSetup, per_rank: list[RankShare], seconds: float) -> GenerationCall:
+def _record(
+    records: list[LaneRecord],
+    lanes: Sequence[LanePlan],
+    *,
+    jobs: int,
+    sampled: int,
+    seed: int,
+    setup: GenerationSetup,
+    per_rank: list[RankShare],
+    seconds: float,
+) -> GenerationCall:
     """The call's :class:`~distperp_harness.run.execution.calls.GenerationCall` from every computed lane's record."""
     total = LaneStats()
     for record in records:
         total.add(record.stats)
     shared = sorted(lane.shared for lane in lanes if lane.shared)
     return GenerationCall(
-        jobs=jobs, sampled_jobs=sampled, seed=seed, lanes=len(lanes),
-        lanes_computed=len(records), slots_max=max((lane.slots for lane in lanes), default=0),
-        engines=sorted({r.engine for r in records}), shared_lanes=len(shared),
-        min_shared_tokens=setup.min_shared_tokens, shared_tokens_min_max=[shared[0], shared[-1]] if shared else None,
-        prefixes_computed=sum(r.stats.prefix_computed for r in records), prompt_tokens=total.prompt_tokens,
-        prefill_positions=total.prefill_positions, prefill_forwards=total.prefill_forwards,
-        decode_forwards=total.decode_forwards, decode_positions=total.decode_positions, generated=total.generated,
-        peak_cache_positions=total.peak_cache_positions, claiming=setup.executor.claiming_mode, per_rank=per_rank,
-        world_size=setup.executor.world_size, seconds=seconds)
+        jobs=jobs,
+        sampled_jobs=sampled,
+        seed=seed,
+        lanes=len(lanes),
+        lanes_computed=len(records),
+        slots_max=max((lane.slots for lane in lanes), default=0),
+        engines=sorted({r.engine for r in records}),
+        shared_lanes=len(shared),
+        min_shared_tokens=setup.min_shared_tokens,
+        shared_tokens_min_max=[shared[0], shared[-1]] if shared else None,
+        prefixes_computed=sum(r.stats.prefix_computed for r in records),
+        prompt_tokens=total.prompt_tokens,
+        prefill_positions=total.prefill_positions,
+        prefill_forwards=total.prefill_forwards,
+        decode_forwards=total.decode_forwards,
+        decode_positions=total.decode_positions,
+        generated=total.generated,
+        peak_cache_positions=total.peak_cache_positions,
+        claiming=setup.executor.claiming_mode,
+        per_rank=per_rank,
+        world_size=setup.executor.world_size,
+        seconds=seconds,
+    )

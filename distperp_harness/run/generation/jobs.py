@@ -44,8 +44,9 @@ from distperp_harness.run.execution.groups import Workers
 from distperp_harness.run.execution.routing import Available, move_tokens
 from distperp_harness.run.generation.lanes import LanePlan, plan_lanes
 
-JOB = np.dtype([("key", "<u8", (2,)), ("prompt", "<u8", (2,)), ("group", "<u8"), ("max_new", "<i4"),
-                ("sampled", "<i4")])
+JOB = np.dtype(
+    [("key", "<u8", (2,)), ("prompt", "<u8", (2,)), ("group", "<u8"), ("max_new", "<i4"), ("sampled", "<i4")]
+)
 
 
 def key_hex(key: np.ndarray) -> str:
@@ -74,7 +75,7 @@ def decode_jobs(payload: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray, np.n
     """Inverse of :func:`encode_jobs`."""
     payload = np.ascontiguousarray(payload, dtype=np.uint8)
     n = int(payload[:8].view("<i8")[0])
-    return decode(payload[8: 8 + n]), payload[8 + n:].view(JOB)
+    return decode(payload[8 : 8 + n]), payload[8 + n :].view(JOB)
 
 
 @dataclass(frozen=True)
@@ -100,16 +101,21 @@ class JobTable:
         """The table from every rank's :func:`decode_jobs` payload, in rank order."""
         prompts = GlobalTable([p for p, _ in parts])
         jobs = np.concatenate([j for _, j in parts]) if parts else np.empty(0, JOB)
-        rank = np.concatenate([np.full(len(j), r, dtype=np.int32) for r, (_, j) in enumerate(parts)]) if parts \
+        rank = (
+            np.concatenate([np.full(len(j), r, dtype=np.int32) for r, (_, j) in enumerate(parts)])
+            if parts
             else np.empty(0, np.int32)
+        )
         order = np.lexsort((rank, jobs["key"][:, 1], jobs["key"][:, 0]))
         jobs, rank = jobs[order], rank[order]
         new = np.ones(len(jobs), dtype=bool)
         new[1:] = (jobs["key"][1:] != jobs["key"][:-1]).any(axis=1)
         same = np.flatnonzero(~new)
         if len(same) and jobs[same].tobytes() != jobs[same - 1].tobytes():
-            raise HashCollision("two ranks hold different generation jobs under one 128-bit key; the run stops here "
-                                "rather than mix their texts")
+            raise HashCollision(
+                "two ranks hold different generation jobs under one 128-bit key; the run stops here "
+                "rather than mix their texts"
+            )
         firsts = np.flatnonzero(new)
         distinct = jobs[firsts]
         holder_lists = np.split(rank, firsts[1:]) if len(jobs) else []
@@ -118,9 +124,14 @@ class JobTable:
         canonical = sorted(range(len(distinct)), key=lambda j: _order_key(prompts, distinct[j], int(prompt_id[j])))
         holder_lists = [np.unique(holder_lists[j]) for j in canonical]
         counts = np.asarray([len(h) for h in holder_lists], dtype=np.int64)
-        return cls(prompts, distinct[canonical], prompt_id[canonical], lengths[canonical],
-                   np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-                   np.concatenate(holder_lists).astype(np.int32) if holder_lists else np.zeros(0, np.int32))
+        return cls(
+            prompts,
+            distinct[canonical],
+            prompt_id[canonical],
+            lengths[canonical],
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            np.concatenate(holder_lists).astype(np.int32) if holder_lists else np.zeros(0, np.int32),
+        )
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -128,21 +139,22 @@ class JobTable:
     def ladder(self, j: int) -> np.ndarray:
         """The prefix-block hashes of job ``j``'s prompt (``BLOCK``, ``2 BLOCK``, ... tokens of all but its last)."""
         i = int(self.prompts.unit_input[self.prompt_id[j]])
-        return self.prompts.ladder[self.prompts.ladder_ptr[i]: self.prompts.ladder_ptr[i + 1]]
+        return self.prompts.ladder[self.prompts.ladder_ptr[i] : self.prompts.ladder_ptr[i + 1]]
 
     def holders_of(self, jobs: Sequence[int]) -> dict[str, list[int]]:
         """Job key (hex) -> the ranks whose requests hold it, for ``jobs`` (canonical indices)."""
-        return {key_hex(self.jobs["key"][j]): self.holders[self.holder_ptr[j]: self.holder_ptr[j + 1]].tolist()
-                for j in jobs}
+        return {
+            key_hex(self.jobs["key"][j]): self.holders[self.holder_ptr[j] : self.holder_ptr[j + 1]].tolist()
+            for j in jobs
+        }
 
 
 def _order_key(prompts: GlobalTable, job: np.ndarray, prompt: int) -> tuple:
     """Arguments, the prompt's block hashes, the prompt's own hash and length, then the job key."""
     i = int(prompts.unit_input[prompt])
-    ladder = prompts.ladder[prompts.ladder_ptr[i]: prompts.ladder_ptr[i + 1]].tolist()
+    ladder = prompts.ladder[prompts.ladder_ptr[i] : prompts.ladder_ptr[i + 1]].tolist()
     unit = prompts.units[prompt]
-    return (int(job["group"]), ladder, int(unit["input"]), int(unit["length"]), int(job["key"][0]),
-            int(job["key"][1]))
+    return (int(job["group"]), ladder, int(unit["input"]), int(unit["length"]), int(job["key"][0]), int(job["key"][1]))
 
 
 def ladder_shared(table: JobTable, start: int, stop: int, min_tokens: int) -> tuple[int, int]:
@@ -169,8 +181,11 @@ def lane_destinations(table: JobTable, lane_of_job: np.ndarray, lane_ranks: np.n
     """``int [prompts, k]``: the ranks that may compute a lane holding each prompt (``-1``: none), for
     :func:`~distperp_harness.run.execution.routing.move_tokens`. ``lane_ranks``: ``int [lanes, 2]`` owner and helper."""
     n = len(table.prompts)
-    pairs = np.stack([np.repeat(table.prompt_id, lane_ranks.shape[1]), lane_ranks[lane_of_job].reshape(-1)], 1) \
-        if len(table) else np.zeros((0, 2), np.int64)
+    pairs = (
+        np.stack([np.repeat(table.prompt_id, lane_ranks.shape[1]), lane_ranks[lane_of_job].reshape(-1)], 1)
+        if len(table)
+        else np.zeros((0, 2), np.int64)
+    )
     pairs = np.unique(pairs[pairs[:, 1] >= 0], axis=0)
     counts = np.bincount(pairs[:, 0], minlength=n) if len(pairs) else np.zeros(n, np.int64)
     out = np.full((n, max(1, int(counts.max(initial=0)))), -1, dtype=np.int64)
@@ -211,8 +226,15 @@ class GenerationPlan:
     kwargs_of: dict[int, dict]
 
 
-def plan_generation(collective, local: LocalJobs, seed: int, rows_for: Callable[[int], int], min_shared: int,
-                    step: int, workers: Workers | None = None) -> GenerationPlan:
+def plan_generation(
+    collective,
+    local: LocalJobs,
+    seed: int,
+    rows_for: Callable[[int], int],
+    min_shared: int,
+    step: int,
+    workers: Workers | None = None,
+) -> GenerationPlan:
     """Exchange records, plan lanes and their owners, and move each prompt to the ranks that may compute its lanes
     (every rank calls this together). ``step``: the claiming helper offset
     (:func:`~distperp_harness.run.execution.claims.helper_step`; 0: no helper); ``workers``: who computes lanes (a
@@ -220,19 +242,33 @@ def plan_generation(collective, local: LocalJobs, seed: int, rows_for: Callable[
     small = collective.all_gather_object((seed, local.kwargs), "gather generation arguments")
     kwargs_of = {group: kw for _, part in small for group, kw in part.items()}
     records = local_records(local.prompts)
-    parts = collective.all_gather_tensor(torch.from_numpy(encode_jobs(records, local.records)),
-                                         "exchange generation job records")
+    parts = collective.all_gather_tensor(
+        torch.from_numpy(encode_jobs(records, local.records)), "exchange generation job records"
+    )
     table = JobTable.merge([decode_jobs(p.numpy()) for p in parts])
     jobs = table.jobs
-    lanes = plan_lanes(table.lengths.tolist(), jobs["group"].tolist(), jobs["max_new"].tolist(), rows_for,
-                       lambda a, b: ladder_shared(table, a, b, min_shared))
+    lanes = plan_lanes(
+        table.lengths.tolist(),
+        jobs["group"].tolist(),
+        jobs["max_new"].tolist(),
+        rows_for,
+        lambda a, b: ladder_shared(table, a, b, min_shared),
+    )
     workers = workers or Workers(collective.world_size)
     count = workers.count
     plan = assign_batches([lane.as_batch() for lane in lanes], count)
     owner = np.asarray(plan.owner, dtype=np.int64)
-    lane_ranks = workers.ranks(np.stack([owner, [helper_of(o, count, step) for o in owner] if step
-                                         else np.full_like(owner, -1)], 1) if len(owner) else np.zeros((0, 2), np.int64))
+    lane_ranks = workers.ranks(
+        np.stack([owner, [helper_of(o, count, step) for o in owner] if step else np.full_like(owner, -1)], 1)
+        if len(owner)
+        else np.zeros((0, 2), np.int64)
+    )
     lane_of_job = np.repeat(np.arange(len(lanes)), [lane.jobs for lane in lanes]).astype(np.int64)
-    available = move_tokens(collective, table.prompts, lane_destinations(table, lane_of_job, lane_ranks),
-                            local.prompts, table.prompts.ids(records[0]["key"]))
+    available = move_tokens(
+        collective,
+        table.prompts,
+        lane_destinations(table, lane_of_job, lane_ranks),
+        local.prompts,
+        table.prompts.ids(records[0]["key"]),
+    )
     return GenerationPlan(table, lanes, plan, available, small[0][0], kwargs_of)

@@ -62,8 +62,14 @@ def join_right_aligned(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class DynamicKVBatch:
     """:class:`KVBatch` over one ``DynamicCache`` edited between eager forwards (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, device: torch.device, stats: LaneStats,
-                 around: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        slots: int,
+        device: torch.device,
+        stats: LaneStats,
+        around: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
         self.rows: list[Row] = []
         self.cache = None
@@ -75,8 +81,7 @@ class DynamicKVBatch:
     def join(self, group: Sequence[Row], cache, mask: torch.Tensor, keep: Sequence[int]) -> None:
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         mask = mask.index_select(0, index)
-        layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                  for layer in cache.layers]
+        layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers]
         if self.cache is None:
             self.cache, self.mask = cache, mask
             for layer, (k, v) in zip(cache.layers, layers):

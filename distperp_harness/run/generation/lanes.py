@@ -61,8 +61,10 @@ def lane_prefix(prompts: Sequence[Sequence[int]], min_tokens: int) -> tuple[int,
     if len(prompts) < 2:
         return 0, 0
     donor = len(prompts) // 2
-    reach = sorted((min(common_prefix_length(prompts[donor], p), len(p) - 1, len(prompts[donor]) - 1)
-                    for p in prompts), reverse=True)
+    reach = sorted(
+        (min(common_prefix_length(prompts[donor], p), len(p) - 1, len(prompts[donor]) - 1) for p in prompts),
+        reverse=True,
+    )
     length = reach[max(2, (len(prompts) + 1) // 2) - 1]
     return (length, donor) if length >= max(1, min_tokens) else (0, 0)
 
@@ -77,8 +79,14 @@ def common_prefix(prompts: Sequence[Sequence[int]], min_tokens: int) -> int:
     return n if n >= max(1, min_tokens) else 0
 
 
-def plan_lanes(lengths: Sequence[int], groups: Sequence, max_new: Sequence[int], slots_for: Callable[[int], int],
-               shared_of: Callable[[int, int], tuple[int, int]], rounds: int = LANE_ROUNDS) -> list[LanePlan]:
+def plan_lanes(
+    lengths: Sequence[int],
+    groups: Sequence,
+    max_new: Sequence[int],
+    slots_for: Callable[[int], int],
+    shared_of: Callable[[int, int], tuple[int, int]],
+    rounds: int = LANE_ROUNDS,
+) -> list[LanePlan]:
     """Lanes over jobs in canonical order, from their prompts' lengths (prompts already cut to fit
     ``max_length - max_new``).
 

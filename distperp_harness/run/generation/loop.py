@@ -67,8 +67,14 @@ class Decoder:
 
 
 @torch.no_grad()
-def decode_lane(decoder: Decoder, lane: Lane, rule: StopRule, *, warpers=None,
-                on_done: Callable[[int, list[int]], None] | None = None) -> tuple[list[list[int]], LaneStats]:
+def decode_lane(
+    decoder: Decoder,
+    lane: Lane,
+    rule: StopRule,
+    *,
+    warpers=None,
+    on_done: Callable[[int, list[int]], None] | None = None,
+) -> tuple[list[list[int]], LaneStats]:
     """New tokens for every prompt of ``lane``, in lane order, and the lane's :class:`~.stats.LaneStats`.
 
     ``warpers``: the distribution warpers of a sampled lane (``lane.seeds`` given); greedy otherwise.
@@ -78,8 +84,9 @@ def decode_lane(decoder: Decoder, lane: Lane, rule: StopRule, *, warpers=None,
     cannot be edited row by row (:func:`~.engines.choose_engine` sends such lanes to ``model.generate`` first).
     """
     scheduler = Scheduler(lane, rule, decoder.tokenizer.decode, warpers, on_done)
-    prefiller = Prefiller.for_lane(decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes,
-                                   decoder.around)
+    prefiller = Prefiller.for_lane(
+        decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes, decoder.around
+    )
     batch = decoder.batch_for(lane, rule, prefiller.stats)
     tokens = run_lane(scheduler, prefiller, batch)
     stats = prefiller.stats

@@ -26,8 +26,9 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
     """``[rows, vocab]`` logits of the last position of ``input_ids``, the forward writing its keys and values into
     ``cache`` (every generation forward: prefix, prefill, decode)."""
-    return model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs,
-                 **{cache_argument(model): cache}).logits[:, -1, :]
+    return model(
+        input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs, **{cache_argument(model): cache}
+    ).logits[:, -1, :]
 
 
 def plain_layers(cache) -> list:
@@ -51,8 +52,13 @@ class PrefixCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
 
-    def get(self, model: torch.nn.Module, prefix: Sequence[int], device: torch.device,
-            around: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[KV, bool]:
+    def get(
+        self,
+        model: torch.nn.Module,
+        prefix: Sequence[int],
+        device: torch.device,
+        around: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> tuple[KV, bool]:
         """``(the prefix's per-layer keys and values, computed now)``; ``around``: see :class:`Prefiller`."""
         key = tuple(prefix)
         if key in self._entries:
@@ -84,20 +90,28 @@ class Prefiller:
     prefix_kv: KV | None = None
 
     @classmethod
-    def for_lane(cls, model: torch.nn.Module, lane: Lane, tokenizer, device: torch.device,
-                 prefixes: PrefixCache | None, around: Callable[[], ContextManager]) -> Prefiller:
-        stats = LaneStats(prompts=len(lane.prompts), prompt_tokens=sum(len(p) for p in lane.prompts),
-                          shared_tokens=len(lane.prefix))
+    def for_lane(
+        cls,
+        model: torch.nn.Module,
+        lane: Lane,
+        tokenizer,
+        device: torch.device,
+        prefixes: PrefixCache | None,
+        around: Callable[[], ContextManager],
+    ) -> Prefiller:
+        stats = LaneStats(
+            prompts=len(lane.prompts), prompt_tokens=sum(len(p) for p in lane.prompts), shared_tokens=len(lane.prefix)
+        )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         out = cls(model, lane, pad, device, stats, around)
         if any(lane.uses_prefix(i) for i in range(len(lane.prompts))):
-            out.prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device,
-                                                                                   around)
+            out.prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device, around)
             stats.prefill_positions += len(lane.prefix) if stats.prefix_computed else 0
         return out
 
-    def groups(self, admitted: Sequence[Row], scheduler: Scheduler
-               ) -> Iterator[tuple[list[Row], object, torch.Tensor, list[int]]]:
+    def groups(
+        self, admitted: Sequence[Row], scheduler: Scheduler
+    ) -> Iterator[tuple[list[Row], object, torch.Tensor, list[int]]]:
         """Prefill ``admitted`` rows: those continuing the lane's prefix first, then those prefilled whole, one
         forward per group; the scheduler gives each row its first token and drops rows that already ended. Yields
         ``(group, cache, mask, keep)`` per group with a row still running: ``cache`` (a ``DynamicCache``) and
@@ -105,8 +119,10 @@ class Prefiller:
         running rows. Lazy: a group is prefilled only when the previous one has been taken, so consume each in the
         loop that yields it (a running batch written from group 1 is what group 2 joins), never ``list()`` it."""
         lane = self.lane
-        groups = [[r for r in admitted if lane.uses_prefix(r.job)],
-                  [r for r in admitted if not lane.uses_prefix(r.job)]]
+        groups = [
+            [r for r in admitted if lane.uses_prefix(r.job)],
+            [r for r in admitted if not lane.uses_prefix(r.job)],
+        ]
         for group, shared in zip(groups, (len(lane.prefix), 0)):
             if not group:
                 continue
@@ -125,14 +141,14 @@ class Prefiller:
         suffixes = [list(p[shared:]) for p in prompts]
         width = max(len(s) for s in suffixes)
         ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes], dtype=torch.long, device=device)
-        own = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], dtype=torch.long,
-                           device=device)
+        own = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], dtype=torch.long, device=device)
         cache = DynamicCache(config=self.model.config)
         if shared:
             mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long, device=device), own], 1)
             for i, (k, v) in enumerate(self.prefix_kv or []):
-                cache.update(k.expand(len(prompts), -1, -1, -1).contiguous(),
-                             v.expand(len(prompts), -1, -1, -1).contiguous(), i)
+                cache.update(
+                    k.expand(len(prompts), -1, -1, -1).contiguous(), v.expand(len(prompts), -1, -1, -1).contiguous(), i
+                )
         else:
             mask = own
         positions = (mask.cumsum(1) - 1).clamp_min(0)[:, shared:]

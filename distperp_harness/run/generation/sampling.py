@@ -36,16 +36,23 @@ def warpers_for(model: torch.nn.Module, kwargs: dict) -> LogitsProcessorList:
     from transformers.generation import logits_process as lp
 
     if int(kwargs.get("num_beams", 1) or 1) > 1:
-        raise InputError(f"do_sample=True with num_beams={kwargs['num_beams']} (beam sampling) is not supported; "
-                         "use num_beams=1 or do_sample=False in the task's generation_kwargs")
+        raise InputError(
+            f"do_sample=True with num_beams={kwargs['num_beams']} (beam sampling) is not supported; "
+            "use num_beams=1 or do_sample=False in the task's generation_kwargs"
+        )
     config = copy.deepcopy(model.generation_config)
     asked = {k: kwargs.pop(k) for k in SAMPLING_KEYS if k in kwargs}
     if "temperature" not in asked:
-        log.info(f"do_sample=true without a temperature: sampling at the model's generation_config temperature "
-                 f"({config.temperature if config.temperature is not None else 1.0})", main_process_only=True)
+        log.info(
+            f"do_sample=true without a temperature: sampling at the model's generation_config temperature "
+            f"({config.temperature if config.temperature is not None else 1.0})",
+            main_process_only=True,
+        )
     elif not float(asked["temperature"]) > 0:
-        raise InputError(f"do_sample=True with temperature={asked['temperature']}: sampling needs a temperature > 0; "
-                         "set do_sample=False for greedy decoding or a positive temperature")
+        raise InputError(
+            f"do_sample=True with temperature={asked['temperature']}: sampling needs a temperature > 0; "
+            "set do_sample=False for greedy decoding or a positive temperature"
+        )
     config.update(**asked)
     warpers = LogitsProcessorList()
     if config.temperature is not None and float(config.temperature) != 1.0:
@@ -61,8 +68,7 @@ def warpers_for(model: torch.nn.Module, kwargs: dict) -> LogitsProcessorList:
     if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
         warpers.append(lp.EpsilonLogitsWarper(epsilon=float(config.epsilon_cutoff), min_tokens_to_keep=1))
     if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
-        warpers.append(lp.EtaLogitsWarper(epsilon=float(config.eta_cutoff), min_tokens_to_keep=1,
-                                          device=model.device))
+        warpers.append(lp.EtaLogitsWarper(epsilon=float(config.eta_cutoff), min_tokens_to_keep=1, device=model.device))
     return warpers
 
 
@@ -70,8 +76,10 @@ def draw(warpers: LogitsProcessorList, scores: torch.Tensor, generators: Sequenc
     """One token per row (``scores``: ``[rows, vocab]``): row ``i`` drawn with ``generators[i]`` from the warped
     distribution. Returns a ``[rows]`` long tensor."""
     if len(generators) != scores.shape[0]:
-        raise ValueError(f"{scores.shape[0]} rows of scores for {len(generators)} seeded generators; "
-                         "sampled generation takes one sequence per request (num_return_sequences=1)")
+        raise ValueError(
+            f"{scores.shape[0]} rows of scores for {len(generators)} seeded generators; "
+            "sampled generation takes one sequence per request (num_return_sequences=1)"
+        )
     dummy = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)  # warpers ignore the ids
     probs = torch.softmax(warpers(dummy, scores.float()), dim=-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])

@@ -49,8 +49,14 @@ class StopRule:
     allowed: Callable[[list[int]], bool] | None = None
 
     @classmethod
-    def of(cls, tokenizer, until: Sequence[str], eos_ids: Sequence[int], max_new: int,
-           allowed: Callable[[list[int]], bool] | None = None) -> StopRule:
+    def of(
+        cls,
+        tokenizer,
+        until: Sequence[str],
+        eos_ids: Sequence[int],
+        max_new: int,
+        allowed: Callable[[list[int]], bool] | None = None,
+    ) -> StopRule:
         """lm-eval's lookback: the longest stop string's token count plus 2 (``MultiTokenEOSCriteria``)."""
         until = tuple(s for s in until if s)
         lookback = max((len(tokenizer.encode(s, add_special_tokens=False)) for s in until), default=0) + 2
@@ -61,7 +67,7 @@ class StopRule:
             return True
         if not self.until:
             return False
-        tail = decode(tokens[-self.lookback:])
+        tail = decode(tokens[-self.lookback :])
         return any(s in tail for s in self.until) and (self.allowed is None or self.allowed(tokens))
 
 
@@ -96,8 +102,14 @@ class Scheduler:
     running row's next token. Both return the indices of the rows still running; a row that ends is FINISHED, its
     tokens go to :attr:`out` and ``on_done(job, tokens)`` is called, in row order."""
 
-    def __init__(self, lane: Lane, rule: StopRule, decode: Callable[[list[int]], str], warpers=None,
-                 on_done: Callable[[int, list[int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        lane: Lane,
+        rule: StopRule,
+        decode: Callable[[list[int]], str],
+        warpers=None,
+        on_done: Callable[[int, list[int]], None] | None = None,
+    ) -> None:
         self.lane, self.rule, self._decode = lane, rule, decode
         self._warpers, self._on_done = warpers, on_done
         self._queue = list(range(len(lane.prompts)))[::-1]  # pop() takes the next prompt

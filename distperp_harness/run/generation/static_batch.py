@@ -38,8 +38,9 @@ class StaticBuffers:
     ``allowed``; ``length`` is the column the next step writes (every layer's ``cumulative_length``). ``shapes``:
     ``(kv heads, key dim, value dim, dtype)`` per layer."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, capacity: int, shapes: Sequence[tuple],
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, slots: int, capacity: int, shapes: Sequence[tuple], device: torch.device
+    ) -> None:
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
@@ -48,8 +49,10 @@ class StaticBuffers:
         if len(self.cache.layers) != len(shapes) or any(type(layer) is not StaticLayer for layer in self.cache.layers):
             raise CacheNotShareable("/".join(sorted({type(layer).__name__ for layer in self.cache.layers})))
         for layer, (heads, k_dim, v_dim, dtype) in zip(self.cache.layers, shapes):  # allocates, marks static
-            layer.lazy_initialization(torch.empty(slots, heads, 1, k_dim, dtype=dtype, device=device),
-                                      torch.empty(slots, heads, 1, v_dim, dtype=dtype, device=device))
+            layer.lazy_initialization(
+                torch.empty(slots, heads, 1, k_dim, dtype=dtype, device=device),
+                torch.empty(slots, heads, 1, v_dim, dtype=dtype, device=device),
+            )
         self.allowed = torch.zeros(slots, capacity, dtype=torch.bool, device=device)
         torch._dynamo.mark_static_address(self.allowed)
         self.length = 0
@@ -68,16 +71,17 @@ class StaticBuffers:
             layer.cumulative_length.fill_(w)
         self.length = w
 
-    def write(self, slot: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], mask_row: torch.Tensor,
-              lo: int) -> None:
+    def write(
+        self, slot: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], mask_row: torch.Tensor, lo: int
+    ) -> None:
         """Slot ``slot`` := one prefilled row: ``kv`` per layer ``([heads, L, dim], [heads, L, dim])`` and its
         ``[L]`` mask, at columns ``[lo, lo + L)``; every other column of the slot masked."""
         width = mask_row.shape[0]
         for layer, (k, v) in zip(self.cache.layers, kv):
-            layer.keys[slot, :, lo:lo + width] = k
-            layer.values[slot, :, lo:lo + width] = v
+            layer.keys[slot, :, lo : lo + width] = k
+            layer.values[slot, :, lo : lo + width] = v
         self.allowed[slot] = False
-        self.allowed[slot, lo:lo + width] = mask_row.bool()
+        self.allowed[slot, lo : lo + width] = mask_row.bool()
 
     def move(self, lo: int, hi: int, offset: int) -> None:
         """Columns ``[lo, hi)`` of every slot move by ``offset`` (in place); the columns they leave are masked."""
@@ -85,20 +89,26 @@ class StaticBuffers:
             return
         for layer in self.cache.layers:
             for t in (layer.keys, layer.values):
-                t[:, :, lo + offset:hi + offset] = t[:, :, lo:hi].clone()
-        self.allowed[:, lo + offset:hi + offset] = self.allowed[:, lo:hi].clone()
+                t[:, :, lo + offset : hi + offset] = t[:, :, lo:hi].clone()
+        self.allowed[:, lo + offset : hi + offset] = self.allowed[:, lo:hi].clone()
         if offset < 0:
-            self.allowed[:, max(lo, hi + offset):hi] = False
+            self.allowed[:, max(lo, hi + offset) : hi] = False
         else:
-            self.allowed[:, lo:min(hi, lo + offset)] = False
+            self.allowed[:, lo : min(hi, lo + offset)] = False
 
 
 class StaticKVBatch:
     """:class:`~.kv_batch.KVBatch` over ``buffers``, decoded by ``step`` (a :class:`~.step.CompiledStep`: called
     as ``step.run(buffers, ids, positions)``; its ``state`` counts shifts and padded positions)."""
 
-    def __init__(self, step, buffers: StaticBuffers, device: torch.device, stats: LaneStats,
-                 around: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        step,
+        buffers: StaticBuffers,
+        device: torch.device,
+        stats: LaneStats,
+        around: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.step_fn, self.buffers, self.device, self.stats, self.around = step, buffers, device, stats, around
         self.pad = step.pad
         slots = buffers.slots
@@ -150,10 +160,14 @@ class StaticKVBatch:
         if self._w == buffers.capacity:
             self._shift_left(running)
         w = self._w
-        ids = torch.tensor([[r.tokens[-1] if r is not None else self.pad] for r in self._by_slot],
-                           dtype=torch.long, device=device)
-        positions = torch.tensor([[self._position[s] if r is not None else 0] for s, r in enumerate(self._by_slot)],
-                                 dtype=torch.long, device=device)
+        ids = torch.tensor(
+            [[r.tokens[-1] if r is not None else self.pad] for r in self._by_slot], dtype=torch.long, device=device
+        )
+        positions = torch.tensor(
+            [[self._position[s] if r is not None else 0] for s, r in enumerate(self._by_slot)],
+            dtype=torch.long,
+            device=device,
+        )
         buffers.allowed[:, w] = True  # every slot sees the column it writes; a free slot only that one
         with self.around():
             logits = self.step_fn.run(buffers, ids, positions)

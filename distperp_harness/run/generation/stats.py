@@ -24,8 +24,16 @@ class LaneStats:
     peak_cache_positions: int = 0
     padded_positions: int = 0
 
-    SUMMED = ("prompts", "prompt_tokens", "prefill_forwards", "prefill_positions", "decode_forwards",
-              "decode_positions", "generated", "padded_positions")
+    SUMMED = (
+        "prompts",
+        "prompt_tokens",
+        "prefill_forwards",
+        "prefill_positions",
+        "decode_forwards",
+        "decode_positions",
+        "generated",
+        "padded_positions",
+    )
 
     def add(self, other: LaneStats) -> None:
         for name in self.SUMMED:

@@ -98,10 +98,17 @@ class DecodeState:
         return f"eager: {self.failure}" if self.step is StepState.EAGER else self.step.value
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "state": self.state, "graphs": list(self.graphs),
-                "compile_seconds": round(self.seconds, 3), "compiled_calls": self.compiled_calls,
-                "eager_calls": dict(self.eager_calls), "padded_positions": self.padded_positions,
-                "shifts": self.shifts, "not_covered_example": self.not_covered_example}
+        return {
+            "mode": self.mode,
+            "state": self.state,
+            "graphs": list(self.graphs),
+            "compile_seconds": round(self.seconds, 3),
+            "compiled_calls": self.compiled_calls,
+            "eager_calls": dict(self.eager_calls),
+            "padded_positions": self.padded_positions,
+            "shifts": self.shifts,
+            "not_covered_example": self.not_covered_example,
+        }
 
 
 def kv_shapes(model: torch.nn.Module, device: torch.device, pad: int) -> list[tuple]:
@@ -110,8 +117,10 @@ def kv_shapes(model: torch.nn.Module, device: torch.device, pad: int) -> list[tu
 
     cache = DynamicCache(config=model.config)
     last_logits(model, cache, torch.tensor([[pad]], device=device))
-    return [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1], layer.keys.dtype)
-            for layer in plain_layers(cache)]
+    return [
+        (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1], layer.keys.dtype)
+        for layer in plain_layers(cache)
+    ]
 
 
 def _not_compiling() -> bool:
@@ -143,8 +152,14 @@ class CompiledStep:
     the run's :class:`~distperp_harness.run.compiling.regional.CompileState` (its ``decode`` is this object's
     :class:`DecodeState`); ``bucket``: capacities are its multiples (:func:`capacity_for`)."""
 
-    def __init__(self, model: torch.nn.Module, compile_state: compiling.CompileState, device: torch.device,
-                 pad_token_id: int | None, bucket: int = BUCKET) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        compile_state: compiling.CompileState,
+        device: torch.device,
+        pad_token_id: int | None,
+        bucket: int = BUCKET,
+    ) -> None:
         self.bucket = bucket
         self.model, self.compile_state, self.device = model, compile_state, device
         self.pad = pad_token_id if pad_token_id is not None else 0
@@ -172,8 +187,10 @@ class CompiledStep:
         global plan) not compiled yet; every rank calls this together."""
         if self.state.step is StepState.EAGER:
             return  # failed once (on some rank): the eager engine on every rank from then on
-        needed = sorted({(lane.slots, capacity_for(lane.longest, lane.max_new, self.bucket)) for lane in lanes}
-                        - self._compiled_buckets)
+        needed = sorted(
+            {(lane.slots, capacity_for(lane.longest, lane.max_new, self.bucket)) for lane in lanes}
+            - self._compiled_buckets
+        )
         if not needed:
             return  # the same on every rank: the plan is global
 
@@ -201,13 +218,19 @@ class CompiledStep:
         if failure is None:
             self._compiled_buckets.update(needed)
             self.state.step = StepState.COMPILED
-            log.info(f"compile={self.compile_state.mode}: decode step compiled (mode {self.mode}) for "
-                     f"{', '.join(f'{s} slots x {c}' for s, c in needed)}", main_process_only=True)
+            log.info(
+                f"compile={self.compile_state.mode}: decode step compiled (mode {self.mode}) for "
+                f"{', '.join(f'{s} slots x {c}' for s, c in needed)}",
+                main_process_only=True,
+            )
         else:
             self.state.step, self.state.failure = StepState.EAGER, failure
             self._buffers.clear()
-            log.warning(f"compile={self.compile_state.mode}: the decode step did not compile, generation decodes "
-                        f"eager: {failure}", main_process_only=True)
+            log.warning(
+                f"compile={self.compile_state.mode}: the decode step did not compile, generation decodes "
+                f"eager: {failure}",
+                main_process_only=True,
+            )
 
     def _forward(self, cache, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decode step (what is compiled): ``[S, V]`` logits of ``ids`` ``[S, 1]``."""

@@ -37,7 +37,7 @@ def tokens_after_think(tokens: Sequence[int], think_end_id: int) -> list[int]:
     """The tokens after the last ``think_end_id`` (all of them when it does not occur)."""
     tokens = list(tokens)
     last = max((i for i, t in enumerate(tokens) if t == think_end_id), default=-1)
-    return tokens[last + 1:]
+    return tokens[last + 1 :]
 
 
 def stop_allowed(text_so_far: str, think_end: str | None) -> bool:
@@ -57,14 +57,16 @@ def answer(tokenizer: Any, tokens: Sequence[int], think_end: str | int | None, u
     """The answer lm-eval scores from a row's new tokens: decoded, after the thinking trace (lm-eval ``hf``'s rule
     for a token id or a string ``think_end``), cut at the first stop string."""
     if isinstance(think_end, int):
-        return answer_of(tokenizer.decode(tokens_after_think(tokens, think_end), skip_special_tokens=True).lstrip(),
-                         None, until)
+        return answer_of(
+            tokenizer.decode(tokens_after_think(tokens, think_end), skip_special_tokens=True).lstrip(), None, until
+        )
     return answer_of(tokenizer.decode(list(tokens), skip_special_tokens=True), think_end, until)
 
 
 def stop_in_answer(tokenizer: Any, think_end: str | int, until: Sequence[str], tokens: list[int]) -> bool:
     """A stop string occurs after the finished thinking trace (called only once a stop string was seen)."""
     if isinstance(think_end, int):
-        return think_end in tokens and stop_hit(tokenizer.decode(tokens_after_think(tokens, think_end),
-                                                                 skip_special_tokens=True), None, until)
+        return think_end in tokens and stop_hit(
+            tokenizer.decode(tokens_after_think(tokens, think_end), skip_special_tokens=True), None, until
+        )
     return stop_hit(tokenizer.decode(tokens, skip_special_tokens=True), think_end, until)

@@ -36,10 +36,28 @@ N_COLUMNS = 5
 
 # Model types whose logits are exactly ``get_output_embeddings()(base_model(...).last_hidden_state)``; for
 # them only scored positions go through the head. Others (soft-capping, logit scaling, ...) use full logits.
-_PLAIN_HEAD_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo",
-    "olmo2", "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3", "ministral",
-})
+_PLAIN_HEAD_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "gemma",
+        "olmo",
+        "olmo2",
+        "gpt2",
+        "gpt_neox",
+        "gptj",
+        "stablelm",
+        "starcoder2",
+        "smollm3",
+        "ministral",
+    }
+)
 # Logits per chunk of scored positions. CPU: 64 MiB of float32, cache-friendly (measured, benchmarks/README.md).
 # CUDA: 256 MiB, so a 128k vocabulary still gets ~500 positions per chunk (fewer, larger kernels).
 _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
@@ -61,8 +79,14 @@ def _logit_bytes(dtype: torch.dtype) -> int:
     return size + (4 if size < 4 else 0)
 
 
-def chunk_bytes(device_type: str, dtype: torch.dtype, reference_dtype: torch.dtype | None = None, *,
-                positions: int | None = None, vocab: int | None = None) -> int:
+def chunk_bytes(
+    device_type: str,
+    dtype: torch.dtype,
+    reference_dtype: torch.dtype | None = None,
+    *,
+    positions: int | None = None,
+    vocab: int | None = None,
+) -> int:
     """Bytes the chunk loop of :func:`score_batch` holds at its peak, besides the features (module doc):
     ``elements * (logit bytes of the model [+ of the reference + 8 for the KL])``, with ``elements`` a whole
     chunk, or fewer when a batch scores only ``positions`` positions of a ``vocab``-sized vocabulary."""
@@ -91,9 +115,15 @@ class BatchScores:
     kl: list[np.ndarray] | None
 
 
-def _features(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-              chunk_rows: int, packing: "_Packing | None" = None, cache=None
-              ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+def _features(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    chunk_rows: int,
+    packing: "_Packing | None" = None,
+    cache=None,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
     float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
     ``packing``: the attention mask and position ids of a batch with tree rows (None: plain causal rows);
@@ -130,17 +160,28 @@ class _ReusedHead:
         self.weight_t = weight.t()
         self.bias = head.bias
         self.out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        self.wide = (None if weight.dtype in (torch.float32, torch.float64)
-                     else torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device))
+        self.wide = (
+            None
+            if weight.dtype in (torch.float32, torch.float64)
+            else torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device)
+        )
 
     @staticmethod
     def applies(head: torch.nn.Module, feats: torch.Tensor) -> bool:
         """True for an exact ``nn.Linear`` with plain dense floating-point parameters of the features' dtype."""
         params = [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
-        return (type(head) is torch.nn.Linear and feats.dim() == 2
-                and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided
-                        and p.dtype == feats.dtype and p.device == feats.device and p.is_floating_point()
-                        for p in params))
+        return (
+            type(head) is torch.nn.Linear
+            and feats.dim() == 2
+            and all(
+                type(p) in (torch.Tensor, torch.nn.Parameter)
+                and p.layout == torch.strided
+                and p.dtype == feats.dtype
+                and p.device == feats.device
+                and p.is_floating_point()
+                for p in params
+            )
+        )
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
         out = self.out[: chunk.shape[0]]
@@ -165,8 +206,13 @@ def _logsumexp_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(top)
 
 
-def _is_first_argmax(logits: torch.Tensor, target_logit: torch.Tensor, top: torch.Tensor, targets: torch.Tensor,
-                     argmax: torch.Tensor | None) -> torch.Tensor:
+def _is_first_argmax(
+    logits: torch.Tensor,
+    target_logit: torch.Tensor,
+    top: torch.Tensor,
+    targets: torch.Tensor,
+    argmax: torch.Tensor | None,
+) -> torch.Tensor:
     """``logits.argmax(-1) == targets`` (first index of the maximum, as lm-eval's greedy check), per row.
 
     Without a precomputed ``argmax``, only rows whose target logit equals the row maximum ``top`` can be greedy;
@@ -214,9 +260,16 @@ def _kl_(ref_logits: torch.Tensor, logits: torch.Tensor, work: tuple[torch.Tenso
 
 
 @torch.no_grad()
-def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *, device: torch.device,
-                pad_token_id: int, reference: torch.nn.Module | None = None, shared: int = 0,
-                between_forwards: Callable[[], None] | None = None) -> BatchScores:
+def score_batch(
+    model: torch.nn.Module,
+    batch: Sequence[Row] | Sequence[Unit],
+    *,
+    device: torch.device,
+    pad_token_id: int,
+    reference: torch.nn.Module | None = None,
+    shared: int = 0,
+    between_forwards: Callable[[], None] | None = None,
+) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded batch.
 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids (:mod:`~distperp_harness.run.scoring.masks`;
@@ -244,13 +297,19 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
     # plain forwards, so the sharded weights' gathers match across a shard group.
     with flex_shapes(device, models):
-        caches = ([prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
-                  if packing is not None and packing.prefix_ids is not None else [None] * len(models))
+        caches = (
+            [prefix_cache(m, packing.prefix_ids, len(batch_rows)) for m in models]
+            if packing is not None and packing.prefix_ids is not None
+            else [None] * len(models)
+        )
         if caches[0] is not None and between_forwards is not None:
             between_forwards()
         feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
-        ref_feats, ref_to_logits = (_features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
-                                    if reference is not None else (None, None))
+        ref_feats, ref_to_logits = (
+            _features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
+            if reference is not None
+            else (None, None)
+        )
     del caches
 
     logprob = torch.empty(n, dtype=torch.float64, device=device)
@@ -291,14 +350,14 @@ def score_batch(model: torch.nn.Module, batch: Sequence[Row] | Sequence[Unit], *
     stats = np.zeros((len(units), N_COLUMNS), dtype=np.float64)
     stats[:, LL] = np.add.reduceat(logprob.cpu().numpy(), offsets)
     greedy_np = greedy.cpu().numpy()
-    stats[:, GREEDY] = [float(greedy_np[o:o + c].all()) for o, c in zip(offsets, counts)]
+    stats[:, GREEDY] = [float(greedy_np[o : o + c].all()) for o, c in zip(offsets, counts)]
     stats[:, N_TOKENS] = counts
     kl_rows = None
     if reference is not None:
         stats[:, REF_LL] = np.add.reduceat(ref_logprob.cpu().numpy(), offsets)
         stats[:, TOP1] = np.add.reduceat(top1.cpu().numpy().astype(np.float64), offsets)
         kl_np = kl.cpu().numpy()
-        kl_rows = [kl_np[o:o + c].copy() for o, c in zip(offsets, counts)]
+        kl_rows = [kl_np[o : o + c].copy() for o, c in zip(offsets, counts)]
     return BatchScores(stats, kl_rows)
 
 
@@ -320,15 +379,19 @@ def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, 
         for k, unit in enumerate(row.units):
             row_list.extend([i] * unit.n_score)
             col_list.extend(row.columns(k))
-            target_list.extend(unit.tokens[-unit.n_score:])
+            target_list.extend(unit.tokens[-unit.n_score :])
     if shared:
         if len(batch_rows) < 2 or (ids[:, :shared] != ids[:1, :shared]).any() or min(col_list) < shared:
             raise ValueError(f"internal error: these rows do not share their first {shared} tokens unscored")
         col_list = [c - shared for c in col_list]
-    packing = (_Packing.of(batch_rows, padded, device, shared) if shared or any(r.packed for r in batch_rows)
-               else None)
-    return (ids[:, shared:].to(device), torch.tensor(row_list, device=device), torch.tensor(col_list, device=device),
-            torch.tensor(target_list, device=device), packing)
+    packing = _Packing.of(batch_rows, padded, device, shared) if shared or any(r.packed for r in batch_rows) else None
+    return (
+        ids[:, shared:].to(device),
+        torch.tensor(row_list, device=device),
+        torch.tensor(col_list, device=device),
+        torch.tensor(target_list, device=device),
+        packing,
+    )
 
 
 def forward_calls(shared: int) -> int:
@@ -338,10 +401,27 @@ def forward_calls(shared: int) -> int:
 
 # Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
 # (each checked against unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py).
-_MASKABLE_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo", "olmo2",
-    "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3",
-})
+_MASKABLE_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "gemma",
+        "olmo",
+        "olmo2",
+        "gpt2",
+        "gpt_neox",
+        "gptj",
+        "stablelm",
+        "starcoder2",
+        "smollm3",
+    }
+)
 
 
 def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
@@ -369,10 +449,14 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
         return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
     impl = getattr(config, "_attn_implementation", None)
     if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
-        return f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"
+        return (
+            f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"
+        )
     if impl not in ("sdpa", "eager", "flex_attention"):
-        return (f"attention implementation {impl!r} does not take a custom attention mask (sdpa and eager take a "
-                f"dense one, flex_attention a block mask)")
+        return (
+            f"attention implementation {impl!r} does not take a custom attention mask (sdpa and eager take a "
+            f"dense one, flex_attention a block mask)"
+        )
     if getattr(config, "attn_logit_softcapping", None):
         return "attention logits are soft-capped"
     window = getattr(config, "sliding_window", None)

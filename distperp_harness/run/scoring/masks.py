@@ -61,7 +61,7 @@ class Packing:
         base = 0
         for i, row in enumerate(batch_rows):
             run[i, : row.length] = torch.tensor(row.run_ids()) + base
-            run[i, row.length:] = base + len(row.runs)  # this row's padding: a run that sees all of the row
+            run[i, row.length :] = base + len(row.runs)  # this row's padding: a run that sees all of the row
             pos[i, : row.length] = torch.tensor(row.position_ids())
             anc = torch.ones(len(row.runs) + 1, len(row.runs) + 1, dtype=torch.bool)
             anc[: len(row.runs), : len(row.runs)] = torch.from_numpy(row.ancestors())
@@ -69,8 +69,14 @@ class Packing:
             blocks.append(anc)
             base += len(row.runs) + 1
         prefix = batch_rows[0].tokens()[:shared] if shared else None
-        return cls(run.to(device), torch.block_diag(*blocks).to(device), pos[:, shared:].to(device), padded, shared,
-                   None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device))
+        return cls(
+            run.to(device),
+            torch.block_diag(*blocks).to(device),
+            pos[:, shared:].to(device),
+            padded,
+            shared,
+            None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device),
+        )
 
     @classmethod
     def causal(cls, rows: int, length: int, device: torch.device) -> "Packing":
@@ -80,15 +86,19 @@ class Packing:
         run = (2 * torch.arange(rows)).repeat_interleave(width).view(rows, width)
         run[:, length:] += 1  # each row's padding run
         block = torch.ones(2, 2, dtype=torch.bool).tril()
-        return cls(run.to(device), torch.block_diag(*[block] * rows).to(device),
-                   torch.arange(length).repeat(rows, 1).to(device), length)
+        return cls(
+            run.to(device),
+            torch.block_diag(*[block] * rows).to(device),
+            torch.arange(length).repeat(rows, 1).to(device),
+            length,
+        )
 
     @functools.cached_property
     def allowed(self) -> torch.Tensor:
         """Dense ``bool [rows, 1, length - shared, length]``: True where the query sees the key."""
         run = self.run[:, : self.length]
-        q = run[:, self.shared:]
-        causal = torch.ones(self.length, self.length, dtype=torch.bool, device=run.device).tril()[self.shared:]
+        q = run[:, self.shared :]
+        causal = torch.ones(self.length, self.length, dtype=torch.bool, device=run.device).tril()[self.shared :]
         return (self.ancestors[q[:, :, None], run[:, None, :]] & causal)[:, None]
 
     def mask_mod(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -113,8 +123,9 @@ class Packing:
 
         device = self.run.device
         build = torch.compile(create_block_mask) if device.type == "cuda" else create_block_mask
-        return build(self.mask_mod(), self.run.shape[0], None, self.length - self.shared, self.length, device,
-                     FLEX_BLOCK)
+        return build(
+            self.mask_mod(), self.run.shape[0], None, self.length - self.shared, self.length, device, FLEX_BLOCK
+        )
 
     def kwargs(self, model: torch.nn.Module) -> dict:
         """``attention_mask`` (in the form ``model``'s attention implementation takes) and ``position_ids``."""
@@ -139,7 +150,8 @@ def flex_shapes(device: torch.device, models: Sequence[torch.nn.Module]) -> cont
     offsets do). Static shapes recompile per shape instead (then, past torch's recompile limit, run uncompiled:
     slower, same rule). CUDA keeps torch's defaults.
     """
-    if device.type == "cpu" and any(getattr(getattr(m, "config", None), "_attn_implementation", None)
-                                    == "flex_attention" for m in models):
+    if device.type == "cpu" and any(
+        getattr(getattr(m, "config", None), "_attn_implementation", None) == "flex_attention" for m in models
+    ):
         return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
     return contextlib.nullcontext()

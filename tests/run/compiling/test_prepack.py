@@ -10,8 +10,9 @@ from distperp_harness.run.compiling import prepack
 
 def _stack(seed: int = 0) -> torch.nn.ModuleList:
     torch.manual_seed(seed)
-    return torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 16, bias=False))
-                                for _ in range(2)])
+    return torch.nn.ModuleList(
+        [torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 16, bias=False)) for _ in range(2)]
+    )
 
 
 def _float64(layer: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
@@ -81,8 +82,9 @@ def test_only_plain_dense_weights_of_nn_linear_are_packed():
     class MyLinear(torch.nn.Linear):  # a subclass (e.g. a quantized wrapper) keeps its own forward
         pass
 
-    layers = torch.nn.ModuleList([torch.nn.Sequential(MyLinear(8, 8), torch.nn.Linear(8, 8).half(),
-                                                      torch.nn.Linear(8, 8))])
+    layers = torch.nn.ModuleList(
+        [torch.nn.Sequential(MyLinear(8, 8), torch.nn.Linear(8, 8).half(), torch.nn.Linear(8, 8))]
+    )
     hooked = layers[0][2]
     hooked.forward = hooked.forward  # an instance forward (a hook's wrapper): left alone
     assert prepack.packable_bytes(layers, torch.device("cpu")) == 0

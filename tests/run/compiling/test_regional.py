@@ -16,14 +16,24 @@ from distperp_harness.run.compiling import regional as compiling
 from distperp_harness.run.scoring.forward import LL, score_batch
 
 ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4,share_prefix=false"
-TEXTS = ["The tower is 324 metres tall, about the same height as an 81-storey building.",
-         "It was the first structure to reach a height of 300 metres. " * 4,
-         "Short."]
+TEXTS = [
+    "The tower is 324 metres tall, about the same height as an 81-storey building.",
+    "It was the first structure to reach a height of 300 metres. " * 4,
+    "Short.",
+]
 
 
-@pytest.mark.parametrize("given, expected", [(True, "default"), ("true", "default"), (False, "false"),
-                                             ("false", "false"), ("max-autotune", "max-autotune"),
-                                             ("Reduce-Overhead", "reduce-overhead")])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (True, "default"),
+        ("true", "default"),
+        (False, "false"),
+        ("false", "false"),
+        ("max-autotune", "max-autotune"),
+        ("Reduce-Overhead", "reduce-overhead"),
+    ],
+)
 def test_options_accept_true_false_and_modes(given, expected):
     opts = Options.from_kwargs(pretrained="m", compile=given)
     assert opts.compile == expected
@@ -66,8 +76,12 @@ def test_compiled_and_warmed_up_at_load(compiled_lm):
 
 
 def test_cpu_linears_compute_from_packed_weights(compiled_lm):
-    linears = [m for layer in compiling.decoder_layers(compiled_lm.model) for m in layer.modules()
-               if isinstance(m, torch.nn.Linear)]
+    linears = [
+        m
+        for layer in compiling.decoder_layers(compiled_lm.model)
+        for m in layer.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     packed = compiled_lm.get_model_info()["distperp"]["compile"]["prepacked"]
     assert packed["linears"] == len(linears) > 0 and all("forward" in m.__dict__ for m in linears)
     assert packed["bytes"] == sum(m.weight.numel() * 4 for m in linears)
@@ -88,8 +102,10 @@ def test_compiled_rolling_matches_float64_eager(compiled_lm, eager_model):
 def test_no_recompilation_across_batches_of_other_shapes(compiled_lm, eager_model):
     state = compiled_lm.compiled
     graphs, eager_before, compiled_before = state.recompilations(), dict(state.eager_calls), state.compiled_calls
-    batches = [[Unit(tuple(range(5, 5 + n)), n - 1) for n in (33, 20, 9)],  # 3 rows x 32
-               [Unit(tuple(range(7, 7 + n)), n - 1) for n in (50, 12)]]  # 2 rows x 49
+    batches = [
+        [Unit(tuple(range(5, 5 + n)), n - 1) for n in (33, 20, 9)],  # 3 rows x 32
+        [Unit(tuple(range(7, 7 + n)), n - 1) for n in (50, 12)],
+    ]  # 2 rows x 49
     for units in batches:
         out = score_batch(compiled_lm.model, units, device=torch.device("cpu"), pad_token_id=0)
         for unit, row in zip(units, out.stats):
@@ -100,11 +116,13 @@ def test_no_recompilation_across_batches_of_other_shapes(compiled_lm, eager_mode
     assert state.compiled_calls == compiled_before + 2 * len(batches)
 
 
-GEN = [("Q: What is two plus two?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
-       ("Complete the list: Monday, Tuesday,", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
-       ("The tower is 324 metres tall", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
-       ("Q: What colour is the sky on a clear day?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
-       ("Short.", {"max_gen_toks": 12, "do_sample": True, "temperature": 1.0})]
+GEN = [
+    ("Q: What is two plus two?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+    ("Complete the list: Monday, Tuesday,", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
+    ("The tower is 324 metres tall", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+    ("Q: What colour is the sky on a clear day?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+    ("Short.", {"max_gen_toks": 12, "do_sample": True, "temperature": 1.0}),
+]
 
 
 def test_generation_decodes_with_the_compiled_static_step(compiled_lm, tiny_model_dir):
@@ -126,9 +144,13 @@ def test_compile_is_in_the_run_identity_and_resume_key(compiled_lm):
     assert compiled_lm._scoring_config()["options"]["compile"] == "default"
 
 
-QUESTIONS = [("The tower is 324 metres tall, about the same height as", [" an 81-storey building.", " a tree.",
-                                                                        " nothing at all, really", " the moon"]),
-             ("It was the first structure to reach", [" a height of 300 metres.", " Paris"])]
+QUESTIONS = [
+    (
+        "The tower is 324 metres tall, about the same height as",
+        [" an 81-storey building.", " a tree.", " nothing at all, really", " the moon"],
+    ),
+    ("It was the first structure to reach", [" a height of 300 metres.", " Paris"]),
+]
 
 
 def _mc_requests():
@@ -193,8 +215,9 @@ def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatc
     lm = make_lm(tiny_model_dir, ARGS + ",compile=true")
     state = lm.compiled
     assert not state.active and "inductor says no" in state.reason
-    assert all("forward" not in m.__dict__ for layer in compiling.decoder_layers(lm.model)
-               for m in layer.modules())  # eager again: layers and their linears (no packed weights)
+    assert all(
+        "forward" not in m.__dict__ for layer in compiling.decoder_layers(lm.model) for m in layer.modules()
+    )  # eager again: layers and their linears (no packed weights)
     assert lm.get_model_info()["distperp"]["compile"]["prepacked"]["linears"] == 0
     assert lm.static_decoding is None and lm.get_model_info()["distperp"]["compile"]["decode"] is None
     assert lm._scoring_config()["compiled"] is None  # eager bits: not the compiled run's resume key
@@ -218,11 +241,27 @@ def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, ta
 
     args = ARGS.replace(",batch_size=4", "").replace(",share_prefix=false", "")
     out = tmp_path / "2p"
-    run_command([*accelerate_launch_prefix(2), "-m", "lm_eval", "--model", "distperp", "--model_args",
-                 f"pretrained={tiny_model_dir}{args},compile=true",
-                 "--tasks", "dptest_rolling,dptest_mc,dptest_gen", "--include_path", str(tasks_dir),
-                 "--batch_size", "4",
-                 "--log_samples", "--output_path", str(out)], cwd=tmp_path)
+    run_command(
+        [
+            *accelerate_launch_prefix(2),
+            "-m",
+            "lm_eval",
+            "--model",
+            "distperp",
+            "--model_args",
+            f"pretrained={tiny_model_dir}{args},compile=true",
+            "--tasks",
+            "dptest_rolling,dptest_mc,dptest_gen",
+            "--include_path",
+            str(tasks_dir),
+            "--batch_size",
+            "4",
+            "--log_samples",
+            "--output_path",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     info = load_results(out)["config"]["distperp"]
     assert info["world_size"] == 2 and info["compile"]["active"] and info["compile"]["recompilations"] == 0
     assert info["compile"]["compiled_calls"] > 0 and info["compile"]["tree_mask"] == "compiled"
@@ -235,7 +274,11 @@ def test_two_processes_give_the_bits_of_one(compiled_tree_lm, tiny_model_dir, ta
     one_mc = compiled_tree_lm.loglikelihood(requests, disable_tqdm=True)
     assert [float(r[0][0]) for s in mc for r in s["resps"]] == [float(ll) for ll, _ in one_mc]
     gen = load_samples(out, "dptest_gen")
-    requests = [Instance("generate_until", {}, (s["arguments"]["gen_args_0"]["arg_0"],
-                                                s["arguments"]["gen_args_0"]["arg_1"]), i) for i, s in enumerate(gen)]
+    requests = [
+        Instance(
+            "generate_until", {}, (s["arguments"]["gen_args_0"]["arg_0"], s["arguments"]["gen_args_0"]["arg_1"]), i
+        )
+        for i, s in enumerate(gen)
+    ]
     assert [s["resps"][0][0] for s in gen] == compiled_tree_lm.generate_until(requests, disable_tqdm=True)
     assert info["compile"]["decode"]["state"] == "compiled" and info["compile"]["decode"]["graphs"]  # rank 0's

@@ -76,22 +76,61 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores")
     cores = sorted(os.sched_getaffinity(0))[:2]
-    spec = TinySpec(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                    intermediate_size=768, max_position_embeddings=128, name="straggler-llama")
+    spec = TinySpec(
+        vocab_size=512,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=768,
+        max_position_embeddings=128,
+        name="straggler-llama",
+    )
     model = build_tiny_model(spec, tmp_path / "model")
     job = Path(__file__).with_name("straggler_job.py")
     root = Path(__file__).resolve().parents[2]
-    env = offline_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(root), os.environ.get("PYTHONPATH", "")])})
+    env = offline_env(
+        {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    )
 
     def run(name):
         port, out = free_port(), tmp_path / f"{name}.json"
-        procs = [subprocess.Popen(
-            ["taskset", "-c", str(cores[rank]), sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-             "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip",
-             "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-             str(job), str(model), str(out)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True) for rank in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [
+                    "taskset",
+                    "-c",
+                    str(cores[rank]),
+                    sys.executable,
+                    "-m",
+                    "accelerate.commands.launch",
+                    "--multi_gpu",
+                    "--num_machines",
+                    "2",
+                    "--machine_rank",
+                    str(rank),
+                    "--num_processes",
+                    "2",
+                    "--main_process_ip",
+                    "127.0.0.1",
+                    "--main_process_port",
+                    str(port),
+                    "--mixed_precision",
+                    "no",
+                    "--dynamo_backend",
+                    "no",
+                    str(job),
+                    str(model),
+                    str(out),
+                ],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
         for p in procs:
             output, _ = p.communicate(timeout=600)
             assert p.returncode == 0, output[-3000:]
@@ -110,8 +149,10 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
     ratio = slowed["call"]["seconds_after_arrival"] / quiet["call"]["seconds_after_arrival"]
     per_rank = [r["batches"] for r in slowed["call"]["per_rank"]]
     quiet_per_rank = [r["batches"] for r in quiet["call"]["per_rank"]]
-    print(f"slow node: {ratio:.2f}x the quiet call ({quiet['call']['seconds_after_arrival']:.1f} s); batches per rank "
-          f"{per_rank} (quiet {quiet_per_rank})")
+    print(
+        f"slow node: {ratio:.2f}x the quiet call ({quiet['call']['seconds_after_arrival']:.1f} s); batches per rank "
+        f"{per_rank} (quiet {quiet_per_rank})"
+    )
     assert min(quiet_per_rank) >= quiet["call"]["batches"] // 4, quiet_per_rank  # both nodes take a real share
     assert per_rank[0] >= 1.4 * per_rank[1], (per_rank, quiet_per_rank)  # the hogged node computed far fewer
 

@@ -47,8 +47,9 @@ def _forwards(log):
         log.append(("score", tuple(rows), shared))
         return BatchScores(np.full((len(rows), N_COLUMNS), float(len(rows))), [None] * len(rows))
 
-    return Forwards(score=score, idle_score=lambda: log.append(("idle",)),
-                    idle_decode=lambda: log.append(("idle_decode",)))
+    return Forwards(
+        score=score, idle_score=lambda: log.append(("idle",)), idle_decode=lambda: log.append(("idle_decode",))
+    )
 
 
 @pytest.mark.parametrize("shard_size", [1, 2])
@@ -104,16 +105,60 @@ def test_facts_come_back_for_every_rank_in_rank_order_and_resume_counts_add_up()
 
 def test_call_records_serialize_to_the_results_json_keys():
     share = RankShare(rank=0, units=3, from_ward=1, seconds=0.5, tokens=40)
-    scoring = ScoringCall("loglikelihood", 10, 4, "prefix", 40, 60, 2, 1, 3, 1, 30, [40], 1.0, 1.0, 1.0, "static",
-                          [share], 0.1, 0.4, 0.5, 0.45)
+    scoring = ScoringCall(
+        "loglikelihood",
+        10,
+        4,
+        "prefix",
+        40,
+        60,
+        2,
+        1,
+        3,
+        1,
+        30,
+        [40],
+        1.0,
+        1.0,
+        1.0,
+        "static",
+        [share],
+        0.1,
+        0.4,
+        0.5,
+        0.45,
+    )
     entry = scoring.to_dict()
     assert entry["per_rank"] == [{"rank": 0, "batches": 3, "from_ward": 1, "tokens": 40, "seconds": 0.5}]
     assert entry["computed_tokens_per_context"] == 20 and "facts" not in entry
-    generation = GenerationCall(4, 0, 1, 2, 2, 8, ["slots"], 1, 32, [40, 40], 1, 100, 60, 2, 10, 30, 24, 90,
-                                "dynamic", [RankShare(0, 2, 0, 1.0)], 1, 1.0)
+    generation = GenerationCall(
+        4,
+        0,
+        1,
+        2,
+        2,
+        8,
+        ["slots"],
+        1,
+        32,
+        [40, 40],
+        1,
+        100,
+        60,
+        2,
+        10,
+        30,
+        24,
+        90,
+        "dynamic",
+        [RankShare(0, 2, 0, 1.0)],
+        1,
+        1.0,
+    )
     entry = generation.to_dict()
-    assert entry["kind"] == "generate_until" and entry["per_rank"] == [{"rank": 0, "lanes": 2, "from_ward": 0,
-                                                                         "seconds": 1.0}]
+    assert entry["kind"] == "generate_until" and entry["per_rank"] == [
+        {"rank": 0, "lanes": 2, "from_ward": 0, "seconds": 1.0}
+    ]
     assert entry["decode_positions_per_generated"] == pytest.approx(30 / 24)
     stats = RunStats([scoring, generation])
     assert [c["kind"] for c in stats.to_dicts()] == ["loglikelihood", "generate_until"]

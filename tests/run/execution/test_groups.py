@@ -47,8 +47,9 @@ def test_a_member_whose_leader_never_decides_is_told_who():
         def get(self, key):
             raise TimeoutError("wait timeout after 1800000ms")
 
-    with pytest.raises(CollectiveError, match="rank 3 waited for the next decision of its tensor-parallel group's "
-                                              "leader, rank 2"):
+    with pytest.raises(
+        CollectiveError, match="rank 3 waited for the next decision of its tensor-parallel group's leader, rank 2"
+    ):
         Follow(Gone(), "call", 3, 2).share(0)
 
 

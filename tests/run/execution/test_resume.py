@@ -34,11 +34,13 @@ from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.scoring.forward import GREEDY, LL, N_TOKENS, TOP1, BatchScores
 
 UNITS = unit_rows([Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)])  # two one-unit rows
-GOOD = BatchScores(np.array([[-3.5, 0.0, 3, -3.25, 2], [-0.5, 1.0, 1, -0.75, 1]]), [np.array([0.1, 0.2, 0.3]),
-                                                                                    np.array([1e-9])])
+GOOD = BatchScores(
+    np.array([[-3.5, 0.0, 3, -3.25, 2], [-0.5, 1.0, 1, -0.75, 1]]), [np.array([0.1, 0.2, 0.3]), np.array([1e-9])]
+)
 ARGS = ",max_length=32,batch_size=2"
-TEXTS = [json.loads(line)["text"] for line in (TASKS_DIR / "dptest_rolling.jsonl").read_text().splitlines()
-         if line.strip()]
+TEXTS = [
+    json.loads(line)["text"] for line in (TASKS_DIR / "dptest_rolling.jsonl").read_text().splitlines() if line.strip()
+]
 
 
 @pytest.fixture
@@ -88,8 +90,9 @@ def _flip_a_byte(path):
     with zipfile.ZipFile(path) as zf:
         info = zf.getinfo("stats.npy")
     raw = bytearray(path.read_bytes())
-    name_len, extra_len = (int.from_bytes(raw[info.header_offset + o: info.header_offset + o + 2], "little")
-                           for o in (26, 28))
+    name_len, extra_len = (
+        int.from_bytes(raw[info.header_offset + o : info.header_offset + o + 2], "little") for o in (26, 28)
+    )
     raw[info.header_offset + 30 + name_len + extra_len + info.compress_size - 1] ^= 0x40
     path.write_bytes(bytes(raw))
     with pytest.raises(zipfile.BadZipFile, match="CRC"), np.load(path) as data:
@@ -105,10 +108,12 @@ def _rewrite(path, **changes):
 
 def _wrong_numbers(path):
     """A readable, plausible file whose numbers changed after saving: only the sha256 can tell."""
+
     def lower(stats):
         stats = stats.copy()
         stats[0, LL] -= 1.0
         return stats
+
     _rewrite(path, stats=lower)
 
 
@@ -148,9 +153,16 @@ def test_damaged_file_is_recomputed_and_overwritten(tmp_path, damage):
     assert _same(BatchStore(tmp_path, {}, with_kl=True).load(UNITS), GOOD)
 
 
-@pytest.mark.parametrize("column, value, why", [
-    (LL, np.nan, "non-finite scores"), (LL, 0.5, "a log-likelihood > 0"), (GREEDY, 0.5, "a greedy flag other than 0/1"),
-    (N_TOKENS, 2, "token counts that differ"), (TOP1, 7, "top-1 counts out of range")])
+@pytest.mark.parametrize(
+    "column, value, why",
+    [
+        (LL, np.nan, "non-finite scores"),
+        (LL, 0.5, "a log-likelihood > 0"),
+        (GREEDY, 0.5, "a greedy flag other than 0/1"),
+        (N_TOKENS, 2, "token counts that differ"),
+        (TOP1, 7, "top-1 counts out of range"),
+    ],
+)
 def test_impossible_values_with_a_valid_checksum_are_recomputed(tmp_path, column, value, why):
     stats = GOOD.stats.copy()
     stats[0, column] = value
@@ -177,13 +189,24 @@ def test_a_failed_save_warns_once_stops_saving_and_leaves_no_temporary_file(tmp_
 
 def test_counts_are_summed_over_ranks_and_rank0_logs_each_fault_once(tmp_path, resume_log):
     store = BatchStore(tmp_path, {})
-    rank = {"reused": 2, "saved": 3, "recomputed_corrupt": 1, "save_failures": 0, "damage": "x.npz: bad",
-            "save_error": None}
+    rank = {
+        "reused": 2,
+        "saved": 3,
+        "recomputed_corrupt": 1,
+        "save_failures": 0,
+        "damage": "x.npz: bad",
+        "save_error": None,
+    }
     failing = {**rank, "save_failures": 1, "damage": None, "save_error": "OSError: disk gone (saving /r/y.npz)"}
     for _ in range(2):  # the same state again at the next call: nothing new to say
         store.add_up([rank, None, failing])
-    assert store.report() == {"folder": str(tmp_path), "reused": 4, "saved": 6, "recomputed_corrupt": 2,
-                              "save_failures": 1}
+    assert store.report() == {
+        "folder": str(tmp_path),
+        "reused": 4,
+        "saved": 6,
+        "recomputed_corrupt": 2,
+        "save_failures": 1,
+    }
     assert len(resume_log) == 2
     assert "2 saved batch file(s)" in resume_log[0] and "x.npz: bad" in resume_log[0]
     assert "rank 2: OSError: disk gone (saving /r/y.npz)" in resume_log[1]
@@ -193,8 +216,10 @@ def test_counts_are_summed_over_ranks_and_rank0_logs_each_fault_once(tmp_path, r
 
 # ------------------------------------------------------------------------------ in-process runs, bit for bit
 def _bits(results):
-    return [(float(r).hex(), r.n_tokens, r.ref_loglikelihood, r.top1_agree, None if r.kl is None else r.kl.tobytes())
-            for r in results]
+    return [
+        (float(r).hex(), r.n_tokens, r.ref_loglikelihood, r.top1_agree, None if r.kl is None else r.kl.tobytes())
+        for r in results
+    ]
 
 
 def _run(model_dir, folder=None, args=""):
@@ -218,18 +243,17 @@ def saved(tiny_model_dir, tmp_path_factory, clean):
     return folder, n
 
 
-@pytest.mark.parametrize("damage", [_truncate, _garbage, _flip_a_byte, _wrong_numbers],
-                         ids=lambda f: f.__name__.strip("_"))
-def test_run_with_a_damaged_file_gives_identical_results(tiny_model_dir, saved, clean, tmp_path, damage,
-                                                         resume_log):
+@pytest.mark.parametrize(
+    "damage", [_truncate, _garbage, _flip_a_byte, _wrong_numbers], ids=lambda f: f.__name__.strip("_")
+)
+def test_run_with_a_damaged_file_gives_identical_results(tiny_model_dir, saved, clean, tmp_path, damage, resume_log):
     source, n = saved
     folder = tmp_path / "resume"
     shutil.copytree(source, folder)
     damage(sorted(folder.glob("batch-*.npz"))[n // 2])
     bits, report = _run(tiny_model_dir, folder)
     assert bits == clean
-    assert report == {"folder": str(folder), "reused": n - 1, "saved": 1, "recomputed_corrupt": 1,
-                      "save_failures": 0}
+    assert report == {"folder": str(folder), "reused": n - 1, "saved": 1, "recomputed_corrupt": 1, "save_failures": 0}
     assert len(resume_log) == 1 and "1 saved batch file(s)" in resume_log[0]
     assert _run(tiny_model_dir, folder)[1]["reused"] == n  # overwritten with a good file
 
@@ -250,8 +274,9 @@ def small_disk(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True,
-                              text=True, timeout=30)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot mount a 64 KiB tmpfs: {exc}")
     if proc.returncode != 0:
@@ -286,10 +311,24 @@ def test_full_disk_finishes_with_identical_results(tiny_model_dir, clean, small_
 
 # ------------------------------------------------------------------------------ accelerate launch runs
 def _command(model_dir, out, processes, resume=None):
-    return [*accelerate_launch_prefix(processes), "-m", "lm_eval", "--model", "distperp", "--model_args",
-            f"pretrained={model_dir}{ARGS}" + (f",resume_dir={resume}" if resume else ""),
-            "--tasks", "dptest_rolling", "--include_path", str(TASKS_DIR), "--batch_size", "2",
-            "--log_samples", "--output_path", str(out)]
+    return [
+        *accelerate_launch_prefix(processes),
+        "-m",
+        "lm_eval",
+        "--model",
+        "distperp",
+        "--model_args",
+        f"pretrained={model_dir}{ARGS}" + (f",resume_dir={resume}" if resume else ""),
+        "--tasks",
+        "dptest_rolling",
+        "--include_path",
+        str(TASKS_DIR),
+        "--batch_size",
+        "2",
+        "--log_samples",
+        "--output_path",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -306,14 +345,19 @@ def _assert_resumed(out, clean_out, reused):
     assert report["reused"] == reused and report["reused"] + report["saved"] == sum(c["batches"] for c in calls)
     assert report["recomputed_corrupt"] == 0 and report["save_failures"] == 0
     assert resumed["config"]["distperp"]["fingerprint"] == clean["config"]["distperp"]["fingerprint"]
-    assert [r["resps"] for r in load_samples(out, "dptest_rolling")] == \
-           [r["resps"] for r in load_samples(clean_out, "dptest_rolling")]
+    assert [r["resps"] for r in load_samples(out, "dptest_rolling")] == [
+        r["resps"] for r in load_samples(clean_out, "dptest_rolling")
+    ]
 
 
 def test_crash_then_resume_with_another_world_size(tiny_model_dir, clean_cli, tmp_path):
     resume = tmp_path / "resume"
-    crashed = run_command(_command(tiny_model_dir, tmp_path / "crashed", 2, resume), cwd=tmp_path,
-                          env={"DISTPERP_TEST_CRASH": "1:3"}, check=False)
+    crashed = run_command(
+        _command(tiny_model_dir, tmp_path / "crashed", 2, resume),
+        cwd=tmp_path,
+        env={"DISTPERP_TEST_CRASH": "1:3"},
+        check=False,
+    )
     assert crashed.returncode != 0
     assert not list((tmp_path / "crashed").rglob("results_*.json"))
     done_before = len(list(resume.glob("batch-*.npz")))
@@ -343,8 +387,15 @@ def test_sigterm_stops_both_ranks_and_the_same_command_resumes(tiny_model_dir, c
     # Rank 1 stalls after its first batch, so rank 0 finishes its share and waits in a collective for it:
     # SIGTERM then meets one rank in Python and one blocked in gloo.
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(command, cwd=tmp_path, env=offline_env({"DISTPERP_TEST_HOLD": "1:1"}),
-                                    stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        launcher = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=offline_env({"DISTPERP_TEST_HOLD": "1:1"}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     try:
         _wait_until_saving_pauses(resume, launcher, log_path)
         t0 = time.monotonic()

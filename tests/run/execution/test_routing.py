@@ -54,6 +54,7 @@ class _Threads:
                 self.received += sum(o.nbytes for s, o in enumerate(out) if s != r)
                 outer.barrier.wait()
                 return out
+
         return _Rank()
 
 
@@ -148,9 +149,13 @@ def test_results_reach_every_holder_and_only_holders(with_kl):
         everyone.update(c)
 
     def body(c):
-        mine = {int(i): (stats(i), everyone[int(i)], kl(i)) for i in range(len(table)) if computer[unit_batch[i]] == c.rank}
-        return return_results(c, table, unit_batch, computer, mine, ids[c.rank], flats[c.rank].check_hashes(), 3,
-                              with_kl)
+        mine = {
+            int(i): (stats(i), everyone[int(i)], kl(i)) for i in range(len(table)) if computer[unit_batch[i]] == c.rank
+        }
+        return return_results(
+            c, table, unit_batch, computer, mine, ids[c.rank], flats[c.rank].check_hashes(), 3, with_kl
+        )
+
     out = _run(3, body)
     for r in range(3):
         assert sorted(out[r]) == sorted(ids[r].tolist())

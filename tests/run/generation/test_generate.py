@@ -39,15 +39,24 @@ def _load(model_dir, attn="sdpa"):
 
 def _setup(model, tokenizer, collective, rows=4, **kw):
     executor = Executor(collective, Forwards(score=None), device=torch.device("cpu"))
-    return GenerationSetup(model=model, tokenizer=tokenizer, executor=executor, device=torch.device("cpu"),
-                           max_length=128, max_gen_toks=12, add_bos_token=None, rows_for=lambda length: rows, **kw)
+    return GenerationSetup(
+        model=model,
+        tokenizer=tokenizer,
+        executor=executor,
+        device=torch.device("cpu"),
+        max_length=128,
+        max_gen_toks=12,
+        add_bos_token=None,
+        rows_for=lambda length: rows,
+        **kw,
+    )
 
 
 def _fewshot_prompts(sample_text_path, count=6):
     """A fixed few-shot block (~45 tokens) and ``count`` questions of different lengths after it (< 100 tokens)."""
     words = sample_text_path.read_text(encoding="utf-8").split()
     prefix = "Examples:\n" + " ".join(words[:16]) + "\nQ: " + " ".join(words[16:20]) + "\nA:"
-    return [prefix + " " + " ".join(words[100 + 13 * i: 100 + 13 * i + 2 + 2 * i]) for i in range(count)]
+    return [prefix + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 2 * i]) for i in range(count)]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -79,8 +88,9 @@ def test_sampling_ignores_batch_size_and_order_and_follows_the_seed(tiny_model_d
     assert torch.equal(torch.get_rng_state(), state)  # the global RNG is untouched
     single = generate(_setup(model, tokenizer, collective, rows=1, seed=0), args, ids)
     order = list(reversed(range(len(args))))
-    reordered = generate(_setup(model, tokenizer, collective, rows=3, seed=0), [args[i] for i in order],
-                         [ids[i] for i in order])
+    reordered = generate(
+        _setup(model, tokenizer, collective, rows=3, seed=0), [args[i] for i in order], [ids[i] for i in order]
+    )
     assert batched == single == [reordered[order.index(i)] for i in range(len(args))]
     other_seed = generate(_setup(model, tokenizer, collective, rows=4, seed=1), args, ids)
     assert sum(a != b for a, b in zip(batched, other_seed)) >= len(args) - 1
@@ -92,8 +102,9 @@ def test_repeats_and_documents_sample_independently(tiny_model_dir, collective):
     model, tokenizer = _load(tiny_model_dir)
     arg = ("Once upon a time", dict(SAMPLED))
     # lm-eval repeats one Instance `repeats` times; two documents may hold the same prompt
-    first, second, other_doc = generate(_setup(model, tokenizer, collective, seed=3), [arg, arg, arg],
-                                        [("t", 0, 0), ("t", 0, 0), ("t", 1, 0)])
+    first, second, other_doc = generate(
+        _setup(model, tokenizer, collective, seed=3), [arg, arg, arg], [("t", 0, 0), ("t", 0, 0), ("t", 1, 0)]
+    )
     assert len({first, second, other_doc}) == 3
     again = generate(_setup(model, tokenizer, collective, rows=1, seed=3), [arg], [("t", 0, 0)])
     assert again == [first]
@@ -108,8 +119,7 @@ def test_sampling_without_a_temperature_uses_the_models_and_says_so(tiny_model_d
         logging.getLogger("distperp_harness").addHandler(caplog.handler)
         out = generate(_setup(model, tokenizer, collective, seed=0), [("The river", kwargs)], [("t", 0, 0)])
         logging.getLogger("distperp_harness").removeHandler(caplog.handler)
-    at_one = generate(_setup(model, tokenizer, collective, seed=0),
-                      [("The river", kwargs)], [("t", 0, 0)])
+    at_one = generate(_setup(model, tokenizer, collective, seed=0), [("The river", kwargs)], [("t", 0, 0)])
     assert out == at_one and any("without a temperature" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="temperature > 0"):
         generate(_setup(model, tokenizer, collective), [("The river", dict(kwargs, temperature=0.0))])
@@ -132,8 +142,7 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
     assert record.kind == "generate_until" and record.seed == 6 and record.jobs == 2
 
 
-def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path,
-                                                               monkeypatch):
+def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path, monkeypatch):
     from distperp_harness.run.generation import engines
     from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
@@ -155,8 +164,9 @@ def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collecti
     model, tokenizer = _load(peaked_dir)
     prompts = _fewshot_prompts(sample_text_path, 3)
     calls = []
-    penalized = generate(_setup(model, tokenizer, collective), [(p, dict(GREEDY, repetition_penalty=1.3))
-                                                                 for p in prompts], calls=calls)
+    penalized = generate(
+        _setup(model, tokenizer, collective), [(p, dict(GREEDY, repetition_penalty=1.3)) for p in prompts], calls=calls
+    )
     assert calls[0].engines == ["generate"] and all(penalized)
 
 
@@ -167,8 +177,31 @@ def test_texts_equal_lm_evals_hf(peaked_dir):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    words = ["the", "river", "flows", "into", "the", "sea", "and", "the", "lighthouse", "keeper", "lit", "the", "lamps", "while", "the", "old", "mill", "turned", "slowly", "in", "the", "wind"]
-    prompts = [" ".join(words[i: i + 3 + i % 7]) for i in range(14)]
+    words = [
+        "the",
+        "river",
+        "flows",
+        "into",
+        "the",
+        "sea",
+        "and",
+        "the",
+        "lighthouse",
+        "keeper",
+        "lit",
+        "the",
+        "lamps",
+        "while",
+        "the",
+        "old",
+        "mill",
+        "turned",
+        "slowly",
+        "in",
+        "the",
+        "wind",
+    ]
+    prompts = [" ".join(words[i : i + 3 + i % 7]) for i in range(14)]
     kwargs = {"until": ["e", "\n"], "max_gen_toks": 12, "do_sample": False}
     requests = [Instance("generate_until", {}, (p, dict(kwargs)), i) for i, p in enumerate(prompts)]
     hf = HFLM(pretrained=str(peaked_dir), batch_size=3, device="cpu", max_length=128)
@@ -228,8 +261,10 @@ def test_share_prefix_false_and_claim_false_apply_to_generation(peaked_dir, samp
     from helpers import make_lm
     from lm_eval.api.instance import Instance
 
-    requests = [Instance("generate_until", {}, (p, dict(GREEDY)), i)
-                for i, p in enumerate(_fewshot_prompts(sample_text_path, 4))]
+    requests = [
+        Instance("generate_until", {}, (p, dict(GREEDY)), i)
+        for i, p in enumerate(_fewshot_prompts(sample_text_path, 4))
+    ]
     on = make_lm(peaked_dir, ",max_length=128", {"batch_size": 4})
     off = make_lm(peaked_dir, ",max_length=128,share_prefix=false,claim=false", {"batch_size": 4})
     assert on.generate_until(requests, disable_tqdm=True) == off.generate_until(requests, disable_tqdm=True)
@@ -246,8 +281,9 @@ def test_reference_measures_the_quantized_models_own_generations(peaked_dir):
     lm = make_lm(peaked_dir, ",max_length=128,dtype=float32,quantize=int8,reference=base", {"batch_size": 2})
     prompts = ["The river flows into the", "Once upon a time there", "A B C D E", "The lighthouse keeper lit"]
     kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
-    requests = [Instance("generate_until", {}, (p, dict(kwargs)), 0, metadata=("gen_task", i, 1))
-                for i, p in enumerate(prompts)]
+    requests = [
+        Instance("generate_until", {}, (p, dict(kwargs)), 0, metadata=("gen_task", i, 1)) for i, p in enumerate(prompts)
+    ]
     texts = lm.generate_until(requests, disable_tqdm=True)
     entry = lm.comparison.entries()["gen_task"]
     kl_sum, agree, count = 0.0, 0, 0
@@ -255,8 +291,8 @@ def test_reference_measures_the_quantized_models_own_generations(peaked_dir):
         ctx, cont = lm._encode_pair(prompt, text)
         ids = torch.tensor([ctx + cont])
         with torch.no_grad():
-            logp = torch.log_softmax(lm.model(ids).logits[0].double(), -1)[len(ctx) - 1: -1]
-            ref = torch.log_softmax(lm.reference(ids).logits[0].double(), -1)[len(ctx) - 1: -1]
+            logp = torch.log_softmax(lm.model(ids).logits[0].double(), -1)[len(ctx) - 1 : -1]
+            ref = torch.log_softmax(lm.reference(ids).logits[0].double(), -1)[len(ctx) - 1 : -1]
         kl_sum += float((ref.exp() * (ref - logp)).sum())
         agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
         count += len(cont)

@@ -82,7 +82,7 @@ def test_prompts_sharing_a_block_sit_together_and_arguments_never_mix():
     order = [by_key[key_hex(k)] for k in table.jobs["key"]]
     assert [g for _, g in order] == sorted(g for _, g in order)  # arguments first
     for block in blocks:
-        places = [i for i, (p, g) in enumerate(order) if g == 7 and p[:len(block)] == block]
+        places = [i for i, (p, g) in enumerate(order) if g == 7 and p[: len(block)] == block]
         assert places == list(range(places[0], places[0] + len(places)))  # contiguous
 
 
@@ -90,9 +90,11 @@ def test_prompts_sharing_a_block_sit_together_and_arguments_never_mix():
 def test_the_planned_prefix_is_the_exact_one_to_a_block(seed):
     rng = random.Random(seed)
     block = [rng.randrange(5, 500) for _ in range(rng.randrange(20, 90))]
-    prompts = [block[:rng.randrange(len(block) // 2, len(block) + 1)] + [rng.randrange(5, 500)
-                                                                         for _ in range(rng.randrange(1, 20))]
-               for _ in range(9)]
+    prompts = [
+        block[: rng.randrange(len(block) // 2, len(block) + 1)]
+        + [rng.randrange(5, 500) for _ in range(rng.randrange(1, 20))]
+        for _ in range(9)
+    ]
     table = _table([_local([(i, p, 1, 16, False) for i, p in enumerate(prompts)])])
     ordered = [list(prompts[[_key(i) for i in range(9)].index(key_hex(k))]) for k in table.jobs["key"]]
     for start, stop in ((0, 9), (2, 7), (4, 6)):
@@ -123,13 +125,18 @@ def test_prompts_reach_only_the_ranks_of_their_lanes(step):
         assert planned.table.jobs.tobytes() == base.table.jobs.tobytes() and planned.lanes == base.lanes
         assert planned.seed == 100  # rank 0's
         may = {i for i, owner in enumerate(planned.plan.owner) if r in (owner, (owner + step) % world if step else -1)}
-        needed = {int(planned.table.prompt_id[j]) for i in may
-                  for j in range(planned.lanes[i].start, planned.lanes[i].stop)}
+        needed = {
+            int(planned.table.prompt_id[j]) for i in may for j in range(planned.lanes[i].start, planned.lanes[i].stop)
+        }
         own = set(planned.table.prompts.ids(parts[r].prompts.keys()).tolist())
         assert set(planned.available.received_ids.tolist()) == needed - own
         for uid in needed:  # and they are the holders' tokens
-            name = next(n for n, p, *_ in jobs if FlatUnits.of_sequences([p], [0]).keys()[0].tolist()
-                        == planned.table.prompts.units["key"][uid].tolist())
+            name = next(
+                n
+                for n, p, *_ in jobs
+                if FlatUnits.of_sequences([p], [0]).keys()[0].tolist()
+                == planned.table.prompts.units["key"][uid].tolist()
+            )
             assert list(planned.available.sequence(uid)) == next(p for n, p, *_ in jobs if n == name)
         records = sum(len(encode_jobs(local_records(p.prompts), p.records)) for k, p in enumerate(parts) if k != r)
         tokens = sum(4 * (3 + len(planned.available.sequence(uid))) for uid in needed - own)

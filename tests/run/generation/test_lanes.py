@@ -12,8 +12,9 @@ def _slots_for(budget: int):
 
 def _plan(prompts, groups, max_new, slots_for, min_shared):
     """Lanes planned with the exact shared prefix of each lane's prompts."""
-    return plan_lanes([len(p) for p in prompts], groups, max_new, slots_for,
-                      lambda a, b: lane_prefix(prompts[a:b], min_shared))
+    return plan_lanes(
+        [len(p) for p in prompts], groups, max_new, slots_for, lambda a, b: lane_prefix(prompts[a:b], min_shared)
+    )
 
 
 def test_lanes_hold_rounds_of_slots_never_mix_arguments_and_cover_every_job():

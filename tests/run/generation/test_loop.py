@@ -28,14 +28,16 @@ def peaked(tiny_model_dir, tmp_path_factory):
 def _prompts(tokenizer, sample_text_path, count=9, block=True):
     words = sample_text_path.read_text(encoding="utf-8").split()
     head = ("Examples:\n" + " ".join(words[:16]) + "\nA:") if block else ""
-    return [tokenizer.encode(head + " " + " ".join(words[100 + 13 * i: 100 + 13 * i + 2 + 3 * i]))
-            for i in range(count)]
+    return [
+        tokenizer.encode(head + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 3 * i])) for i in range(count)
+    ]
 
 
 def _alone(model, tokenizer, prompt, rule):
     """``model.generate`` of one prompt (no padding), cut where the rule ends it: the reference for a row."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=rule.max_new, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=rule.max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )[0, len(prompt) :].tolist()
     return next((out[:n] for n in range(1, len(out) + 1) if rule.done(out[:n], tokenizer.decode)), out)
 
 
@@ -75,8 +77,12 @@ def test_a_prefix_is_computed_once_per_rank_across_lanes(peaked, sample_text_pat
     prompts = _prompts(tokenizer, sample_text_path, 6)
     rule = StopRule.of(tokenizer, ["\n"], [tokenizer.eos_token_id], 4)
     cache = PrefixCache()
-    first = decode_lane(Decoder(model, tokenizer, CPU, prefixes=cache), Lane(prompts[:3], tuple(prompts[0][:10]), 2), rule)[1]
-    second = decode_lane(Decoder(model, tokenizer, CPU, prefixes=cache), Lane(prompts[3:], tuple(prompts[0][:10]), 2), rule)[1]
+    first = decode_lane(
+        Decoder(model, tokenizer, CPU, prefixes=cache), Lane(prompts[:3], tuple(prompts[0][:10]), 2), rule
+    )[1]
+    second = decode_lane(
+        Decoder(model, tokenizer, CPU, prefixes=cache), Lane(prompts[3:], tuple(prompts[0][:10]), 2), rule
+    )[1]
     assert first.prefix_computed and not second.prefix_computed
 
 
@@ -89,7 +95,7 @@ def test_a_stop_string_ends_a_row_only_where_allowed(peaked, sample_text_path):
     late, _ = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 2), held)
     assert any(len(t) < 6 for t in early) and all(len(t) >= 6 for t in late)
     for tokens in late:  # the row went on past its early stop and ended at the first allowed one (or the limit)
-        assert len(tokens) == 20 or "e" in tokenizer.decode(tokens[-free.lookback:])
+        assert len(tokens) == 20 or "e" in tokenizer.decode(tokens[-free.lookback :])
 
 
 def test_sampled_rows_keep_their_own_seeds_whatever_the_slots(tiny_model_dir, sample_text_path):
@@ -101,12 +107,19 @@ def test_sampled_rows_keep_their_own_seeds_whatever_the_slots(tiny_model_dir, sa
     rule = StopRule.of(tokenizer, ["\n\n"], [tokenizer.eos_token_id], 10)
     warpers = warpers_for(model, {"temperature": 1.0})
     seeds = list(range(100, 106))
-    runs = [decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), s, seeds), rule, warpers=warpers)[0] for s in (1, 4)]
+    runs = [
+        decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), s, seeds), rule, warpers=warpers)[0]
+        for s in (1, 4)
+    ]
     assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) == len(prompts)
     # the first token of each row is a draw from its own generator on its own logits
     for prompt, seed, tokens in zip(prompts, seeds, runs[0]):
         logits = model(torch.tensor([prompt])).logits[:, -1].float()
-        assert torch.multinomial(torch.softmax(logits[0], -1), 1, generator=generators_for([seed], CPU)[0]) \
-            .item() == tokens[0]
-    other = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 4, [s + 1 for s in seeds]), rule, warpers=warpers)[0]
+        assert (
+            torch.multinomial(torch.softmax(logits[0], -1), 1, generator=generators_for([seed], CPU)[0]).item()
+            == tokens[0]
+        )
+    other = decode_lane(
+        Decoder(model, tokenizer, CPU), Lane(prompts, (), 4, [s + 1 for s in seeds]), rule, warpers=warpers
+    )[0]
     assert sum(a != b for a, b in zip(other, runs[0])) >= len(prompts) - 1

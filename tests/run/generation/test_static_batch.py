@@ -61,7 +61,7 @@ def prompts(peaked, sample_text_path):
     tokenizer = peaked[1]
     words = sample_text_path.read_text(encoding="utf-8").split()
     head = "Examples:\n" + " ".join(words[:16]) + "\nA:"
-    return [tokenizer.encode(head + " " + " ".join(words[100 + 13 * i: 100 + 13 * i + 2 + 3 * i])) for i in range(9)]
+    return [tokenizer.encode(head + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 3 * i])) for i in range(9)]
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +116,17 @@ def test_eos_and_sampled_rows_keep_their_seeds(engine, peaked, prompts):
     assert static == eager and any(row[-1] == eos and len(row) < MAX_NEW for row in eager)
     warpers = warpers_for(model, {"temperature": 2.0})
     seeds = list(range(300, 309))
-    eager, _, static, _ = _both(engine, Lane(prompts, (), 3, seeds), StopRule.of(tokenizer, ["e"], [], MAX_NEW),
-                                tokenizer=tokenizer, warpers=warpers)
+    eager, _, static, _ = _both(
+        engine,
+        Lane(prompts, (), 3, seeds),
+        StopRule.of(tokenizer, ["e"], [], MAX_NEW),
+        tokenizer=tokenizer,
+        warpers=warpers,
+    )
     assert static == eager
-    greedy = decode_lane(Decoder(model, tokenizer, CPU), Lane(prompts, (), 3), StopRule.of(tokenizer, ["e"], [], MAX_NEW))[0]
+    greedy = decode_lane(
+        Decoder(model, tokenizer, CPU), Lane(prompts, (), 3), StopRule.of(tokenizer, ["e"], [], MAX_NEW)
+    )[0]
     assert static != greedy  # they are draws
 
 

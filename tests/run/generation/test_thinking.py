@@ -31,8 +31,7 @@ def test_answer_of_is_lm_evals_postprocessing(text, think_end, until):
 def test_stops_count_only_after_the_trace():
     assert not stop_allowed("<think>reasoning\n\nmore", "</think>")
     assert not stop_hit("<think>reasoning\n\nmore", "</think>", ["\n\n"])
-    assert stop_allowed("<think>r</think>", "</think>") and not stop_hit("<think>r\n\n</think>ok", "</think>",
-                                                                          ["\n\n"])
+    assert stop_allowed("<think>r</think>", "</think>") and not stop_hit("<think>r\n\n</think>ok", "</think>", ["\n\n"])
     assert stop_hit("<think>r\n\n</think>ok\n\n", "</think>", ["\n\n"])
     assert stop_hit("no thinking\n\n", None, ["\n\n"]) and stop_allowed("anything", None)
     assert tokens_after_think([5, 7, 9, 7, 3, 4], 7) == [3, 4] and tokens_after_think([1, 2], 7) == [1, 2]
@@ -76,15 +75,21 @@ def greedy(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     context = "The quick brown fox"
     ids = torch.tensor([tokenizer.encode(context)])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
-    return context, out[0, ids.shape[1]:].tolist(), tokenizer
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=24,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=None,
+    )
+    return context, out[0, ids.shape[1] :].tolist(), tokenizer
 
 
 def _think_token(tokens):
     """A token id of the greedy continuation, at its last occurrence, with earlier tokens before it (a trace)."""
     for k in range(len(tokens) - 4, 2, -1):
-        if tokens[k] not in tokens[k + 1:]:
+        if tokens[k] not in tokens[k + 1 :]:
             return k, tokens[k]
     pytest.skip("no usable token in the greedy continuation")
 

@@ -48,8 +48,10 @@ def _reference_scores(model, unit, ref=None):
 
 def _units(seed=0):
     rng = np.random.default_rng(seed)
-    return [Unit(tuple(int(t) for t in rng.integers(4, 400, size=n)), k)
-            for n, k in [(40, 39), (33, 5), (12, 1), (64, 20), (7, 6)]]
+    return [
+        Unit(tuple(int(t) for t in rng.integers(4, 400, size=n)), k)
+        for n, k in [(40, 39), (33, 5), (12, 1), (64, 20), (7, 6)]
+    ]
 
 
 def test_log_likelihoods_match_float64_reference(model):
@@ -171,7 +173,7 @@ def test_shared_rows_match_float64_per_unit(model, batch_rows):
     unshared = score_batch(model, units, device=torch.device("cpu"), pad_token_id=3).stats
     greedy_seen = 0
     for start in range(0, len(rows), batch_rows):
-        batch = rows[start: start + batch_rows]
+        batch = rows[start : start + batch_rows]
         out = score_batch(model, batch, device=torch.device("cpu"), pad_token_id=3).stats
         for row_stats, uid in zip(out, [i for r in batch for i in r.unit_ids]):
             ll, greedy, _, _, _ = _reference_scores(model, units[uid])
@@ -213,9 +215,20 @@ def _tiny_config(model_type):
     from transformers import AutoConfig
 
     extra = {"rotary_dim": 4} if model_type == "gptj" else {}
-    return AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("model_type", sorted(scoring._MASKABLE_TYPES))
@@ -226,8 +239,9 @@ def test_every_maskable_type_takes_packed_rows(model_type):
 
     rng = np.random.default_rng(0)
     context = [int(t) for t in rng.integers(4, 300, size=20)]
-    units = UnitTable([continuation_unit(context, [int(t) for t in rng.integers(4, 300, size=k)], 128)
-                       for k in (3, 5, 1, 4)]).units
+    units = UnitTable(
+        [continuation_unit(context, [int(t) for t in rng.integers(4, 300, size=k)], 128) for k in (3, 5, 1, 4)]
+    ).units
     rows = build_rows(units, "prefix")
     order = [i for r in rows for i in r.unit_ids]
     for impl in ("sdpa", "eager"):
@@ -261,8 +275,10 @@ SHARED_MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" 
 SHARED_TEXT = SHARED_MODEL.parents[1] / "data" / "wikitext-2" / "valid.txt"
 
 
-@pytest.mark.skipif(not (SHARED_MODEL / "config.json").is_file() or not SHARED_TEXT.is_file(),
-                    reason="optional: ../shared/models/wt2-llama-5m and ../shared/data/wikitext-2 not present")
+@pytest.mark.skipif(
+    not (SHARED_MODEL / "config.json").is_file() or not SHARED_TEXT.is_file(),
+    reason="optional: ../shared/models/wt2-llama-5m and ../shared/data/wikitext-2 not present",
+)
 def test_shared_rows_on_the_shared_model():
     """HellaSwag- and MMLU-shaped questions from WikiText-2 valid on wt2-llama-5m: shared rows vs float64."""
     from transformers import AutoTokenizer
@@ -275,8 +291,8 @@ def test_shared_rows_on_the_shared_model():
     units = []
     for q in range(6):
         start = 200 * q
-        context = ids[start: start + 60]
-        endings = [ids[start + 60 + 40 * k: start + 72 + 40 * k] for k in range(4)]
+        context = ids[start : start + 60]
+        endings = [ids[start + 60 + 40 * k : start + 72 + 40 * k] for k in range(4)]
         units += [continuation_unit(context, e, 1024) for e in endings]
         units += [continuation_unit(context, [ids[start + 60 + 40 * k]], 1024) for k in range(4, 8)]
     units = UnitTable(units).units
@@ -287,10 +303,10 @@ def test_shared_rows_on_the_shared_model():
     for row_stats, uid in zip(out, [i for r in rows for i in r.unit_ids]):
         unit = units[uid]
         with torch.no_grad():  # float64 by hand, vectorized over the vocabulary (8,192 entries)
-            logits = shared(torch.tensor([unit.tokens[:-1]])).logits[0, -unit.n_score:].double()
+            logits = shared(torch.tensor([unit.tokens[:-1]])).logits[0, -unit.n_score :].double()
         top = logits.max(dim=-1).values
         log_z = top + torch.log(torch.exp(logits - top[:, None]).sum(dim=-1))
-        targets = torch.tensor(unit.tokens[-unit.n_score:])
+        targets = torch.tensor(unit.tokens[-unit.n_score :])
         ll = math.fsum((logits[torch.arange(unit.n_score), targets] - log_z).tolist())
         greedy = bool((logits.argmax(dim=-1) == targets).all())
         assert _close(row_stats[LL], ll), (uid, row_stats[LL], ll)
@@ -312,8 +328,9 @@ def _few_shot_units(model, seed=0, shots=40, questions=6, max_length=128):
         with torch.no_grad():
             for _ in range(2):
                 greedy.append(int(model(torch.tensor([greedy])).logits[0, -1].argmax()))
-        answers = [greedy[len(context):], [int(rng.integers(4, 400))]] + \
-            [[int(t) for t in rng.integers(4, 400, size=k)] for k in (4, 2)]
+        answers = [greedy[len(context) :], [int(rng.integers(4, 400))]] + [
+            [int(t) for t in rng.integers(4, 400, size=k)] for k in (4, 2)
+        ]
         units += [continuation_unit(context, a, max_length) for a in answers]
     return UnitTable(units).units
 
@@ -326,8 +343,7 @@ def test_tree_rows_and_shared_prefixes_match_float64(tiny_model_dir, impl, rows_
     from distperp_harness.planning.plan import make_batches
     from distperp_harness.planning.rows import plan_rows, shared_prefix
 
-    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
-                                                attn_implementation=impl).eval()
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl).eval()
     units = _few_shot_units(tiny)
     plan = plan_rows(units, "prefix", max_row_length=64)
     assert any(len(r.runs) > 3 for r in plan.rows) and len(plan.rows) >= 3
@@ -335,7 +351,7 @@ def test_tree_rows_and_shared_prefixes_match_float64(tiny_model_dir, impl, rows_
     batches = make_batches([r.length for r in plan.rows], batch_size=rows_per_batch, group_starts=plan.group_starts)
     shared_seen = 0
     for batch in batches:
-        rows = plan.rows[batch.start: batch.stop]
+        rows = plan.rows[batch.start : batch.stop]
         shared = shared_prefix(rows)
         shared_seen += shared > 0
         out = score_batch(tiny, rows, device=torch.device("cpu"), pad_token_id=3, shared=shared).stats
@@ -367,8 +383,12 @@ def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
     shared = shared_prefix(rows)
     ref = copy.deepcopy(model)
     calls = []
-    hooks = [m.base_model.register_forward_hook(lambda mod, args, kwargs, out, name=name: calls.append(name),
-                                                with_kwargs=True) for name, m in (("model", model), ("ref", ref))]
+    hooks = [
+        m.base_model.register_forward_hook(
+            lambda mod, args, kwargs, out, name=name: calls.append(name), with_kwargs=True
+        )
+        for name, m in (("model", model), ("ref", ref))
+    ]
     try:
         score_batch(model, rows, device=torch.device("cpu"), pad_token_id=3, reference=ref, shared=shared)
     finally:
@@ -376,35 +396,49 @@ def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
             h.remove()
     assert scoring.forward_calls(shared) == 2 and calls == ["model", "ref", "model", "ref"]
     with pytest.raises(ValueError, match="do not share"):
-        score_batch(model, rows[:1] + unit_rows([Unit(tuple(range(4, 80)), 1)]), device=torch.device("cpu"),
-                    pad_token_id=3, shared=shared)
+        score_batch(
+            model,
+            rows[:1] + unit_rows([Unit(tuple(range(4, 80)), 1)]),
+            device=torch.device("cpu"),
+            pad_token_id=3,
+            shared=shared,
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="flex_attention on CPU compiles C++ kernels (torch inductor) and needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="flex_attention on CPU compiles C++ kernels (torch inductor) and needs a C++ compiler",
+)
 def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
     """attn_implementation=flex_attention: the tree mask as a BlockMask; every unit equals the float64 log-softmax of
     its own unshared logits, greedy flags equal sdpa's. The batch's common prefix is computed in each row
     (cached_prefix_unsupported), so the plan never gives a flex batch a cached prefix."""
     from distperp_harness.planning.rows import plan_rows, shared_prefix
 
-    models = {impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
-                                                         attn_implementation=impl).eval()
-              for impl in ("sdpa", "flex_attention")}
+    models = {
+        impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl).eval()
+        for impl in ("sdpa", "flex_attention")
+    }
     assert scoring.packed_rows_unsupported(models["flex_attention"], 128) is None
     units = _few_shot_units(models["sdpa"], seed=4, questions=4)
     rows = plan_rows(units, "prefix", max_row_length=64).rows[:2]
     shared = shared_prefix(rows)
     assert shared >= 40 and all(r.packed for r in rows)
-    assert scoring.cached_prefix_unsupported(models["flex_attention"]) and \
-        scoring.cached_prefix_unsupported(models["sdpa"]) is None
+    assert (
+        scoring.cached_prefix_unsupported(models["flex_attention"])
+        and scoring.cached_prefix_unsupported(models["sdpa"]) is None
+    )
     sharing, _, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
     assert sharing.mode == "prefix" and not sharing.cached_prefix
     for prefix in (0,):
-        out = {impl: score_batch(m, rows, device=torch.device("cpu"), pad_token_id=3, shared=prefix).stats
-               for impl, m in models.items()}
-        for row_stats, sdpa_stats, uid in zip(out["flex_attention"], out["sdpa"], [i for r in rows for i in r.unit_ids]):
+        out = {
+            impl: score_batch(m, rows, device=torch.device("cpu"), pad_token_id=3, shared=prefix).stats
+            for impl, m in models.items()
+        }
+        for row_stats, sdpa_stats, uid in zip(
+            out["flex_attention"], out["sdpa"], [i for r in rows for i in r.unit_ids]
+        ):
             ll, greedy, _, _, _ = _reference_scores(models["sdpa"], units[uid])
             assert _close(row_stats[LL], ll), (prefix, uid, row_stats[LL], ll)
             assert row_stats[GREEDY] == sdpa_stats[GREEDY] == float(greedy)

@@ -12,8 +12,10 @@ from distperp_harness.run.scoring.masks import FLEX_BLOCK, Packing
 
 def _row(runs, parents, tag=0):
     """A row of ``runs`` (lengths) under ``parents``; tokens are distinct per run, the first run's shared."""
-    tokens = tuple(tuple(range(10 + 100 * (r + (tag if r else 0)), 10 + 100 * (r + (tag if r else 0)) + n))
-                   for r, n in enumerate(runs))
+    tokens = tuple(
+        tuple(range(10 + 100 * (r + (tag if r else 0)), 10 + 100 * (r + (tag if r else 0)) + n))
+        for r, n in enumerate(runs)
+    )
     return Row(tokens, tuple(parents), (Unit(tokens[0] + (1,), 1),), (0,), (0,))
 
 
