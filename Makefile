@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test lint venv bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	# torch first, pinned to the version this machine has as a local CPU wheel; the project's range admits it.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.5,<3"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,lint]"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -31,6 +31,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=30 $(PYTEST_ARGS)
+
+# ruff (format, import order, bugbear, simplify, complexity, argument count) and mypy on planning/ and run/;
+# the configuration is pyproject.toml's [tool.ruff] and [tool.mypy]
+lint: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_scoring.py

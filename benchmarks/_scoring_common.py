@@ -27,7 +27,7 @@ if not any(a in ("cuda", "--device=cuda") for a in sys.argv):  # torchao's CUDA 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402,F401  (the parts use them)
+from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: F401 - the parts use them
 
 RANDOM_MODEL = "random-llama-52m"
 RANDOM_CONFIG = dict(
@@ -200,7 +200,7 @@ def make_lm(
     ``dtype`` to both ``hf`` and distperp."""
     from lm_eval.api.registry import get_model
 
-    import distperp_harness._hook  # noqa: F401  (registers --model distperp)
+    import distperp_harness._hook  # noqa: F401 - registers --model distperp
 
     name = "hf" if scorer == "hf" else "distperp"
     extra = {"int4": ",quantize=int4", "int4-bf16": ",quantize=int4"}.get(scorer, "")
@@ -245,7 +245,7 @@ def bare_forward(model: Any, batches: list[Any]) -> None:
 
     with torch.no_grad():
         for ids in batches:
-            model(input_ids=ids, use_cache=False).logits
+            _ = model(input_ids=ids, use_cache=False).logits
 
 
 def padded_tokens(lm: Any, docs: list[str], batch_size: int) -> dict[str, int]:

@@ -57,10 +57,8 @@ class ModelResult:
     notes: list[str] = field(default_factory=list)
 
 
-def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
-    """Time every scorer on ``name`` (alternating, ``args.repeats`` times) and measure scoring memory."""
-    facts = model_facts(path)
-    scorers = [s for s in args.scorers if s in SCORERS]
+def _build_lms(scorers: list[str], path: Path, args: argparse.Namespace) -> tuple[dict[str, Any], list[str], set[str]]:
+    """The scorers' models, the notes of optional ones that could not be built, and those skipped."""
     lms: dict[str, Any] = {}
     notes: list[str] = []
     skipped: set[str] = set()
@@ -69,11 +67,35 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
             continue
         try:
             lms[scorer] = make_lm(scorer, path, args.max_length, args.batch_size, device=args.device, dtype=args.dtype)
-        except Exception as exc:  # noqa: BLE001 - an optional path (int4) may not be available
+        except Exception as exc:  # an optional path (int4) may not be available
             if scorer in ("hf", "distperp"):
                 raise
             notes.append(f"{SCORERS[scorer]} skipped: {type(exc).__name__}: {str(exc)[:200]}")
             skipped.add(scorer)
+    return lms, notes, skipped
+
+
+def _record_repeat(
+    result: ModelResult, tokens: int, seconds: dict[str, float], cpu: dict[str, float], stage: float | None
+) -> None:
+    """One repetition's throughputs and ratios, appended to ``result``."""
+    for key, s in seconds.items():
+        result.tokens_per_s[key].append(tokens / s)
+    if "hf" in seconds:
+        result.ratio_hf.append(seconds["hf"] / seconds["distperp"])
+        result.ratio_hf_cpu.append(cpu["hf"] / cpu["distperp"])
+    if stage is not None:
+        result.scoring_tokens_per_s.append(tokens / stage)
+    if "bare" in seconds and stage is not None:
+        result.ratio_bare.append(seconds["bare"] / stage)
+        result.ratio_bare_end_to_end.append(seconds["bare"] / seconds["distperp"])
+
+
+def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
+    """Time every scorer on ``name`` (alternating, ``args.repeats`` times) and measure scoring memory."""
+    facts = model_facts(path)
+    scorers = [s for s in args.scorers if s in SCORERS]
+    lms, notes, skipped = _build_lms(scorers, path, args)
     _quiet()  # distperp's LM sets its own log level when it is built
     if "bare" in scorers:
         lms["bare"] = lms["distperp"]
@@ -111,16 +133,7 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
             cpu[runner.key] = time.process_time() - c0
             if runner.key == "distperp":
                 stage = inner
-        for key, s in seconds.items():
-            result.tokens_per_s[key].append(tokens / s)
-        if "hf" in seconds:
-            result.ratio_hf.append(seconds["hf"] / seconds["distperp"])
-            result.ratio_hf_cpu.append(cpu["hf"] / cpu["distperp"])
-        if stage is not None:
-            result.scoring_tokens_per_s.append(tokens / stage)
-        if "bare" in seconds and stage is not None:
-            result.ratio_bare.append(seconds["bare"] / stage)
-            result.ratio_bare_end_to_end.append(seconds["bare"] / seconds["distperp"])
+        _record_repeat(result, tokens, seconds, cpu, stage)
         print(
             f"  repeat {rep + 1}/{args.repeats}: "
             + ", ".join(f"{k} {tokens / s:,.0f} tok/s" for k, s in seconds.items()),

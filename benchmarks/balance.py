@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from _wikitext import SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402
+from _wikitext import SHARED_MODEL, WIKITEXT_TEST, load_articles
 
 from distperp_harness.planning.plan import assign_batches, balance_report, make_batches, round_robin_max_over_mean
 

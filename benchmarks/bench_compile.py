@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: E402
-from bench_scoring import _quiet, machine, make_lm, requests_for, select_documents  # noqa: E402  (sets env)
+from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles
+from bench_scoring import _quiet, machine, make_lm, requests_for, select_documents  # sets env
 
 SCORERS = {
     "hf": ("hf", ""),
@@ -71,7 +71,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.work == "rolling":
         docs, tokens = select_documents(load_articles(Path(args.text)), lm.tokenizer, args.tokens or None)
         requests = requests_for(docs)
-        call = lambda: [float(x) for x in lm.loglikelihood_rolling(requests, disable_tqdm=True)]  # noqa: E731
+
+        def call() -> list[float]:
+            return [float(x) for x in lm.loglikelihood_rolling(requests, disable_tqdm=True)]
     else:
         from bench_mc import build_questions
         from bench_mc import requests_for as mc_requests
@@ -80,7 +82,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         questions = build_questions("hellaswag", ids, lambda t: lm.tokenizer.decode(t), args.questions)
         requests = mc_requests(questions)
         tokens = sum(len(lm.tokenizer.encode(c + x, add_special_tokens=False)) for c, x in (r.args for r in requests))
-        call = lambda: [float(ll) for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)]  # noqa: E731
+
+        def call() -> list[float]:
+            return [float(ll) for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+
     compiled = getattr(lm, "compiled", None)
     compile_before = compiled.seconds if compiled is not None else 0.0
     t1 = time.perf_counter()

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lm_eval.api.registry import get_model
 
-    import distperp_harness._hook  # noqa: F401  (registers --model distperp)
+    import distperp_harness._hook  # noqa: F401 - registers --model distperp
 
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
     lms = {

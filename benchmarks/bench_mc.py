@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _wikitext import SHARED_MODEL, WIKITEXT_TEST  # noqa: E402
-from bench_scoring import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model  # noqa: E402
+from _wikitext import SHARED_MODEL, WIKITEXT_TEST
+from bench_scoring import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model
 
 WIKITEXT_VALID = WIKITEXT_TEST.with_name("valid.txt")
 SCORERS = {"hf": ("hf", ""), "distperp": ("distperp", ""), "unshared": ("distperp", ",share_prefix=false")}
@@ -221,7 +221,8 @@ def table(reports: list[dict[str, Any]], args) -> str:
 
     lines = [
         f"{datetime.date.today().isoformat()} · {machine()} · torch {torch.__version__} "
-        f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · transformers {transformers.__version__} · lm-eval "
+        f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) · "
+        f"transformers {transformers.__version__} · lm-eval "
         f"{lm_eval.__version__} · {Path(args.model).name} · 1 process · {args.dtype} on "
         f"{device_name(args.device)} · batch size "
         f"{args.batch_size} · best of {args.repeats} alternating repeats",

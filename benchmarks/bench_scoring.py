@@ -18,13 +18,13 @@ larger than the tokenizer's is valid, the extra rows are never targets but are p
 ``--random-shape NAME`` scores a random-init model of a shape in :data:`RANDOM_SHAPES` instead (``llama-1b``:
 Llama-3.2-1B's, for GPUs; ``tiny``: the test model's, for dry runs), built once into ``--workdir``.
 
-Timing (in-process): each repeat runs every scorer once, in an order rotated per repeat (hf, distperp, bare, ...),
-so slow phases of a shared machine hit all of them; tokens/s is scored tokens over the call's wall time. The table
-shows the best repeat of each scorer (interference only ever slows a run down, so the fastest run is the least
-disturbed one); the notes give medians, per-repeat ratios and the ratio of process CPU times. ``bare forward`` is ``model(ids).logits``
-(no log-softmax) on exactly distperp's padded windows and batches, tensors built before the clock starts.
-``distperp / bare`` uses distperp's scoring stage (exchange, plan, forward, log-probs; its ``scoring_seconds``),
-not tokenization; the end-to-end figure is printed too.
+Timing (in-process): each repeat runs every scorer once, in an order rotated per repeat (hf, distperp, bare, ...), so
+slow phases of a shared machine hit all of them; tokens/s is scored tokens over the call's wall time. The table shows
+the best repeat of each scorer (interference only ever slows a run down, so the fastest run is the least disturbed one);
+the notes give medians, per-repeat ratios and the ratio of process CPU times. ``bare forward`` is ``model(ids).logits``
+(no log-softmax) on exactly distperp's padded windows and batches, tensors built before the clock starts. ``distperp /
+bare`` uses distperp's scoring stage (exchange, plan, forward, log-probs; its ``scoring_seconds``), not tokenization;
+the end-to-end figure is printed too.
 
 Memory (one fresh subprocess per scorer): load, build the requests, then score ``--memory-tokens`` tokens while
 a thread samples the resident set size (``/proc/self/statm``) every millisecond. Peak memory of scoring is the
@@ -47,22 +47,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared setup first: it sets the offline environment before torch, transformers or tqdm are imported.
-from _scoring_common import (  # noqa: E402,F401
+from _scoring_common import (
     RANDOM_MODEL,
     RANDOM_SHAPES,
     SCORERS,
     WIKITEXT_TEST,
     _quiet,
-    device_name,
-    machine,
-    make_lm,
-    requests_for,
+    device_name,  # noqa: F401 - re-exported: the other benchmarks import it from here
+    machine,  # noqa: F401 - re-exported: the other benchmarks import it from here
+    make_lm,  # noqa: F401 - re-exported: the other benchmarks import it from here
+    requests_for,  # noqa: F401 - re-exported: the other benchmarks import it from here
     resolve_model,
-    select_documents,
+    select_documents,  # noqa: F401 - re-exported: the other benchmarks import it from here
 )
-from _scoring_memory import memory_worker  # noqa: E402
-from _scoring_profile import profile_scorers  # noqa: E402
-from _scoring_speed import bench_model, cli_sanity, report  # noqa: E402
+from _scoring_memory import memory_worker
+from _scoring_profile import profile_scorers
+from _scoring_speed import bench_model, cli_sanity, report
 
 # What the parts measure: _scoring_speed.py (alternating timed repeats, the CLI check, the table), _scoring_memory.py
 # (peak scoring memory in a fresh subprocess per scorer), _scoring_profile.py (--profile); _scoring_common.py holds

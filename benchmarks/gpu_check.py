@@ -3,15 +3,15 @@
     python benchmarks/gpu_check.py                    # one GPU (two or more: also 1 vs 2 processes)
     python benchmarks/gpu_check.py --device cpu       # dry mode on the tiny test model (runs in `make test`)
 
-For each run (``bfloat16`` and ``quantize=int4`` by default) through the real ``DistPerpLM`` with
-``batch_size=auto``: load time and peak CUDA memory of the load stage, weight bytes, ``auto``'s token budget
-(chosen twice: the answer must not move), rolling log-likelihood tokens/s over ``--tokens`` tokens of text, for the
-unquantized run its MFU (2 x parameters x tokens/s over the GPU's dense bf16 peak, from an exact table of GPU
-names: "unknown" for any other GPU) and for quantized runs the speed-up over it instead (MFU against a bf16 peak
-means little for int4 kernels), peak CUDA memory of scoring, the first batch of the plan computed twice (bits must
-be equal), how many Linear layers were quantized (every one must be), and whether the run's memory was released
-(the model collected after ``gc.collect()``, and on CUDA the allocated bytes back at the baseline after
-``torch.cuda.empty_cache()``). The load peak is the loader's own meter (``config.distperp.load_memory_per_rank``). With two or more GPUs (or ``--processes 2`` on CPU) the rolling
+For each run (``bfloat16`` and ``quantize=int4`` by default) through the real ``DistPerpLM`` with ``batch_size=auto``:
+load time and peak CUDA memory of the load stage, weight bytes, ``auto``'s token budget (chosen twice: the answer must
+not move), rolling log-likelihood tokens/s over ``--tokens`` tokens of text, for the unquantized run its MFU (2 x
+parameters x tokens/s over the GPU's dense bf16 peak, from an exact table of GPU names: "unknown" for any other GPU) and
+for quantized runs the speed-up over it instead (MFU against a bf16 peak means little for int4 kernels), peak CUDA
+memory of scoring, the first batch of the plan computed twice (bits must be equal), how many Linear layers were
+quantized (every one must be), and whether the run's memory was released (the model collected after ``gc.collect()``,
+and on CUDA the allocated bytes back at the baseline after ``torch.cuda.empty_cache()``). The load peak is the loader's
+own meter (``config.distperp.load_memory_per_rank``). With two or more GPUs (or ``--processes 2`` on CPU) the rolling
 fingerprint of 1 and of 2 processes (``accelerate launch``) must be equal.
 
 The tree-row case (``--tree-impls``, one row per attention implementation, default ``sdpa,flex_attention`` on CUDA
@@ -52,9 +52,9 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from distperp_harness.commands.tiny import TinySpec, build_tiny_model, sample_text  # noqa: E402
+from distperp_harness.commands.tiny import TinySpec, build_tiny_model, sample_text
 
 LLAMA_1B = TinySpec(
     vocab_size=128256,

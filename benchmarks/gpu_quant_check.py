@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from distperp_harness.model.quantize import quantize_model, resolve_model_dtype  # noqa: E402
+from distperp_harness.model.quantize import quantize_model, resolve_model_dtype
 
 LLAMA_1B = dict(
     vocab_size=128256,

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import Counter  # noqa: E402  (positions through the decoder, prefill and decode)
-from leaderboard_data import FAMILY_OF, GROUP, REAL_COUNTS, build_leaderboard_include, not_computable  # noqa: E402
+from bench_generate import Counter  # positions through the decoder, prefill and decode
+from leaderboard_data import FAMILY_OF, GROUP, REAL_COUNTS, build_leaderboard_include, not_computable
 
 FAMILIES = list(REAL_COUNTS)
 SUBGROUP = {
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lm_eval.api.registry import get_model
 
-    import distperp_harness._hook  # noqa: F401  (registers --model distperp and its task folder)
+    import distperp_harness._hook  # noqa: F401 - registers --model distperp and its task folder
 
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
     lms = {

@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _wikitext import WIKITEXT_TEST  # noqa: E402
+from _wikitext import WIKITEXT_TEST
 
 GROUP = "leaderboard"
 """The group to pass as ``tasks``: lm-eval's own name, whose member tasks the include folder overrides."""
@@ -46,20 +46,56 @@ LM_EVAL_LEADERBOARD = (
     Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks" / "leaderboard"
 ).resolve()
 
-_BBH = dict.fromkeys(["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects", "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation", "navigate", "object_counting", "penguins_in_a_table", "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies"], 250) | {
-    "causal_judgement": 187, "penguins_in_a_table": 146, "snarks": 178}  # fmt: skip
+_BBH = dict.fromkeys(
+    [
+        "boolean_expressions",
+        "causal_judgement",
+        "date_understanding",
+        "disambiguation_qa",
+        "formal_fallacies",
+        "geometric_shapes",
+        "hyperbaton",
+        "logical_deduction_five_objects",
+        "logical_deduction_seven_objects",
+        "logical_deduction_three_objects",
+        "movie_recommendation",
+        "navigate",
+        "object_counting",
+        "penguins_in_a_table",
+        "reasoning_about_colored_objects",
+        "ruin_names",
+        "salient_translation_error_detection",
+        "snarks",
+        "sports_understanding",
+        "temporal_sequences",
+        "tracking_shuffled_objects_five_objects",
+        "tracking_shuffled_objects_seven_objects",
+        "tracking_shuffled_objects_three_objects",
+        "web_of_lies",
+    ],
+    250,
+) | {"causal_judgement": 187, "penguins_in_a_table": 146, "snarks": 178}
 _MATH = {  # lm-eval task suffix: (MATH `type`, Level 5 test questions)
-    "algebra": ("Algebra", 307), "counting_and_prob": ("Counting & Probability", 123), "geometry": ("Geometry", 132),
-    "intermediate_algebra": ("Intermediate Algebra", 280), "num_theory": ("Number Theory", 154),
-    "prealgebra": ("Prealgebra", 193), "precalculus": ("Precalculus", 135)}  # fmt: skip
+    "algebra": ("Algebra", 307),
+    "counting_and_prob": ("Counting & Probability", 123),
+    "geometry": ("Geometry", 132),
+    "intermediate_algebra": ("Intermediate Algebra", 280),
+    "num_theory": ("Number Theory", 154),
+    "prealgebra": ("Prealgebra", 193),
+    "precalculus": ("Precalculus", 135),
+}
 REAL_COUNTS: dict[str, dict[str, int]] = {
     "mmlu_pro": {"leaderboard_mmlu_pro": 12032},
     "bbh": {f"leaderboard_bbh_{k}": v for k, v in _BBH.items()},
     "gpqa": {"leaderboard_gpqa_diamond": 198, "leaderboard_gpqa_extended": 546, "leaderboard_gpqa_main": 448},
     "math_hard": {f"leaderboard_math_{k}_hard": v[1] for k, v in _MATH.items()},
     "ifeval": {"leaderboard_ifeval": 541},
-    "musr": {"leaderboard_musr_murder_mysteries": 250, "leaderboard_musr_object_placements": 256,
-             "leaderboard_musr_team_allocation": 250}}  # fmt: skip
+    "musr": {
+        "leaderboard_musr_murder_mysteries": 250,
+        "leaderboard_musr_object_placements": 256,
+        "leaderboard_musr_team_allocation": 250,
+    },
+}
 """Documents per task of the real suite, by family (BBH 5,761, GPQA 1,192, MATH level 5 1,324, MuSR 756: the sizes of
 the Hugging Face datasets lm-eval's YAMLs name, after MATH's Level 5 filter). Requests per document are not here:
 multiple choice makes one request per choice (MMLU-Pro up to 10; a few real questions have fewer options)."""
@@ -91,13 +127,22 @@ class _Text:
         body = " ".join(ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.strip().startswith("="))
         fill = iter(_FILL * (body.count("<unk>") // len(_FILL) + 1))  # WikiText's rare words, mostly names
         body = re.sub("<unk>", lambda m: next(fill), body)
-        for a, b in ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" 's", "'s"), (" 't", "'t"), ("( ", "("),
-                     (" )", ")"), (' " ', ' "')):  # fmt: skip
+        for a, b in (
+            (" @-@ ", "-"),
+            (" @,@ ", ","),
+            (" @.@ ", "."),
+            (" 's", "'s"),
+            (" 't", "'t"),
+            ("( ", "("),
+            (" )", ")"),
+            (' " ', ' "'),
+        ):
             body = body.replace(a, b)
         body = re.sub(r" ([,.;:!?])", r"\1", body)
         self.words = body.split()
-        self.starts = [i for i in range(1, len(self.words) - 1) if self.words[i - 1].endswith(".")
-                       and self.words[i][:1].isupper()]  # fmt: skip
+        self.starts = [
+            i for i in range(1, len(self.words) - 1) if self.words[i - 1].endswith(".") and self.words[i][:1].isupper()
+        ]
 
     def passage(self, rng: random.Random, n_words: int) -> str:
         """About ``n_words`` words from a sentence start, ending at a sentence end (at most 40 words later)."""
@@ -123,10 +168,55 @@ class _Text:
 
 
 # ---------------------------------------------------------------------------------------------- documents
-_CATEGORIES = ["biology", "business", "chemistry", "computer_science", "economics", "engineering", "health", "history", "law", "math", "other", "philosophy", "physics", "psychology"]  # fmt: skip
-_NAMES = ["Mackenzie", "Ana", "Winston", "Lena", "Tobias", "Priya", "Marcus", "Elena", "Rafael", "Greta", "Hugo", "Imani", "Soren", "Beatrix", "Callum", "Delia", "Ezra", "Farah", "Gideon", "Harriet"]  # fmt: skip
-_PLACES = ["the kitchen drawer", "the garden shed", "the hallway cupboard", "the desk in the study", "the attic trunk",
-           "the bookshelf", "the car's glove box", "the laundry basket", "the cellar shelf"]  # fmt: skip
+_CATEGORIES = [
+    "biology",
+    "business",
+    "chemistry",
+    "computer_science",
+    "economics",
+    "engineering",
+    "health",
+    "history",
+    "law",
+    "math",
+    "other",
+    "philosophy",
+    "physics",
+    "psychology",
+]
+_NAMES = [
+    "Mackenzie",
+    "Ana",
+    "Winston",
+    "Lena",
+    "Tobias",
+    "Priya",
+    "Marcus",
+    "Elena",
+    "Rafael",
+    "Greta",
+    "Hugo",
+    "Imani",
+    "Soren",
+    "Beatrix",
+    "Callum",
+    "Delia",
+    "Ezra",
+    "Farah",
+    "Gideon",
+    "Harriet",
+]
+_PLACES = [
+    "the kitchen drawer",
+    "the garden shed",
+    "the hallway cupboard",
+    "the desk in the study",
+    "the attic trunk",
+    "the bookshelf",
+    "the car's glove box",
+    "the laundry basket",
+    "the cellar shelf",
+]
 _OBJECTS = ["keys", "notebook", "violin", "passport", "umbrella", "camera", "map", "wallet"]
 _JOBS = [("cooking", "cleaning"), ("sailing", "navigation"), ("coding", "testing"), ("planting", "harvesting")]
 
@@ -137,9 +227,16 @@ def _mmlu_pro(text: _Text, rng: random.Random, i: int, category: str | None = No
     title = rng.choice(text.titles)
     question = f"{text.passage(rng, rng.randint(30, 90))} Which of the following best describes {title}?"
     cot = f"A: Let's think step by step. {text.passage(rng, rng.randint(40, 80))} The answer is ({'ABCDEFGHIJ'[k]})."
-    return {"question_id": i, "question": question, "options": options, "answer": "ABCDEFGHIJ"[k], "answer_index": k,
-            "cot_content": cot, "category": category or rng.choice(_CATEGORIES),
-            "src": "wikitext-synthetic"}  # fmt: skip
+    return {
+        "question_id": i,
+        "question": question,
+        "options": options,
+        "answer": "ABCDEFGHIJ"[k],
+        "answer_index": k,
+        "cot_content": cot,
+        "category": category or rng.choice(_CATEGORIES),
+        "src": "wikitext-synthetic",
+    }
 
 
 def _bbh(text: _Text, rng: random.Random, cfg: dict) -> dict:
@@ -157,19 +254,28 @@ def _bbh(text: _Text, rng: random.Random, cfg: dict) -> dict:
 
 def _gpqa(text: _Text, rng: random.Random, i: int) -> dict:
     right, *wrong = text.distinct_phrases(rng, 4, 2, 12)
-    return {"Question": f"{text.passage(rng, rng.randint(60, 160))} What follows from the passage above?",
-            "Correct Answer": right, "Incorrect Answer 1": wrong[0], "Incorrect Answer 2": wrong[1],
-            "Incorrect Answer 3": wrong[2], "Explanation": text.passage(rng, 60), "Record ID": f"rec{i:05d}",
-            "High-level domain": rng.choice(["Physics", "Chemistry", "Biology"]), "Subdomain": "synthetic"}  # fmt: skip
+    return {
+        "Question": f"{text.passage(rng, rng.randint(60, 160))} What follows from the passage above?",
+        "Correct Answer": right,
+        "Incorrect Answer 1": wrong[0],
+        "Incorrect Answer 2": wrong[1],
+        "Incorrect Answer 3": wrong[2],
+        "Explanation": text.passage(rng, 60),
+        "Record ID": f"rec{i:05d}",
+        "High-level domain": rng.choice(["Physics", "Chemistry", "Biology"]),
+        "Subdomain": "synthetic",
+    }
 
 
 def _math(rng: random.Random, kind: str) -> tuple[str, str]:
     """(problem, solution) of MATH's kind ``kind``, with a correct ``\\boxed{}`` answer."""
     a, b, c = rng.randint(2, 9), rng.randint(1, 30), rng.randint(2, 12)
     if kind == "algebra":
-        return (f"If ${a}x + {b} = {a * c + b}$, what is the value of $x^2 - 2x$?",
-                f"Subtracting {b} from both sides gives ${a}x = {a * c}$, so $x = {c}$. "
-                f"Therefore $x^2 - 2x = {c * c} - {2 * c} = \\boxed{{{c * c - 2 * c}}}$.")  # fmt: skip
+        return (
+            f"If ${a}x + {b} = {a * c + b}$, what is the value of $x^2 - 2x$?",
+            f"Subtracting {b} from both sides gives ${a}x = {a * c}$, so $x = {c}$. "
+            f"Therefore $x^2 - 2x = {c * c} - {2 * c} = \\boxed{{{c * c - 2 * c}}}$.",
+        )
     if kind == "counting_and_prob":
         n, k = c + 4, min(a, c + 2)
         return (
@@ -177,49 +283,102 @@ def _math(rng: random.Random, kind: str) -> tuple[str, str]:
             f"The order does not matter, so the answer is $\\binom{{{n}}}{{{k}}} = \\boxed{{{math.comb(n, k)}}}$.",
         )
     if kind == "geometry":
-        return (f"A right triangle has legs of length ${3 * c}$ and ${4 * c}$. What is the length of its hypotenuse?",
-                f"By the Pythagorean theorem the hypotenuse is $\\sqrt{{{9 * c * c} + {16 * c * c}}} = "
-                f"\\boxed{{{5 * c}}}$.")  # fmt: skip
+        return (
+            f"A right triangle has legs of length ${3 * c}$ and ${4 * c}$. What is the length of its hypotenuse?",
+            f"By the Pythagorean theorem the hypotenuse is $\\sqrt{{{9 * c * c} + {16 * c * c}}} = "
+            f"\\boxed{{{5 * c}}}$.",
+        )
     if kind == "intermediate_algebra":
         s, p = a + c, a * c
-        return (f"Let $r$ and $s$ be the roots of $x^2 - {s}x + {p} = 0$. Compute $r^2 + s^2$.",
-                f"By Vieta's formulas $r + s = {s}$ and $rs = {p}$, so $r^2 + s^2 = {s}^2 - 2\\cdot {p} = "
-                f"\\boxed{{{s * s - 2 * p}}}$.")  # fmt: skip
+        return (
+            f"Let $r$ and $s$ be the roots of $x^2 - {s}x + {p} = 0$. Compute $r^2 + s^2$.",
+            f"By Vieta's formulas $r + s = {s}$ and $rs = {p}$, so $r^2 + s^2 = {s}^2 - 2\\cdot {p} = "
+            f"\\boxed{{{s * s - 2 * p}}}$.",
+        )
     if kind == "num_theory":
         m, n = a * c, a * (c + 1)
-        return (f"What is the greatest common divisor of ${m}$ and ${n}$?",
-                f"Since ${m} = {a}\\cdot {c}$ and ${n} = {a}\\cdot {c + 1}$ with $\\gcd({c}, {c + 1}) = 1$, "
-                "the answer is "
-                f"$\\boxed{{{math.gcd(m, n)}}}$.")  # fmt: skip
+        return (
+            f"What is the greatest common divisor of ${m}$ and ${n}$?",
+            f"Since ${m} = {a}\\cdot {c}$ and ${n} = {a}\\cdot {c + 1}$ with $\\gcd({c}, {c + 1}) = 1$, "
+            "the answer is "
+            f"$\\boxed{{{math.gcd(m, n)}}}$.",
+        )
     if kind == "prealgebra":
         return (
             f"What is ${5 * a}\\%$ of ${20 * c}$?",
             f"We have $\\frac{{{5 * a}}}{{100}}\\cdot {20 * c} = \\boxed{{{a * c}}}$.",
         )
-    return (f"Compute $\\det \\begin{{pmatrix}} {a} & {b} \\\\ {c} & {a + 1} \\end{{pmatrix}}$.",
-            f"The determinant is ${a}\\cdot {a + 1} - {b}\\cdot {c} = \\boxed{{{a * (a + 1) - b * c}}}$.")  # fmt: skip
+    return (
+        f"Compute $\\det \\begin{{pmatrix}} {a} & {b} \\\\ {c} & {a + 1} \\end{{pmatrix}}$.",
+        f"The determinant is ${a}\\cdot {a + 1} - {b}\\cdot {c} = \\boxed{{{a * (a + 1) - b * c}}}$.",
+    )
 
 
-_IFEVAL_KWARGS = ["num_highlights", "relation", "num_words", "num_placeholders", "prompt_to_repeat", "num_paragraphs", "postscript_marker", "forbidden_words", "keywords", "num_bullets", "end_phrase", "language", "let_frequency", "letter", "num_sections", "section_spliter", "first_word", "capital_relation", "capital_frequency", "frequency", "keyword", "nth_paragraph", "num_sentences"]  # fmt: skip
+_IFEVAL_KWARGS = [
+    "num_highlights",
+    "relation",
+    "num_words",
+    "num_placeholders",
+    "prompt_to_repeat",
+    "num_paragraphs",
+    "postscript_marker",
+    "forbidden_words",
+    "keywords",
+    "num_bullets",
+    "end_phrase",
+    "language",
+    "let_frequency",
+    "letter",
+    "num_sections",
+    "section_spliter",
+    "first_word",
+    "capital_relation",
+    "capital_frequency",
+    "frequency",
+    "keyword",
+    "nth_paragraph",
+    "num_sentences",
+]
 _IFEVAL = [  # (instruction id, kwargs or a function of (rng, text) giving them, the sentence the prompt carries)
     ("punctuation:no_comma", {}, "In your entire response, refrain from the use of any commas."),
-    ("length_constraints:number_words", lambda r, t: {"relation": "at least", "num_words": r.choice([150, 300, 500])},
-     "Answer with at least {num_words} words."),
-    ("detectable_format:number_bullet_lists", lambda r, t: {"num_bullets": r.randint(2, 5)},
-     "Your answer must contain exactly {num_bullets} bullet points. Use the markdown bullet points such as:\n"
-     "* This is point 1."),
+    (
+        "length_constraints:number_words",
+        lambda r, t: {"relation": "at least", "num_words": r.choice([150, 300, 500])},
+        "Answer with at least {num_words} words.",
+    ),
+    (
+        "detectable_format:number_bullet_lists",
+        lambda r, t: {"num_bullets": r.randint(2, 5)},
+        "Your answer must contain exactly {num_bullets} bullet points. Use the markdown bullet points such as:\n"
+        "* This is point 1.",
+    ),
     ("change_case:english_lowercase", {}, "Your entire response should be in English, and in all lowercase letters."),
-    ("keywords:existence", lambda r, t: {"keywords": r.sample([w for w in t.passage(r, 30).lower().split()
-                                                                if w.isalpha() and len(w) > 4] or ["river"], 1)},
-     "Include keywords {keywords} in the response."),
-    ("startend:end_checker", {"end_phrase": "Is there anything else I can help with?"},
-     "Finish your response with this exact phrase {end_phrase}. No other words should follow this phrase."),
-    ("detectable_content:postscript", {"postscript_marker": "P.S."},
-     "At the end of your response, please explicitly add a postscript starting with {postscript_marker}"),
+    (
+        "keywords:existence",
+        lambda r, t: {
+            "keywords": r.sample(
+                [w for w in t.passage(r, 30).lower().split() if w.isalpha() and len(w) > 4] or ["river"], 1
+            )
+        },
+        "Include keywords {keywords} in the response.",
+    ),
+    (
+        "startend:end_checker",
+        {"end_phrase": "Is there anything else I can help with?"},
+        "Finish your response with this exact phrase {end_phrase}. No other words should follow this phrase.",
+    ),
+    (
+        "detectable_content:postscript",
+        {"postscript_marker": "P.S."},
+        "At the end of your response, please explicitly add a postscript starting with {postscript_marker}",
+    ),
     ("detectable_format:title", {}, "Your answer must contain a title, wrapped in double angular brackets."),
-    ("length_constraints:number_paragraphs", lambda r, t: {"num_paragraphs": r.randint(2, 5)},
-     "There should be {num_paragraphs} paragraphs. Paragraphs are separated with the markdown divider: ***"),
-]  # fmt: skip
+    (
+        "length_constraints:number_paragraphs",
+        lambda r, t: {"num_paragraphs": r.randint(2, 5)},
+        "There should be {num_paragraphs} paragraphs. Paragraphs are separated with the markdown divider: ***",
+    ),
+]
 
 
 def _ifeval(text: _Text, rng: random.Random, i: int) -> dict:
@@ -230,8 +389,10 @@ def _ifeval(text: _Text, rng: random.Random, i: int) -> dict:
         ids.append(iid)
         kwargs.append({k: kw.get(k) for k in _IFEVAL_KWARGS})
         asks.append(ask.format(**{k: ", ".join(v) if isinstance(v, list) else v for k, v in kw.items()}))
-    prompt = (f"Write a short article about {rng.choice(text.titles)} for a local history magazine, based on this "
-              f"summary: {text.passage(rng, rng.randint(20, 60))} {' '.join(asks)}")  # fmt: skip
+    prompt = (
+        f"Write a short article about {rng.choice(text.titles)} for a local history magazine, based on this "
+        f"summary: {text.passage(rng, rng.randint(20, 60))} {' '.join(asks)}"
+    )
     return {"key": 1000 + i, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs}
 
 
@@ -253,12 +414,19 @@ def _musr(text: _Text, rng: random.Random, subset: str) -> dict:
         (t1, t2), perms = rng.choice(_JOBS), [people, people[1:] + people[:1], people[2:] + people[:2]]
         choices = [f"{t1.capitalize()}: {p[0]}, {t2.capitalize()}: {p[1]} and {p[2]}" for p in perms]
         head = f"As the manager, I had to assign {', '.join(people)} to {t1} and {t2}."
-        question = ("Given the story, how would you uniquely allocate each person to make sure both tasks are "
-                    "accomplished efficiently?")  # fmt: skip
+        question = (
+            "Given the story, how would you uniquely allocate each person to make sure both tasks are "
+            "accomplished efficiently?"
+        )
     k = rng.randrange(len(choices))
     narrative = f"{head}\n\n{text.passage(rng, rng.randint(680, 820))}"
-    return {"narrative": narrative, "question": question, "choices": repr(choices), "answer_index": k,
-            "answer_choice": choices[k]}  # fmt: skip
+    return {
+        "narrative": narrative,
+        "question": question,
+        "choices": repr(choices),
+        "answer_index": k,
+        "answer_choice": choices[k],
+    }
 
 
 # ----------------------------------------------------------------------------------------- lm-eval's task files
@@ -292,8 +460,8 @@ def _missing(family: str) -> str | None:
 _SHIM = '''"""Written by benchmarks/leaderboard_data.py: lm-eval's {family} functions compiled from
 {src}
 (which cannot be imported here: {reason}); process_results returns NaN: the metrics are not computable here."""
-import ast, datasets, logging, math, pathlib, re  # noqa: F401  (names lm-eval's functions use)
-from typing import Dict, List  # noqa: F401
+import ast, datasets, logging, math, pathlib, re  # noqa: F401 - names lm-eval's functions use
+from typing import Dict, List  # noqa: F401 - names lm-eval's functions use
 
 _SRC = pathlib.Path({src!r})
 _tree = ast.parse(_SRC.read_text(encoding="utf-8"))
@@ -307,12 +475,24 @@ def process_results(doc, results):
     return {results}
 '''
 _SHIM_PARTS = {
-    "math_hard": ({"doc_to_text", "process_docs", "list_fewshot_samples", "last_boxed_only_string", "remove_boxed",
-                   "INVALID_ANSWER"}, '{"exact_match": math.nan, "exact_match_original": math.nan}'),
-    "ifeval": ({"agg_inst_level_acc"}, "{m: math.nan if m.startswith('prompt') else [math.nan] * len("
-               "doc['instruction_id_list']) for m in ('prompt_level_strict_acc', 'inst_level_strict_acc', "
-               "'prompt_level_loose_acc', 'inst_level_loose_acc')}"),
-}  # fmt: skip
+    "math_hard": (
+        {
+            "doc_to_text",
+            "process_docs",
+            "list_fewshot_samples",
+            "last_boxed_only_string",
+            "remove_boxed",
+            "INVALID_ANSWER",
+        },
+        '{"exact_match": math.nan, "exact_match_original": math.nan}',
+    ),
+    "ifeval": (
+        {"agg_inst_level_acc"},
+        "{m: math.nan if m.startswith('prompt') else [math.nan] * len("
+        "doc['instruction_id_list']) for m in ('prompt_level_strict_acc', 'inst_level_strict_acc', "
+        "'prompt_level_loose_acc', 'inst_level_loose_acc')}",
+    ),
+}
 
 
 class _Fn(str):
@@ -365,11 +545,15 @@ def _documents(task: str, cfg: dict, text: _Text, n: int, seed: int, data: Path)
         subset = cfg["test_split"]
         return {subset: _write_jsonl(base.with_suffix(".jsonl"), [_musr(text, rng, subset) for _ in range(n)])}
     kind = task.removeprefix("leaderboard_math_").removesuffix("_hard")
-    rows = [{"problem": p, "solution": s, "level": "Level 5", "type": _MATH[kind][0]}
-            for p, s in (_math(rng, kind) for _ in range(n + 4))]  # fmt: skip
+    rows = [
+        {"problem": p, "solution": s, "level": "Level 5", "type": _MATH[kind][0]}
+        for p, s in (_math(rng, kind) for _ in range(n + 4))
+    ]
     rows.insert(n // 2, {**rows[0], "level": "Level 3"})  # exercises process_docs' Level 5 filter
-    return {"test": _write_jsonl(base.with_suffix(".jsonl"), rows[: n + 1]),
-            "train": _write_jsonl(base.with_suffix(".train.jsonl"), rows[n + 1:])}  # fmt: skip
+    return {
+        "test": _write_jsonl(base.with_suffix(".jsonl"), rows[: n + 1]),
+        "train": _write_jsonl(base.with_suffix(".train.jsonl"), rows[n + 1 :]),
+    }
 
 
 def build_leaderboard_include(
@@ -387,8 +571,13 @@ def build_leaderboard_include(
     tasks_dir, data = root / "tasks", root / "data"
     tasks_dir.mkdir(parents=True, exist_ok=True)
     lm_tasks, not_comp = _lm_eval_tasks(), {}
-    ids = set(re.findall(r'^\s*(_[A-Z_]+) \+ "(\w+)"', (LM_EVAL_LEADERBOARD / "ifeval" / "instructions_registry.py")
-                         .read_text(encoding="utf-8"), re.M))  # fmt: skip
+    ids = set(
+        re.findall(
+            r'^\s*(_[A-Z_]+) \+ "(\w+)"',
+            (LM_EVAL_LEADERBOARD / "ifeval" / "instructions_registry.py").read_text(encoding="utf-8"),
+            re.M,
+        )
+    )
     prefixes = dict(
         re.findall(
             r'^(_[A-Z_]+) = "([\w-]+:)"',
@@ -402,8 +591,11 @@ def build_leaderboard_include(
         yaml_path, cfg = lm_tasks[task]
         n = max(docs_per_subtask, math.ceil(min_family_docs / len(REAL_COUNTS[fam])))
         files = _documents(task, cfg, text, n, seed, data)
-        override = {"dataset_path": "json", "dataset_name": None,
-                    "dataset_kwargs": {"data_files": files, "cache_dir": str(root / "hf_datasets_cache")}}  # fmt: skip
+        override = {
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": files, "cache_dir": str(root / "hf_datasets_cache")},
+        }
         reason = _missing(fam)
         if reason is None:
             body = {"include": str(yaml_path), "task": task, **override}

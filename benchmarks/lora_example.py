@@ -3,8 +3,10 @@ LoRA on every attention and MLP projection, trained on WikiText-2 *valid* for ``
 thread, AdamW), saved as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
 
     python benchmarks/lora_example.py --out ~/.cache/distperp/wt2-lora      # ~1-2 min on 2 CPU cores
-    lm_eval --model distperp --model_args pretrained=../shared/models/wt2-llama-5m,peft=$HOME/.cache/distperp/wt2-lora,reference=pretrained \\
-      --tasks distperp_wikitext2 --include_path tasks --metadata '{"wikitext_path": "../shared/data/wikitext-2/test.txt"}'
+    lm_eval --model distperp \\
+      --model_args pretrained=../shared/models/wt2-llama-5m,peft=$HOME/.cache/distperp/wt2-lora,reference=pretrained \\
+      --tasks distperp_wikitext2 --include_path tasks \\
+      --metadata '{"wikitext_path": "../shared/data/wikitext-2/test.txt"}'
 
 Data and model are read from ``../shared`` (never copied into the repository).
 """

@@ -10,16 +10,16 @@ Builds synthetic requests of full size (token counts and sharing structure, rand
 * **MMLU-Pro 5-shot**: 14 categories, 12,032 questions, 10 one-token answers; ~1,420 tokens per prompt;
 * **HellaSwag** (0-shot): 10,042 contexts of ~60 tokens, 4 endings of ~45 tokens (multi-token answers);
 
-splits the documents of every subtask as lm-eval does (``docs[rank::W]``), and for each W runs, for the rank with
-the largest share (rank 0 under lm-eval's split), exactly what :func:`distperp_harness.run.pipeline.score_requests`
-runs before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every
-rank's real encoded payload, handed over by a collective that simulates the W ranks), the merge
-(:class:`~distperp_harness.planning.records.GlobalTable`), the plan (rows, batches, owners, helpers) and the routes
-of tokens and results (:func:`~distperp_harness.run.execution.routing.token_routes`,
-:func:`~distperp_harness.run.execution.routing.result_routes`). Printed: input tokens and the tokens the plan computes (padded,
-shared prefixes once; millions), and for that rank: bytes received (records / tokens, as its senders front-code
-them / results), peak traced memory and CPU seconds of those steps, and the number of batches against W (fewer
-batches than ranks: idle ranks).
+splits the documents of every subtask as lm-eval does (``docs[rank::W]``), and for each W runs, for the rank with the
+largest share (rank 0 under lm-eval's split), exactly what :func:`distperp_harness.run.pipeline.score_requests` runs
+before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every rank's real
+encoded payload, handed over by a collective that simulates the W ranks), the merge
+(:class:`~distperp_harness.planning.records.GlobalTable`), the plan (rows, batches, owners, helpers) and the routes of
+tokens and results (:func:`~distperp_harness.run.execution.routing.token_routes`,
+:func:`~distperp_harness.run.execution.routing.result_routes`). Printed: input tokens and the tokens the plan computes
+(padded, shared prefixes once; millions), and for that rank: bytes received (records / tokens, as its senders front-code
+them / results), peak traced memory and CPU seconds of those steps, and the number of batches against W (fewer batches
+than ranks: idle ranks).
 
 Targets, MMLU 5-shot: W = 64: <= 0.5 s CPU, <= 200 MB, <= 20 MB received; W = 1,024: <= 30 MB received.
 """
@@ -38,13 +38,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from distperp_harness.planning.plan import assign_batches  # noqa: E402
-from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, encode, local_records  # noqa: E402
-from distperp_harness.planning.rowplan import batch_shared, plan_from_records  # noqa: E402
-from distperp_harness.run.execution.claims import helper_of, helper_step  # noqa: E402
-from distperp_harness.run.execution.routing import _front_coded, result_routes, token_routes  # noqa: E402
-from distperp_harness.run.rules import Batching  # noqa: E402
-from distperp_harness.run.scoring.forward import N_COLUMNS  # noqa: E402
+from distperp_harness.planning.plan import assign_batches
+from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, encode, local_records
+from distperp_harness.planning.rowplan import batch_shared, plan_from_records
+from distperp_harness.run.execution.claims import helper_of, helper_step
+from distperp_harness.run.execution.routing import _front_coded, result_routes, token_routes
+from distperp_harness.run.rules import Batching
+from distperp_harness.run.scoring.forward import N_COLUMNS
 
 MAX_LENGTH = 4096
 ATTENTION_COEF = 32 * 4096 / 8.0e9  # an 8B Llama: layers * hidden / parameters

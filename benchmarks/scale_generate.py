@@ -11,11 +11,11 @@ Builds synthetic ``generate_until`` requests of full size (token counts and shar
 * **BBH CoT** (3 fixed exemplars per subtask, 27 subtasks): 6,511 prompts, blocks of ~800 tokens, ~100 of their own.
 
 splits every subtask's documents as lm-eval does (``docs[rank::W]``) and runs, for rank 0 (the largest share), what
-:func:`distperp_harness.run.generation.jobs.plan_generation` runs: its records, the merge of every rank's real encoded payload
-(handed over by the simulation), the lane plan, the owners and helpers, and the routes of prompt tokens. Printed for
-rank 0: bytes received (records / prompt tokens, front-coded as its senders send them), and what the all-gather of
-every prompt's tokens it replaced moved to each rank; peak traced memory and CPU seconds of those steps.
-Generated texts travel back only to the ranks whose requests asked for them (not simulated here).
+:func:`distperp_harness.run.generation.jobs.plan_generation` runs: its records, the merge of every rank's real encoded
+payload (handed over by the simulation), the lane plan, the owners and helpers, and the routes of prompt tokens. Printed
+for rank 0: bytes received (records / prompt tokens, front-coded as its senders send them), and what the all-gather of
+every prompt's tokens it replaced moved to each rank; peak traced memory and CPU seconds of those steps. Generated texts
+travel back only to the ranks whose requests asked for them (not simulated here).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from scale import cpu_and_peak  # noqa: E402  (benchmarks/ is this script's folder)
+from scale import cpu_and_peak  # benchmarks/ is this script's folder
 
-from distperp_harness.planning.plan import assign_batches  # noqa: E402
-from distperp_harness.planning.records import FlatUnits, local_records  # noqa: E402
-from distperp_harness.run.execution.claims import helper_of, helper_step  # noqa: E402
-from distperp_harness.run.execution.routing import _front_coded, token_routes  # noqa: E402
-from distperp_harness.run.generation.jobs import (  # noqa: E402
+from distperp_harness.planning.plan import assign_batches
+from distperp_harness.planning.records import FlatUnits, local_records
+from distperp_harness.run.execution.claims import helper_of, helper_step
+from distperp_harness.run.execution.routing import _front_coded, token_routes
+from distperp_harness.run.generation.jobs import (
     JOB,
     JobTable,
     decode_jobs,
@@ -44,7 +44,7 @@ from distperp_harness.run.generation.jobs import (  # noqa: E402
     ladder_shared,
     lane_destinations,
 )
-from distperp_harness.run.generation.lanes import plan_lanes  # noqa: E402
+from distperp_harness.run.generation.lanes import plan_lanes
 
 TOKEN_BUDGET = 262_144  # KV tokens the slots of a lane may hold (an 8B model on an 80 GB GPU, roughly)
 

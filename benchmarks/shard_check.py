@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 # benchmarks/ is this script's folder, hence on sys.path
-from gpu_check import base_parser, build_model, documents, gib, parse  # noqa: E402
+from gpu_check import base_parser, build_model, documents, gib, parse
 
 OVER_ESTIMATE = 1.25
 """A CUDA scoring peak above this multiple of the estimate fails the check (the estimate must not under-count)."""
@@ -101,7 +101,10 @@ def copied_units(lm) -> int:
 
     def parts(model) -> tuple[int, int]:
         replicated = {p for p in model.parameters() if type(p).__name__ != "DTensor"}
-        size = lambda params: sum(p.numel() * p.element_size() for p in params if p not in replicated)  # noqa: E731
+
+        def size(params) -> int:
+            return sum(p.numel() * p.element_size() for p in params if p not in replicated)
+
         in_layers = {p for layer in decoder_layers(model) for p in layer.parameters()}
         layer = max((size(layer.parameters()) for layer in decoder_layers(model)), default=0)
         return size(p for p in model.parameters() if p not in in_layers), layer
@@ -274,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             if sharded["fsdp"]
             else "NOT SHARDED"
         )
-        total = lambda r: r["model_bytes"] + r["reference_bytes"]  # noqa: E731
-        sharded["ratio"] = total(sharded) / total(whole)
+        sharded["ratio"] = (sharded["model_bytes"] + sharded["reference_bytes"]) / (
+            whole["model_bytes"] + whole["reference_bytes"]
+        )
         rows += [whole, sharded]
     for r in rows:
         r["over"] = cuda and (r.get("score_vs_estimate") or 0) > OVER_ESTIMATE

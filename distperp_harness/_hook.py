@@ -25,7 +25,7 @@ _TASKS_MODULE = "lm_eval.tasks.manager"
 
 def register(registry_module) -> None:
     """Register ``distperp`` in lm-eval's model registry (idempotent)."""
-    import lm_eval.models  # noqa: F401  (registers the built-in models, lazily)
+    import lm_eval.models  # noqa: F401 - registers the built-in models, lazily
 
     from distperp_harness import MODEL_NAME, MODEL_TARGET
 

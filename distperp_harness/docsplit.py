@@ -8,10 +8,11 @@ for ``docs[r::n]`` only. That breaks two promises of a world-size-independent ba
 - lm-eval's default few-shot sampler draws from one random generator per task that advances once per document the
   rank builds, so every prompt but each rank's first depends on the number of processes (``first_n`` is unaffected).
 
-Contract of the wrapper installed by :func:`install_document_split` (``DistPerpLM`` installs it when
-``world_size > 1``, once per process). On every call of ``Task.build_all_requests`` it reads ``lm`` from the calling
+Contract of the wrapper installed by :func:`install_document_split` (``DistPerpLM`` installs it when ``world_size > 1``,
+once per process). On every call of ``Task.build_all_requests`` it reads ``lm`` from the calling
 ``lm_eval.evaluator.evaluate`` frame (read-only). Unless that ``lm`` carries an installed ``document_split`` record
-(what :func:`install_document_split` returned to it: a ``DistPerpLM``) and has more than one process, and unless the task needs it — ``num_fewshot > 0`` with a sampler that is not ``first_n``, or fewer documents after
+(what :func:`install_document_split` returned to it: a ``DistPerpLM``) and has more than one process, and unless the
+task needs it — ``num_fewshot > 0`` with a sampler that is not ``first_n``, or fewer documents after
 ``limit``/``samples`` than ranks — the original runs unchanged. When it acts (:func:`build_split`):
 
 1. the original runs with ``rank=0, world_size=1``: the sampler's generator advances exactly as in one process, and
@@ -25,16 +26,19 @@ Contract of the wrapper installed by :func:`install_document_split` (``DistPerpL
    keys for the task, and rank 0 reads every key from every rank: ``DistPerpLM.gather_object`` passes what it
    gathers through :func:`fill_empty_ranks`, which reads a missing key of those tasks as an empty list.
 
-What was done is recorded per task in the lm's ``document_split`` dict (``config.distperp.document_split``) and logged
-once per acting task on rank 0. If lm-eval's layout differs (method or arguments missing), nothing is wrapped and
-every rank warns at start with the fix (``fewshot_config: sampler: first_n``, or one process).
+What was done is recorded per task in the lm's ``document_split`` (:class:`DocumentSplit`;
+``config.distperp.document_split``) and logged once per acting task on rank 0. If lm-eval's layout differs (method or
+arguments missing), nothing is wrapped and every rank warns at start with the fix (``fewshot_config: sampler: first_n``,
+or one process).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from accelerate.logging import get_logger
@@ -44,6 +48,36 @@ from distperp_harness.distributed.failfast import stop_together
 log = get_logger(__name__)
 
 _MARK = "_distperp_document_split"
+
+
+@dataclass
+class TaskSplit:
+    """What the wrapper did for one task on this rank (:func:`build_split`): why it acted (``reason``; None: lm-eval's
+    own build ran), the task's document count in one process, whether every document's requests were built
+    (``built_all``), how many documents this rank kept, whether it kept a padding copy of the first document's
+    requests because it had none (``padded``), and how many ranks have no document (``empty_ranks``)."""
+
+    reason: str | None
+    documents: int
+    built_all: bool = False
+    kept_documents: int | None = None
+    padded: bool = False
+    empty_ranks: int = 0
+
+
+@dataclass
+class DocumentSplit:
+    """The lm's record of the wrapper (``config.distperp.document_split`` is :meth:`to_dict`): whether it is
+    installed, why not (``problem``), and each task's :class:`TaskSplit` by task name."""
+
+    installed: bool = False
+    problem: str | None = None
+    tasks: dict[str, TaskSplit] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 _BUILD_ARGS = ("limit", "samples", "rank", "world_size")
 _ITER_ARGS = ("rank", "limit", "world_size", "samples")
 
@@ -66,15 +100,14 @@ def layout_problem() -> str | None:
     return None
 
 
-def install_document_split(world_size: int) -> dict:
-    """Wrap ``Task.build_all_requests`` (idempotent) when ``world_size > 1``; return a fresh record for the lm:
-    ``{"installed": bool, "problem": str | None, "tasks": {task_name: {...}}}``."""
-    record: dict[str, Any] = {"installed": False, "problem": None, "tasks": {}}
+def install_document_split(world_size: int) -> DocumentSplit:
+    """Wrap ``Task.build_all_requests`` (idempotent) when ``world_size > 1``; return a fresh record for the lm."""
+    record = DocumentSplit()
     if world_size <= 1:
         return record
     problem = layout_problem()
     if problem:
-        record["problem"] = problem
+        record.problem = problem
         log.warning(
             f"document split: {problem}, so lm-eval's own per-rank split is used: a rank with no document "
             "fails, and few-shot prompts drawn by the default random sampler change with the number of "
@@ -91,25 +124,25 @@ def install_document_split(world_size: int) -> dict:
         def build_all_requests(self, **kwargs):
             lm = evaluator_lm()
             record = getattr(lm, "document_split", None)
-            if not (isinstance(record, dict) and record.get("installed")) or getattr(lm, "world_size", 1) <= 1:
+            if not (isinstance(record, DocumentSplit) and record.installed) or getattr(lm, "world_size", 1) <= 1:
                 return original(self, **kwargs)
             with stop_together(
                 getattr(lm, "collective", None), getattr(lm, "device", None), "building requests (document split)"
             ):
                 entry = build_split(self, original, **kwargs)
             name = getattr(self, "task_name", None) or type(self).__name__
-            record.setdefault("tasks", {})[name] = entry
-            if entry["reason"]:
+            record.tasks[name] = entry
+            if entry.reason:
                 log.info(
-                    f"document split: {name}: {entry['reason']}: every rank built the requests of all "
-                    f"{entry['documents']} document(s) and keeps its own, as one process would "
+                    f"document split: {name}: {entry.reason}: every rank built the requests of all "
+                    f"{entry.documents} document(s) and keeps its own, as one process would "
                     "(docs/scale.md: document splitting)",
                     main_process_only=True,
                 )
 
         setattr(build_all_requests, _MARK, True)
         Task.build_all_requests = build_all_requests
-    record["installed"] = True
+    record.installed = True
     return record
 
 
@@ -163,19 +196,12 @@ def build_split(
     limit: int | float | None = None,
     samples: list[int] | None = None,
     **kwargs: Any,
-) -> dict:
+) -> TaskSplit:
     """Build ``task``'s instances for ``rank`` of ``world_size`` as one process would (module docstring); ``build``
-    is the original ``Task.build_all_requests``, ``kwargs`` its other arguments. Returns the task's record
-    ``{"reason", "documents", "built_all", "kept_documents", "padded"}``; with no reason, ``build`` runs unchanged."""
+    is the original ``Task.build_all_requests``, ``kwargs`` its other arguments. Returns the task's
+    :class:`TaskSplit`; with no reason, ``build`` runs unchanged."""
     reason, documents = split_reason(task, world_size=world_size, limit=limit, samples=samples)
-    entry = {
-        "reason": reason,
-        "documents": documents,
-        "built_all": False,
-        "kept_documents": None,
-        "padded": False,
-        "empty_ranks": max(0, world_size - documents),
-    }
+    entry = TaskSplit(reason, documents, empty_ranks=max(0, world_size - documents))
     if reason is None:
         build(task, limit=limit, samples=samples, rank=rank, world_size=world_size, **kwargs)
         return entry
@@ -183,7 +209,7 @@ def build_split(
     everything = task.instances
     mine = {doc_id for doc_id, _ in task.doc_iterator(rank=rank, limit=limit, samples=samples, world_size=world_size)}
     kept = [inst for inst in everything if inst.doc_id in mine]
-    entry.update(built_all=True, kept_documents=len(mine))
+    entry.built_all, entry.kept_documents = True, len(mine)
     if not kept:  # lm-eval needs instances on every rank; these answer nothing (no document is iterated)
         from lm_eval.api.instance import Instance
 
@@ -199,12 +225,12 @@ def build_split(
             for inst in everything
             if inst.doc_id == first
         ]
-        entry["padded"] = True
+        entry.padded = True
     task._instances = kept  # lm-eval's Task keeps them there; its `instances` property has no setter
     return entry
 
 
-def fill_empty_ranks(gathered: list, record: dict) -> list:
+def fill_empty_ranks(gathered: list, record: DocumentSplit) -> list:
     """Every rank's ``gather_object`` payload, with a missing metric key read as ``[]`` for the tasks of ``record``
     (the lm's ``document_split``) that left some rank without documents.
 
@@ -212,7 +238,7 @@ def fill_empty_ranks(gathered: list, record: dict) -> list:
     rank 0's dict from each; a rank with no document of the task computed no metric, so its dict has no key. Other
     payloads (logged samples: ``{task: [rows]}``) and other tasks pass unchanged.
     """
-    tasks = {name for name, entry in record.get("tasks", {}).items() if entry.get("empty_ranks")}
+    tasks = {name for name, entry in record.tasks.items() if entry.empty_ranks}
     if not tasks:
         return gathered
     from collections import defaultdict

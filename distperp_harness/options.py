@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from distperp_harness.errors import OptionError
 
@@ -428,6 +428,8 @@ _STR_KEYS = {
 
 
 def _cast(key: str, value: Any) -> Any:
+    """``value`` of ``key`` as :class:`Options` holds it (strings from ``--model_args`` parsed, aliases resolved);
+    an :class:`OptionError` when it cannot be read as the key's type."""
     if value is None:
         return None
     if key in _INT_KEYS:
@@ -435,39 +437,62 @@ def _cast(key: str, value: Any) -> Any:
     if key in _BOOL_KEYS:
         return _as_bool(key, value)
     if key in _FLOAT_KEYS:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise OptionError(f"{key}={value!r} is not a number; give seconds, e.g. {key}=600") from None
-    if key == "dtype":
-        text = str(value).strip().lower().removeprefix("torch.")
-        return _DTYPE_ALIASES.get(text, text)
-    if key == "quantize":
-        text = str(value).strip().lower()
-        return {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}.get(text, text)
-    if key == "batch_size":
-        return _as_batch_size(value)
-    if key == "compile":
-        text = str(value).strip().lower()
-        return {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false", "none": "false"}.get(
-            text, text
-        )
-    if key == "tp_plan":
-        text = str(value).strip().lower()
-        return None if text in ("none", "") else text
-    if key in ("shard_size", "tp_size"):
-        text = str(value).strip().lower()
-        return text if not text.lstrip("-").isdigit() else _as_int(key, text)
-    if key == "think_end_token":  # a digit string is a token id, as lm-eval hf reads it
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        text = str(value)
-        return int(text) if text.isdigit() else text
-    if key == "chat_template_args":
-        return _as_json_object(key, value)
-    if key in _STR_KEYS:
-        return str(value)
-    return value
+        return _as_float(key, value)
+    if key in _CASTS:
+        return _CASTS[key](key, value)
+    return str(value) if key in _STR_KEYS else value
+
+
+def _as_float(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"{key}={value!r} is not a number; give seconds, e.g. {key}=600") from None
+
+
+def _aliased(aliases: dict[str, str]) -> Callable[[str, Any], str]:
+    """A cast to the lower-cased text, with ``aliases`` mapped to their canonical name."""
+    return lambda key, value: aliases.get(str(value).strip().lower(), str(value).strip().lower())
+
+
+def _as_dtype(key: str, value: Any) -> str:
+    text = str(value).strip().lower().removeprefix("torch.")
+    return _DTYPE_ALIASES.get(text, text)
+
+
+def _as_tp_plan(key: str, value: Any) -> str | None:
+    text = str(value).strip().lower()
+    return None if text in ("none", "") else text
+
+
+def _as_size(key: str, value: Any) -> int | str:
+    """``shard_size``/``tp_size``: a number, or a word (``auto``, ``node``) left for validation."""
+    text = str(value).strip().lower()
+    return text if not text.lstrip("-").isdigit() else _as_int(key, text)
+
+
+def _as_token(key: str, value: Any) -> int | str:
+    """``think_end_token``: a digit string is a token id, as lm-eval hf reads it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value)
+    return int(text) if text.isdigit() else text
+
+
+_CASTS: dict[str, Callable[[str, Any], Any]] = {
+    "dtype": _as_dtype,
+    "quantize": _aliased({"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}),
+    "batch_size": lambda key, value: _as_batch_size(value),
+    "compile": _aliased(
+        {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false", "none": "false"}
+    ),
+    "tp_plan": _as_tp_plan,
+    "shard_size": _as_size,
+    "tp_size": _as_size,
+    "think_end_token": _as_token,
+    "chat_template_args": lambda key, value: _as_json_object(key, value),
+}
+"""Keys read by a cast of their own (the others by their type's set above, or kept as given)."""
 
 
 def _as_json_object(key: str, value: Any) -> dict:

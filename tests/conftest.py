@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` under any import mode
 
-from helpers import OFFLINE_ENV, TASKS_DIR, TESTS_DIR  # noqa: E402
+from helpers import OFFLINE_ENV, TASKS_DIR, TESTS_DIR
 
 STARTUP_DIR = TESTS_DIR / "startup"
 
@@ -61,5 +61,6 @@ def sample_text_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tasks_dir() -> Path:
-    """``tests/tasks``: ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``, ``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
+    """``tests/tasks``: ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``,
+    ``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
     return TASKS_DIR

@@ -26,7 +26,8 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 TASKS_DIR = TESTS_DIR / "tasks"
-"""Local lm-eval tasks ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``, ``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
+"""Local lm-eval tasks ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``,
+``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
 
 OFFLINE_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",

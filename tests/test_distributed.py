@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -285,8 +286,8 @@ def _wait_for_rank(launcher_pid, rank, timeout):
             if not pid.isdigit() or int(pid) == launcher_pid or not _descends_from(int(pid), launcher_pid):
                 continue
             try:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
             if f"RANK={rank}".encode() in env and b"lm_eval" in cmdline and "MAIN_PROCESS_PORT".encode() not in cmdline:

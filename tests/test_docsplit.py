@@ -6,6 +6,7 @@ evaluator calls ``build_all_requests``; the launches at the end run lm-eval unde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -49,7 +50,7 @@ def _plain(task, **kwargs):
 def _split(task, **kwargs):
     task.set_fewshot_seed(SEED)
     entry = docsplit.build_split(task, _original(), **kwargs)
-    return entry, _by_doc(task.instances)
+    return dataclasses.asdict(entry), _by_doc(task.instances)
 
 
 def _by_doc(instances):
@@ -134,7 +135,9 @@ def test_rank_without_documents_keeps_fresh_copies_of_the_first_documents_instan
 
 
 def test_metrics_of_a_rank_without_documents_read_as_empty():
-    record = {"tasks": {"a": {"empty_ranks": 1}, "b": {"empty_ranks": 0}}}
+    record = docsplit.DocumentSplit(
+        tasks={"a": docsplit.TaskSplit(None, 1, empty_ranks=1), "b": docsplit.TaskSplit(None, 2)}
+    )
     metrics = [{"a": {("acc", "none"): [1.0]}, "b": {("acc", "none"): [0.0]}}, {"a": {}, "b": {}}]
     filled = docsplit.fill_empty_ranks(metrics, record)
     assert [rank["a"][("acc", "none")] for rank in filled] == [[1.0], []]
@@ -142,7 +145,7 @@ def test_metrics_of_a_rank_without_documents_read_as_empty():
         filled[1]["b"][("acc", "none")]  # a task whose every rank had documents: unchanged
     samples = [{"a": [{"doc_id": 0}]}, {"a": []}, None]
     assert docsplit.fill_empty_ranks(samples, record) == samples
-    assert docsplit.fill_empty_ranks(metrics, {"tasks": {}}) is metrics
+    assert docsplit.fill_empty_ranks(metrics, docsplit.DocumentSplit()) is metrics
 
 
 class _Log:
@@ -174,13 +177,13 @@ def test_installed_wrapper_acts_only_for_a_distperp_lm_of_several_processes(monk
     monkeypatch.setattr(docsplit, "log", _Log())
     record = docsplit.install_document_split(2)
     wrapped = Task.build_all_requests
-    assert record == {"installed": True, "problem": None, "tasks": {}}
-    assert docsplit.install_document_split(2)["installed"] and Task.build_all_requests is wrapped  # idempotent
+    assert record.to_dict() == {"installed": True, "problem": None, "tasks": {}}
+    assert docsplit.install_document_split(2).installed and Task.build_all_requests is wrapped  # idempotent
     lm = SimpleNamespace(world_size=2, document_split=record)  # what the wrapper reads: the record, world_size
     task = _task("dptest_random")
     one = _plain(task, rank=0, world_size=1)
     assert _as_evaluator(lm, task, rank=1, world_size=2) == {d: one[d] for d in (1, 3, 5, 7, 9)}
-    assert record["tasks"]["dptest_random"]["built_all"]
+    assert record.tasks["dptest_random"].built_all
     assert [(level, kw) for level, _, kw in docsplit.log.lines] == [("info", {"main_process_only": True})]
     lm.world_size = 1  # one process, or another model (no installed record): lm-eval's own build
     assert _as_evaluator(lm, task, rank=0, world_size=1) == one
@@ -193,11 +196,15 @@ def test_wrapper_is_not_installed_for_one_process_or_another_lm_eval_layout(monk
     assert docsplit.evaluator_lm() is None
     assert docsplit.layout_problem() is None
     before = Task.build_all_requests
-    assert docsplit.install_document_split(1) == {"installed": False, "problem": None, "tasks": {}}
+    assert docsplit.install_document_split(1).to_dict() == {"installed": False, "problem": None, "tasks": {}}
     monkeypatch.setattr(docsplit, "layout_problem", lambda: "lm_eval's Task.doc_iterator() takes no samples")
     monkeypatch.setattr(docsplit, "log", _Log())
     record = docsplit.install_document_split(4)
-    assert record == {"installed": False, "problem": "lm_eval's Task.doc_iterator() takes no samples", "tasks": {}}
+    assert record.to_dict() == {
+        "installed": False,
+        "problem": "lm_eval's Task.doc_iterator() takes no samples",
+        "tasks": {},
+    }
     assert Task.build_all_requests is before
     ((level, line, kwargs),) = docsplit.log.lines
     assert level == "warning" and kwargs == {"main_process_only": False}

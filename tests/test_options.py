@@ -1,5 +1,7 @@
 """Options: every --model_args key parsed, cast and validated in one place, with errors that name the fix."""
 
+import dataclasses
+
 import pytest
 
 from distperp_harness.options import Options
@@ -85,7 +87,7 @@ def test_tensor_parallel_conflicts_are_named_with_the_fix(kwargs, fragment):
 
 def test_frozen_and_recorded():
     opts = Options.from_kwargs(pretrained="m", device="cuda:0", device_from_cli=True)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         opts.dtype = "float16"  # type: ignore[misc]
     with pytest.raises(ValueError, match="share_prefix='no'"):
         Options(pretrained="m", share_prefix="no")  # type: ignore[arg-type]

@@ -76,8 +76,8 @@ class Drawn:
 def require_matplotlib() -> None:
     """Import matplotlib's Agg canvas and Figure, or raise :class:`PlotUnavailable` saying how to install it."""
     try:
-        import matplotlib.backends.backend_agg  # noqa: F401
-        import matplotlib.figure  # noqa: F401
+        import matplotlib.backends.backend_agg
+        import matplotlib.figure  # noqa: F401 - imported to fail here, with the fix, when matplotlib is missing
     except ImportError as error:
         raise PlotUnavailable(
             "matplotlib is not installed; pip install 'distperp-harness[plot]' (or matplotlib>=3.7) for figures"

@@ -226,7 +226,8 @@ def pooled_kl_stderr(entries: dict[str, dict[str, Any]]) -> float | None:
 
 
 def leaderboard_panels(runs: list[tuple[str, Any]]) -> tuple[list[tuple[str, float, float, float | None]], list]:
-    """What the leaderboard figure draws (:func:`distperp_harness.commands.plots.plot_leaderboard`), in leaderboard order.
+    """What the leaderboard figure draws (:func:`distperp_harness.commands.plots.plot_leaderboard`), in leaderboard
+    order.
 
     Returns:
         Scatter points ``(label, weight MB, pooled KL, its stderr)`` of the schemes with weight bytes and a KL

@@ -130,7 +130,10 @@ def _train(model, ids: list[int], spec: TinySpec) -> None:
     gen = torch.Generator().manual_seed(spec.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, spec.train_steps // 10)
-    schedule = lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / spec.train_steps)  # noqa: E731
+
+    def schedule(step: int) -> float:
+        return min(1.0, (step + 1) / warmup) * max(0.05, 1.0 - step / spec.train_steps)
+
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
     for _ in range(spec.train_steps):

@@ -85,8 +85,8 @@ class AccelerateCollective:
 
     @property
     def sequence(self) -> int:
-        """The number of this process's latest collective, over every ``AccelerateCollective`` it created: equal on every rank
-        between two collectives, and never reused within the run (a key prefix for the store)."""
+        """The number of this process's latest collective, over every ``AccelerateCollective`` it created: equal on
+        every rank between two collectives, and never reused within the run (a key prefix for the store)."""
         return self._step
 
     @property
@@ -190,13 +190,13 @@ class AccelerateCollective:
         if store is not None:
             try:
                 store.set(f"{key}/rank{self.rank}", b"1")
-            except Exception:  # noqa: BLE001 - store host gone; the collective below will fail and say so
+            except Exception:  # store host gone; the collective below will fail and say so
                 store = None
         try:
             work = op()
             if work is not None:
                 work.wait(timedelta(seconds=self.timeout_s))  # the backend's own bound, stated once more here
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError variants
+        except Exception as exc:  # torch raises RuntimeError/DistBackendError variants
             raise CollectiveError(self._explain(name, key, store, exc)) from exc
 
     def _explain(self, name: str, key: str, store: Any, exc: Exception) -> str:
@@ -208,7 +208,7 @@ class AccelerateCollective:
         if store is not None:
             try:
                 missing = [r for r in range(self.world_size) if not store.check([f"{key}/rank{r}"])]
-            except Exception:  # noqa: BLE001 - the store went away during the collective
+            except Exception:  # the store went away during the collective
                 store = None
         if missing:
             who = f"rank(s) {missing} never arrived: {describe_ranks(store, missing)}"
@@ -283,7 +283,7 @@ def _leave_group(timeout_s: float, group: Any) -> None:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(timeout_s, 60.0)), wait_all_ranks=True)
         stop_watch()  # before the store goes away, and before the interpreter ends daemon threads
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
+    except Exception:  # best effort at exit
         pass
 
 

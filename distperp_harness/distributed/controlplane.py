@@ -114,7 +114,7 @@ def control_group(rank: int, world_size: int, timeout_s: float) -> Any:
             raise InputError(problem, same_on_every_rank=True)
     try:
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError variants
+    except Exception as exc:  # gloo raises RuntimeError/DistBackendError variants
         raise RuntimeError(
             f"distperp: rank {rank} could not create or connect the gloo control group (bound to {address}: {how}); "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. If the nodes cannot reach "

@@ -116,7 +116,7 @@ def publish(
             if store.add(ACK_KEY, 0) >= world_size - 1:
                 return True
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - the store host is gone: nobody can be told, the error still stands
+    except Exception:  # the store host is gone: nobody can be told, the error still stands
         return False
     return False
 
@@ -132,7 +132,7 @@ def read(store: Any) -> str | None:
     try:
         if store.check([FAILURE_KEY]):
             return store.get(FAILURE_KEY).decode()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     return None
 
@@ -201,7 +201,7 @@ class FailureWatch:
                 if lost is not None:
                     record = self._declare(lost)
                 misses = 0
-            except Exception:  # noqa: BLE001 - store host gone (or one poll lost): gone after `gone_after` in a row
+            except Exception:  # store host gone (or one poll lost): gone after `gone_after` in a row
                 misses += 1
                 if self.own_failure or self.closing:
                     return
@@ -215,10 +215,8 @@ class FailureWatch:
                 continue
             message = stop_message(self.rank, record, current_stage())
             print(message, file=sys.stderr, flush=True)  # before the acknowledgement: the failing rank then exits
-            try:
+            with contextlib.suppress(Exception):  # best effort: the store host may be gone
                 self.store.add(ACK_KEY, 1)
-            except Exception:  # noqa: BLE001
-                pass
             self.on_failure(message)
             return
 
@@ -231,7 +229,7 @@ class FailureWatch:
             return None
         try:
             lost = self.liveness.tick()
-        except Exception:  # noqa: BLE001 - a store that went away shows in the next poll's check; nothing else may
+        except Exception:  # a store that went away shows in the next poll's check; nothing else may
             return None  # end this thread
         return None if self.own_failure else lost
 
@@ -257,7 +255,7 @@ class FailureWatch:
                     settle(self.store, quiet_s=SETTLE_QUIET_S)
                 else:
                     time.sleep(EXIT_GRACE_S)  # the failing rank exits first: its launcher then names it the cause
-        except Exception:  # noqa: BLE001 - the store went away meanwhile (or was never there): go now
+        except Exception:  # the store went away meanwhile (or was never there): go now
             pass
         hard_exit(1)
 
@@ -272,13 +270,11 @@ def hard_exit(code: int) -> None:
     try:
         for child in multiprocessing.active_children():
             child.terminate()
-    except Exception:  # noqa: BLE001 - exiting anyway
+    except Exception:  # exiting anyway
         pass
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # exiting anyway
             stream.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
     os._exit(code)
 
 
@@ -412,8 +408,6 @@ def uncaught(exc: BaseException) -> None:
     if not is_distributed_failure(exc):
         fail_here(exc, _PLACE["rank"], _PLACE["world_size"], _PLACE["device"], "running the evaluation", store)
     if _PLACE["published"]:
-        try:
+        with contextlib.suppress(Exception):  # store host gone
             store.compare_set(DONE_KEY, "", b"1")  # a lost peer's record, if it came first, keeps its LOST
-        except Exception:  # noqa: BLE001 - store host gone
-            pass
         hard_exit(1)  # at once, before the peers (which wait EXIT_GRACE_S): the launcher then names this rank first

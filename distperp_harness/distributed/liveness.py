@@ -44,7 +44,7 @@ import enum
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 BEAT_KEY = "distperp/beat/{}"
@@ -79,7 +79,8 @@ def pop_stage() -> None:
 
 
 def set_base_stage(stage: str) -> None:
-    """The stage outside every :func:`~distperp_harness.distributed.failfast.stop_together` block (starting; then lm-eval's own code)."""
+    """The stage outside every :func:`~distperp_harness.distributed.failfast.stop_together` block (starting; then
+    lm-eval's own code)."""
     _BASE_STAGE[0] = stage
 
 
@@ -201,6 +202,7 @@ def verdict(outcome: Probe, silent_s: float, bound_s: float) -> str | None:
     return f"stopped responding: {silence}"
 
 
+@dataclass(eq=False)
 class Liveness:
     """One rank's beat, its watch of the next rank, and its probe answers; :meth:`tick` once per poll, from the
     watch thread only (it owns ``store``, a private connection).
@@ -212,29 +214,28 @@ class Liveness:
         probe_of: how a peer is probed (tests pass a fake).
     """
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        world_size: int,
-        bound_s: float,
-        stage: Callable[[], str],
-        me: Peer,
-        sock: socket.socket | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        probe_of: Callable[[Peer], Probe] = probe,
-    ) -> None:
-        self.store, self.rank, self.world_size, self.bound_s = store, rank, world_size, bound_s
-        self.stage, self.me, self.sock, self.clock, self.probe_of = stage, me, sock, clock, probe_of
-        self.peer_rank = (rank + 1) % world_size
-        self.beats = 0
-        self._stage_sent: str | None = None
-        self._seen = -1  # the peer's counter at its last change
-        self._since = clock()  # when it last changed (or when watching began)
-        self._probed_at: float | None = None
-        self.left = False
-        self.peer_left = False
-        store.set(PEER_KEY.format(rank), me.encode())
+    store: Any
+    rank: int
+    world_size: int
+    bound_s: float
+    stage: Callable[[], str]
+    me: Peer
+    sock: socket.socket | None = None
+    clock: Callable[[], float] = time.monotonic
+    probe_of: Callable[[Peer], Probe] = probe
+    peer_rank: int = field(init=False)
+    beats: int = field(init=False, default=0)
+    left: bool = field(init=False, default=False)
+    peer_left: bool = field(init=False, default=False)
+    _stage_sent: str | None = field(init=False, default=None)
+    _seen: int = field(init=False, default=-1)  # the peer's counter at its last change
+    _since: float = field(init=False)  # when it last changed (or when watching began)
+    _probed_at: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.peer_rank = (self.rank + 1) % self.world_size
+        self._since = self.clock()
+        self.store.set(PEER_KEY.format(self.rank), self.me.encode())
 
     def tick(self) -> str | None:
         """Beat, answer probes, and watch the peer: a record naming the peer when it is lost, else None."""
@@ -276,10 +277,8 @@ class Liveness:
         else the watch's own client; best effort)."""
         if not self.left:
             self.left = True
-            try:
+            with contextlib.suppress(Exception):  # the store host left first: nobody watches any more
                 (store if store is not None else self.store).add(BEAT_KEY.format(self.rank), LEFT)
-            except Exception:  # noqa: BLE001 - the store host left first: nobody watches any more
-                pass
 
     def peer(self) -> Peer:
         """What the watched rank published."""
@@ -328,7 +327,7 @@ def describe_ranks(store: Any, ranks: list[int], limit: int = 4, wait_s: float =
     for rank in ranks[:limit]:
         try:
             peer = published(store, rank)
-        except Exception:  # noqa: BLE001 - the store went away meanwhile
+        except Exception:  # the store went away meanwhile
             peer = Peer("?", 0)
         parts.append(f"rank {rank} ({peer.host}) {_STATE_OF[probe(peer, wait_s, wait_s)]}")
     more = f"; {len(ranks) - limit} more not probed" if len(ranks) > limit else ""

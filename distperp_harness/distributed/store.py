@@ -31,7 +31,7 @@ def default_store() -> Any:
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
-    except Exception:  # noqa: BLE001 - no process group, or torch's private API moved: callers then do without
+    except Exception:  # no process group, or torch's private API moved: callers then do without
         return None
 
 
@@ -43,7 +43,7 @@ def private_client(store: Any) -> Any:
         return store
     try:
         return clone()
-    except Exception:  # noqa: BLE001 - e.g. a store type without a clone: share the one connection
+    except Exception:  # e.g. a store type without a clone: share the one connection
         return store
 
 

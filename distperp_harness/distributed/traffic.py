@@ -8,10 +8,11 @@ reduces: an all-gather's output, an all-reduce's tensor) and the bytes each rank
 algorithm NCCL and gloo use for large messages: ``2 (n-1)/n`` of the payload for an all-reduce, ``(n-1)/n`` for an
 all-gather, reduce-scatter or all-to-all, the payload for a broadcast.
 
-:func:`forward_traffic` runs a few forwards (``run/execution/probes.py`` gives a loaded model's) of a loaded model under it, every rank together (they are collective
-with sharded or tensor-parallel weights), and fits bytes as ``fixed + per_unit * units``: per decode step
-(``rows`` one-token rows) and per scored token. A forward without collectives (one process holding the whole model)
-counts zero. The mode slows every op while active, so only these probe forwards run under it.
+:func:`forward_traffic` runs a few forwards (``run/execution/probes.py`` gives a loaded model's) of a loaded model under
+it, every rank together (they are collective with sharded or tensor-parallel weights), and fits bytes as ``fixed +
+per_unit * units``: per decode step (``rows`` one-token rows) and per scored token. A forward without collectives (one
+process holding the whole model) counts zero. The mode slows every op while active, so only these probe forwards run
+under it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _group_size(args: tuple, kwargs: dict) -> int:
         if isinstance(value, str):
             try:
                 return int(_resolve_process_group(value).size())
-            except Exception:  # noqa: BLE001 - a reduce op name or tag, not a group name
+            except Exception:  # a reduce op name or tag, not a group name
                 continue
     return 1
 

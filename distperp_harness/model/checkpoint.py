@@ -118,7 +118,7 @@ def _hub_weight_bytes(options: Any) -> int | None:
         config = try_to_load_from_cache(
             options.pretrained, "config.json", revision=options.revision, subfolder=options.subfolder or None
         )
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     if not isinstance(config, str):
         return None

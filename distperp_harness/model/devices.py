@@ -115,7 +115,7 @@ def device_identity(device: torch.device) -> dict[str, Any]:
 def _cpu_capability() -> str:
     try:
         return str(torch.backends.cpu.get_cpu_capability())
-    except Exception:  # noqa: BLE001 - older builds
+    except Exception:  # older builds
         return "unknown"
 
 

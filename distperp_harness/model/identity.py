@@ -61,7 +61,7 @@ def hub_sha(repo_id: str, revision: str = "main") -> str:
             cached = try_to_load_from_cache(repo_id, "adapter_config.json", revision=revision)
         if isinstance(cached, str) and "/snapshots/" in cached:
             return cached.split("/snapshots/")[1].split("/")[0]
-    except Exception:  # noqa: BLE001 - an unusual cache layout: ask the hub below
+    except Exception:  # an unusual cache layout: ask the hub below
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return ""
@@ -69,7 +69,7 @@ def hub_sha(repo_id: str, revision: str = "main") -> str:
         from huggingface_hub import HfApi
 
         return HfApi().model_info(repo_id=repo_id, revision=revision).sha or ""
-    except Exception:  # noqa: BLE001 - as lm-eval hf: an unknown sha is recorded as ""
+    except Exception:  # as lm-eval hf: an unknown sha is recorded as ""
         return ""
 
 
@@ -79,7 +79,7 @@ def _hub_file(repo_id: str, filename: str, revision: str) -> str | None:
 
         cached = try_to_load_from_cache(repo_id, filename, revision=revision)
         return cached if isinstance(cached, str) else None
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

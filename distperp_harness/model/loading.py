@@ -198,14 +198,16 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
     scheme = options.quantize
     plan = SCHEMES[scheme].plan(dtype, options.group_size, device)
     meta = skeleton(options, dtype)
-    selected, skipped, notes = select_layers(meta, plan, options.quantize_lm_head)
+    selection = select_layers(meta, plan, options.quantize_lm_head)
     if distributed_config is not None and plan.storage != "int8":  # group-wise schemes: groups within a slice
         from distperp_harness.model.tensor_parallel import rowwise_slices_too_narrow
 
-        narrow = rowwise_slices_too_narrow(meta, int(distributed_config.tp_size), options.group_size, selected)
-        selected = [name for name in selected if name not in narrow]
-        skipped.update(narrow)
-    if notes:  # quantizing a tied head unties it, which transformers' loader does not do
+        narrow = rowwise_slices_too_narrow(
+            meta, int(distributed_config.tp_size), options.group_size, selection.selected
+        )
+        selection.selected = [name for name in selection.selected if name not in narrow]
+        selection.skipped.update(narrow)
+    if selection.notes:  # quantizing a tied head unties it, which transformers' loader does not do
         if distributed_config is not None:
             raise InputError(
                 f"quantize_lm_head=true with tp_size={distributed_config.tp_size}: this model's output "
@@ -222,7 +224,7 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
     _import_torchao()
     start = time.perf_counter()
     config = transformers.TorchAoConfig(
-        quant_type=plan.config, modules_to_not_convert=[re.escape(name) for name in skipped]
+        quant_type=plan.config, modules_to_not_convert=[re.escape(name) for name in selection.skipped]
     )
     model = load_model(options, device, dtype, quantization_config=config, distributed_config=distributed_config)
     common = dict(
@@ -234,10 +236,10 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
         include_lm_head=options.quantize_lm_head,
         weight_bytes_before=sum(p.numel() * p.element_size() for p in meta.parameters()),
     )
-    notes.append("Quantized while loading (transformers TorchAoConfig, tensor by tensor); seconds include loading.")
-    return model, finish_report(
-        model, scheme, plan, options.group_size, selected, skipped, notes, common, time.perf_counter() - start
+    selection.notes.append(
+        "Quantized while loading (transformers TorchAoConfig, tensor by tensor); seconds include loading."
     )
+    return model, finish_report(model, scheme, plan, options.group_size, selection, common, time.perf_counter() - start)
 
 
 @dataclass
@@ -311,14 +313,13 @@ def _load_all(
 ) -> Loaded:
     """Tokenizer → model on ``device`` (quantized while loading) → reference; with ``mesh``, both sharded.
 
-    The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``:
-    the checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
-    ``reference=base`` keeps a ``peft=``/``delta=`` fine-tune (the same weights, unquantized);
-    ``reference=pretrained`` is the checkpoint without them (what the fine-tune changed). With an adapter and
-    ``quantize=``, the adapter is merged into the unquantized weights first and the merged model is quantized
-    after loading (a note in the quantization report says so); so is a ``gguf_file`` checkpoint. A checkpoint saved already quantized loads as
-    saved; ``quantize=`` or ``reference=base`` on it is refused (:func:`~distperp_harness.model.checkpoint.
-    refuse_on_stored`).
+    The reference (``reference=base`` or a path) is loaded unquantized in the dtype the user asked for (``auto``: the
+    checkpoint's), so KL divergence measures everything ``quantize=`` changed, including a bf16 cast it implied.
+    ``reference=base`` keeps a ``peft=``/``delta=`` fine-tune (the same weights, unquantized); ``reference=pretrained``
+    is the checkpoint without them (what the fine-tune changed). With an adapter and ``quantize=``, the adapter is
+    merged into the unquantized weights first and the merged model is quantized after loading (a note in the
+    quantization report says so); so is a ``gguf_file`` checkpoint. A checkpoint saved already quantized loads as saved;
+    ``quantize=`` or ``reference=base`` on it is refused (:func:`~distperp_harness.model.checkpoint. refuse_on_stored`).
     With ``mesh`` (``shard_size`` > 1) an unquantized model is read into host memory (memory-mapped where the dtype
     allows) and FSDP2 moves it to ``device`` one layer at a time as it shards it
     (:func:`~distperp_harness.model.sharding.shard_model`); a quantized model is quantized on ``device`` while loading

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import overload
 
 import torch
 
@@ -15,12 +16,12 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     """Bytes of live activations per input token during one forward pass and scoring (no KV cache), in the
     model's compute dtype (``w`` bytes) and for its attention implementation.
 
-    One decoder layer's transients at a time, the larger of its two halves: attention (residual and normed input,
-    q/k/v, the rotary embedding's copies of q and k, attention output and projection) and MLP (residual and normed
-    input, gate activation, up projection, their product, the down projection); eager attention adds its scores
-    over ``max_length`` keys (in ``w``, a float32 softmax and the cast back), which sdpa/flash kernels do not
-    hold. Plus scoring's per position: the last hidden state and the gathered features (``w`` each), the indices,
-    target and float64 results (64 bytes). Not counted: logits chunks (:func:`~distperp_harness.run.scoring.forward.chunk_bytes`).
+    One decoder layer's transients at a time, the larger of its two halves: attention (residual and normed input, q/k/v,
+    the rotary embedding's copies of q and k, attention output and projection) and MLP (residual and normed input, gate
+    activation, up projection, their product, the down projection); eager attention adds its scores over ``max_length``
+    keys (in ``w``, a float32 softmax and the cast back), which sdpa/flash kernels do not hold. Plus scoring's per
+    position: the last hidden state and the gathered features (``w`` each), the indices, target and float64 results (64
+    bytes). Not counted: logits chunks (:func:`~distperp_harness.run.scoring.forward.chunk_bytes`).
     """
     config = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -218,6 +219,10 @@ class LoadMeter:
         }
 
 
+@overload
+def first_float_dtype(model: torch.nn.Module) -> torch.dtype: ...
+@overload
+def first_float_dtype(model: None) -> None: ...
 def first_float_dtype(model: torch.nn.Module | None) -> torch.dtype | None:
     """The dtype of the model's first floating-point parameter (float32 when it has none; ``None`` for no model):
     what the logits chunk budgets assume (:func:`compute_dtype_bytes` reads the input embeddings first instead)."""

@@ -73,7 +73,7 @@ class Plan:
     config: Any
     storage: str
     note: str
-    skip_reason: SkipCheck = lambda linear: None  # noqa: E731
+    skip_reason: SkipCheck = lambda linear: None
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _import_torchao() -> None:
     try:
         for lg in loggers:
             lg.setLevel(logging.ERROR)
-        import torchao  # noqa: F401
+        import torchao  # noqa: F401 - imported for its side effects, with its loggers quieted
     finally:
         for lg, level in loggers.items():
             lg.setLevel(level)
@@ -437,18 +437,28 @@ def quantize_model(
             **common,
         )
 
-    selected, skipped, notes = select_layers(model, plan, include_lm_head)
-    chosen = set(selected)
+    selection = select_layers(model, plan, include_lm_head)
+    chosen = set(selection.selected)
     from torchao.quantization import quantize_
 
     start = time.perf_counter()
     with torch.no_grad():
         quantize_(model, plan.config, filter_fn=lambda module, fqn: fqn in chosen)
-    return finish_report(model, scheme, plan, group_size, selected, skipped, notes, common, time.perf_counter() - start)
+    return finish_report(model, scheme, plan, group_size, selection, common, time.perf_counter() - start)
 
 
-def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[list[str], dict[str, str], list[str]]:
-    """Which Linear layers ``plan`` quantizes: ``(selected names, skipped name -> reason, notes)``, in module order.
+@dataclass
+class LayerSelection:
+    """Which Linear layers a plan quantizes, in module order: their names, the skipped ones with the reason, and
+    notes for the report (a caller may narrow it further before quantizing)."""
+
+    selected: list[str]
+    skipped: dict[str, str]
+    notes: list[str]
+
+
+def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> LayerSelection:
+    """Which Linear layers ``plan`` quantizes (:class:`LayerSelection`).
 
     Reads only module types, shapes and identities, so a ``meta``-device skeleton gives the same answer as the
     loaded model (what :func:`distperp_harness.model.loading.load_quantized` relies on).
@@ -469,7 +479,7 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[
             selected.append(name)
         else:
             skipped[name] = reason
-    notes = []
+    notes: list[str] = []
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     head_name = next((name for name, module in model.named_modules() if module is lm_head), None)
     if head_name in selected and getattr(embedding, "weight", None) is lm_head.weight:
@@ -477,7 +487,7 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> tuple[
             "The output embedding was tied to the input embedding: quantizing it untied them, and the "
             "input embedding keeps its full-precision copy."
         )
-    return selected, skipped, notes
+    return LayerSelection(selected, skipped, notes)
 
 
 def finish_report(
@@ -485,20 +495,18 @@ def finish_report(
     scheme: str,
     plan: Plan,
     group_size: int,
-    selected: list[str],
-    skipped: dict[str, str],
-    notes: list[str],
+    selection: LayerSelection,
     common: dict[str, Any],
     seconds: float,
 ) -> QuantReport:
-    """The :class:`QuantReport` of ``model`` after ``plan`` ran on the ``selected`` layers: a selected layer whose
-    weight is still a plain tensor is listed as skipped (left unquantized by torchao)."""
+    """The :class:`QuantReport` of ``model`` after ``plan`` ran on the ``selection``: a selected layer whose weight
+    is still a plain tensor is listed as skipped (left unquantized by torchao)."""
     from torchao.core.config import config_to_dict
 
-    skipped = dict(skipped)
+    skipped = dict(selection.skipped)
     quantized, formats = [], collections.Counter()
     modules = dict(model.named_modules())
-    for name in selected:
+    for name in selection.selected:
         if is_tensor_subclass(modules[name].weight):
             quantized.append(name)
             formats[type(modules[name].weight).__name__] += 1
@@ -513,6 +521,6 @@ def finish_report(
         skipped=skipped,
         weight_bytes_after=weight_bytes(model),
         seconds=seconds,
-        notes=tuple(notes),
+        notes=tuple(selection.notes),
         **common,
     )

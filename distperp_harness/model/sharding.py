@@ -12,12 +12,12 @@ torchao's quantized weights (tensor subclasses without FSDP's all-gather extensi
 are passed as ``ignored_params`` and stay replicated on every rank; the rest of that model (embeddings, output
 head, norms) is sharded. :class:`ShardReport` says which.
 
-Scoring does not call the root module: it runs ``model.base_model`` and applies the output head per chunk of
-positions. :func:`gathered` therefore all-gathers the root's own group (embeddings, final norm, head) for a whole
-batch, and each decoder layer gathers and frees its shard in its own forward hooks. Every forward issues the same
-sequence of gathers, so all ranks of a group must make the same number of forward calls: the group walks through
-its batches in steps (:class:`distperp_harness.run.execution.claims.GroupSteps`), and a rank with fewer calls in a step pads with
-forwards of a one-token batch whose results are dropped.
+Scoring does not call the root module: it runs ``model.base_model`` and applies the output head per chunk of positions.
+:func:`gathered` therefore all-gathers the root's own group (embeddings, final norm, head) for a whole batch, and each
+decoder layer gathers and frees its shard in its own forward hooks. Every forward issues the same sequence of gathers,
+so all ranks of a group must make the same number of forward calls: the group walks through its batches in steps
+(:class:`distperp_harness.run.execution.claims.GroupSteps`), and a rank with fewer calls in a step pads with forwards of
+a one-token batch whose results are dropped.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def shard_groups(world_size: int, shard_size: int) -> list[list[int]]:
 
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, timeout_s: float):
-    """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by
-    ``timeout_s`` (a gather that waits longer for a dead or hung rank fails, see :func:`distperp_harness.distributed.collective.naming_failures`).
-    Every rank must call this together (it creates process groups)."""
+    """The ``(replicate, shard)`` device mesh on the default group's backend, its groups bounded by ``timeout_s`` (a
+    gather that waits longer for a dead or hung rank fails, see
+    :func:`distperp_harness.distributed.collective.naming_failures`). Every rank must call this together (it creates
+    process groups)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     override = mesh_backend(timeout_s)

@@ -27,8 +27,8 @@ from typing import Sequence
 class Batch:
     """Units ``start .. stop-1`` of the canonical order, right-padded to ``padded_length`` input tokens.
 
-    ``scored`` is the number of target tokens the batch scores (0 when the caller did not say); ``shared`` the
-    tokens at the start of every row that the batch computes once (:func:`distperp_harness.planning.rows.shared_prefix`).
+    ``scored`` is the number of target tokens the batch scores (0 when the caller did not say); ``shared`` the tokens at
+    the start of every row that the batch computes once (:func:`distperp_harness.planning.rows.shared_prefix`).
     """
 
     start: int
@@ -95,9 +95,11 @@ def make_batches(
         padded = lengths[start]
         if batch_size is not None:
             stop = min(n, start + batch_size)
-        else:
+        elif token_budget is not None:
             rows = max(1, min(max_batch_size, token_budget // max(1, padded)))
             stop = min(n, start + rows)
+        else:  # exactly one of the two is given (checked above)
+            raise ValueError("give exactly one of batch_size or token_budget")
         after = bisect.bisect_right(ordered_starts, start)
         if after < len(ordered_starts):
             stop = min(stop, ordered_starts[after])

@@ -9,12 +9,12 @@ Each rank turns its own distinct units (flat int32 tokens, O(own tokens)) into:
   ``2 BLOCK``, ... tokens (8 bytes per block), from which the planner sees which inputs share a prefix and about how
   long it is (to a block), without their tokens.
 
-:class:`GlobalTable` merges every rank's records into the one canonical table: units ordered by ``key`` (a function
-of the set of units only), with the ranks that hold each one. Identity is the key; a collision is never silent:
-records with one key must agree on every field, inputs with one hash on their length and ladder (checked here), and
-the ranks that compute a unit send back a second, independent hash of the tokens they used, which each rank that
-asked compares with its own (:mod:`distperp_harness.run.execution.routing`). Prefix hashes are planning hints: the rows are built
-from the real tokens, and a row longer than its plan says is reported as a collision.
+:class:`GlobalTable` merges every rank's records into the one canonical table: units ordered by ``key`` (a function of
+the set of units only), with the ranks that hold each one. Identity is the key; a collision is never silent: records
+with one key must agree on every field, inputs with one hash on their length and ladder (checked here), and the ranks
+that compute a unit send back a second, independent hash of the tokens they used, which each rank that asked compares
+with its own (:mod:`distperp_harness.run.execution.routing`). Prefix hashes are planning hints: the rows are built from
+the real tokens, and a row longer than its plan says is reported as a collision.
 """
 
 from __future__ import annotations

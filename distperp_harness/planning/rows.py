@@ -24,8 +24,8 @@ to token sequences directly (a unit's index in ``units`` is its id), the referen
   shared with the previous leaf against the extra dense-attention work of a longer row). Answers after one context
   and questions after one few-shot block become one tree;
 * rows whose roots share at least :data:`MIN_SHARED_PREFIX` tokens form a *group*: batches never mix groups, and a
-  batch of two or more rows computes the prefix its rows share once (:func:`shared_prefix`, the key/value cache of
-  one forward reused by every row; :mod:`distperp_harness.run.scoring.forward`). A thousand questions after one 700-token
+  batch of two or more rows computes the prefix its rows share once (:func:`shared_prefix`, the key/value cache of one
+  forward reused by every row; :mod:`distperp_harness.run.scoring.forward`). A thousand questions after one 700-token
   few-shot block thus cost their own tokens plus 700 per batch;
 * ``mode="inputs"`` (models that cannot take a custom mask): one path per row, input classes still shared;
 * ``mode="off"``: one row per unit.
@@ -97,7 +97,8 @@ class Row:
     @functools.cached_property
     def _starts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per run: its first position (depth) and its first column in the row."""
-        depth, column = [], []
+        depth: list[int] = []
+        column: list[int] = []
         col = 0
         for run, parent in zip(self.runs, self.parents):
             depth.append(0 if parent < 0 else depth[parent] + len(self.runs[parent]))
@@ -236,7 +237,7 @@ def _leaves(units: Sequence[Unit]) -> tuple[list[tuple[int, ...]], dict, dict]:
     return leaves, readers, classes
 
 
-def row_of(units: Sequence[Unit], ids: Sequence[int]) -> Row:
+def row_of(units: Sequence[Unit], ids: Sequence[int] | np.ndarray) -> Row:
     """The exact tree row holding ``units`` (canonical ids ``ids``, ascending): every distinct input once, inputs
     that are a prefix of another read along its path, siblings after their common prefix. A pure function of the set
     of units: how the rank that computes a planned row (:mod:`distperp_harness.planning.rowplan`) builds it.

@@ -132,12 +132,12 @@ def _choice_info(task: Any, doc: Any) -> tuple[bool, int | None, list[float] | N
         return False, None, None, None
     try:
         choices = list(task.doc_to_choice(doc))
-    except Exception:  # noqa: BLE001 - lm-eval itself will fail on this document; count flips over the requests
+    except Exception:  # lm-eval itself will fail on this document; count flips over the requests
         return True, None, None, None
     try:
         target = task.doc_to_text(doc) if getattr(task, "multiple_input", False) else task.doc_to_target(doc)
         gold = gold_indices(target, choices)
-    except Exception:  # noqa: BLE001 - a task without usable labels: flips are still counted
+    except Exception:  # a task without usable labels: flips are still counted
         gold = None
     return True, len(choices), [float(len(c)) for c in choices], gold
 

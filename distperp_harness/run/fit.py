@@ -74,6 +74,10 @@ class Need:
         return f"{' + '.join(parts)} = {self.total / GiB:.2f} GiB"
 
 
+CPU = torch.device("cpu")
+"""The device the estimate assumes when none is given."""
+
+
 def _scales(storage: str, weight: torch.Tensor, group_size: int) -> float:
     """Bytes of the scales and zero points torchao stores next to a quantized weight (as its tensors hold them)."""
     if storage == "int8":  # per row: float32 scale, int8 zero point
@@ -106,7 +110,7 @@ def _stored(
     if scheme == "none":
         return sizes, set()
     plan = SCHEMES[scheme].plan(dtype, group_size, device)
-    selected, _, _ = select_layers(model, plan, include_lm_head)
+    selected = select_layers(model, plan, include_lm_head).selected
     modules = dict(model.named_modules())
     quantized = set()
     for name in selected:
@@ -123,7 +127,7 @@ def _parts(
     scheme: str = "none",
     group_size: int = 128,
     include_lm_head: bool = False,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
     tensor_parallel: bool = False,
 ) -> tuple[int, int, int]:
     """``(resident bytes per rank, root group bytes, largest decoder layer bytes)``; the last two are what FSDP
@@ -155,7 +159,7 @@ def weights_per_rank(
     scheme: str = "none",
     group_size: int = 128,
     include_lm_head: bool = False,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
 ) -> tuple[int, int]:
     """``(resident bytes per rank, peak bytes gathered during a forward)`` of ``model`` (a meta skeleton) under
     ``scheme`` and ``shard_size`` (see :mod:`distperp_harness.model.sharding` for the layout). The root group
@@ -167,7 +171,7 @@ def weights_per_rank(
     return resident, root + 2 * layer
 
 
-def estimate(
+def estimate(  # noqa: PLR0913 - the facts an estimate reads before loading, the last three defaulted
     options: Options,
     model: nn.Module,
     reference: nn.Module | None,
@@ -184,11 +188,11 @@ def estimate(
     ``stored_bytes``: for a checkpoint saved already quantized, the bytes of its weight files: its weights are
     sized from them (kept whole on every rank, as torchao weights are), not from the full-precision skeleton.
 
-    Gathered: both roots (held for the whole batch) plus twice the largest decoder layer of either (the model's
-    layers are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each
-    model's compute dtype and attention implementation, for ``rows`` full-length rows. Logits:
-    :func:`~distperp_harness.run.scoring.forward.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when sharded on CUDA
-    (gloo's buffers on CPU are negligible).
+    Gathered: both roots (held for the whole batch) plus twice the largest decoder layer of either (the model's layers
+    are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each model's
+    compute dtype and attention implementation, for ``rows`` full-length rows. Logits:
+    :func:`~distperp_harness.run.scoring.forward.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when sharded on
+    CUDA (gloo's buffers on CPU are negligible).
     """
     from distperp_harness.run.scoring.forward import chunk_bytes
 
@@ -218,7 +222,7 @@ def estimate(
     )
 
 
-def _fixes(
+def _fixes(  # noqa: PLR0913 - the bounds each candidate option is tried within, defaulted
     options: Options,
     need_for,
     room: int,
@@ -295,7 +299,7 @@ def check_fits(
             problem, need = _verdict(options, device, shard_size, local_world, free, tp_size)
         except ValueError as exc:  # a bad path or config: the same error every rank would meet while loading
             problem = str(exc)
-        except Exception as exc:  # noqa: BLE001 - a model the meta skeleton cannot build: load without a verdict
+        except Exception as exc:  # a model the meta skeleton cannot build: load without a verdict
             log.warning(f"distperp: no memory estimate before loading ({type(exc).__name__}: {exc}); loading anyway")
     problem, need = collective.all_gather_object((problem, need), "agree on the memory estimate")[0]
     if problem:

@@ -6,13 +6,14 @@ Every rank passes the units of the requests lm-eval gave it (its round-robin sha
    exchanges those, never tokens; every rank merges them into the same canonical table;
 2. plans rows (:mod:`distperp_harness.planning.rowplan`), world-size-independent batches and their owners from the table
    alone;
-3. sends each unit's tokens only to the ranks that may compute it (:func:`~distperp_harness.run.execution.routing.move_tokens`);
-4. computes the batches it takes through the :class:`~distperp_harness.run.execution.executor.Executor` (claims: its own,
-   then its ward's; resume; the failure channel; a shard group's steps; a tensor-parallel group as one worker of
+3. sends each unit's tokens only to the ranks that may compute it
+   (:func:`~distperp_harness.run.execution.routing.move_tokens`);
+4. computes the batches it takes through the :class:`~distperp_harness.run.execution.executor.Executor` (claims: its
+   own, then its ward's; resume; the failure channel; a shard group's steps; a tensor-parallel group as one worker of
    the plan, its leader reporting), each row built exactly from its units' tokens
    (:func:`~distperp_harness.planning.rows.row_of`);
-5. sends each unit's float64 results to the ranks that hold it (:func:`~distperp_harness.run.execution.routing.return_results`)
-   and assembles its own requests in a fixed order.
+5. sends each unit's float64 results to the ranks that hold it
+   (:func:`~distperp_harness.run.execution.routing.return_results`) and assembles its own requests in a fixed order.
 
 Rows, batches and their numbers depend only on the set of units: the same bits on 1 process or N, whichever rank
 computes a batch.
@@ -58,7 +59,7 @@ class RequestResult:
 Progress = Callable[[int], None]
 
 
-def score_requests(
+def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     per_request_units: Sequence[Sequence[Unit]],
     executor: Executor,
     rule: ScoringRule,
@@ -77,7 +78,8 @@ def score_requests(
             resume, the failure channel, a shard group's steps); its forwards' statistics are per unit, in row order.
         rule: how rows, batches and costs are planned; batches hold ``rule.batching`` rows each.
         stats: when given, the call's :class:`~distperp_harness.run.execution.calls.ScoringCall` is appended (with every
-            rank's :class:`~distperp_harness.run.execution.calls.RankFacts`) and the fingerprint takes every unit's results.
+            rank's :class:`~distperp_harness.run.execution.calls.RankFacts`) and the fingerprint takes every unit's
+            results.
         progress: given the number of tokens this rank is planned to score (the results' ``n_tokens``), returns
             an update callback.
         log: where rank 0's notes about the plan go (idle ranks).
@@ -151,11 +153,13 @@ def score_requests(
         scores = executor.score(rows, shared)
         if not executor.reports:
             continue  # a tensor-parallel member: its leader reports the same bits and counts the tokens
+        if scores is None:  # Executor.score: only a member that does not report gets None
+            raise RuntimeError(f"internal error: no scores for batch {b} on a rank that reports them")
         tokens_here += shared + sum(row.length - shared for row in rows)
         if update:
             update(int(scored[b]))  # the tokens the results count (n_tokens), as the bar's total does
         ids = [uid for row in rows for uid in row.unit_ids]
-        kl = scores.kl if with_reference else [None] * len(ids)
+        kl = scores.kl_rows() if with_reference else [None] * len(ids)
         for j, uid in enumerate(ids):
             computed[uid] = (scores.stats[j], checks[uid], kl[j])
             mark += unit_mark(uid, scores.stats[j])
@@ -176,7 +180,7 @@ def score_requests(
         stats._digest.update((sum(m for _, _, m in everyone) % (1 << 8 * MARK_BYTES)).to_bytes(MARK_BYTES, "little"))
         balance = balance_report(plan, rule.attention_coef, rule.head_coef)
         per_rank = [s for _, s, _ in everyone]
-        tokens = sum(s.tokens for s in per_rank)
+        tokens = sum(s.tokens or 0 for s in per_rank)  # a scoring share always counts its tokens
         input_tokens = int((table.units["length"].astype(np.int64) - 1).sum())
         stats.calls.append(
             ScoringCall(

@@ -16,10 +16,11 @@ layer's transients in the compute dtype; eager attention's scores only with eage
 (the other processes of the node share the memory). On CPU the budget is also capped at ``_CPU_MAX_TOKENS``:
 beyond that a larger batch no longer computes faster (see :data:`_CPU_MAX_TOKENS`).
 
-Rank 0 chooses; every rank then *checks* that it can hold that budget (:func:`check_budget`): on CUDA by running
-a full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU and
-with sharded weights by the estimate against available memory (a sharded probe that ran out of memory on one rank
-would leave its group's other ranks waiting in a gather, so no verdict could be gathered). A rank that cannot hold it stops the run at start, naming itself.
+Rank 0 chooses; every rank then *checks* that it can hold that budget (:func:`check_budget`): on CUDA by running a
+full-length worst-case batch (the probe) and comparing its peak with the memory free on that rank, on CPU and with
+sharded weights by the estimate against available memory (a sharded probe that ran out of memory on one rank would leave
+its group's other ranks waiting in a gather, so no verdict could be gathered). A rank that cannot hold it stops the run
+at start, naming itself.
 
 lm-eval's ``auto:N`` re-detects a row count N times while the sorted requests get shorter. A token budget already
 gives shorter units more rows, so distperp detects once and treats ``auto:N`` as ``auto`` (logged).
@@ -45,6 +46,8 @@ from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from distperp_harness.distributed.protocol import Collective
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,8 @@ def _matmul_params(model: torch.nn.Module) -> tuple[int, int, int, int]:
         if isinstance(weight, torch.Tensor):  # quantized (tensor subclass) weights too; numel is the logical size
             embeddings[id(weight)] = weight.numel()
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    head_params = int(head.weight.numel()) if isinstance(getattr(head, "weight", None), torch.Tensor) else 0
+    head_weight = getattr(head, "weight", None)
+    head_params = int(head_weight.numel()) if isinstance(head_weight, torch.Tensor) else 0
     body = params - sum(embeddings.values())
     return max(body, 1), head_params, layers, hidden
 
@@ -193,11 +197,11 @@ def _release_cuda_cache() -> None:
 
 
 def scoring_probe(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     device: torch.device,
     max_length: int,
     *,
-    reference: torch.nn.Module | None = None,
+    reference: PreTrainedModel | None = None,
     pad_token_id: int = 0,
 ) -> Probe:
     """A :data:`Probe` that scores ``budget // max_length`` rows of ``max_length + 1`` tokens, every position
@@ -281,7 +285,8 @@ def batching_for(
 
 
 def row_budget(batching: Batching, max_length: int, attention_coef: float) -> tuple[int, str]:
-    """``(tokens, why)``: the longest tree row (:mod:`distperp_harness.planning.rows`), from the batching rule and the model.
+    """``(tokens, why)``: the longest tree row (:mod:`distperp_harness.planning.rows`), from the batching rule and the
+    model.
 
     ``batch_size=N`` promises N rows of at most ``max_length`` tokens, so rows stay within ``max_length``. A token
     budget (``auto``) lets rows grow to ``m * max_length`` tokens with ``m = floor(1 / (attention_coef *
@@ -316,14 +321,14 @@ def generation_rows(batching: Batching, length: int, *, activation_bytes: int, k
     return max(1, min(rows, room // max(1, length * (activation_bytes + kv_bytes))))
 
 
-def agree_on_batching(
+def agree_on_batching(  # noqa: PLR0913 - keyword-only, defaulted facts of the model
     collective: "Collective",
     options: Options,
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     device: torch.device,
     max_length: int,
     *,
-    reference: torch.nn.Module | None = None,
+    reference: PreTrainedModel | None = None,
     pad_token_id: int = 0,
     unsharded_bytes: int | None = None,
 ) -> Batching:
@@ -350,8 +355,9 @@ def agree_on_batching(
     if batching.token_budget is None:
         return batching
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
-    # With sharded or tensor-parallel weights a probe that runs out of memory on one rank mid-forward leaves the
-    # rest of its group waiting in a gather or all-reduce that never comes: no verdict could be gathered. The estimate alone decides there.
+    # With sharded or tensor-parallel weights a probe that runs out of memory on one rank mid-forward leaves the rest of
+    # its group waiting in a gather or all-reduce that never comes: no verdict could be gathered. The estimate alone
+    # decides there.
     from distperp_harness.model.sharding import is_sharded
     from distperp_harness.model.tensor_parallel import is_tensor_parallel
 

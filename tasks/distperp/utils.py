@@ -1,7 +1,8 @@
 """Data loading and per-document results for the ``distperp_*`` perplexity tasks.
 
 Loaded by lm-eval through ``!function utils.*`` in the task YAMLs. Importing it installs the small hook that lets
-lm-eval print the standard errors of our aggregations (:func:`distperp_harness.report.metrics.install_lm_eval_stderr_hook`).
+lm-eval print the standard errors of our aggregations
+(:func:`distperp_harness.report.metrics.install_lm_eval_stderr_hook`).
 
 Data sources (lm-eval passes ``--metadata`` and ``--model_args`` as keyword arguments to ``custom_dataset``):
 
@@ -54,8 +55,12 @@ _FILE_SPLIT = {"test": "test", "validation": "valid", "valid": "valid", "train":
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# The article rule lives in the package, shared with the benchmarks.
-from distperp_harness.report.wikitext import is_article_heading, split_wikitext_articles  # noqa: E402
+# The article rule lives in the package, shared with the benchmarks; ``utils.is_article_heading`` is its public name
+# for task authors.
+from distperp_harness.report.wikitext import (  # noqa: E402 - grouped with the section that uses it
+    is_article_heading,  # noqa: F401 - re-exported for task authors
+    split_wikitext_articles,
+)
 
 
 def wikitext_detokenizer(doc: dict[str, Any]) -> str:
@@ -268,8 +273,8 @@ def load_local_docs(*, split: str = "test", docs_path: str | None = None, **_ign
     configured = _configured_path("docs_path", docs_path, DOCS_PATH_ENV)
     if configured is None:
         raise InputError(
-            "distperp_local_docs needs documents: pass --metadata '{\"docs_path\": \"FOLDER\"}' or set "
-            f"${DOCS_PATH_ENV} (a folder of .txt files, one document each, and/or .jsonl files with a \"text\" field)"
+            'distperp_local_docs needs documents: pass --metadata \'{"docs_path": "FOLDER"}\' or set '
+            f'${DOCS_PATH_ENV} (a folder of .txt files, one document each, and/or .jsonl files with a "text" field)'
         )
     docs = read_local_docs(*configured)
     logger.info(f"distperp: {len(docs)} local documents from {configured[0]}")

@@ -38,7 +38,7 @@ class _FailingWork:
 
 
 def _two_rank_collective(rank=0):
-    c = Collective.__new__(Collective)  # no process group: the logic above the backend only
+    c = AccelerateCollective.__new__(AccelerateCollective)  # no process group: the logic above the backend only
     c.rank, c.world_size, c.local_rank, c.num_nodes, c.timeout_s = rank, 2, rank, 1, 7.0
     c.backend, c._group, c._step = "nccl", object(), 0
     return c

@@ -2,13 +2,14 @@
 
 On CPU, much of what makes inductor's compiled inference faster than eager is not fusion but its *freezing* pass
 (measured: ``benchmarks/README.md``, "Compiling"): weights become constants and every ``linear`` turns into oneDNN's
-``_linear_pointwise`` on a weight reordered once (``mkldnn._reorder_linear_weight``) into the blocked layout its
-GEMM kernels read, instead of a plain ``mm`` on the row-major weight. Freezing compiles one graph per layer, though (the weights are baked in), which multiplies
-compile time by the depth of the model, and its graphs are keyed by the weights' values. This module gives the
-regional graph of :mod:`~distperp_harness.run.compiling.regional` the same kernels while one graph still serves every layer:
-each plain ``nn.Linear`` of a decoder layer calls the custom op ``distperp::packed_linear(x, weight, bias)``, which
-inductor keeps as an opaque call (it fuses everything around it) and which computes from the packed copy of
-``weight`` (found by the weight's storage address, so the graph takes the ordinary weight as its input).
+``_linear_pointwise`` on a weight reordered once (``mkldnn._reorder_linear_weight``) into the blocked layout its GEMM
+kernels read, instead of a plain ``mm`` on the row-major weight. Freezing compiles one graph per layer, though (the
+weights are baked in), which multiplies compile time by the depth of the model, and its graphs are keyed by the weights'
+values. This module gives the regional graph of :mod:`~distperp_harness.run.compiling.regional` the same kernels while
+one graph still serves every layer: each plain ``nn.Linear`` of a decoder layer calls the custom op
+``distperp::packed_linear(x, weight, bias)``, which inductor keeps as an opaque call (it fuses everything around it) and
+which computes from the packed copy of ``weight`` (found by the weight's storage address, so the graph takes the
+ordinary weight as its input).
 
 The packed layout is chosen for a GEMM of ``hint`` rows (:func:`prepack`; from the warm-up shape, i.e. from
 ``max_length`` and the batching rule, never from the requests), so every process packs the same way and a batch's
@@ -20,7 +21,7 @@ quantized tensor subclasses) keep their own kernels. CPU only: on CUDA nothing i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeGuard
 
 import torch
 
@@ -84,7 +85,7 @@ def unsupported(device: torch.device) -> str | None:
     return None
 
 
-def _packable(module: torch.nn.Module) -> bool:
+def _packable(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     if type(module) is not torch.nn.Linear or "forward" in module.__dict__:  # a hook's wrapper: left alone
         return False
     params = [module.weight] + ([module.bias] if module.bias is not None else [])
@@ -124,7 +125,7 @@ def prepack(
         weight = linear.weight.detach()
         key = (weight.data_ptr(), tuple(weight.shape))
         _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
-        linear.forward = _packed_forward.__get__(linear)
+        linear.forward = _packed_forward.__get__(linear)  # type: ignore[method-assign]  # patched on the instance
         state.linears += 1
         state.packed_bytes += weight.numel() * weight.element_size()
 

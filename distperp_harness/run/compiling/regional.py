@@ -12,8 +12,8 @@ rows share a prefix, and generation) run eager: a cache update specializes on th
 length, which would compile one graph per layer and per length; they are counted (``eager_calls``).
 
 **CPU weights.** On CPU the layers' linear layers also compute from oneDNN-packed weights
-(:mod:`~distperp_harness.run.compiling.prepack`: what inductor's freezing does, without a graph per layer); measured, that is
-most of what compiling gains on CPU.
+(:mod:`~distperp_harness.run.compiling.prepack`: what inductor's freezing does, without a graph per layer); measured,
+that is most of what compiling gains on CPU.
 
 **Shapes.** ``dynamic=True`` without duck sizing: rows and length are symbolic, so one graph serves batches of
 every shape. The graphs are compiled by warm-up forwards of fixed shapes (:func:`warmup_shapes`: from ``max_length``
@@ -41,14 +41,17 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.distributed.protocol import Collective
-from distperp_harness.model.layers import decoder_layers  # noqa: F401 - tests reach it here too
+from distperp_harness.model.layers import decoder_layers  # tests reach it here too
 from distperp_harness.run.compiling.prepack import Prepacked, packable_bytes, prepack
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = get_logger(__name__)
 
@@ -205,7 +208,7 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
     return forward
 
 
-def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
+def _patch(state: CompileState, model: torch.nn.Module, mode: str | None) -> int:
     """Route every decoder layer of ``model`` through a compiled ``forward``; returns how many."""
     layers = decoder_layers(model)
     if not layers:
@@ -215,7 +218,7 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
         eager = getattr(layer.forward, "distperp_eager", layer.forward)  # a model compiled by an earlier run
         compiled = torch.compile(eager, dynamic=True, mode=mode)
         layer.forward = _dispatch(state, eager, compiled)
-        layer.forward.distperp_eager = eager
+        layer.forward.distperp_eager = eager  # type: ignore[attr-defined]  # a function attribute; later runs read it
 
         def undo(layer=layer, before=before) -> None:
             if before is None:
@@ -229,10 +232,10 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str) -> int:
 
 @torch.no_grad()
 def _warm_up(
-    model: torch.nn.Module, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int, device: torch.device
+    model: PreTrainedModel, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int, device: torch.device
 ) -> list[str]:
-    """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with
-    ``tree`` tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.masks.Packing` hands them)."""
+    """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with ``tree``
+    tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.masks.Packing` hands them)."""
     from distperp_harness.run.scoring.masks import Packing
 
     done = []
@@ -259,7 +262,9 @@ def warming(state: CompileState):
         with (
             torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)),
             torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)),
-            fx_config.patch(_known(fx_config, use_duck_shape=False)),
+            fx_config.patch(  # type: ignore[attr-defined]  # torch gives every config module patch() at import
+                _known(fx_config, use_duck_shape=False)
+            ),
         ):
             yield
     finally:
@@ -277,7 +282,7 @@ def warming(state: CompileState):
 
 def _compile(
     state: CompileState,
-    models: Sequence[torch.nn.Module],
+    models: Sequence[PreTrainedModel],
     shapes: Sequence[tuple[int, int]],
     packed: bool,
     pad_token_id: int,
@@ -308,7 +313,7 @@ def _cache_dir() -> str | None:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         return cache_dir()
-    except Exception:  # noqa: BLE001 - only reported
+    except Exception:  # only reported
         return None
 
 
@@ -337,8 +342,8 @@ def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | Non
 def compile_extra_bytes(
     mode: str | None, models: Sequence[torch.nn.Module | None], device: torch.device, shard_size: int = 1
 ) -> int:
-    """Bytes that compiling ``models`` with ``mode`` will hold besides their weights: the packed copies of their
-    decoder layers' linear weights on CPU (:mod:`~distperp_harness.run.compiling.prepack`); 0 when nothing is compiled."""
+    """Bytes that compiling ``models`` with ``mode`` will hold besides their weights: the packed copies of their decoder
+    layers' linear weights on CPU (:mod:`~distperp_harness.run.compiling.prepack`); 0 when nothing is compiled."""
     from distperp_harness.model.tensor_parallel import is_tensor_parallel
 
     if mode is None or shard_size > 1 or any(is_tensor_parallel(m) for m in models):
@@ -346,9 +351,9 @@ def compile_extra_bytes(
     return sum(packable_bytes(decoder_layers(m), device) for m in models if m is not None)
 
 
-def compile_models(
+def compile_models(  # noqa: PLR0913 - each input fixes the warm-up shapes or where they run (keyword-only)
     mode: str | None,
-    models: Sequence[torch.nn.Module | None],
+    models: Sequence[PreTrainedModel | None],
     *,
     collective: Collective,
     rows_for: Callable[[int], int],
@@ -406,7 +411,7 @@ def in_turn(
     if reason is None:
         try:
             result = attempt()
-        except Exception as exc:  # noqa: BLE001 - any compile failure means: run eager (never fail the run)
+        except Exception as exc:  # any compile failure means: run eager (never fail the run)
             reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     if collective.local_rank == 0:
         collective.barrier(f"local rank 0 compiled {what}")

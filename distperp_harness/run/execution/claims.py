@@ -111,13 +111,13 @@ class GroupSteps:
         try:
             self.store.set(f"{key}/{self.rank}", str(int(calls)))
             return max(int(self.store.get(f"{key}/{r}")) for r in self.group)  # get waits for the key
-        except Exception as exc:  # noqa: BLE001 - the store raises DistStoreError variants (timeout, host gone)
+        except Exception as exc:  # the store raises DistStoreError variants (timeout, host gone)
             raise CollectiveError(self._explain(key, exc)) from exc
 
     def _explain(self, key: str, exc: Exception) -> str:
         try:
             missing = [r for r in self.group if not self.store.check([f"{key}/{r}"])]
-        except Exception:  # noqa: BLE001 - store host gone
+        except Exception:  # store host gone
             missing = []
         who = (
             f"rank(s) {missing} never arrived (died, hung, or were killed)"

@@ -3,14 +3,14 @@ generation lanes) once the plan says who owns what.
 
 The policy both stages need lives here and nowhere else:
 
-* **which units** — this rank's own in plan order, then its ward's (:class:`~distperp_harness.run.execution.claims.Claims`,
-  when ``claim=true`` and someone can help);
+* **which units** — this rank's own in plan order, then its ward's
+  (:class:`~distperp_harness.run.execution.claims.Claims`, when ``claim=true`` and someone can help);
 * **reuse** — a unit saved in ``resume_dir`` is read back, never recomputed (its saved bits are the computed ones);
 * **failure** — a unit is computed inside the failure channel (:func:`stop_together`: an error stops every rank at
   once, naming this one), with the fault points the tests use;
 * **shard groups** — with sharded weights (``shard_size`` > 1) every forward gathers the group's weights, so the
-  group walks in steps (:class:`~distperp_harness.run.execution.claims.GroupSteps`) and a member with less to do in a step
-  makes idle forwards, scoring's (:meth:`Executor.batches`) and generation's (:meth:`Executor.decoding`) alike;
+  group walks in steps (:class:`~distperp_harness.run.execution.claims.GroupSteps`) and a member with less to do in a
+  step makes idle forwards, scoring's (:meth:`Executor.batches`) and generation's (:meth:`Executor.decoding`) alike;
 * **tensor-parallel groups** — with ``tp_size`` > 1 a group computes every forward together and is one worker of
   the plan (:mod:`distperp_harness.run.execution.groups`): its leader claims and decides (reuse or compute), the members
   follow the published decisions (:meth:`Executor.walk`), and only the leader reports (:attr:`Executor.reports`);
@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -43,6 +43,9 @@ from distperp_harness.run.execution.groups import Follow, Workers
 from distperp_harness.run.execution.resume import fault_for_tests
 from distperp_harness.run.scoring.forward import BatchScores, NonFiniteLogitsError, forward_calls, score_batch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @dataclass(frozen=True)
 class Forwards:
@@ -58,9 +61,16 @@ class Forwards:
     idle_decode: Callable[[], None] = lambda: None
 
 
-def model_forwards(
-    model: torch.nn.Module,
-    reference: torch.nn.Module | None,
+def _scoring_pad(pad_token_id: int | None) -> int:
+    """The pad token scoring lays rows out with (generation alone runs without one)."""
+    if pad_token_id is None:
+        raise ValueError("scoring needs a pad token id, and the tokenizer has none (nor an eos or unk token)")
+    return pad_token_id
+
+
+def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once here
+    model: PreTrainedModel,
+    reference: PreTrainedModel | None,
     device: torch.device,
     pad_token_id: int | None,
     describe: Callable[[Sequence[int]], str],
@@ -81,7 +91,7 @@ def model_forwards(
                     rows,
                     device=device,
                     shared=shared,
-                    pad_token_id=pad_token_id,
+                    pad_token_id=_scoring_pad(pad_token_id),
                     reference=reference,
                     between_forwards=functools.partial(regather, model, reference),
                 )
@@ -96,11 +106,12 @@ def model_forwards(
 
     def idle_score() -> None:
         with naming_failures(collective, True), gathered(model, reference):
+            pad = _scoring_pad(pad_token_id)
             score_batch(
                 model,
-                [Unit((pad_token_id, pad_token_id), 1)],
+                [Unit((pad, pad), 1)],
                 device=device,
-                pad_token_id=pad_token_id,
+                pad_token_id=pad,
                 reference=reference,
             )
 
@@ -128,7 +139,7 @@ class Executor:
         shard_size: ranks per shard group (1: unsharded); ``tp_size``: ranks per tensor-parallel group (1: none).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only facts of the run, each defaulted
         self,
         collective: Collective,
         forwards: Forwards,

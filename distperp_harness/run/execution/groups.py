@@ -81,7 +81,7 @@ class Follow:
                 self.store.set(key, str(int(value)))
                 return int(value)
             return int(self.store.get(key))  # waits for the key
-        except Exception as exc:  # noqa: BLE001 - the store raises DistStoreError variants (timeout, host gone)
+        except Exception as exc:  # the store raises DistStoreError variants (timeout, host gone)
             what = (
                 "could not publish its next decision to its tensor-parallel group (the store is gone)"
                 if self.leader

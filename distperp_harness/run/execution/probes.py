@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from distperp_harness.distributed.traffic import forward_traffic
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def model_probes(
-    model: torch.nn.Module, device: torch.device, pad_token_id: int | None
+    model: PreTrainedModel, device: torch.device, pad_token_id: int | None
 ) -> tuple[Callable[[int], None], Callable[[int], None]]:
     """``(decode, score)`` probes of :func:`forward_traffic` for a loaded model (the real scoring path, no
     reference)."""
@@ -32,7 +35,7 @@ def model_probes(
 
 
 def model_traffic(
-    model: torch.nn.Module, device: torch.device, pad_token_id: int | None, *, sharded: bool, tensor_parallel: bool
+    model: PreTrainedModel, device: torch.device, pad_token_id: int | None, *, sharded: bool, tensor_parallel: bool
 ) -> dict | None:
     """:func:`forward_traffic` of a loaded model whose forwards are collective (``sharded``: FSDP2, its root
     gathered around each forward as scoring and generation do; ``tensor_parallel``), else ``None`` (no

@@ -71,7 +71,7 @@ def run_record(lm: Any) -> dict:
             "load_memory_per_rank": [r["load_memory"] for r in lm.per_rank],
             "memory_estimate": dataclasses.asdict(lm.estimate) if lm.estimate else None,
             "warnings": lm.warnings,
-            "document_split": lm.document_split,
+            "document_split": lm.document_split.to_dict(),
         },
     }
     return info

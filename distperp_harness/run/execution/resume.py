@@ -26,6 +26,7 @@ What long runs meet, and the contract for each:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -114,8 +115,9 @@ class BatchStore:
             scores = self._read(path, key, units)
         except FileNotFoundError:
             return None
-        except Exception as exc:  # noqa: BLE001 - the bytes are untrusted: any failure to read them means "recompute"
-            return self._damaged(path, exc)
+        except Exception as exc:  # the bytes are untrusted: any failure to read them means "recompute"
+            self._damaged(path, exc)
+            return None
         self.counts["reused"] += 1
         return scores
 
@@ -149,17 +151,24 @@ class BatchStore:
             return
         key = self._key(rows)
         path = self._path(key)
-        arrays = {"key": np.frombuffer(key, dtype=np.uint8), "stats": np.asarray(scores.stats, dtype=np.float64)}
+        arrays: dict[str, np.ndarray] = {
+            "key": np.frombuffer(key, dtype=np.uint8),
+            "stats": np.asarray(scores.stats, dtype=np.float64),
+        }
         if self.with_kl:
-            arrays["kl"] = np.concatenate([np.zeros(0), *scores.kl]).astype(np.float64)
+            arrays["kl"] = np.concatenate([np.zeros(0), *scores.kl_rows()]).astype(np.float64)
         arrays["sha256"] = np.frombuffer(_checksum(arrays), dtype=np.uint8)
-        self._write_atomic(path, ".npz", "wb", lambda handle: np.savez(handle, **arrays))
+
+        def write(handle) -> None:
+            np.savez(handle, **arrays)  # type: ignore[arg-type]  # numpy's stub: a ** name could be allow_pickle
+
+        self._write_atomic(path, ".npz", "wb", write)
 
     def _write_atomic(self, path: Path, suffix: str, mode: str, write) -> None:
         """``write(handle)`` into a temporary file, then ``os.replace`` it to ``path``; an ``OSError`` stops saving."""
         try:
             fd, self._in_flight = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=suffix)
-            with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as handle:
+            with os.fdopen(fd, mode, encoding="utf-8" if "b" not in mode else None) as handle:
                 write(handle)
             os.replace(self._in_flight, path)
             self._in_flight = None
@@ -177,15 +186,17 @@ class BatchStore:
     # ------------------------------------------------------------------------------------------ generations
     def load_lane(self, lane_key: bytes, jobs: int) -> list[str] | None:
         """The saved texts of a generation lane (``lane_key``: everything that determines them, see
-        :func:`distperp_harness.run.generation.generate`), or ``None``. Like batches, a file is never trusted: it is reused only
-        if it is JSON with this configuration's key, ``jobs`` strings and their sha256; else recomputed (counted)."""
+        :func:`distperp_harness.run.generation.generate`), or ``None``. Like batches, a file is never trusted: it is
+        reused only if it is JSON with this configuration's key, ``jobs`` strings and their sha256; else recomputed
+        (counted)."""
         key, path = self._lane_path(lane_key)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
-        except Exception as exc:  # noqa: BLE001 - untrusted bytes: recompute
-            return self._damaged(path, exc)
+        except Exception as exc:  # untrusted bytes: recompute
+            self._damaged(path, exc)
+            return None
         texts = data.get("texts") if isinstance(data, dict) else None
         if (
             not isinstance(texts, list)
@@ -194,7 +205,8 @@ class BatchStore:
             or data.get("key") != key
             or data.get("sha256") != _text_sha(texts)
         ):
-            return self._damaged(path, DamagedFile("not this lane's texts, or they changed after saving"))
+            self._damaged(path, DamagedFile("not this lane's texts, or they changed after saving"))
+            return None
         self.counts["reused"] += 1
         return texts
 
@@ -209,7 +221,6 @@ class BatchStore:
     def _damaged(self, path: Path, exc: Exception) -> None:
         self.counts["recomputed_corrupt"] += 1
         self._damage_note = f"{path.name}: {type(exc).__name__}: {str(exc)[:160]}"
-        return None
 
     def _stop_saving(self, path: Path, exc: OSError) -> None:
         self.counts["save_failures"] += 1
@@ -220,10 +231,8 @@ class BatchStore:
     def _discard_in_flight(self) -> None:
         tmp, self._in_flight = self._in_flight, None
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):  # already gone, or the filesystem is: nothing left to clean
                 os.unlink(tmp)
-            except OSError:
-                pass  # already gone, or the filesystem is: nothing left to clean
 
     # ------------------------------------------------------------------------------------------ reporting
     def local_counts(self) -> dict:
@@ -353,7 +362,7 @@ def _exit_on_sigterm(store: BatchStore) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def _on_sigterm(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
+def _on_sigterm(signum: int, frame) -> None:  # signal handler signature
     leaving()  # the peers stop too: none of them may name this rank as lost
     store = _ACTIVE[0] if _ACTIVE else None
     if store is not None:

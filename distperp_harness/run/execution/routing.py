@@ -4,8 +4,9 @@ Both moves are one all-to-all each (:meth:`~distperp_harness.distributed.collect
 every rank derives from the global table and the plan, so nothing but payload travels:
 
 * :func:`move_tokens`: each unit's lowest holding rank sends its int32 tokens to each rank that may compute it (a
-  scoring batch's or a generation lane's owner and helper) and does not hold it already. Receivers re-derive the 128-bit key of every unit they
-  receive and fail loudly if it differs from the table's (a collision, or a sender with other tokens).
+  scoring batch's or a generation lane's owner and helper) and does not hold it already. Receivers re-derive the 128-bit
+  key of every unit they receive and fail loudly if it differs from the table's (a collision, or a sender with other
+  tokens).
 * :func:`return_results`: the rank that computed a batch sends each unit's float64 statistics, a check hash of the
   tokens it used and (with a reference) its per-token KL values to every other rank holding the unit; each receiver
   compares the check hash with its own tokens'.
@@ -53,7 +54,8 @@ class Available:
             raise RuntimeError(f"internal error: unit {uid} was planned here but its tokens never arrived") from None
 
     def check_hashes(self, local_checks: np.ndarray) -> dict[int, int]:
-        """Unit id -> check hash of its tokens, for every unit here (``local_checks``: the local units', computed once)."""
+        """Unit id -> check hash of its tokens, for every unit here (``local_checks``: the local units', computed
+        once)."""
         out = dict(zip(self.local_ids.tolist(), local_checks.tolist()))
         out.update(zip(self.received_ids.tolist(), self.received.check_hashes().tolist()))
         return out
@@ -188,7 +190,7 @@ def result_routes(
     )
 
 
-def return_results(
+def return_results(  # noqa: PLR0913 - the plan's arrays the return routes are computed from
     collective: Collective,
     table: GlobalTable,
     unit_batch: np.ndarray,
@@ -207,7 +209,7 @@ def return_results(
     """
     me, world = collective.rank, collective.world_size
     n_score = table.units["n_score"].astype(np.int64)
-    width = n_columns + 1 + (n_score if with_kl else 0)
+    width = n_columns + 1  # statistics and check hash; with KL, then one value per scored token
     send, expect = result_routes(table, unit_batch, computer, me, world)
     parts = []
     for ids in send:
@@ -216,9 +218,11 @@ def return_results(
             stats, check, kl = computed[i]
             blocks += [stats, np.asarray([check], dtype=np.uint64).view(np.float64)]
             if with_kl:
+                if kl is None:
+                    raise ValueError(f"internal error: unit {i} was scored without KL values, with a reference")
                 blocks.append(kl)
         parts.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float64))
-    sizes = width if with_kl else np.full(len(table), width, dtype=np.int64)
+    sizes = width + n_score if with_kl else np.full(len(table), width, dtype=np.int64)
     received = collective.exchange(
         parts, [int(sizes[ids].sum()) for ids in expect], "send scores to the ranks that asked"
     )

@@ -10,7 +10,7 @@ exactly as a left-padded row would. The batch runs until every row has stopped (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from accelerate.logging import get_logger
@@ -22,12 +22,19 @@ from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.thinking import answer, stop_in_answer
 from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument, prefix_cache
 
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """A model ``model.generate`` runs on: transformers' ``*ForCausalLM`` classes are both."""
+
+
 log = get_logger(__name__)
 
 _UNSHAREABLE: list[str] = []
 
 
-def _prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int):
+def _prefix_cache(model: PreTrainedModel, prefix: torch.Tensor, rows: int):
     """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows; ``None`` (logged once) when the
     model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, which
     the ``[prefix][pad...][suffix]`` layout allows as it stands."""
@@ -56,7 +63,7 @@ class BatchArgs:
 
 @torch.no_grad()
 def generate_batch(
-    model: torch.nn.Module,
+    model: CausalLM,
     tokenizer,
     device: torch.device,
     prompts: Sequence[Sequence[int]],
@@ -83,6 +90,8 @@ def generate_batch(
         kwargs.pop("temperature", None)
     extra: dict[str, Any] = {}
     if kwargs.get("do_sample"):
+        if seeds is None:
+            raise ValueError("internal error: a sampled batch needs one seed per row")
         extra["logits_processor"] = [SeededDraw(warpers_for(model, kwargs), seeds, device)]
         kwargs["do_sample"] = False  # the draw leaves one finite logit per row: the drawn token
     max_length = kwargs.pop("max_length", width + max_new)
@@ -124,7 +133,7 @@ class _AnswerStops(StoppingCriteria):
     def __init__(self, hit, width: int) -> None:
         self.hit, self.width = hit, width
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.Tensor:
         return torch.tensor(
             [self.hit(row) for row in input_ids[:, self.width :].tolist()], dtype=torch.bool, device=input_ids.device
         )

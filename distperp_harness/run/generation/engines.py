@@ -11,6 +11,7 @@ arguments and the model's cache layers:
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.logging import get_logger
@@ -18,6 +19,9 @@ from accelerate.logging import get_logger
 from distperp_harness.run.generation.prefill import plain_layers
 from distperp_harness.run.generation.sampling import SAMPLING_KEYS
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = get_logger(__name__)
 
@@ -66,7 +70,7 @@ def arguments_refused(model: torch.nn.Module, kwargs: dict) -> str | None:
     return f"the model's generation_config sets {added}" if added else None
 
 
-def cache_refused(model: torch.nn.Module) -> str | None:
+def cache_refused(model: PreTrainedModel) -> str | None:
     """Why the model's ``DynamicCache`` cannot be edited row by row (its layer types; ``None``: it can)."""
     from transformers import DynamicCache
 
@@ -77,7 +81,7 @@ def cache_refused(model: torch.nn.Module) -> str | None:
     return None
 
 
-def choose_engine(model: torch.nn.Module, kwargs: dict) -> tuple[Engine, str | None]:
+def choose_engine(model: PreTrainedModel, kwargs: dict) -> tuple[Engine, str | None]:
     """The engine of a lane with these normalized arguments, and why slots do not serve it (``None`` for slots)."""
     reason = arguments_refused(model, kwargs) or cache_refused(model)
     return (Engine.SLOTS, None) if reason is None else (Engine.GENERATE, reason)

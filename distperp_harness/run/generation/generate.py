@@ -3,14 +3,14 @@
 Every rank tokenizes its own prompts and learns the global job list from every rank's records (greedy requests with
 equal arguments are one job). Jobs are ordered canonically and cut into lanes by a rule that ignores the world size
 (:mod:`.lanes`); whole lanes go to ranks by cost (prompt plus ``max_gen_toks`` tokens per job) and are claimed like
-scoring batches (:mod:`distperp_harness.run.execution.claims`: a slow rank generates fewer). A lane is decoded by the engine
-:func:`~.engines.choose_engine` picks: continuous batching (:mod:`.loop`: each row stops on its own and its slot is
-refilled at once), or ``model.generate`` batches (:mod:`.batchgen`) for arguments slots do not serve. The lane's
+scoring batches (:mod:`distperp_harness.run.execution.claims`: a slow rank generates fewer). A lane is decoded by the
+engine :func:`~.engines.choose_engine` picks: continuous batching (:mod:`.loop`: each row stops on its own and its slot
+is refilled at once), or ``model.generate`` batches (:mod:`.batchgen`) for arguments slots do not serve. The lane's
 schedule depends only on its jobs, so texts are identical for every world size and whichever rank computes a lane.
 Finished lanes are saved to ``resume_dir`` and reused by a rerun on any world size. Ranks plan from records, never
-prompt tokens (:mod:`.jobs`: 48 bytes per job and a hash per 16-token prefix block); a prompt's tokens travel only
-to the ranks that may compute one of its lanes (owner and helper), and each text goes back only to the ranks whose
-requests asked for it (an all-to-all).
+prompt tokens (:mod:`.jobs`: 48 bytes per job and a hash per 16-token prefix block); a prompt's tokens travel only to
+the ranks that may compute one of its lanes (owner and helper), and each text goes back only to the ranks whose requests
+asked for it (an all-to-all).
 
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
 fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
@@ -32,7 +32,7 @@ import time
 from array import array
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ from distperp_harness.run.generation.stats import LaneRecord, LaneStats
 from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.generation.thinking import answer, stop_in_answer
 
+if TYPE_CHECKING:
+    from distperp_harness.run.generation.batchgen import CausalLM
+
 log = get_logger(__name__)
 
 MIN_SHARED_TOKENS = MIN_SHARED_PREFIX
@@ -94,7 +97,7 @@ class GenerationSetup:
     lanes)`` after planning; lanes its graphs cover decode over it.
     """
 
-    model: torch.nn.Module
+    model: CausalLM
     tokenizer: Any
     executor: Executor
     device: torch.device
@@ -358,6 +361,14 @@ def _run_lane(
     return texts, LaneRecord(index, engine.value, lane.slots, stats)
 
 
+def _seeds(part: Sequence[tuple[Job, _Prepared]]) -> list[int]:
+    """The seeds of a sampled lane's jobs (every job of a lane has the same arguments, so each is sampled)."""
+    seeds = [job.seed for job, _ in part if job.seed is not None]
+    if len(seeds) != len(part):
+        raise ValueError("internal error: a sampled lane holds a job without a seed")
+    return seeds
+
+
 def _decode_slots(
     setup: GenerationSetup,
     part: Sequence[tuple[Job, _Prepared]],
@@ -381,7 +392,7 @@ def _decode_slots(
     )
     on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
     shared, donor = lane_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
-    seeds = [job.seed for job, _ in part] if sampled else None
+    seeds = _seeds(part) if sampled else None
     decoder = Decoder(setup.model, setup.tokenizer, setup.device, prefixes, around, setup.static)
     tokens, stats = decode_lane(
         decoder,
@@ -406,7 +417,7 @@ def _generate_batches(
     note_fallback(reason)
     first = part[0][1]
     prompts = [p.prompt for _, p in part]
-    seeds = [job.seed for job, _ in part] if first.kwargs.get("do_sample") else None
+    seeds = _seeds(part) if first.kwargs.get("do_sample") else None
     texts, total = [], LaneStats()
     args = BatchArgs(dict(first.kwargs), list(first.until), first.max_new, setup.think_end)
     for b in range(0, len(prompts), lane.slots):
@@ -427,7 +438,7 @@ def _generate_batches(
     return texts, total
 
 
-def _record(
+def _record(  # noqa: PLR0913 - keyword-only fields of the call's record
     records: list[LaneRecord],
     lanes: Sequence[LanePlan],
     *,

@@ -10,10 +10,11 @@ Each rank turns the distinct jobs of its own requests into:
   (:mod:`distperp_harness.planning.records`: identity, lengths, and a hash per 16-token prefix block).
 
 :class:`JobTable` merges every rank's records into the one canonical job list: ordered by arguments, then by the
-prompt's prefix blocks (prompts that share a few-shot block or a chat system prompt sit together: sequences ordered
-by their block hashes keep every common run of leading blocks contiguous, as a trie does), then by prompt and key —
-a function of the set of jobs only, so the lanes cut from it are the same for 1 process or 1,024. A prompt's tokens
-then travel only to the ranks that may compute one of its lanes (:func:`~distperp_harness.run.execution.routing.move_tokens`).
+prompt's prefix blocks (prompts that share a few-shot block or a chat system prompt sit together: sequences ordered by
+their block hashes keep every common run of leading blocks contiguous, as a trie does), then by prompt and key — a
+function of the set of jobs only, so the lanes cut from it are the same for 1 process or 1,024. A prompt's tokens then
+travel only to the ranks that may compute one of its lanes
+(:func:`~distperp_harness.run.execution.routing.move_tokens`).
 
 Per rank this is O(own prompt tokens) plus the records: 48 bytes per job and 8 per 16-token block of each distinct
 prompt, where the all-gather of prompts it replaces moved 4 bytes per prompt token to every rank.

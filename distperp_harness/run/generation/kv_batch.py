@@ -13,7 +13,7 @@ Both give the same rows the same tokens: the scheduler decides everything, the b
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +22,16 @@ from distperp_harness.run.generation.prefill import last_logits
 from distperp_harness.run.generation.scheduler import Row
 from distperp_harness.run.generation.stats import LaneStats
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class KVBatch(Protocol):
     """The running rows of one lane (at most ``slots``) and their KV cache."""
 
-    rows: list[Row]
-    """The running rows, in the order :meth:`step` returns their logits."""
+    @property
+    def rows(self) -> list[Row]:
+        """The running rows, in the order :meth:`step` returns their logits."""
 
     def free(self) -> int:
         """Slots a newly admitted row may take now."""
@@ -59,12 +63,26 @@ def join_right_aligned(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([left(a), left(b)], 0)
 
 
+class _Layer(Protocol):
+    """A cache layer holding every row's keys and values (``[rows, kv heads, length, head dim]``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class _Cache(Protocol):
+    """A ``DynamicCache`` of plain ``DynamicLayer``s (:func:`~.prefill.plain_layers`) that has run a prefill."""
+
+    @property
+    def layers(self) -> Sequence[_Layer]: ...
+
+
 class DynamicKVBatch:
     """:class:`KVBatch` over one ``DynamicCache`` edited between eager forwards (module docstring)."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         slots: int,
         device: torch.device,
         stats: LaneStats,
@@ -72,7 +90,7 @@ class DynamicKVBatch:
     ) -> None:
         self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
         self.rows: list[Row] = []
-        self.cache = None
+        self.cache: _Cache | None = None
         self.mask: torch.Tensor | None = None  # [rows, columns] long
 
     def free(self) -> int:
@@ -82,7 +100,7 @@ class DynamicKVBatch:
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         mask = mask.index_select(0, index)
         layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers]
-        if self.cache is None:
+        if self.cache is None or self.mask is None:  # no running row: both are set and cleared together
             self.cache, self.mask = cache, mask
             for layer, (k, v) in zip(cache.layers, layers):
                 layer.keys, layer.values = k, v
@@ -94,6 +112,8 @@ class DynamicKVBatch:
 
     def step(self) -> torch.Tensor:
         rows, device = self.rows, self.device
+        if self.mask is None:
+            raise RuntimeError("internal error: a decode step with no running row")
         positions = self.mask.sum(1, keepdim=True)  # each row's next position: the tokens it holds
         self.mask = torch.cat([self.mask, torch.ones((len(rows), 1), dtype=self.mask.dtype, device=device)], 1)
         self.stats.peak_cache_positions = max(self.stats.peak_cache_positions, self.mask.numel())
@@ -111,6 +131,8 @@ class DynamicKVBatch:
         if not self.rows:
             self.cache, self.mask = None, None
             return
+        if self.cache is None or self.mask is None:
+            raise RuntimeError("internal error: running rows without their cache")
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         mask = self.mask.index_select(0, index)
         first = int(mask.any(0).to(torch.int8).argmax())  # leading columns no row uses any more

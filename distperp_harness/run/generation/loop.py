@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
@@ -27,6 +27,9 @@ from distperp_harness.run.generation.scheduler import Lane, Scheduler, StopRule
 from distperp_harness.run.generation.static_batch import StaticKVBatch
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.step import CompiledStep, capacity_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def run_lane(scheduler: Scheduler, prefiller: Prefiller, batch: KVBatch) -> list[list[int]]:
@@ -49,7 +52,7 @@ class Decoder:
     every forward: prefix, prefill, decode; e.g. a shard group's step, where every member makes the same forward
     calls) and the compiled step (``None``: every lane eager)."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     tokenizer: Any
     device: torch.device
     prefixes: PrefixCache | None = None

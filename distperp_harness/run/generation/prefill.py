@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
 from distperp_harness.run.generation.scheduler import Lane, Row, Scheduler
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer ``(keys, values)`` of shape ``[rows, kv heads, length, head dim]``."""
@@ -33,7 +36,8 @@ def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs
 
 def plain_layers(cache) -> list:
     """The layers of a ``DynamicCache`` when every one is a plain ``DynamicLayer`` (rows can be joined, dropped and
-    trimmed); raises :class:`~distperp_harness.run.scoring.kvcache.CacheNotShareable` naming the layer types otherwise."""
+    trimmed); raises :class:`~distperp_harness.run.scoring.kvcache.CacheNotShareable` naming the layer types
+    otherwise."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)
@@ -54,7 +58,7 @@ class PrefixCache:
 
     def get(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         prefix: Sequence[int],
         device: torch.device,
         around: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -81,7 +85,7 @@ class Prefiller:
     group's step: every member makes the same forward calls); ``stats``: the lane's counters (prefill work).
     Build it with :meth:`for_lane`, which computes (or reuses) the lane's shared prefix first."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     lane: Lane
     pad: int
     device: torch.device
@@ -92,7 +96,7 @@ class Prefiller:
     @classmethod
     def for_lane(
         cls,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         lane: Lane,
         tokenizer,
         device: torch.device,

@@ -9,7 +9,7 @@ the batch or the other rows, and the caller's RNG is left as it was. The warpers
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 from accelerate.logging import get_logger
@@ -17,13 +17,16 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from distperp_harness.errors import InputError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = get_logger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 """Generation arguments applied by the distribution warpers (transformers' sampling-only logits processors)."""
 
 
-def warpers_for(model: torch.nn.Module, kwargs: dict) -> LogitsProcessorList:
+def warpers_for(model: PreTrainedModel, kwargs: dict) -> LogitsProcessorList:
     """The distribution warpers of a sampled request; removes the sampling arguments from ``kwargs``.
 
     Built from the model's ``generation_config`` updated with the request's arguments, as ``generate`` does.
@@ -68,7 +71,13 @@ def warpers_for(model: torch.nn.Module, kwargs: dict) -> LogitsProcessorList:
     if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
         warpers.append(lp.EpsilonLogitsWarper(epsilon=float(config.epsilon_cutoff), min_tokens_to_keep=1))
     if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
-        warpers.append(lp.EtaLogitsWarper(epsilon=float(config.eta_cutoff), min_tokens_to_keep=1, device=model.device))
+        warpers.append(
+            lp.EtaLogitsWarper(
+                epsilon=float(config.eta_cutoff),
+                min_tokens_to_keep=1,
+                device=model.device,  # type: ignore[arg-type]  # annotated str; it goes to torch.tensor(device=)
+            )
+        )
     return warpers
 
 
@@ -80,7 +89,8 @@ def draw(warpers: LogitsProcessorList, scores: torch.Tensor, generators: Sequenc
             f"{scores.shape[0]} rows of scores for {len(generators)} seeded generators; "
             "sampled generation takes one sequence per request (num_return_sequences=1)"
         )
-    dummy = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)  # warpers ignore the ids
+    # warpers ignore the ids; transformers annotates them torch.LongTensor (the legacy type of an int64 tensor)
+    dummy = cast(torch.LongTensor, torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device))
     probs = torch.softmax(warpers(dummy, scores.float()), dim=-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
 
@@ -97,6 +107,6 @@ class SeededDraw(LogitsProcessor):
         self.warpers = warpers
         self.generators = generators_for(seeds, device)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         picks = draw(self.warpers, scores, self.generators).unsqueeze(1)
         return torch.full_like(scores, float("-inf")).scatter_(1, picks, 0.0)

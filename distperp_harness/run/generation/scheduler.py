@@ -136,7 +136,9 @@ class Scheduler:
         if self.lane.seeds is None:
             chosen = logits.argmax(-1).tolist()
         else:
-            chosen = draw(self._warpers, logits, [r.generator for r in rows]).tolist()
+            # every row of a sampled lane got its generator at start(); draw() refuses a count that differs
+            generators = [r.generator for r in rows if r.generator is not None]
+            chosen = draw(self._warpers, logits, generators).tolist()
         for r, token in zip(rows, chosen):
             r.tokens.append(token)
         keep = []

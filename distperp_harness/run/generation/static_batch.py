@@ -24,13 +24,25 @@ Everything is a function of the lane's prompts and generated tokens only: the sa
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence, cast
 
 import torch
 
 from distperp_harness.run.generation.scheduler import Row
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class _Allocated(Protocol):
+    """A ``StaticLayer`` after ``lazy_initialization``: its buffers exist (transformers types them ``None`` until
+    then) and ``cumulative_length`` is a tensor."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    cumulative_length: torch.Tensor
 
 
 class StaticBuffers:
@@ -39,16 +51,17 @@ class StaticBuffers:
     ``(kv heads, key dim, value dim, dtype)`` per layer."""
 
     def __init__(
-        self, model: torch.nn.Module, slots: int, capacity: int, shapes: Sequence[tuple], device: torch.device
+        self, model: PreTrainedModel, slots: int, capacity: int, shapes: Sequence[tuple], device: torch.device
     ) -> None:
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
         self.slots, self.capacity = slots, capacity
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        if len(self.cache.layers) != len(shapes) or any(type(layer) is not StaticLayer for layer in self.cache.layers):
+        static = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
+        if len(self.cache.layers) != len(shapes) or len(static) != len(self.cache.layers):
             raise CacheNotShareable("/".join(sorted({type(layer).__name__ for layer in self.cache.layers})))
-        for layer, (heads, k_dim, v_dim, dtype) in zip(self.cache.layers, shapes):  # allocates, marks static
+        for layer, (heads, k_dim, v_dim, dtype) in zip(static, shapes):  # allocates, marks static
             layer.lazy_initialization(
                 torch.empty(slots, heads, 1, k_dim, dtype=dtype, device=device),
                 torch.empty(slots, heads, 1, v_dim, dtype=dtype, device=device),
@@ -57,9 +70,14 @@ class StaticBuffers:
         torch._dynamo.mark_static_address(self.allowed)
         self.length = 0
 
+    @property
+    def layers(self) -> list[_Allocated]:
+        """The cache's layers, every one a ``StaticLayer`` with its buffers allocated (by ``__init__``)."""
+        return cast(list[_Allocated], self.cache.layers)  # transformers types their buffers None-able
+
     def reset(self) -> None:
         """Empty every slot (zeros, so nothing of an earlier lane is left), write column 0."""
-        for layer in self.cache.layers:
+        for layer in self.layers:
             layer.keys.zero_()
             layer.values.zero_()
         self.allowed.zero_()
@@ -67,7 +85,7 @@ class StaticBuffers:
 
     def set_length(self, w: int) -> None:
         """The column the next decode step writes (every layer's ``cumulative_length``)."""
-        for layer in self.cache.layers:
+        for layer in self.layers:
             layer.cumulative_length.fill_(w)
         self.length = w
 
@@ -77,7 +95,7 @@ class StaticBuffers:
         """Slot ``slot`` := one prefilled row: ``kv`` per layer ``([heads, L, dim], [heads, L, dim])`` and its
         ``[L]`` mask, at columns ``[lo, lo + L)``; every other column of the slot masked."""
         width = mask_row.shape[0]
-        for layer, (k, v) in zip(self.cache.layers, kv):
+        for layer, (k, v) in zip(self.layers, kv):
             layer.keys[slot, :, lo : lo + width] = k
             layer.values[slot, :, lo : lo + width] = v
         self.allowed[slot] = False
@@ -87,7 +105,7 @@ class StaticBuffers:
         """Columns ``[lo, hi)`` of every slot move by ``offset`` (in place); the columns they leave are masked."""
         if offset == 0 or hi <= lo:
             return
-        for layer in self.cache.layers:
+        for layer in self.layers:
             for t in (layer.keys, layer.values):
                 t[:, :, lo + offset : hi + offset] = t[:, :, lo:hi].clone()
         self.allowed[:, lo + offset : hi + offset] = self.allowed[:, lo:hi].clone()

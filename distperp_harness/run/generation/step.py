@@ -22,7 +22,7 @@ import contextlib
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from accelerate.logging import get_logger
@@ -32,6 +32,10 @@ from distperp_harness.run.compiling import regional as compiling
 from distperp_harness.run.generation.prefill import last_logits, plain_layers
 from distperp_harness.run.generation.static_batch import StaticBuffers
 from distperp_harness.run.scoring.kvcache import cache_argument
+from distperp_harness.run.scoring.masks import embedding_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = get_logger(__name__)
 
@@ -111,7 +115,7 @@ class DecodeState:
         }
 
 
-def kv_shapes(model: torch.nn.Module, device: torch.device, pad: int) -> list[tuple]:
+def kv_shapes(model: PreTrainedModel, device: torch.device, pad: int) -> list[tuple]:
     """``(kv heads, key dim, value dim, dtype)`` per layer, read from a one-token forward's ``DynamicCache``."""
     from transformers import DynamicCache
 
@@ -154,7 +158,7 @@ class CompiledStep:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         compile_state: compiling.CompileState,
         device: torch.device,
         pad_token_id: int | None,
@@ -236,7 +240,7 @@ class CompiledStep:
         """The decode step (what is compiled): ``[S, V]`` logits of ``ids`` ``[S, 1]``."""
         mask = allowed[:, None, None, :]
         if not self.sdpa:  # eager attention adds the mask
-            dtype = self.model.get_input_embeddings().weight.dtype
+            dtype = embedding_dtype(self.model)
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         return last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
 

@@ -19,7 +19,7 @@ Results depend only on the batch's content, never on which process computes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ from distperp_harness.planning.rows import Row, unit_rows
 from distperp_harness.run.scoring.kvcache import cache_argument, prefix_cache
 from distperp_harness.run.scoring.masks import Packing as _Packing
 from distperp_harness.run.scoring.masks import flex_shapes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from typing_extensions import TypeIs
 
 # Columns of the per-unit statistics table (float64), gathered across ranks as one tensor.
 LL, GREEDY, N_TOKENS, REF_LL, TOP1 = range(5)
@@ -114,9 +118,15 @@ class BatchScores:
     stats: np.ndarray
     kl: list[np.ndarray] | None
 
+    def kl_rows(self) -> list[np.ndarray]:
+        """:attr:`kl` of scores computed with a reference, which always carry it."""
+        if self.kl is None:
+            raise ValueError("internal error: scores computed with a reference carry no KL arrays")
+        return self.kl
+
 
 def _features(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     rows: torch.Tensor,
     cols: torch.Tensor,
@@ -124,10 +134,11 @@ def _features(
     packing: "_Packing | None" = None,
     cache=None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to
-    float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`).
-    ``packing``: the attention mask and position ids of a batch with tree rows (None: plain causal rows);
-    ``cache``: the key/value cache of the batch's shared prefix (:func:`~distperp_harness.run.scoring.kvcache.prefix_cache`), which ``input_ids`` follow."""
+    """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to float32+
+    logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`). ``packing``: the
+    attention mask and position ids of a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache
+    of the batch's shared prefix (:func:`~distperp_harness.run.scoring.kvcache.prefix_cache`), which ``input_ids``
+    follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     extra = packing.kwargs(model) if packing is not None else {}
@@ -174,7 +185,7 @@ class _ReusedHead:
             type(head) is torch.nn.Linear
             and feats.dim() == 2
             and all(
-                type(p) in (torch.Tensor, torch.nn.Parameter)
+                (type(p) is torch.Tensor or type(p) is torch.nn.Parameter)
                 and p.layout == torch.strided
                 and p.dtype == feats.dtype
                 and p.device == feats.device
@@ -259,25 +270,32 @@ def _kl_(ref_logits: torch.Tensor, logits: torch.Tensor, work: tuple[torch.Tenso
     return out
 
 
+def _are_rows(batch: Sequence[Row] | Sequence[Unit]) -> TypeIs[Sequence[Row]]:
+    """Whether ``batch`` holds rows (else units): a batch holds one kind, so its first item tells."""
+    return bool(batch) and isinstance(batch[0], Row)
+
+
 @torch.no_grad()
 def score_batch(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     batch: Sequence[Row] | Sequence[Unit],
     *,
     device: torch.device,
     pad_token_id: int,
-    reference: torch.nn.Module | None = None,
+    reference: PreTrainedModel | None = None,
     shared: int = 0,
     between_forwards: Callable[[], None] | None = None,
 ) -> BatchScores:
-    """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded batch.
+    """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded
+    batch.
 
-    Tree rows (two or more runs) run with the tree attention mask and explicit position ids (:mod:`~distperp_harness.run.scoring.masks`;
-    the caller makes sure the model takes them, :func:`packed_rows_unsupported`); a batch of plain rows runs
-    exactly as before, with no mask. ``shared`` > 0 (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the
-    first ``shared`` tokens, equal in every row, are computed once and every row continues from their key/value
-    cache (:func:`forward_calls`: two forward calls, model then reference each time); ``between_forwards`` runs
-    between the two (sharded weights re-gather there, so the batch makes the gathers of two plain batches).
+    Tree rows (two or more runs) run with the tree attention mask and explicit position ids
+    (:mod:`~distperp_harness.run.scoring.masks`; the caller makes sure the model takes them,
+    :func:`packed_rows_unsupported`); a batch of plain rows runs exactly as before, with no mask. ``shared`` > 0
+    (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the first ``shared`` tokens, equal in every
+    row, are computed once and every row continues from their key/value cache (:func:`forward_calls`: two forward calls,
+    model then reference each time); ``between_forwards`` runs between the two (sharded weights re-gather there, so the
+    batch makes the gathers of two plain batches).
 
     Returns:
         ``BatchScores`` over the batch's units in row order, with ``stats[i] = (log-likelihood, greedy 0/1, n scored
@@ -286,7 +304,7 @@ def score_batch(
     Raises:
         NonFiniteLogitsError: if any scored position has NaN/inf logits (``rows`` index the batch's rows).
     """
-    batch_rows = list(batch) if batch and isinstance(batch[0], Row) else unit_rows(batch)
+    batch_rows = list(batch) if _are_rows(batch) else unit_rows(batch)
     units = [u for r in batch_rows for u in r.units]
     ids, rows, cols, targets, packing = _layout(batch_rows, pad_token_id, device, shared)
 
@@ -305,10 +323,8 @@ def score_batch(
         if caches[0] is not None and between_forwards is not None:
             between_forwards()
         feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
-        ref_feats, ref_to_logits = (
-            _features(reference, ids, rows, cols, chunk_rows, packing, caches[1])
-            if reference is not None
-            else (None, None)
+        ref_features = (
+            _features(reference, ids, rows, cols, chunk_rows, packing, caches[1]) if reference is not None else None
         )
     del caches
 
@@ -323,7 +339,11 @@ def score_batch(
         kl = torch.empty(n, dtype=torch.float64, device=device)
         top1 = torch.empty(n, dtype=torch.bool, device=device)
         block = (chunk_rows + 1) // 2  # two float64 buffers of half a chunk: one float64 per logit
-        work = tuple(torch.empty(block, _vocab_size(reference), dtype=torch.float64, device=device) for _ in "ab")
+        work_shape = (block, _vocab_size(reference))
+        work = (
+            torch.empty(work_shape, dtype=torch.float64, device=device),
+            torch.empty(work_shape, dtype=torch.float64, device=device),
+        )
     for a, b in chunks:
         logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: _logsumexp_ overwrites it
         tgt = targets[a:b].unsqueeze(-1)
@@ -332,7 +352,8 @@ def score_batch(
         target_logit = logits.gather(-1, tgt).squeeze(-1)
         argmax = logits.argmax(dim=-1) if full_argmax else None
         greedy[a:b] = _is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
-        if reference is not None:
+        if ref_features is not None:  # with a reference
+            ref_feats, ref_to_logits = ref_features
             ref_logits = ref_to_logits(ref_feats[a:b])
             kl[a:b] = _kl_(ref_logits, logits, work)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
@@ -361,7 +382,7 @@ def score_batch(
     return BatchScores(stats, kl_rows)
 
 
-def _vocab_size(model: torch.nn.Module) -> int:
+def _vocab_size(model: PreTrainedModel) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and getattr(head, "out_features", None):
         return int(head.out_features)
@@ -373,7 +394,9 @@ def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, 
     None)``; with ``shared`` > 0 the first ``shared`` columns (equal in every row) go to ``packing.prefix_ids``."""
     padded = max(r.length for r in batch_rows)
     ids = torch.full((len(batch_rows), padded), pad_token_id, dtype=torch.long)
-    row_list, col_list, target_list = [], [], []
+    row_list: list[int] = []
+    col_list: list[int] = []
+    target_list: list[int] = []
     for i, row in enumerate(batch_rows):
         ids[i, : row.length] = torch.tensor(row.tokens(), dtype=torch.long)
         for k, unit in enumerate(row.units):
@@ -438,10 +461,10 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
     """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
 
     Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
-    where transformers implements it for the model (``_supports_flex_attn``; a block mask, :mod:`distperp_harness.run.scoring.masks`)
-    — flash attention takes no custom mask —, no attention-logit soft capping, and no sliding window shorter than
-    ``max_length`` (a custom mask replaces the window; rows are at most ``max_length`` tokens, so a longer window
-    never applies).
+    where transformers implements it for the model (``_supports_flex_attn``; a block mask,
+    :mod:`distperp_harness.run.scoring.masks`) — flash attention takes no custom mask —, no attention-logit soft
+    capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
+    ``max_length`` tokens, so a longer window never applies).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)

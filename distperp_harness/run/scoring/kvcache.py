@@ -6,8 +6,12 @@ Scoring (a batch's rows sharing their first tokens) and generation (prompts shar
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class CacheNotShareable(ValueError):
@@ -20,7 +24,7 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, rows: int):
+def prefix_cache(model: PreTrainedModel, prefix_ids: torch.Tensor, rows: int):
     """The key/value cache of ``prefix_ids`` (``[1, p]``, positions ``0 .. p-1``) repeated to ``rows`` rows.
 
     Runs the base model only (no output head: the prefix's logits are never read).
@@ -30,7 +34,7 @@ def prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, rows: int):
     """
     out = model.base_model(input_ids=prefix_ids, use_cache=True)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if not hasattr(cache, "batch_repeat_interleave") or any(getattr(cache, "is_linear", None) or ()):
+    if cache is None or not hasattr(cache, "batch_repeat_interleave") or any(getattr(cache, "is_linear", None) or ()):
         raise CacheNotShareable(type(cache).__name__)
     cache.batch_repeat_interleave(rows)
     return cache

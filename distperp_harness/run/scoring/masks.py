@@ -1,4 +1,5 @@
-"""The tree attention mask of a batch of rows (:mod:`distperp_harness.planning.rows`), for each attention implementation.
+"""The tree attention mask of a batch of rows (:mod:`distperp_harness.planning.rows`), for each attention
+implementation.
 
 One rule, three forms. Query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k``'s run is ``q``'s run or
 one of its ancestors (:meth:`Row.ancestors`); a padding query sees every earlier column of its row (padding comes
@@ -23,11 +24,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 
 from distperp_harness.planning.rows import Row
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FLEX_BLOCK = 128
 """Block size of flex attention's sparse block mask (torch's default); the run table is padded past it."""
@@ -127,7 +131,7 @@ class Packing:
             self.mask_mod(), self.run.shape[0], None, self.length - self.shared, self.length, device, FLEX_BLOCK
         )
 
-    def kwargs(self, model: torch.nn.Module) -> dict:
+    def kwargs(self, model: PreTrainedModel) -> dict:
         """``attention_mask`` (in the form ``model``'s attention implementation takes) and ``position_ids``."""
         impl = getattr(model.config, "_attn_implementation", None)
         if impl == "flex_attention":
@@ -135,10 +139,16 @@ class Packing:
         elif impl == "sdpa":
             mask = self.allowed
         else:
-            dtype = model.get_input_embeddings().weight.dtype
+            dtype = embedding_dtype(model)
             mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
             mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)
         return {"attention_mask": mask, "position_ids": self.position_ids}
+
+
+def embedding_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype of ``model``'s input embedding weights, which an additive (eager) attention mask is built in."""
+    # torch types a submodule's attributes Tensor | Module; an embedding's weight is a tensor
+    return cast(torch.Tensor, model.get_input_embeddings().weight).dtype
 
 
 def flex_shapes(device: torch.device, models: Sequence[torch.nn.Module]) -> contextlib.AbstractContextManager:

@@ -1,4 +1,5 @@
-"""A scoring call under ``accelerate launch`` for tests/run/execution/test_claims.py: rolling log-likelihoods of many windows.
+"""A scoring call under ``accelerate launch`` for tests/run/execution/test_claims.py: rolling log-likelihoods of many
+windows.
 
     python straggler_job.py MODEL_DIR OUT_JSON [EXTRA_MODEL_ARGS]
 

@@ -88,7 +88,7 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
     )
     model = build_tiny_model(spec, tmp_path / "model")
     job = Path(__file__).with_name("straggler_job.py")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = offline_env(
         {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     )

@@ -96,7 +96,7 @@ def _flip_a_byte(path):
     raw[info.header_offset + 30 + name_len + extra_len + info.compress_size - 1] ^= 0x40
     path.write_bytes(bytes(raw))
     with pytest.raises(zipfile.BadZipFile, match="CRC"), np.load(path) as data:
-        data["stats"]  # noqa: B018 - the damage is the kind named
+        data["stats"]  # the damage is the kind named
 
 
 def _rewrite(path, **changes):

@@ -64,7 +64,7 @@ def _run(world, fn):
     def body(r):
         try:
             results[r] = fn(group.rank(r))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors.append(exc)
             group.barrier.abort()
 

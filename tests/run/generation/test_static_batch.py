@@ -1,6 +1,6 @@
-"""generation/step.py and static_batch.py: the compiled fixed-shape decode step gives the eager engine's texts (greedy far from ties,
-sampled on the same seeds, stop strings with refill, EOS, a shared prefix, the full cache moved left), compiles
-once per bucket, falls back to the eager engine when compiling fails, and takes the CUDA-graph precautions
+"""generation/step.py and static_batch.py: the compiled fixed-shape decode step gives the eager engine's texts (greedy
+far from ties, sampled on the same seeds, stop strings with refill, EOS, a shared prefix, the full cache moved left),
+compiles once per bucket, falls back to the eager engine when compiling fails, and takes the CUDA-graph precautions
 (checked with fakes: no GPU here). One engine on the peaked tiny model (a module fixture) serves the tests."""
 
 from __future__ import annotations

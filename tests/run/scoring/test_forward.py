@@ -271,7 +271,7 @@ def test_models_that_cannot_take_the_mask_are_named(model):
     assert scoring.packed_rows_unsupported(holder, 64) is None  # a window as long as every row never applies
 
 
-SHARED_MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "wt2-llama-5m"
+SHARED_MODEL = Path(__file__).resolve().parents[3].parent / "shared" / "models" / "wt2-llama-5m"
 SHARED_TEXT = SHARED_MODEL.parents[1] / "data" / "wikitext-2" / "valid.txt"
 
 
