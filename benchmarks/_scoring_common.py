@@ -166,7 +166,7 @@ def model_facts(path: Path) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(path)
     params = 0
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        for key in f:
+        for key in f.keys():  # noqa: SIM118 -- safe_open is not iterable; keys() is its API
             shape = f.get_slice(key).get_shape()
             n = 1
             for d in shape:

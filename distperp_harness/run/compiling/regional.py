@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -54,6 +55,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = get_logger(__name__)
+
+
+class TreeMask(str, Enum):
+    """The tree-mask graph: compiled when the first plan with tree rows needs it, or eager on every rank after a
+    failure on any."""
+
+    NOT_NEEDED_YET = "not needed yet"
+    COMPILED = "compiled"
+    EAGER = "eager"
 
 
 @dataclass
@@ -72,7 +82,8 @@ class CompileState:
     cache: dict[str, Any] = field(default_factory=dict)
     not_covered_example: str | None = None
     prepacked: Prepacked = field(default_factory=Prepacked)
-    tree_mask: str | None = None
+    tree: TreeMask | None = None
+    tree_failure: str | None = None
     decode: Any = None
     _tree: Callable[[], list[str]] | None = field(default=None, repr=False)
     _graphs_at_ready: int = field(default=0, repr=False)
@@ -83,6 +94,14 @@ class CompileState:
     def is_warming(self) -> bool:
         """True inside :func:`warming` (warm-up forwards may compile; later calls may not)."""
         return self._warming
+
+    @property
+    def tree_mask(self) -> str | None:
+        """The tree-mask graph as the record says it: None (no tree rows possible), ``not needed yet``,
+        ``compiled``, or ``eager: <why>``."""
+        if self.tree is TreeMask.EAGER:
+            return f"eager: {self.tree_failure}"
+        return None if self.tree is None else self.tree.value
 
     @property
     def active_mode(self) -> str | None:
@@ -100,7 +119,7 @@ class CompileState:
         self._restore.clear()
         self.prepacked.restore()
         self.active, self.layers, self.graphs = False, 0, 0
-        self.tree_mask, self._tree = None, None
+        self.tree, self.tree_failure, self._tree = None, None, None
 
     def prepare(self, collective: Collective, tree_rows: bool) -> None:
         """Before a scoring call whose global plan has ``tree_rows``: compile the tree-mask graph at its fixed warm-up
@@ -116,7 +135,7 @@ class CompileState:
                 self.warmup += warm_up()
 
         failure = first_failure([why for why, _ in in_turn(collective, "the tree-mask graph", attempt)])
-        self.tree_mask = "compiled" if failure is None else f"eager: {failure}"
+        self.tree, self.tree_failure = (TreeMask.COMPILED, None) if failure is None else (TreeMask.EAGER, failure)
         if failure is not None:
             log.warning(
                 f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: {failure}",
@@ -185,11 +204,7 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
             return eager(*args, **kwargs)
         if state._warming:
             return compiled(*args, **kwargs)
-        if (
-            state.tree_mask is not None
-            and state.tree_mask.startswith("eager")
-            and kwargs.get("attention_mask") is not None
-        ):
+        if state.tree is TreeMask.EAGER and kwargs.get("attention_mask") is not None:
             state.eager_calls["not_covered"] += 1  # the tree-mask graph failed on some rank: eager on all
             return eager(*args, **kwargs)
         try:
@@ -299,7 +314,7 @@ def _compile(
         for model in models:
             state.warmup = _warm_up(model, shapes, False, pad_token_id, device)
     if packed:
-        state.tree_mask = "not needed yet"
+        state.tree = TreeMask.NOT_NEEDED_YET
         state._tree = lambda: [done for model in models for done in _warm_up(model, shapes, True, pad_token_id, device)]
 
 
