@@ -11,7 +11,7 @@ the same positions also give KL(reference || model) (float64), the reference's l
 Memory per chunk of logits (what :func:`chunk_bytes` counts and the memory estimate uses): the head's output in
 the model dtype plus its float32 copy when that dtype is narrower; with a reference the same for the reference's
 head, plus the KL's float64 work space, two buffers of half a chunk's rows each: one float64 per logit of the chunk
-(:func:`_kl_`). With a reference the chunk holds half the positions.
+(:func:`~distperp_harness.run.scoring.logprobs.kl_`). With a reference the chunk holds half the positions.
 
 Results depend only on the batch's content, never on which process computes it.
 """
@@ -27,6 +27,7 @@ import torch
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
 from distperp_harness.run.scoring.kvcache import cache_argument, prefix_cache
+from distperp_harness.run.scoring.logprobs import ReusedHead, at_least_float32, is_first_argmax, kl_, logsumexp_
 from distperp_harness.run.scoring.masks import Packing as _Packing
 from distperp_harness.run.scoring.masks import flex_shapes
 
@@ -135,7 +136,7 @@ def _features(
     cache=None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to float32+
-    logits. The logits a call returns may be overwritten by the next call (see :class:`_ReusedHead`). ``packing``: the
+    logits. The logits a call returns may be overwritten by the next call (see :class:`ReusedHead`). ``packing``: the
     attention mask and position ids of a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache
     of the batch's shared prefix (:func:`~distperp_harness.run.scoring.kvcache.prefix_cache`), which ``input_ids``
     follow."""
@@ -150,124 +151,16 @@ def _features(
     if head is not None and model_type in _PLAIN_HEAD_TYPES:
         hidden = model.base_model(input_ids=input_ids, **extra).last_hidden_state
         feats = hidden[rows, cols]
-        if _ReusedHead.applies(head, feats):
-            return feats, _ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
-        return feats, lambda chunk: _at_least_float32(head(chunk))
+        if ReusedHead.applies(head, feats):
+            return feats, ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
+        return feats, lambda chunk: at_least_float32(head(chunk))
     logits = model(input_ids=input_ids, **extra).logits
-    return logits[rows, cols], _at_least_float32
-
-
-class _ReusedHead:
-    """``head(chunk)`` for a plain ``nn.Linear`` head, written into one logits buffer that every chunk of a batch
-    reuses (as float32 when the model computes in a narrower dtype).
-
-    Same kernels and bits as ``nn.Linear`` (``mm`` / ``addmm`` with the transposed weight), without allocating
-    fresh ``[chunk, vocab]`` memory per chunk: on CPU a new chunk-sized allocation is fresh pages from the kernel,
-    and faulting them in costs about a third of the head's matmul (measured; see ``benchmarks/README.md``).
-    """
-
-    def __init__(self, head: torch.nn.Linear, rows: int) -> None:
-        weight = head.weight
-        self.weight_t = weight.t()
-        self.bias = head.bias
-        self.out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        self.wide = (
-            None
-            if weight.dtype in (torch.float32, torch.float64)
-            else torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device)
-        )
-
-    @staticmethod
-    def applies(head: torch.nn.Module, feats: torch.Tensor) -> bool:
-        """True for an exact ``nn.Linear`` with plain dense floating-point parameters of the features' dtype."""
-        params = [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
-        return (
-            type(head) is torch.nn.Linear
-            and feats.dim() == 2
-            and all(
-                (type(p) is torch.Tensor or type(p) is torch.nn.Parameter)
-                and p.layout == torch.strided
-                and p.dtype == feats.dtype
-                and p.device == feats.device
-                and p.is_floating_point()
-                for p in params
-            )
-        )
-
-    def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
-        out = self.out[: chunk.shape[0]]
-        if self.bias is None:
-            torch.mm(chunk, self.weight_t, out=out)
-        else:
-            torch.addmm(self.bias, chunk, self.weight_t, out=out)
-        return out if self.wide is None else self.wide[: chunk.shape[0]].copy_(out)
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def _logsumexp_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(logits, -1)`` (bit for bit, for rows with a finite max ``top``), computed in place.
-
-    The same operations as ATen's composite ``logsumexp`` (``log(sum(exp(x - max))) + max``) with the
-    subtraction and exponential done in ``logits``' own storage: no ``[positions, vocab]`` temporary, and ``top``
-    (``logits.amax(-1)``) is shared with the greedy check. ``logits`` is overwritten.
-    """
-    return logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(top)
-
-
-def _is_first_argmax(
-    logits: torch.Tensor,
-    target_logit: torch.Tensor,
-    top: torch.Tensor,
-    targets: torch.Tensor,
-    argmax: torch.Tensor | None,
-) -> torch.Tensor:
-    """``logits.argmax(-1) == targets`` (first index of the maximum, as lm-eval's greedy check), per row.
-
-    Without a precomputed ``argmax``, only rows whose target logit equals the row maximum ``top`` can be greedy;
-    the argmax runs on those rows alone (a max-with-index pass costs about four plain max passes on CPU).
-    """
-    if argmax is not None:
-        return argmax == targets
-    greedy = torch.zeros_like(targets, dtype=torch.bool)
-    hit = (target_logit == top).nonzero().flatten()
-    if hit.numel():
-        greedy[hit] = logits.index_select(0, hit).argmax(dim=-1) == targets[hit]
-    return greedy
+    return logits[rows, cols], at_least_float32
 
 
 def _chunks(n: int, vocab: int, device_type: str = "cpu", with_reference: bool = False) -> list[tuple[int, int]]:
     step = max(1, chunk_elements(device_type, with_reference) // max(1, vocab))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
-
-
-def _lse64_(x: torch.Tensor) -> torch.Tensor:
-    """Float64 log-sum-exp of each row of the float64 ``x``, computed in place (``x`` is overwritten)."""
-    top = x.amax(dim=-1, keepdim=True)
-    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
-
-
-def _kl_(ref_logits: torch.Tensor, logits: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """KL(reference || model) per row, float64: ``E_ref[r - m] + lse(m) - lse(r)`` with ``r``, ``m`` the rows'
-    logits, every step in float64. ``work``: two float64 buffers of ``[block, vocab]``; rows go through in blocks
-    of ``block``, so the KL needs no memory beyond them (``work`` is overwritten)."""
-    a_buf, b_buf = work
-    n, step = ref_logits.shape[0], a_buf.shape[0]
-    out = torch.empty(n, dtype=torch.float64, device=ref_logits.device)
-    for i in range(0, n, step):
-        j = min(n, i + step)
-        a, b = a_buf[: j - i], b_buf[: j - i]
-        lse_m = _lse64_(b.copy_(logits[i:j]))
-        top_r = a.copy_(ref_logits[i:j]).amax(dim=-1, keepdim=True)
-        weights = a.sub_(top_r).exp_()  # exp(r - max r): the reference's probabilities times its partition sum
-        total = weights.sum(dim=-1)
-        lse_r = total.log() + top_r.squeeze(-1)  # as _lse64_ does it: a model against itself gives exactly 0
-        mean_r = torch.bmm(weights.unsqueeze(1), b.copy_(ref_logits[i:j]).unsqueeze(2)).view(-1)
-        mean_m = torch.bmm(weights.unsqueeze(1), b.copy_(logits[i:j]).unsqueeze(2)).view(-1)
-        out[i:j] = (mean_r - mean_m) / total + lse_m - lse_r
-    return out
 
 
 def _are_rows(batch: Sequence[Row] | Sequence[Unit]) -> TypeIs[Sequence[Row]]:
@@ -345,23 +238,23 @@ def score_batch(
             torch.empty(work_shape, dtype=torch.float64, device=device),
         )
     for a, b in chunks:
-        logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: _logsumexp_ overwrites it
+        logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: logsumexp_ overwrites it
         tgt = targets[a:b].unsqueeze(-1)
         top = logits.amax(dim=-1)
         finite[a:b] = torch.isfinite(top)  # NaN propagates to the max; +-inf maxima make the lse non-finite
         target_logit = logits.gather(-1, tgt).squeeze(-1)
         argmax = logits.argmax(dim=-1) if full_argmax else None
-        greedy[a:b] = _is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
+        greedy[a:b] = is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
         if ref_features is not None:  # with a reference
             ref_feats, ref_to_logits = ref_features
             ref_logits = ref_to_logits(ref_feats[a:b])
-            kl[a:b] = _kl_(ref_logits, logits, work)
+            kl[a:b] = kl_(ref_logits, logits, work)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
             # Same recipe as the model's log-prob (float32 log-sum-exp, float64 difference): comparable sums.
-            # In place, last: it overwrites ref_logits (bit for bit torch.logsumexp, see _logsumexp_).
+            # In place, last: it overwrites ref_logits (bit for bit torch.logsumexp, see logsumexp_).
             ref_target = ref_logits.gather(-1, tgt).squeeze(-1).double()
-            ref_logprob[a:b] = ref_target - _logsumexp_(ref_logits, ref_logits.amax(dim=-1)).double()
-        logprob[a:b] = target_logit.double() - _logsumexp_(logits, top).double()
+            ref_logprob[a:b] = ref_target - logsumexp_(ref_logits, ref_logits.amax(dim=-1)).double()
+        logprob[a:b] = target_logit.double() - logsumexp_(logits, top).double()
     if n and not bool(finite.all()):
         bad = (~finite).nonzero().flatten()
         raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
