@@ -141,7 +141,7 @@ def peak_flops(device: torch.device) -> float | None:
 def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str], compiled: bool = False) -> dict:
     from distperp_harness.lm import DistPerpLM
     from distperp_harness.planning.requests import window_units
-    from distperp_harness.run.runtime import batching_for
+    from distperp_harness.run.budget import batching_for
     from distperp_harness.run.scoring.forward import score_batch
 
     cuda = args.device == "cuda"

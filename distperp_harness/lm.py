@@ -45,6 +45,7 @@ from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tasks, quantization_warnings
 from distperp_harness.report.results import Score
+from distperp_harness.run.budget import agree_on_batching, generation_rows
 from distperp_harness.run.compiling.regional import compile_extra_bytes, compile_models
 from distperp_harness.run.execution.calls import RunStats
 from distperp_harness.run.execution.executor import Executor, model_forwards
@@ -53,17 +54,12 @@ from distperp_harness.run.execution.progress import generation_progress, setup_l
 from distperp_harness.run.execution.record import run_record
 from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
-from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.run.generation.generate import generate
+from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing
-from distperp_harness.run.runtime import (
-    agree_on_batching,
-    attention_coefficient,
-    choose_sharing,
-    generation_rows,
-    head_coefficient,
-)
+from distperp_harness.run.runtime import attention_coefficient, choose_sharing, head_coefficient
 from distperp_harness.tokens import Tokenization
 
 log = get_logger(__name__)

@@ -165,6 +165,7 @@ RUN_LAYERS: dict[str, int] = {
     "rules": 0,  # the rules a call is planned by: imports nothing of run
     "scoring": 1,  # one batch's forward, masks and shared-prefix cache
     "compiling": 2,
+    "budget": 2,
     "runtime": 2,
     "fit": 2,  # compile=, and the policy that chooses the rules and checks the fit
     "execution": 3,  # the executor both stages share
@@ -201,6 +202,9 @@ GENERATION = [
     "batchgen",
     "lanes",
     "jobs",
+    "setup",
+    "requests",
+    "lane_texts",
     "generate",
 ]
 """``run/generation``'s modules, lowest first: each imports only modules before it (the per-row rules, the
@@ -224,12 +228,12 @@ def test_generation_roles_import_downward():
 
 
 def test_rules_sit_below_the_orchestrators():
-    """The batching, sharing and scoring rules (``run.rules``) and the policy that chooses them (``run.runtime``)
-    import neither orchestrator (``run.pipeline``, ``run.generation.generate``); ``rules`` imports nothing of
-    ``run``."""
+    """The batching, sharing and scoring rules (``run.rules``) and the policy that chooses them (``run.budget``,
+    ``run.runtime``) import neither orchestrator (``run.pipeline``, ``run.generation.generate``); ``rules`` imports
+    nothing of ``run``."""
     orchestrators = {"distperp_harness.run.pipeline", "distperp_harness.run.generation.generate"}
     edges = {(a, b) for a, b, _ in import_edges()}
-    policy = {"distperp_harness.run.rules", "distperp_harness.run.runtime"}
+    policy = {"distperp_harness.run.rules", "distperp_harness.run.budget", "distperp_harness.run.runtime"}
     assert [(a, b) for a, b in edges if a in policy and b in orchestrators] == []
     assert [b for a, b in edges if a == "distperp_harness.run.rules" and b.startswith("distperp_harness.run.")] == []
     assert ("distperp_harness.run.pipeline", "distperp_harness.run.rules") in edges

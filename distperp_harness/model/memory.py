@@ -1,6 +1,6 @@
 """Memory facts of a device and a model: total, free and peak bytes, activation and KV-cache bytes per token.
 
-Pure reads (no allocation); :mod:`distperp_harness.run.runtime` turns them into batching rules.
+Pure reads (no allocation); :mod:`distperp_harness.run.budget` turns them into batching rules.
 """
 
 from __future__ import annotations

@@ -26,22 +26,12 @@ full-length batches hold several rows, rows of one token) runs eager and is coun
 depends on its shape alone, on every rank: inductor's size-dependent choices come from the warm-up's sizes (the same
 everywhere) and never from timing (``torch._inductor.config.deterministic`` while compiling).
 
-**Failures.** When compiling fails on any rank (a model, attention implementation, quantized weights or torch build
-that dynamo/inductor cannot handle) rank 0 says why, once, and every rank runs eager: one rank's failure turns
-compiling off for all, so every rank computes with the same kernels (a failure of the later tree-mask graph: rows
-with a tree mask run eager on every rank). The evaluation itself never fails for it.
-
-**Caches.** Inductor's on-disk FX graph cache (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``)
-keeps compiled kernels across runs; each node's local rank 0 compiles first and the node's other ranks then load
-its kernels from that cache (a warm rerun still traces with dynamo: seconds, not minutes).
+What every rank agrees on, and how a failure turns compiling off for all: :mod:`~.agreement`; what ``compile=`` did,
+recorded in ``config.distperp.compile``: :class:`~.state.CompileState`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -49,121 +39,14 @@ from accelerate.logging import get_logger
 
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.model.layers import decoder_layers  # tests reach it here too
-from distperp_harness.run.compiling.prepack import Prepacked, packable_bytes, prepack
+from distperp_harness.run.compiling.agreement import fake_compile_failure, first_failure, in_turn
+from distperp_harness.run.compiling.prepack import packable_bytes, prepack
+from distperp_harness.run.compiling.state import CompileState, TreeMask, warming
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = get_logger(__name__)
-
-
-class TreeMask(str, Enum):
-    """The tree-mask graph: compiled when the first plan with tree rows needs it, or eager on every rank after a
-    failure on any."""
-
-    NOT_NEEDED_YET = "not needed yet"
-    COMPILED = "compiled"
-    EAGER = "eager"
-
-
-@dataclass
-class CompileState:
-    """What ``compile=`` did: recorded in ``config.distperp.compile``. Counters keep running during the run."""
-
-    mode: str | None
-    active: bool = False
-    reason: str | None = None
-    seconds: float = 0.0
-    layers: int = 0
-    warmup: list[str] = field(default_factory=list)
-    graphs: int = 0
-    compiled_calls: int = 0
-    eager_calls: dict[str, int] = field(default_factory=lambda: {"kv_cache": 0, "not_covered": 0})
-    cache: dict[str, Any] = field(default_factory=dict)
-    not_covered_example: str | None = None
-    prepacked: Prepacked = field(default_factory=Prepacked)
-    tree: TreeMask | None = None
-    tree_failure: str | None = None
-    decode: Any = None
-    _tree: Callable[[], list[str]] | None = field(default=None, repr=False)
-    _graphs_at_ready: int = field(default=0, repr=False)
-    _warming: bool = field(default=False, repr=False)
-    _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
-
-    @property
-    def is_warming(self) -> bool:
-        """True inside :func:`warming` (warm-up forwards may compile; later calls may not)."""
-        return self._warming
-
-    @property
-    def tree_mask(self) -> str | None:
-        """The tree-mask graph as the record says it: None (no tree rows possible), ``not needed yet``,
-        ``compiled``, or ``eager: <why>``."""
-        if self.tree is TreeMask.EAGER:
-            return f"eager: {self.tree_failure}"
-        return None if self.tree is None else self.tree.value
-
-    @property
-    def active_mode(self) -> str | None:
-        """The mode the run computes with (None: eager); part of the resume key."""
-        return self.mode if self.active else None
-
-    def recompilations(self) -> int:
-        """Graphs compiled since the warm-up ended (0 by construction; counted from dynamo's own counter)."""
-        return max(0, _unique_graphs() - self._graphs_at_ready) if self.active else 0
-
-    def restore(self) -> None:
-        """Put every layer's eager ``forward`` back."""
-        for undo in reversed(self._restore):
-            undo()
-        self._restore.clear()
-        self.prepacked.restore()
-        self.active, self.layers, self.graphs = False, 0, 0
-        self.tree, self.tree_failure, self._tree = None, None, None
-
-    def prepare(self, collective: Collective, tree_rows: bool) -> None:
-        """Before a scoring call whose global plan has ``tree_rows``: compile the tree-mask graph at its fixed warm-up
-        shapes if that has not happened yet (every rank calls this together; the node's local rank 0 first, the
-        others then load its kernels). If that fails on any rank, calls with a tree mask run eager on every rank."""
-        if not (tree_rows and self.active and self._tree is not None):
-            return  # the same on every rank: activity is agreed and the plan is global
-        warm_up, self._tree = self._tree, None
-
-        def attempt() -> None:
-            with warming(self):
-                fake_compile_failure("DISTPERP_TEST_TREE_MASK_FAILURE")
-                self.warmup += warm_up()
-
-        failure = first_failure([why for why, _ in in_turn(collective, "the tree-mask graph", attempt)])
-        self.tree, self.tree_failure = (TreeMask.COMPILED, None) if failure is None else (TreeMask.EAGER, failure)
-        if failure is not None:
-            log.warning(
-                f"compile={self.mode}: the tree-mask graph did not compile, rows with a tree mask run eager: {failure}",
-                main_process_only=True,
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "active": self.active,
-            "reason": self.reason,
-            "compile_seconds": round(self.seconds, 3),
-            "layers": self.layers,
-            "warmup": self.warmup,
-            "graphs": self.graphs,
-            "recompilations": self.recompilations(),
-            "tree_mask": self.tree_mask,
-            "compiled_calls": self.compiled_calls,
-            "eager_calls": dict(self.eager_calls),
-            "not_covered_example": self.not_covered_example,
-            "cache": self.cache,
-            "decode": self.decode.to_dict() if self.decode is not None else None,
-            "prepacked": {
-                "linears": self.prepacked.linears,
-                "bytes": self.prepacked.packed_bytes,
-                "rows_hint": self.prepacked.hint,
-            },
-        }
 
 
 def warmup_shapes(rows_for: Callable[[int], int], max_length: int) -> list[tuple[int, int]]:
@@ -175,12 +58,6 @@ def warmup_shapes(rows_for: Callable[[int], int], max_length: int) -> list[tuple
     if rows >= 2:
         return [(rows, max_length)]
     return [(1, max_length), (2, max(2, max_length // 2))]
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def _carries_cache(args: tuple, kwargs: dict) -> bool:
@@ -202,7 +79,7 @@ def _dispatch(state: CompileState, eager: Callable, compiled: Callable) -> Calla
         if not state.active or _carries_cache(args, kwargs):
             state.eager_calls["kv_cache"] += 1
             return eager(*args, **kwargs)
-        if state._warming:
+        if state.is_warming:
             return compiled(*args, **kwargs)
         if state.tree is TreeMask.EAGER and kwargs.get("attention_mask") is not None:
             state.eager_calls["not_covered"] += 1  # the tree-mask graph failed on some rank: eager on all
@@ -241,7 +118,7 @@ def _patch(state: CompileState, model: torch.nn.Module, mode: str | None) -> int
             else:
                 layer.forward = before
 
-        state._restore.append(undo)
+        state.on_restore(undo)
     return len(layers)
 
 
@@ -260,39 +137,6 @@ def _warm_up(
         model.base_model(input_ids=ids, use_cache=False, **extra)
         done.append(f"{rows}x{length}" + (" tree mask" if tree else ""))
     return done
-
-
-@contextlib.contextmanager
-def warming(state: CompileState):
-    """Compile settings for warm-ups (deterministic kernels, no duck sizing); adds the seconds, graphs and cache
-    hits and misses of the block to ``state``, and restarts the recompilation count after it."""
-    import torch.fx.experimental._config as fx_config
-    from torch._dynamo.utils import counters
-
-    before = (_unique_graphs(), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
-    t0 = time.perf_counter()
-    state._warming = True
-    try:
-        # use_duck_shape=False: a warm-up size equal to a weight's (hidden size, heads) must not fix rows or length.
-        with (
-            torch._inductor.config.patch(_known(torch._inductor.config, deterministic=True)),
-            torch._dynamo.config.patch(_known(torch._dynamo.config, recompile_limit=64)),
-            fx_config.patch(  # type: ignore[attr-defined]  # torch gives every config module patch() at import
-                _known(fx_config, use_duck_shape=False)
-            ),
-        ):
-            yield
-    finally:
-        state._warming = False
-        state.seconds += time.perf_counter() - t0
-        state.graphs += _unique_graphs() - before[0]
-        state._graphs_at_ready = _unique_graphs()
-        state.cache = {
-            "fx_graph_cache": bool(torch._inductor.config.fx_graph_cache),
-            "dir": _cache_dir(),
-            "hits": state.cache.get("hits", 0) + counters["inductor"]["fxgraph_cache_hit"] - before[1],
-            "misses": (state.cache.get("misses", 0) + counters["inductor"]["fxgraph_cache_miss"] - before[2]),
-        }
 
 
 def _compile(
@@ -314,22 +158,9 @@ def _compile(
         for model in models:
             state.warmup = _warm_up(model, shapes, False, pad_token_id, device)
     if packed:
-        state.tree = TreeMask.NOT_NEEDED_YET
-        state._tree = lambda: [done for model in models for done in _warm_up(model, shapes, True, pad_token_id, device)]
-
-
-def _known(config: Any, **values: Any) -> dict[str, Any]:
-    """The ``values`` this torch build's ``config`` module has (older builds lack some)."""
-    return {k: v for k, v in values.items() if hasattr(config, k)}
-
-
-def _cache_dir() -> str | None:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return cache_dir()
-    except Exception:  # only reported
-        return None
+        state.defer_tree(
+            lambda: [done for model in models for done in _warm_up(model, shapes, True, pad_token_id, device)]
+        )
 
 
 def unsupported(models: Sequence[torch.nn.Module], shard_size: int) -> str | None:
@@ -412,40 +243,3 @@ def compile_models(  # noqa: PLR0913 - each input fixes the warm-up shapes or wh
             main_process_only=True,
         )
     return state
-
-
-def in_turn(
-    collective: Collective, what: str, attempt: Callable[[], Any], reason: str | None = None
-) -> list[tuple[str | None, Any]]:
-    """``attempt()`` on every rank (skipped where ``reason`` already says why not), the node's local rank 0 first: it
-    fills inductor's on-disk cache and the node's other ranks then load its kernels. Returns every rank's ``(failure
-    reason or None, what attempt returned)``; a failure never escapes (the evaluation runs eager instead)."""
-    if collective.local_rank != 0:
-        collective.barrier(f"wait for local rank 0 to compile {what}")
-    result = None
-    if reason is None:
-        try:
-            result = attempt()
-        except Exception as exc:  # any compile failure means: run eager (never fail the run)
-            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    if collective.local_rank == 0:
-        collective.barrier(f"local rank 0 compiled {what}")
-    return collective.all_gather_object((reason, result), f"agree on compiling {what}")
-
-
-def first_failure(reasons: Sequence[str | None]) -> str | None:
-    """The lowest rank's failure reason (with its rank when there are several), or None."""
-    failed = next(((rank, why) for rank, why in enumerate(reasons) if why), None)
-    if failed is None:
-        return None
-    return failed[1] + (f" (rank {failed[0]})" if len(reasons) > 1 else "")
-
-
-def fake_compile_failure(variable: str = "DISTPERP_TEST_COMPILE_FAILURE") -> None:
-    """Tests fake a compile failure by setting ``variable`` (its value is the message):
-    ``DISTPERP_TEST_COMPILE_FAILURE`` at load, ``DISTPERP_TEST_TREE_MASK_FAILURE`` for the tree-mask graph."""
-    import os
-
-    message = os.environ.get(variable)
-    if message:
-        raise RuntimeError(message)

@@ -89,7 +89,7 @@ def setup_logging() -> None:
 
 
 def generation_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int, int], None]]:
-    """Factory for :class:`~distperp_harness.run.generation.generate.GenerationSetup`'s ``progress``: rank 0's bar
+    """Factory for :class:`~distperp_harness.run.generation.setup.GenerationSetup`'s ``progress``: rank 0's bar
     counts the prompts of its planned lanes as they finish, with generated tokens/s beside it (and tqdm's ETA)."""
 
     def start(total_prompts: int) -> Callable[[int, int], None]:

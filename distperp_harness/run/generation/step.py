@@ -3,7 +3,7 @@
 
 **Compiling.** :meth:`CompiledStep.prepare` compiles the step (``fullgraph``, static shapes) for every ``(slots,
 capacity)`` bucket the global lane plan needs and has not compiled yet, every rank together, the node's local rank
-0 first (:func:`~distperp_harness.run.compiling.regional.in_turn`): the shapes come from the plan (global, the same
+0 first (:func:`~distperp_harness.run.compiling.agreement.in_turn`): the shapes come from the plan (global, the same
 everywhere), never from timing or rank. Each warm-up runs the step on zeros. Later steps run under
 ``fail_on_recompile``; a step the graphs would not cover runs the same forward eager (counted). If compiling fails
 on any rank, every rank decodes lanes with the eager engine from then on (rank 0 says why once); the evaluation
@@ -28,7 +28,8 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.distributed.protocol import Collective
-from distperp_harness.run.compiling import regional as compiling
+from distperp_harness.run.compiling.agreement import fake_compile_failure, first_failure, in_turn
+from distperp_harness.run.compiling.state import CompileState, warming
 from distperp_harness.run.generation.prefill import last_logits, plain_layers
 from distperp_harness.run.generation.static_batch import StaticBuffers
 from distperp_harness.run.scoring.kvcache import cache_argument
@@ -153,13 +154,13 @@ def packed_gqa():
 
 class CompiledStep:
     """The compiled decode step of ``model`` and its buffers, built when compiling is active. ``compile_state``:
-    the run's :class:`~distperp_harness.run.compiling.regional.CompileState` (its ``decode`` is this object's
+    the run's :class:`~distperp_harness.run.compiling.state.CompileState` (its ``decode`` is this object's
     :class:`DecodeState`); ``bucket``: capacities are its multiples (:func:`capacity_for`)."""
 
     def __init__(
         self,
         model: PreTrainedModel,
-        compile_state: compiling.CompileState,
+        compile_state: CompileState,
         device: torch.device,
         pad_token_id: int | None,
         bucket: int = BUCKET,
@@ -201,8 +202,8 @@ class CompiledStep:
         def attempt() -> int:
             t0 = time.perf_counter()
             try:
-                with torch.no_grad(), compiling.warming(self.compile_state):  # decode steps run without grad
-                    compiling.fake_compile_failure("DISTPERP_TEST_DECODE_FAILURE")
+                with torch.no_grad(), warming(self.compile_state):  # decode steps run without grad
+                    fake_compile_failure("DISTPERP_TEST_DECODE_FAILURE")
                     if self._shapes is None:
                         self._shapes = kv_shapes(self.model, self.device, self.pad)
                     for slots, capacity in needed:
@@ -217,8 +218,8 @@ class CompiledStep:
                 self.state.seconds += time.perf_counter() - t0
             return len(needed)
 
-        reasons = [why for why, _ in compiling.in_turn(collective, "the decode step", attempt, unsupported(self.model))]
-        failure = compiling.first_failure(reasons)
+        reasons = [why for why, _ in in_turn(collective, "the decode step", attempt, unsupported(self.model))]
+        failure = first_failure(reasons)
         if failure is None:
             self._compiled_buckets.update(needed)
             self.state.step = StepState.COMPILED

@@ -11,7 +11,8 @@ import torch
 from helpers import sharpened_model
 
 from distperp_harness.run.execution.executor import Executor, Forwards
-from distperp_harness.run.generation.generate import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, generate
+from distperp_harness.run.generation.generate import generate
+from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 
 SAMPLED = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
 GREEDY = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
@@ -240,7 +241,7 @@ def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
     from lm_eval.api.instance import Instance
 
     from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
-    from distperp_harness.run.runtime import generation_rows
+    from distperp_harness.run.budget import generation_rows
 
     lm = make_lm(tiny_model_dir, ",max_length=1400,max_batch_size=64", {"batch_size": "auto"})
     act, kv = activation_bytes_per_token(lm.model, lm.max_length), kv_cache_bytes_per_token(lm.model)

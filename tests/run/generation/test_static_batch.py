@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import sharpened_model
 
-from distperp_harness.run.compiling.regional import CompileState, _unique_graphs
+from distperp_harness.run.compiling.state import CompileState, unique_graphs
 from distperp_harness.run.generation.loop import Decoder, decode_lane
 from distperp_harness.run.generation.sampling import warpers_for
 from distperp_harness.run.generation.scheduler import Lane, StopRule
@@ -133,12 +133,12 @@ def test_eos_and_sampled_rows_keep_their_seeds(engine, peaked, prompts):
 def test_no_recompilation_across_lanes_of_one_bucket(engine, peaked, prompts):
     tokenizer = peaked[1]
     rule = StopRule.of(tokenizer, ["\n"], [tokenizer.eos_token_id], MAX_NEW)
-    graphs, calls = _unique_graphs(), engine.state.compiled_calls
+    graphs, calls = unique_graphs(), engine.state.compiled_calls
     longest = max(prompts, key=len)
     for part in (prompts[5:] + [longest], prompts[::-1], [longest] + prompts[:2]):  # other lanes, the same bucket
         engine.prepare(_One(), [_Plan(3, part)])  # nothing new to compile
         decode_lane(Decoder(engine.model, tokenizer, CPU, static=engine), Lane(part, (), 3), rule)
-    assert _unique_graphs() == graphs and engine.state.compiled_calls > calls
+    assert unique_graphs() == graphs and engine.state.compiled_calls > calls
     assert engine.state.eager_calls["not_covered"] == 0 and len(engine.state.graphs) == 1
 
 
