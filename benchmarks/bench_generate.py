@@ -19,6 +19,7 @@ included). *Useful tokens*: new tokens up to and including the one that ends eac
 of ``hf`` computes those too before its batch may stop). For every text that differs, the first differing token
 and the top-2 logit gap of the model there (a near-tie, or not) are printed.
 
+``distperp-invariant`` is ``batch_invariant=true`` (each sequence decoded alone: what the option costs).
 ``--backends hf,distperp,distperp-compile`` adds ``compile=true`` (its texts compared with eager ``distperp``'s),
 and then one decode step is also timed bare at ``--batch-size`` rows and a ``--step-context``-token context:
 the eager engine's (a ``DynamicCache``) against the compiled static step's, alternating blocks, median.
@@ -228,6 +229,10 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
     }
 
 
+VARIANTS = {"distperp-compile": ",compile=true", "distperp-invariant": ",batch_invariant=true"}
+"""Backends that are distperp with one more --model_args key."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -238,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--backends", default="hf,distperp", help="of hf, distperp, distperp-compile")
+    parser.add_argument(
+        "--backends", default="hf,distperp", help="of hf, distperp, distperp-compile, distperp-invariant"
+    )
     parser.add_argument("--step-context", type=int, default=600, help="context of the bare decode step timing")
     args = parser.parse_args(argv)
 
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
     lms = {
         name: get_model(name.split("-")[0]).create_from_arg_string(
-            model_args + (",compile=true" if name.endswith("-compile") else ""), {"batch_size": args.batch_size}
+            model_args + VARIANTS.get(name, ""), {"batch_size": args.batch_size}
         )
         for name in args.backends.split(",")
     }

@@ -20,6 +20,8 @@
 #      and the allocator's scoring peak of hf and distperp.
 #   6. tp_traffic (2+ GPUs): 1 GPU vs shard_size=2 vs tp_size=2 on the 1B-shaped model in bf16: bytes counted from
 #      the collectives (NCCL), formulas checked, generation wall time, texts vs one GPU (make test runs its CPU smoke).
+#   7. invariance: batch_invariant=true gives every document the same bits at batch_size 1, 3, 8 and auto (the test
+#      model; on CUDA also gpu_check's 1B-shaped model in bfloat16); the default mode shown beside it.
 # The CPU dry mode runs every step on tiny models: bench_mc and bench_scoring use a random model of the test
 # model's shape instead of the 1B shape (said in the table). Text: ../shared/data/wikitext-2 when present, else
 # copies of the packaged sample. Exits non-zero when any check fails; the table says which.
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE," \
-            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring)" >&2; exit 2 ;;
+            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -108,6 +110,7 @@ if [ "$DEVICE" = cpu ]; then
     --shapes mmlu0,hellaswag --questions 2 --repeats 1 --max-length 256 --batch-size 4
   run bench_scoring "$PY" "$HERE/bench_scoring.py" --random-shape tiny --workdir "$WORK/random" --text "$TEST_TEXT" \
     --scorers hf,distperp,bare --tokens 400 --repeats 1 --max-length 128 --batch-size 4 --no-memory
+  run invariance "$PY" "$HERE/invariance_check.py" --device cpu --work "$WORK/invariance"
 else
   run gpu_check "$PY" "$HERE/gpu_check.py" --device cuda --work "$WORK/models"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
@@ -131,6 +134,11 @@ else
   run bench_scoring "$PY" "$HERE/bench_scoring.py" --random-shape llama-1b --device cuda --dtype bfloat16 \
     --workdir "$WORK/random" --text "$TEST_TEXT" --scorers hf,distperp,bare --tokens 16384 --repeats 2 \
     --max-length 2048 --batch-size 8 --memory-scorers hf,distperp --memory-tokens 8192
+  run invariance "$PY" "$HERE/invariance_check.py" --device cuda --work "$WORK/invariance"
+  if [ ${#ONE_MODEL[@]} -gt 0 ] && want invariance; then
+    run invariance_1b "$PY" "$HERE/invariance_check.py" --device cuda --dtype bfloat16 "${ONE_MODEL[@]}" \
+      --work "$WORK/invariance"
+  fi
 fi
 echo -e "\ntotal: $((SECONDS - START)) s" >> "$OUT"
 cat "$OUT"

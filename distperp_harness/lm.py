@@ -58,7 +58,7 @@ from distperp_harness.run.generation.generate import generate
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.pipeline import score_requests
-from distperp_harness.run.rules import Batching, ScoringRule, Sharing
+from distperp_harness.run.rules import Batching, ScoringRule, Sharing, one_slot
 from distperp_harness.run.runtime import attention_coefficient, choose_sharing, head_coefficient
 from distperp_harness.tokens import Tokenization
 
@@ -190,6 +190,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             [m for m in (self._model, self.reference) if m is not None],
             self.batching,
             self._max_length,
+            batch_invariant=self.options.batch_invariant,
         )
         self.compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
             self.options.compile_mode,
@@ -230,6 +231,7 @@ class DistPerpLM(Tokenization, TemplateLM):
                 self.shard_size,
                 self.collective,
                 self.tp_size,
+                row_at_a_time=self.options.batch_invariant,
             ),
             device=self._device,
             store=self.store,
@@ -379,14 +381,18 @@ class DistPerpLM(Tokenization, TemplateLM):
             max_length=self.max_length,
             max_gen_toks=self.max_gen_toks,
             add_bos_token=self.options.add_bos_token,
-            rows_for=functools.partial(
+            rows_for=one_slot
+            if self.options.batch_invariant
+            else functools.partial(
                 generation_rows,
                 self.batching,
                 activation_bytes=activation_bytes_per_token(self._model, self.max_length),
                 kv_bytes=kv_cache_bytes_per_token(self._model),
             ),
             seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
-            min_shared_tokens=MIN_SHARED_TOKENS if self.options.share_prefix else NO_SHARING,
+            min_shared_tokens=MIN_SHARED_TOKENS
+            if self.options.share_prefix and not self.options.batch_invariant
+            else NO_SHARING,
             progress=None if disable_tqdm else generation_progress("distperp generate_until", self.collective.is_main),
             think_end=self.options.think_end_token,
             static=self.static_decoding,

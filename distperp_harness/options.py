@@ -76,6 +76,8 @@ class Options:
     compile: str = "false"
     # stragglers: ranks take batches as they go (a slow rank computes fewer); false: the static plan
     claim: bool = True
+    # every row and generated sequence computed at shapes of its own: results independent of batch_size and memory
+    batch_invariant: bool = False
     # checkpoints as users have them
     subfolder: str | None = None
     gguf_file: str | None = None
@@ -180,6 +182,7 @@ class Options:
             f"true, false or a torch.compile mode ({', '.join(COMPILE_MODES)})",
             "e.g. compile=true (mode default) or compile=max-autotune",
         )
+        self._check_batch_invariant()
         if self.reference is not None:
             _require(
                 isinstance(self.reference, str) and self.reference.strip() != "",
@@ -190,6 +193,24 @@ class Options:
                 "",
             )
         self._check_checkpoint_keys()
+
+    def _check_batch_invariant(self) -> None:
+        """``batch_invariant``: a bool, and eager (compiled graphs are chosen by the order shapes arrive in, so their
+        kernels, and the bits, would depend on what ran before)."""
+        _require(
+            isinstance(self.batch_invariant, bool),
+            "batch_invariant",
+            self.batch_invariant,
+            "true or false",
+            "batch_invariant=true makes results independent of batch_size and the device's memory",
+        )
+        _require(
+            not (self.batch_invariant and self.compile != "false"),
+            "compile",
+            self.compile,
+            "false with batch_invariant=true (a compiled graph's kernels depend on the shapes compiled before it)",
+            "drop compile= or batch_invariant=true",
+        )
 
     def _check_tensor_parallel(self) -> None:
         """``tp_size``/``tp_plan``: a divisor of the processes per node or ``node``; not with ``shard_size``, nor
@@ -408,6 +429,7 @@ _BOOL_KEYS = {
     "quantize_lm_head",
     "share_prefix",
     "claim",
+    "batch_invariant",
     "merge_adapter",
     "enable_thinking",
 }

@@ -134,7 +134,8 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
     * gpu_check on 2 processes: same bits twice and on 1 vs 2 processes, the auto budget stable, the tree-row case;
     * shard_check on 2 CPU processes: sharded weights give the unsharded fingerprint with at most 0.6 of the bytes;
     * shard_check_one (the one-GPU mode): FSDP2 on a mesh of one gives the unsharded fingerprint, and the torchao
-      weights stay outside FSDP."""
+      weights stay outside FSDP;
+    * invariance: batch_invariant=true gives the same bits at batch sizes 1, 3, 8 and auto (DIFFER fails the step)."""
     import json
 
     out, work = tmp_path / "gpu_all.md", tmp_path / "work"
@@ -146,7 +147,8 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
     )
     text = out.read_text()
     assert "## gpu_check" in text and "## shard_check" in text and "FAILED" not in text, proc.stdout[-3000:]
-    assert text.count("passed") == 5  # gpu_check, shard_check, shard_check_one, bench_mc, bench_scoring
+    assert text.count("passed") == 6  # gpu_check, shard_check, shard_check_one, bench_mc, bench_scoring, invariance
+    assert "## invariance" in text and "| invariant | auto |" in text and "| default | 8 |" in text
     assert "| int4 |" in text and "| 14/14 |" in text  # the dry-run model quantizes every decoder Linear
     assert "| int4 | 1 (mesh of one) |" in text and "fingerprints equal to the unsharded run" in text
     assert "## bench_mc" in text and "| mmlu0 (2 q, " in text and "chosen answers equal" in text

@@ -181,9 +181,9 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from distperp_harness.run.scoring import forward as scoring
+    from distperp_harness.run.scoring import support
 
-    monkeypatch.setattr(scoring, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
+    monkeypatch.setattr(support, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
     with caplog.at_level(logging.INFO, logger="distperp_harness"):
         logging.getLogger("distperp_harness").addHandler(caplog.handler)
         run = lm_eval.simple_evaluate(

@@ -148,3 +148,10 @@ def test_in_memory_is_not_a_model_arg():
         from distperp_harness.lm import DistPerpLM
 
         DistPerpLM.create_from_arg_string("pretrained=some/model,in_memory=True")
+
+
+def test_batch_invariant_is_a_bool_and_runs_eager():
+    assert Options.from_kwargs(pretrained="m", batch_invariant="true").batch_invariant is True
+    with pytest.raises(ValueError, match="compile='default' is not valid.*batch_invariant=true") as info:
+        Options.from_kwargs(pretrained="m", batch_invariant="true", compile="true")
+    assert "Fix:" in str(info.value) or "drop compile=" in str(info.value)

@@ -22,6 +22,7 @@ computes a batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import time
@@ -41,7 +42,12 @@ from distperp_harness.run.execution.claims import helper_of
 from distperp_harness.run.execution.executor import Executor
 from distperp_harness.run.execution.routing import move_tokens, return_results
 from distperp_harness.run.rules import ScoringRule
-from distperp_harness.run.scoring.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, forward_calls
+from distperp_harness.run.scoring.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1
+
+
+def _forward_calls(executor: Executor, batches: Sequence[Batch], b: int) -> int:
+    """Forward calls of each model for batch ``b`` (what a shard group's idle members match)."""
+    return executor.forward_calls(batches[b].stop - batches[b].start, batches[b].shared)
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     local_checks = flat.check_hashes()
     checks = available.check_hashes(local_checks)
     tokens_here = 0
-    for b in executor.batches(claims, lambda b: forward_calls(batches[b].shared), prefix):
+    for b in executor.batches(claims, functools.partial(_forward_calls, executor, batches), prefix):
         batch = batches[b]
         rows = [_build_row(planned, r, available, sharing.mode) for r in range(batch.start, batch.stop)]
         shared = shared_prefix(rows) if batch.shared else 0

@@ -63,3 +63,10 @@ class ScoringRule:
     attention_coef: float = 0.0
     head_coef: float = 0.0
     with_reference: bool = False
+
+
+def one_slot(length: int) -> int:
+    """Slots of a generation lane whose sequences decode alone (``batch_invariant=true``), whatever ``length``:
+    every prefill and decode step then has shapes set by its own sequence."""
+    del length
+    return 1

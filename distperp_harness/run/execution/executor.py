@@ -41,7 +41,13 @@ from distperp_harness.run.execution.calls import RankFacts
 from distperp_harness.run.execution.claims import Claiming, Claims, GroupSteps, helper_step
 from distperp_harness.run.execution.groups import Follow, Workers
 from distperp_harness.run.execution.resume import fault_for_tests
-from distperp_harness.run.scoring.forward import BatchScores, NonFiniteLogitsError, forward_calls, score_batch
+from distperp_harness.run.scoring.forward import (
+    BatchScores,
+    NonFiniteLogitsError,
+    forward_calls,
+    score_batch,
+    score_each_row,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -53,12 +59,14 @@ class Forwards:
 
     ``score(rows, shared)``: one batch's :class:`BatchScores` (rows sharing their first ``shared`` tokens);
     ``idle_score()``: a scoring forward whose result is dropped; ``root()``: the context of one generation forward
-    (the model's root weights gathered); ``idle_decode()``: a one-token generation forward, result dropped."""
+    (the model's root weights gathered); ``idle_decode()``: a one-token generation forward, result dropped;
+    ``row_at_a_time``: ``score`` runs each row alone (:func:`~distperp_harness.run.scoring.forward.score_each_row`)."""
 
     score: Callable[[Sequence[Any], int], BatchScores]
     idle_score: Callable[[], None] = lambda: None
     root: Callable[[], ContextManager] = contextlib.nullcontext
     idle_decode: Callable[[], None] = lambda: None
+    row_at_a_time: bool = False
 
 
 def _scoring_pad(pad_token_id: int | None) -> int:
@@ -77,15 +85,27 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
     shard_size: int = 1,
     collective: Collective | None = None,
     tp_size: int = 1,
+    row_at_a_time: bool = False,
 ) -> Forwards:
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
     gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
-    rows."""
+    rows; with ``row_at_a_time`` every row of a batch is its own forward (``batch_invariant=true``)."""
     sharded = shard_size > 1 or tp_size > 1
 
     def score(rows, shared: int = 0) -> BatchScores:
         try:
             with naming_failures(collective, sharded), gathered(model, reference):
+                if row_at_a_time:
+                    if shared:
+                        raise ValueError("internal error: rows scored one at a time share no cached prefix")
+                    return score_each_row(
+                        model,
+                        rows,
+                        device=device,
+                        pad_token_id=_scoring_pad(pad_token_id),
+                        reference=reference,
+                        between_forwards=functools.partial(regather, model, reference),
+                    )
                 return score_batch(
                     model,
                     rows,
@@ -125,7 +145,7 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
             pad = pad_token_id if pad_token_id is not None else 0
             model(input_ids=torch.tensor([[pad]], device=device), use_cache=False, logits_to_keep=1)
 
-    return Forwards(score, idle_score, root, idle_decode)
+    return Forwards(score, idle_score, root, idle_decode, row_at_a_time)
 
 
 class Executor:
@@ -265,6 +285,10 @@ class Executor:
             )
         return GroupSteps(store, f"{prefix}/groups", self.rank, self.shard_size)
 
+    def forward_calls(self, rows: int, shared: int) -> int:
+        """Forward calls of each model for a batch of ``rows`` rows sharing ``shared`` tokens computed once."""
+        return forward_calls(shared, rows, self.forwards.row_at_a_time)
+
     # ------------------------------------------------------------------ one unit
     def score(self, rows: Sequence[Any], shared: int = 0) -> BatchScores | None:
         """One scoring batch: from ``resume_dir`` when saved there (a shard group's member still makes its share of
@@ -273,7 +297,7 @@ class Executor:
         saved = self.store.load(rows) if self.store and self.reports else None
         if not self._computes(saved is not None):
             if self.shard_size > 1:
-                for _ in range(forward_calls(shared)):
+                for _ in range(self.forward_calls(len(rows), shared)):
                     self.idle_score()
             return saved
         with stop_together(self.collective, self.device):

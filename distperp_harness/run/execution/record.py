@@ -9,6 +9,21 @@ from distperp_harness import __version__
 from distperp_harness.model.sharding import sharding_report
 
 
+def bits_depend_on(batch_invariant: bool) -> list[str]:
+    """What a run's per-document results depend on besides the requests: equal on these, equal bits. Not on the
+    number of processes or nodes, ``shard_size`` or ``claim``; with ``batch_invariant`` not on the batch plan."""
+    facts = [
+        "checkpoint and computing options (the resume key: dtype, quantize, max_length, share_prefix, ...)",
+        "library versions",
+        "device kind (device_identity: GPU model or CPU instruction set, numerics flags)",
+        "tp_size",
+        "compile mode",
+    ]
+    if not batch_invariant:
+        facts.append("batch plan (batch_size, max_batch_size, and batch_size=auto's budget from the device's memory)")
+    return facts
+
+
 def run_record(lm: Any) -> dict:
     """``config`` entries of a :class:`~distperp_harness.lm.DistPerpLM`: the checkpoint's identity and
     ``distperp``: options (as the run used them), device, layout, batching, sharing, calls, fingerprint, memory.
@@ -40,6 +55,8 @@ def run_record(lm: Any) -> dict:
                 "token_budget": lm.batching.token_budget,
                 "max_batch_size": lm.batching.max_batch_size,
             },
+            "batch_invariant": lm.options.batch_invariant,
+            "bits_depend_on": bits_depend_on(lm.options.batch_invariant),
             "sharing": {
                 "mode": lm.sharing.mode,
                 "requests": "loglikelihood",

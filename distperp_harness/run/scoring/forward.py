@@ -27,7 +27,15 @@ import torch
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
 from distperp_harness.run.scoring.kvcache import cache_argument, prefix_cache
-from distperp_harness.run.scoring.logprobs import ReusedHead, at_least_float32, is_first_argmax, kl_, logsumexp_
+from distperp_harness.run.scoring.logprobs import (
+    MIN_GEMM_ROWS,
+    ReusedHead,
+    at_least_float32,
+    head_of_chunk,
+    is_first_argmax,
+    kl_,
+    logsumexp_,
+)
 from distperp_harness.run.scoring.masks import Packing as _Packing
 from distperp_harness.run.scoring.masks import flex_shapes
 
@@ -152,7 +160,7 @@ def _features(
         hidden = model.base_model(input_ids=input_ids, **extra).last_hidden_state
         feats = hidden[rows, cols]
         if ReusedHead.applies(head, feats):
-            return feats, ReusedHead(head, min(chunk_rows, max(1, feats.shape[0])))
+            return feats, ReusedHead(head, max(MIN_GEMM_ROWS, min(chunk_rows, feats.shape[0])))
         return feats, lambda chunk: at_least_float32(head(chunk))
     logits = model(input_ids=input_ids, **extra).logits
     return logits[rows, cols], at_least_float32
@@ -184,7 +192,8 @@ def score_batch(
 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids
     (:mod:`~distperp_harness.run.scoring.masks`; the caller makes sure the model takes them,
-    :func:`packed_rows_unsupported`); a batch of plain rows runs exactly as before, with no mask. ``shared`` > 0
+    :func:`~distperp_harness.run.scoring.support.packed_rows_unsupported`); a batch of plain rows runs with no mask.
+    ``shared`` > 0
     (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the first ``shared`` tokens, equal in every
     row, are computed once and every row continues from their key/value cache (:func:`forward_calls`: two forward calls,
     model then reference each time); ``between_forwards`` runs between the two (sharded weights re-gather there, so the
@@ -238,7 +247,9 @@ def score_batch(
             torch.empty(work_shape, dtype=torch.float64, device=device),
         )
     for a, b in chunks:
-        logits = to_logits(feats[a:b])  # this loop owns it until the next chunk: logsumexp_ overwrites it
+        logits = head_of_chunk(
+            to_logits, feats[a:b]
+        )  # this loop owns it until the next chunk: logsumexp_ overwrites it
         tgt = targets[a:b].unsqueeze(-1)
         top = logits.amax(dim=-1)
         finite[a:b] = torch.isfinite(top)  # NaN propagates to the max; +-inf maxima make the lse non-finite
@@ -247,7 +258,7 @@ def score_batch(
         greedy[a:b] = is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
         if ref_features is not None:  # with a reference
             ref_feats, ref_to_logits = ref_features
-            ref_logits = ref_to_logits(ref_feats[a:b])
+            ref_logits = head_of_chunk(ref_to_logits, ref_feats[a:b])
             kl[a:b] = kl_(ref_logits, logits, work)
             top1[a:b] = ref_logits.argmax(dim=-1) == argmax
             # Same recipe as the model's log-prob (float32 log-sum-exp, float64 difference): comparable sums.
@@ -285,7 +296,8 @@ def _vocab_size(model: PreTrainedModel) -> int:
 def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, shared: int = 0):
     """``(input ids [rows, padded - shared], row and column of every scored position, its target, packing or
     None)``; with ``shared`` > 0 the first ``shared`` columns (equal in every row) go to ``packing.prefix_ids``."""
-    padded = max(r.length for r in batch_rows)
+    # at least MIN_GEMM_ROWS positions per forward (right padding; causal attention keeps it from real positions)
+    padded = max(max(r.length for r in batch_rows), shared - (-MIN_GEMM_ROWS // len(batch_rows)))
     ids = torch.full((len(batch_rows), padded), pad_token_id, dtype=torch.long)
     row_list: list[int] = []
     col_list: list[int] = []
@@ -310,72 +322,39 @@ def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, 
     )
 
 
-def forward_calls(shared: int) -> int:
-    """Forward calls of each model for a batch whose rows share ``shared`` tokens computed once."""
+def forward_calls(shared: int, rows: int = 1, row_at_a_time: bool = False) -> int:
+    """Forward calls of each model for a batch of ``rows`` rows: one per row when they go one at a time
+    (:func:`score_each_row`), else two when they share ``shared`` tokens computed once, else one."""
+    if row_at_a_time:
+        return rows
     return 2 if shared else 1
 
 
-# Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
-# (each checked against unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py).
-_MASKABLE_TYPES = frozenset(
-    {
-        "llama",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "phi3",
-        "gemma",
-        "olmo",
-        "olmo2",
-        "gpt2",
-        "gpt_neox",
-        "gptj",
-        "stablelm",
-        "starcoder2",
-        "smollm3",
-    }
-)
+def score_each_row(
+    model: PreTrainedModel,
+    batch: Sequence[Row] | Sequence[Unit],
+    *,
+    device: torch.device,
+    pad_token_id: int,
+    reference: PreTrainedModel | None = None,
+    between_forwards: Callable[[], None] | None = None,
+) -> BatchScores:
+    """:func:`score_batch` of each row of ``batch`` alone, in row order: every forward, head chunk and reduction then
+    has shapes set by the row itself, so a row's scores do not depend on the batch it was planned in (its size,
+    its neighbours' lengths, the device's memory). ``between_forwards`` runs between two rows' forwards.
 
-
-def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
-    """Why a batch of tree rows on ``model`` computes its rows' common prefix in every row instead of once from a
-    key/value cache (None: from the cache). flex_attention: its block mask over queries that continue a cached
-    prefix gave non-finite logits (transformers 5.24, torch 2.13, CPU), so those rows carry the prefix themselves
-    (same results, more tokens computed)."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "flex_attention":
-        return "flex_attention: each tree row computes the batch's common prefix itself (not from a cached prefix)"
-    return None
-
-
-def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
-    """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
-
-    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
-    where transformers implements it for the model (``_supports_flex_attn``; a block mask,
-    :mod:`distperp_harness.run.scoring.masks`) — flash attention takes no custom mask —, no attention-logit soft
-    capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
-    ``max_length`` tokens, so a longer window never applies).
-    """
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _MASKABLE_TYPES:
-        return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
-    impl = getattr(config, "_attn_implementation", None)
-    if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
-        return (
-            f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"
-        )
-    if impl not in ("sdpa", "eager", "flex_attention"):
-        return (
-            f"attention implementation {impl!r} does not take a custom attention mask (sdpa and eager take a "
-            f"dense one, flex_attention a block mask)"
-        )
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logits are soft-capped"
-    window = getattr(config, "sliding_window", None)
-    if window and window < max_length:  # None or 0: no window (configs that do not use theirs clear it)
-        return f"sliding-window attention (window {window} < max_length {max_length})"
-    return None
+    Returns the :class:`BatchScores` of :func:`score_batch` over the same rows; a row with non-finite logits raises
+    :class:`NonFiniteLogitsError` with its index in ``batch``."""
+    batch_rows = list(batch) if _are_rows(batch) else unit_rows(batch)
+    parts: list[BatchScores] = []
+    for i, row in enumerate(batch_rows):
+        if i and between_forwards is not None:
+            between_forwards()
+        try:
+            parts.append(score_batch(model, [row], device=device, pad_token_id=pad_token_id, reference=reference))
+        except NonFiniteLogitsError as exc:
+            raise NonFiniteLogitsError([i]) from exc
+    if not parts:
+        return BatchScores(np.zeros((0, N_COLUMNS), dtype=np.float64), None if reference is None else [])
+    stats = np.concatenate([p.stats for p in parts])
+    return BatchScores(stats, None if reference is None else [k for p in parts for k in p.kl_rows()])

@@ -9,6 +9,20 @@ from __future__ import annotations
 
 import torch
 
+MIN_GEMM_ROWS = 16
+"""Fewest rows a scoring matrix product is given. Below it, CPU BLAS takes small-matrix paths whose sums depend on
+the number of threads (measured with MKL's sgemm: 5 to 11 rows), so the bits of a small batch would depend on how
+many processes share the machine. Shorter inputs are padded with zero rows (or, for a batch, pad tokens)."""
+
+
+def head_of_chunk(to_logits, chunk: torch.Tensor) -> torch.Tensor:
+    """``to_logits(chunk)``, with ``chunk`` padded to :data:`MIN_GEMM_ROWS` rows by zeros first when shorter (the
+    padding's logits are dropped)."""
+    n = chunk.shape[0]
+    if n >= MIN_GEMM_ROWS:
+        return to_logits(chunk)
+    return to_logits(torch.cat([chunk, chunk.new_zeros(MIN_GEMM_ROWS - n, *chunk.shape[1:])]))[:n]
+
 
 class ReusedHead:
     """``head(chunk)`` for a plain ``nn.Linear`` head, written into one logits buffer that every chunk of a batch

@@ -14,6 +14,7 @@ from distperp_harness.planning.requests import Unit
 from distperp_harness.run.rules import Batching
 from distperp_harness.run.runtime import choose_sharing
 from distperp_harness.run.scoring import forward as scoring
+from distperp_harness.run.scoring import support
 from distperp_harness.run.scoring.forward import GREEDY, LL, N_TOKENS, REF_LL, TOP1, NonFiniteLogitsError, score_batch
 
 
@@ -231,7 +232,7 @@ def _tiny_config(model_type):
     )
 
 
-@pytest.mark.parametrize("model_type", sorted(scoring._MASKABLE_TYPES))
+@pytest.mark.parametrize("model_type", sorted(support._MASKABLE_TYPES))
 def test_every_maskable_type_takes_packed_rows(model_type):
     """Each allowed model type, with sdpa and eager: packed rows give the unshared rows' numbers (to rounding)."""
     from distperp_harness.planning.requests import UnitTable, continuation_unit
@@ -247,7 +248,7 @@ def test_every_maskable_type_takes_packed_rows(model_type):
     for impl in ("sdpa", "eager"):
         torch.manual_seed(0)
         tiny = AutoModelForCausalLM.from_config(_tiny_config(model_type), attn_implementation=impl).float().eval()
-        assert scoring.packed_rows_unsupported(tiny, 128) is None
+        assert support.packed_rows_unsupported(tiny, 128) is None
         packed = score_batch(tiny, rows, device=torch.device("cpu"), pad_token_id=0).stats
         alone = score_batch(tiny, [units[i] for i in order], device=torch.device("cpu"), pad_token_id=0).stats
         np.testing.assert_allclose(packed[:, LL], alone[:, LL], rtol=5e-6, atol=1e-5)
@@ -257,7 +258,7 @@ def test_every_maskable_type_takes_packed_rows(model_type):
 
 
 def test_models_that_cannot_take_the_mask_are_named(model):
-    assert scoring.packed_rows_unsupported(model, 128) is None
+    assert support.packed_rows_unsupported(model, 128) is None
     flash = copy.copy(model.config)
     flash._attn_implementation = "flash_attention_2"
     windowed = _tiny_config("mistral")
@@ -267,8 +268,8 @@ def test_models_that_cannot_take_the_mask_are_named(model):
     for words, config in cases.items():
         holder = torch.nn.Module()
         holder.config = config
-        assert words in scoring.packed_rows_unsupported(holder, 128)
-    assert scoring.packed_rows_unsupported(holder, 64) is None  # a window as long as every row never applies
+        assert words in support.packed_rows_unsupported(holder, 128)
+    assert support.packed_rows_unsupported(holder, 64) is None  # a window as long as every row never applies
 
 
 SHARED_MODEL = Path(__file__).resolve().parents[3].parent / "shared" / "models" / "wt2-llama-5m"
@@ -420,14 +421,14 @@ def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
         impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl).eval()
         for impl in ("sdpa", "flex_attention")
     }
-    assert scoring.packed_rows_unsupported(models["flex_attention"], 128) is None
+    assert support.packed_rows_unsupported(models["flex_attention"], 128) is None
     units = _few_shot_units(models["sdpa"], seed=4, questions=4)
     rows = plan_rows(units, "prefix", max_row_length=64).rows[:2]
     shared = shared_prefix(rows)
     assert shared >= 40 and all(r.packed for r in rows)
     assert (
-        scoring.cached_prefix_unsupported(models["flex_attention"])
-        and scoring.cached_prefix_unsupported(models["sdpa"]) is None
+        support.cached_prefix_unsupported(models["flex_attention"])
+        and support.cached_prefix_unsupported(models["sdpa"]) is None
     )
     sharing, _, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
     assert sharing.mode == "prefix" and not sharing.cached_prefix
@@ -448,4 +449,46 @@ def test_flex_attention_needs_transformers_support():
     """flex_attention on a model type transformers has no flex kernel for: named, so rows fall back."""
     tiny = AutoModelForCausalLM.from_config(_tiny_config("gpt2"), attn_implementation="sdpa").eval()
     tiny.config._attn_implementation = "flex_attention"
-    assert "no flex_attention for GPT2LMHeadModel" in scoring.packed_rows_unsupported(tiny, 128)
+    assert "no flex_attention for GPT2LMHeadModel" in support.packed_rows_unsupported(tiny, 128)
+
+
+def test_each_row_alone_gives_the_scores_of_a_batch_of_that_row_and_the_same_bits_in_any_batch(model):
+    units = _units(3)
+    cpu = torch.device("cpu")
+    alone = [score_batch(model, [u], device=cpu, pad_token_id=3) for u in units]
+    for batch in (units, units[::-1], units[1:3]):
+        out = scoring.score_each_row(model, batch, device=cpu, pad_token_id=3)
+        expected = np.concatenate([alone[units.index(u)].stats for u in batch])
+        assert out.stats.tobytes() == expected.tobytes() and out.kl is None
+    assert scoring.forward_calls(64, rows=5, row_at_a_time=True) == 5 and scoring.forward_calls(64, rows=5) == 2
+
+
+def test_each_row_alone_names_the_row_with_non_finite_logits(model, monkeypatch):
+    units = _units(4)[:3]
+    real = scoring.score_batch
+
+    def poisoned(m, batch, **kwargs):
+        if batch[0].units == (units[1],) or list(batch[0].units) == [units[1]]:
+            raise NonFiniteLogitsError([0])
+        return real(m, batch, **kwargs)
+
+    monkeypatch.setattr(scoring, "score_batch", poisoned)
+    with pytest.raises(NonFiniteLogitsError) as info:
+        scoring.score_each_row(model, units, device=torch.device("cpu"), pad_token_id=3)
+    assert info.value.rows == [1]
+
+
+@pytest.mark.parametrize("length", [3, 6, 9, 12])
+def test_a_small_batch_has_the_same_bits_on_one_thread_and_on_two(model, length):
+    """Matrix products get at least MIN_GEMM_ROWS rows: CPU BLAS sums a 5-11-row product in an order that depends
+    on the thread count, which differs with the number of processes per machine."""
+    unit = Unit(tuple(range(5, 5 + length)), length - 1)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(score_batch(model, [unit], device=torch.device("cpu"), pad_token_id=3).stats.tobytes())
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[0] == outs[1]

@@ -1,0 +1,71 @@
+"""What a model must support for rows that share a prefix: a tree attention mask with position ids (packed rows)
+and continuing a batch's common prefix from its key/value cache. Each check returns why not, or None."""
+
+from __future__ import annotations
+
+import torch
+
+# Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
+# (each checked against unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py).
+_MASKABLE_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "gemma",
+        "olmo",
+        "olmo2",
+        "gpt2",
+        "gpt_neox",
+        "gptj",
+        "stablelm",
+        "starcoder2",
+        "smollm3",
+    }
+)
+
+
+def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
+    """Why a batch of tree rows on ``model`` computes its rows' common prefix in every row instead of once from a
+    key/value cache (None: from the cache). flex_attention: its block mask over queries that continue a cached
+    prefix gave non-finite logits (transformers 5.24, torch 2.13, CPU), so those rows carry the prefix themselves
+    (same results, more tokens computed)."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "flex_attention":
+        return "flex_attention: each tree row computes the batch's common prefix itself (not from a cached prefix)"
+    return None
+
+
+def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
+    """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
+
+    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
+    where transformers implements it for the model (``_supports_flex_attn``; a block mask,
+    :mod:`distperp_harness.run.scoring.masks`) — flash attention takes no custom mask —, no attention-logit soft
+    capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
+    ``max_length`` tokens, so a longer window never applies).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MASKABLE_TYPES:
+        return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        return (
+            f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"
+        )
+    if impl not in ("sdpa", "eager", "flex_attention"):
+        return (
+            f"attention implementation {impl!r} does not take a custom attention mask (sdpa and eager take a "
+            f"dense one, flex_attention a block mask)"
+        )
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logits are soft-capped"
+    window = getattr(config, "sliding_window", None)
+    if window and window < max_length:  # None or 0: no window (configs that do not use theirs clear it)
+        return f"sliding-window attention (window {window} < max_length {max_length})"
+    return None

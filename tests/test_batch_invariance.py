@@ -1,0 +1,103 @@
+"""``batch_invariant=true``: per-document results are the same bits for ``batch_size`` 1, 3, 8, ``auto`` and ``auto``
+under another memory budget, on 1 process and on 2 (rolling windows; tree-row multiple choice, with and without a
+few-shot prefix shared across questions; greedy and sampled generation). The default mode is checked to move with
+the batch size on the same tasks (so the sweep can see a difference), and the record says which of the two a run
+is."""
+
+import pytest
+from helpers import accelerate_launch_prefix, distperp_args, load_results, load_samples, run_command
+
+TASKS = ["dptest_rolling", "dptest_mc", "dptest_mmlu", "dptest_fewshot", "dptest_gen", "dptest_sample"]
+pytestmark = pytest.mark.distributed  # the sweep includes a 2-process launch
+
+SMALL_MEMORY = 300 << 20  # a cgroup limit that makes batch_size=auto choose a smaller token budget
+
+
+def _value(response):
+    """A response as comparable bits: a text, a log-likelihood, or (log-likelihood, greedy). Samples files hold a
+    rolling log-likelihood as its repr (a string); a text reads the same way on both sides of a comparison."""
+    if isinstance(response, str):
+        try:
+            return float(response)
+        except ValueError:
+            return response
+    if isinstance(response, (list, tuple)):
+        return (float(response[0]), response[1] in (True, "True"))
+    return float(response)
+
+
+def _per_doc(samples_by_task):
+    """``{task: {doc_id: [first response per request]}}`` (lm-eval pads a short rank with copies of its last request,
+    so only the first response of each request counts)."""
+    return {
+        task: {r["doc_id"]: [_value(resp[0]) for resp in r["resps"]] for r in samples}
+        for task, samples in samples_by_task.items()
+    }
+
+
+def _evaluate(model_dir, tasks_dir, batch_size, invariant=True):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(
+        model="distperp",
+        model_args=f"pretrained={model_dir},max_length=128" + (",batch_invariant=true" if invariant else ""),
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        batch_size=batch_size,
+        device="cpu",
+        log_samples=True,
+    )
+    return out["config"]["distperp"], _per_doc({t: out["samples"][t] for t in TASKS})
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
+    """``{setup: (config.distperp, per-document results)}`` for each batching, in this process, plus a 2-process
+    launch at batch size 8 and the default mode at batch sizes 1 and 8."""
+    from distperp_harness.model import memory
+
+    runs = {bs: _evaluate(tiny_model_dir, tasks_dir, bs) for bs in ("1", "3", "8", "auto")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory, "_cgroup_memory", lambda: (SMALL_MEMORY, 0))
+        runs["auto-small"] = _evaluate(tiny_model_dir, tasks_dir, "auto")
+    runs["default-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", invariant=False)
+    runs["default-8"] = _evaluate(tiny_model_dir, tasks_dir, "8", invariant=False)
+    out = tmp_path_factory.mktemp("invariant-2p")
+    args = distperp_args(tiny_model_dir, tasks_dir, out, ",batch_invariant=true", ",".join(TASKS), batch_size=8)
+    run_command([*accelerate_launch_prefix(2), *args, "--log_samples"], cwd=out)
+    runs["2p-8"] = (load_results(out)["config"]["distperp"], _per_doc({t: load_samples(out, t) for t in TASKS}))
+    return runs
+
+
+def test_the_sweep_covers_different_batch_plans(sweep):
+    budgets = {name: sweep[name][0]["batching"]["token_budget"] for name in ("auto", "auto-small")}
+    assert budgets["auto-small"] < budgets["auto"], budgets
+    assert sweep["2p-8"][0]["world_size"] == 2
+    # the default mode's bits move with the batch plan on these tasks, so equal results below are not a coincidence
+    default_1, default_8 = sweep["default-1"][1], sweep["default-8"][1]
+    moved = [t for t in TASKS if default_1[t] != default_8[t]]
+    assert {"dptest_mc", "dptest_fewshot"} <= set(moved), moved
+
+
+@pytest.mark.parametrize("setup", ["3", "8", "auto", "auto-small", "2p-8"])
+@pytest.mark.parametrize("task", TASKS)
+def test_every_document_has_the_bits_of_batch_size_1(sweep, setup, task):
+    one, other = sweep["1"][1][task], sweep[setup][1][task]
+    assert other.keys() == one.keys()
+    differ = {doc: (one[doc], other[doc]) for doc in one if one[doc] != other[doc]}
+    assert not differ, (
+        f"{len(differ)} of {len(one)} documents differ from batch_size=1, e.g. {next(iter(differ.items()))}"
+    )
+
+
+def test_equal_results_give_equal_fingerprints(sweep):
+    assert len({sweep[name][0]["fingerprint"] for name in ("1", "3", "8", "auto", "auto-small", "2p-8")}) == 1
+
+
+def test_the_record_says_what_the_bits_depend_on(sweep):
+    invariant, default = sweep["1"][0], sweep["default-1"][0]
+    assert invariant["batch_invariant"] is True and default["batch_invariant"] is False
+    assert not any("batch plan" in fact for fact in invariant["bits_depend_on"])
+    assert any("batch plan" in fact for fact in default["bits_depend_on"])
+    assert invariant["sharing"]["max_row_length"] == 128  # rows of at most max_length, whatever the batching
