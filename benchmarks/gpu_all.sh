@@ -43,7 +43,9 @@ PY="${PYTHON:-python}"
 WORK="${DISTPERP_GPU_ALL_WORK:-$(mktemp -d -t distperp-gpu-all-XXXXXX)}"  # the tests read its JSON files
 mkdir -p "$WORK"
 OUT="${OUT:-$WORK/gpu_all.md}"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# USE_HUB_KERNELS=0: transformers would swap layers for Hub kernels when a model loads onto the GPU (lm-eval hf too),
+# which fails offline; distperp itself always loads with use_kernels=False
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false USE_HUB_KERNELS=0
 [ "$DEVICE" = cpu ] && export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 status=0
 START=$SECONDS

@@ -99,6 +99,11 @@ def load_model(
     }
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
+    if hasattr(transformers.PreTrainedModel, "set_use_kernels"):
+        # Hub kernels (on by default when the `kernels` package is installed) swap layers for kernels fetched from
+        # the Hub when the model loads onto a GPU: offline that load fails, and online the numerics are the
+        # kernels'. distperp computes with the checkpoint's own modules.
+        kwargs["use_kernels"] = False
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
         if distributed_config is None:  # with TP, transformers places each slice on the mesh's device itself

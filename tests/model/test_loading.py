@@ -164,3 +164,20 @@ def test_load_path_holds_at_most_one_layer_of_unquantized_weights(deep_model_dir
     assert memory["device"] == "cpu" and memory["device_peak_bytes"] is None
     if os.path.exists("/proc/self/status"):
         assert memory["host_anon_after_bytes"] > 0
+
+
+def test_models_load_without_hub_kernels(tiny_model_dir, monkeypatch):
+    """transformers swaps layers for Hub kernels when the ``kernels`` package is installed and a model loads onto a
+    GPU (fetched from the Hub: offline the load fails; online the numerics change); distperp never asks for them."""
+    import transformers
+
+    seen = {}
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    model = load_model(Options(pretrained=str(tiny_model_dir)), CPU, torch.float32)
+    assert seen["use_kernels"] is False and not getattr(model, "use_kernels", False)
