@@ -19,35 +19,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from leaderboard import Timer  # seconds inside each request method
 from leaderboard_data import build_leaderboard_include
 
 TASKS = ["leaderboard_mmlu_pro", "leaderboard_musr", "leaderboard_math_algebra_hard", "distperp_wikitext2"]
 KINDS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
-
-
-class Timer:
-    """Seconds inside an LM's request methods (instance attributes shadow the class's; lm-eval uses getattr)."""
-
-    def __init__(self, lm) -> None:
-        self.seconds = dict.fromkeys(KINDS, 0.0)
-        for kind in KINDS:
-            setattr(lm, kind, self._wrap(kind, getattr(lm, kind)))
-
-    def _wrap(self, kind, method):
-        def timed(requests, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(requests, *args, **kwargs)
-            finally:
-                self.seconds[kind] += time.perf_counter() - start
-
-        return timed
 
 
 def _per_doc(samples: dict) -> dict[str, dict[int, list]]:
@@ -95,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, extra in (("default", ""), ("invariant", ",batch_invariant=true"))
         for bs in ("auto", 1)
     }
-    timers = {key: Timer(lm) for key, lm in lms.items()}
+    timers = {key: Timer(lm, KINDS) for key, lm in lms.items()}
 
     def evaluate(key):
         out = lm_eval.simple_evaluate(
@@ -122,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         order = ("default", "invariant") if rep % 2 == 0 else ("invariant", "default")
         for mode in order:
             timer = timers[(mode, "auto")]
-            timer.seconds = dict.fromkeys(KINDS, 0.0)
+            timer.reset()
             evaluate((mode, "auto"))
             seconds[mode].append(dict(timer.seconds))
     print(f"\n| batch_size=auto, median of {args.repeats} | default s | invariant s | invariant / default |")

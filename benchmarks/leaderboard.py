@@ -69,9 +69,10 @@ class Timer:
 
     KINDS = ("loglikelihood", "generate_until")
 
-    def __init__(self, lm) -> None:
-        self.seconds = dict.fromkeys(self.KINDS, 0.0)
-        for kind in self.KINDS:
+    def __init__(self, lm, kinds: tuple[str, ...] = KINDS) -> None:
+        self.kinds = kinds
+        self.seconds = dict.fromkeys(kinds, 0.0)
+        for kind in kinds:
             setattr(lm, kind, self._wrap(kind, getattr(lm, kind)))
 
     def _wrap(self, kind: str, method):
@@ -85,7 +86,7 @@ class Timer:
         return timed
 
     def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.KINDS, 0.0)
+        self.seconds = dict.fromkeys(self.kinds, 0.0)
 
 
 def _work(name: str, lm, counter: Counter | None, calls_before: int) -> dict:
