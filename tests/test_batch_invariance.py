@@ -54,7 +54,7 @@ def _evaluate(model_dir, tasks_dir, batch_size, invariant=True):
 @pytest.fixture(scope="module")
 def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
     """``{setup: (config.distperp, per-document results)}`` for each batching, in this process, plus a 2-process
-    launch at batch size 8 and the default mode at batch sizes 1 and 8."""
+    launch at batch size 8 with sharded weights and the default mode at batch sizes 1 and 8."""
     from distperp_harness.model import memory
 
     runs = {bs: _evaluate(tiny_model_dir, tasks_dir, bs) for bs in ("1", "3", "8", "auto")}
@@ -64,7 +64,10 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
     runs["default-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", invariant=False)
     runs["default-8"] = _evaluate(tiny_model_dir, tasks_dir, "8", invariant=False)
     out = tmp_path_factory.mktemp("invariant-2p")
-    args = distperp_args(tiny_model_dir, tasks_dir, out, ",batch_invariant=true", ",".join(TASKS), batch_size=8)
+    # one shard group of 2 (FSDP2): each rank computes its own batches, a row per forward, and matches the other's
+    # forwards with idle ones; the data-parallel path is the same launch with the weights whole
+    extra = ",batch_invariant=true,shard_size=2"
+    args = distperp_args(tiny_model_dir, tasks_dir, out, extra, ",".join(TASKS), batch_size=8)
     run_command([*accelerate_launch_prefix(2), *args, "--log_samples"], cwd=out)
     runs["2p-8"] = (load_results(out)["config"]["distperp"], _per_doc({t: load_samples(out, t) for t in TASKS}))
     return runs
@@ -73,7 +76,7 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
 def test_the_sweep_covers_different_batch_plans(sweep):
     budgets = {name: sweep[name][0]["batching"]["token_budget"] for name in ("auto", "auto-small")}
     assert budgets["auto-small"] < budgets["auto"], budgets
-    assert sweep["2p-8"][0]["world_size"] == 2
+    assert sweep["2p-8"][0]["world_size"] == 2 and sweep["2p-8"][0]["sharding"]["shard_size"] == 2
     # the default mode's bits move with the batch plan on these tasks, so equal results below are not a coincidence
     default_1, default_8 = sweep["default-1"][1], sweep["default-8"][1]
     moved = [t for t in TASKS if default_1[t] != default_8[t]]
