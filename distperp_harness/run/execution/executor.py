@@ -95,22 +95,13 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
     def score(rows, shared: int = 0) -> BatchScores:
         try:
             with naming_failures(collective, sharded), gathered(model, reference):
-                if row_at_a_time:
-                    if shared:
-                        raise ValueError("internal error: rows scored one at a time share no cached prefix")
-                    return score_each_row(
-                        model,
-                        rows,
-                        device=device,
-                        pad_token_id=_scoring_pad(pad_token_id),
-                        reference=reference,
-                        between_forwards=functools.partial(regather, model, reference),
-                    )
-                return score_batch(
+                if row_at_a_time and shared:
+                    raise ValueError("internal error: rows scored one at a time share no cached prefix")
+                scorer = score_each_row if row_at_a_time else functools.partial(score_batch, shared=shared)
+                return scorer(
                     model,
                     rows,
                     device=device,
-                    shared=shared,
                     pad_token_id=_scoring_pad(pad_token_id),
                     reference=reference,
                     between_forwards=functools.partial(regather, model, reference),
