@@ -12,10 +12,10 @@ Shapes (``--shapes``, comma-separated):
   shared prefix; stop at ``Question:``), on the same local problems.
 
 Both models are built in-process from lm-eval's registry and called with the same ``Instance``s, alternating per
-repeat (rotated order), median of ``--repeats``. Every forward of the decoder (``base_model``) is counted on both
-sides (``distperp-compile``: from its own statistics; a hook would be traced into the compiled step and guarded
-on): *decode positions* (rows of forwards of one new token), *prefill positions* (everything else, pads
-included). *Useful tokens*: new tokens up to and including the one that ends each row (distperp's count; a row
+repeat (rotated order), median of ``--repeats``. Every position through the decoder is counted on both sides
+(``hf``: a hook on ``base_model``; distperp: its own statistics, since a hook would be traced into a compiled step
+and skipped by a CUDA graph's replay): *decode positions* (rows of forwards of one new token, a fixed-shape step's
+free slots included), *prefill positions* (everything else, pads included). *Useful tokens*: new tokens up to and including the one that ends each row (distperp's count; a row
 of ``hf`` computes those too before its batch may stop). For every text that differs, the first differing token
 and the top-2 logit gap of the model there (a near-tie, or not) are printed.
 
@@ -23,6 +23,10 @@ and the top-2 logit gap of the model there (a near-tie, or not) are printed.
 ``--backends hf,distperp,distperp-compile`` adds ``compile=true`` (its texts compared with eager ``distperp``'s),
 and then one decode step is also timed bare at ``--batch-size`` rows and a ``--step-context``-token context:
 the eager engine's (a ``DynamicCache``) against the compiled static step's, alternating blocks, median.
+``distperp-nographs`` is ``cuda_graphs=false`` (on CUDA: the eager fixed-shape step). ``--device cuda --dtype
+bfloat16`` runs both sides there; a second table gives each distperp backend's decode step, reads of the device per
+forward, ms per forward and, with ``--bandwidth`` (GB/s), the fraction of the memory floor (weights and the rows'
+keys and values read once per decode step).
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ def first_difference(lm, context: str, a: str, b: str) -> str:
 
     ta, tb = lm.tok_encode(a), lm.tok_encode(b)
     n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-    ids = torch.tensor([lm.tok_encode(context) + ta[:n]])
+    ids = torch.tensor([lm.tok_encode(context) + ta[:n]], device=lm.model.device)
     with torch.no_grad():
         top = lm.model(ids).logits[0, -1].float().topk(2).values
     return f"token {n}: top-2 logit gap {float(top[0] - top[1]):.2e}"
@@ -185,11 +189,12 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
             seconds[name].append(time.perf_counter() - start)
             if name in counters:
                 work[name] = (counters[name].decode, counters[name].prefill)
-            else:  # a hook inside the compiled step would be traced (and guarded on): its own statistics
+            else:  # distperp's own statistics (a hook would be traced into a compiled step, skipped by a graph)
                 call = lms[name].stats.calls[-1].to_dict()
-                work[name] = (call["decode_positions"], call["prefill_positions"])
+                work[name] = (call["decode_positions"] + call["padded_positions"], call["prefill_positions"])
     call = lms["distperp"].stats.calls[-1].to_dict()
     useful = call["generated"]
+    steps = {name: lm.stats.calls[-1].to_dict() for name, lm in lms.items() if name.startswith("distperp")}
     rows = {
         name: {
             "median_s": statistics.median(t),
@@ -226,10 +231,45 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
         "lanes": call["lanes"],
         "slots": call["slots_max"],
         "shared_lanes": call["shared_lanes"],
+        "steps": steps,
     }
 
 
-VARIANTS = {"distperp-compile": ",compile=true", "distperp-invariant": ",batch_invariant=true"}
+def print_steps(results: list[dict], lms: dict, bandwidth: float | None) -> None:
+    """Per distperp backend and shape: the decode step it ran, reads of the device per forward, ms per forward
+    (the median wall over prefill and decode forwards) and, given ``bandwidth`` (GB/s), the fraction of the memory
+    floor (weights plus the rows' keys and values read once per decode step)."""
+    from distperp_harness.model.memory import kv_cache_bytes_per_token
+
+    print(
+        "\n| shape | backend | decode step | forwards | reads per forward | ms per forward | new tokens/s | "
+        "fraction of the floor |\n|---|---|---|---:|---:|---:|---:|---:|"
+    )
+    for r in results:
+        for name, call in r["steps"].items():
+            model = lms[name].model
+            forwards = call["prefill_forwards"] + call["decode_forwards"]
+            row = r["rows"][name]
+            floor = ""
+            if bandwidth and call["decode_forwards"]:
+                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+                context = (call["prompt_tokens"] + call["generated"] / 2) / max(1, call["jobs"])
+                rows = call["decode_positions"] / call["decode_forwards"]
+                step_s = (weights + rows * context * kv_cache_bytes_per_token(model)) / (bandwidth * 1e9)
+                floor_tok_s = call["generated"] / (call["decode_forwards"] * step_s)
+                floor = f"{row['tok_s'] / floor_tok_s:.1%}"
+            print(
+                f"| {r['shape']} | {name} | {call.get('decode_step', '?')} | {forwards} | "
+                f"{call.get('host_reads', 0) / max(1, forwards):.2f} | {row['median_s'] / max(1, forwards) * 1e3:.1f} | "
+                f"{row['tok_s']:.0f} | {floor} |"
+            )
+
+
+VARIANTS = {
+    "distperp-compile": ",compile=true",
+    "distperp-invariant": ",batch_invariant=true",
+    "distperp-nographs": ",cuda_graphs=false",
+}
 """Backends that are distperp with one more --model_args key."""
 
 
@@ -247,27 +287,32 @@ def main(argv: list[str] | None = None) -> int:
         "--backends", default="hf,distperp", help="of hf, distperp, distperp-compile, distperp-invariant"
     )
     parser.add_argument("--step-context", type=int, default=600, help="context of the bare decode step timing")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both backends)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both backends)")
+    parser.add_argument(
+        "--bandwidth", type=float, default=None, help="memory GB/s: report each distperp row's fraction of the floor"
+    )
     args = parser.parse_args(argv)
 
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401 - registers --model distperp
 
-    model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
+    model_args = f"pretrained={args.model},dtype={args.dtype},max_length={args.max_length},device={args.device}"
     lms = {
         name: get_model(name.split("-")[0]).create_from_arg_string(
             model_args + VARIANTS.get(name, ""), {"batch_size": args.batch_size}
         )
         for name in args.backends.split(",")
     }
-    counters = {name: Counter(lm.model) for name, lm in lms.items() if not name.endswith("-compile")}
+    counters = {name: Counter(lm.model) for name, lm in lms.items() if not name.startswith("distperp")}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
             results.append(run_shape(shape, lms, counters, args, Path(tmp)))
     print(
-        f"model {args.model}, batch {args.batch_size}, 1 process, CPU float32, {args.repeats} alternating "
-        f"repeats (median)\n"
+        f"model {args.model}, batch {args.batch_size}, 1 process, {args.device} {args.dtype}, {args.repeats} "
+        f"alternating repeats (median)\n"
     )
     print(
         "| shape | backend | decode positions per useful token | prefill positions | useful tokens/s | "
@@ -282,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['decode_per_useful']:.2f} | {row['prefill']:,} | {row['tok_s']:.1f} | "
                 f"{row['median_s']:.1f} | {first['median_s'] / row['median_s']:.2f}x | {same} |"
             )
+    print_steps(results, lms, args.bandwidth)
     for r in results:
         print(
             f"\n{r['shape']}: distperp {r['lanes']} lane(s) of {r['slots']} slots, {r['shared_lanes']} from a "

@@ -22,6 +22,10 @@
 #      the collectives (NCCL), formulas checked, generation wall time, texts vs one GPU (make test runs its CPU smoke).
 #   7. invariance: batch_invariant=true gives every document the same bits at batch_size 1, 3, 8 and auto (the test
 #      model; on CUDA also gpu_check's 1B-shaped model in bfloat16); the default mode shown beside it.
+#   8. generate (CUDA): greedy gsm8k-cot 8-shot (lm-eval's YAML), 128 prompts x 256 new tokens at 64 slots on
+#      gpu_check's 1B-shaped model in bf16: hf vs distperp (CUDA graphs) vs cuda_graphs=false; new tokens/s, the
+#      decode step run, reads of the device per forward, ms per forward, fraction of the memory floor (4,800 GB/s),
+#      texts equal (benchmarks/bench_generate.py; make test runs it on CPU on the tiny model).
 # The CPU dry mode runs every step on tiny models: bench_mc and bench_scoring use a random model of the test
 # model's shape instead of the 1B shape (said in the table). Text: ../shared/data/wikitext-2 when present, else
 # copies of the packaged sample. Exits non-zero when any check fails; the table says which.
@@ -35,7 +39,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE," \
-            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance)" >&2; exit 2 ;;
+            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance,generate)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -140,6 +144,13 @@ else
   if [ ${#ONE_MODEL[@]} -gt 0 ] && want invariance; then
     run invariance_1b "$PY" "$HERE/invariance_check.py" --device cuda --dtype bfloat16 "${ONE_MODEL[@]}" \
       --work "$WORK/invariance"
+  fi
+  if [ ${#ONE_MODEL[@]} -gt 0 ]; then
+    run generate "$PY" "$HERE/bench_generate.py" --model "$WORK/models/gpu-check-llama-1b" --device cuda \
+      --dtype bfloat16 --shapes gsm8k_cot --prompts 128 --task-new 256 --batch-size 64 --repeats 1 \
+      --backends hf,distperp,distperp-nographs --bandwidth 4800
+  elif want generate; then
+    printf '\n## generate\nskipped: needs gpu_check'"'"'s 1B-shaped model (run gpu_check first)\n' >> "$OUT"
   fi
 fi
 echo -e "\ntotal: $((SECONDS - START)) s" >> "$OUT"

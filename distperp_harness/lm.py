@@ -54,9 +54,9 @@ from distperp_harness.run.execution.progress import generation_progress, setup_l
 from distperp_harness.run.execution.record import run_record
 from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
+from distperp_harness.run.generation.engines import decode_step
 from distperp_harness.run.generation.generate import generate
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
-from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing, one_slot
 from distperp_harness.run.runtime import attention_coefficient, choose_sharing, head_coefficient
@@ -203,11 +203,15 @@ class DistPerpLM(Tokenization, TemplateLM):
             device=self._device,
             shard_size=self.shard_size,
         )
-        self.static_decoding = (
-            CompiledStep(self._model, self.compiled, self._device, self.tokenizer.pad_token_id)
-            if self.compiled.active
-            else None
-        )  # generation's decode step, compiled per bucket of the lane plan
+        self.static_decoding, self.decode_step_line = decode_step(  # generation's decode step
+            self._model,
+            self._device,
+            self.tokenizer.pad_token_id,
+            compiled=self.compiled,
+            batch_invariant=self.options.batch_invariant,
+            grouped=self.shard_size > 1 or self.tp_size > 1,
+            cuda_graphs=self.options.cuda_graphs,
+        )
         self._identity: dict | None = None
         self.store = (
             None

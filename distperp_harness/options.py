@@ -74,6 +74,8 @@ class Options:
     tp_plan: str | None = None
     # compiled decoder layers: "false" (eager) or a torch.compile mode; compile=true is "default"
     compile: str = "false"
+    # generation on CUDA: the decode step replayed as CUDA graphs (checked against the eager step once per bucket)
+    cuda_graphs: bool = True
     # stragglers: ranks take batches as they go (a slow rank computes fewer); false: the static plan
     claim: bool = True
     # every row and generated sequence computed at shapes of its own: results independent of batch_size and memory
@@ -144,6 +146,13 @@ class Options:
                     f"an integer with 0 < stride <= max_length ({self.max_length})",
                     "lower stride or raise max_length",
                 )
+        _require(
+            isinstance(self.cuda_graphs, bool),
+            "cuda_graphs",
+            self.cuda_graphs,
+            "true or false",
+            "cuda_graphs=false decodes with the eager step on CUDA",
+        )
         _require(
             isinstance(self.share_prefix, bool),
             "share_prefix",
@@ -428,6 +437,7 @@ _BOOL_KEYS = {
     "trust_remote_code",
     "quantize_lm_head",
     "share_prefix",
+    "cuda_graphs",
     "claim",
     "batch_invariant",
     "merge_adapter",

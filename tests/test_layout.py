@@ -192,11 +192,14 @@ GENERATION = [
     "sampling",
     "thinking",
     "stats",
+    "transfer",
     "scheduler",
+    "choose",
     "prefill",
     "kv_batch",
     "static_batch",
     "step",
+    "cudagraphs",
     "loop",
     "engines",
     "batchgen",
@@ -208,7 +211,8 @@ GENERATION = [
     "generate",
 ]
 """``run/generation``'s modules, lowest first: each imports only modules before it (the per-row rules, the
-scheduler, the KV batches and the step below the loop, the engine choice above it, the orchestrator on top)."""
+scheduler, token choice, the KV batches and the steps below the loop, the engine choice above it, the orchestrator
+on top)."""
 
 
 def test_generation_roles_import_downward():

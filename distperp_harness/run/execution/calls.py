@@ -80,7 +80,9 @@ class ScoringCall:
 @dataclass
 class GenerationCall:
     """One ``generate_until`` call. Positions count every position run through the model, pads included:
-    ``prefill_positions`` of ``prompt_tokens`` prompt tokens, ``decode_positions`` for ``generated`` new tokens."""
+    ``prefill_positions`` of ``prompt_tokens`` prompt tokens, ``decode_positions`` for ``generated`` new tokens
+    (``padded_positions``: free slots a fixed-shape step computed besides). ``host_reads``: reads of the device back
+    to the host (one per forward); ``decode_step``: ``static``, ``compiled``, ``cuda graphs`` or ``dynamic``."""
 
     jobs: int
     sampled_jobs: int
@@ -105,6 +107,9 @@ class GenerationCall:
     world_size: int
     seconds: float
     facts: list[RankFacts] = field(default_factory=list)
+    padded_positions: int = 0
+    host_reads: int = 0
+    decode_step: str = "dynamic"
     kind: str = "generate_until"
 
     @property

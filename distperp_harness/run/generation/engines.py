@@ -2,7 +2,8 @@
 arguments and the model's cache layers:
 
 * :attr:`Engine.SLOTS`: continuous batching (:func:`~.loop.decode_lane`; its :class:`~.loop.Decoder` picks the KV
-  batch: static buffers and the compiled step where they cover the lane, else ``DynamicCache`` edits);
+  batch: fixed-shape buffers and the run's decode step (:func:`decode_step`) where it covers the lane, else
+  ``DynamicCache`` edits);
 * :attr:`Engine.GENERATE`: ``model.generate`` batches of ``slots`` rows (:mod:`.batchgen`): generation arguments
   beyond the sampling warpers, a ``generation_config`` that adds logits processors, or cache layers that cannot be
   edited row by row (sliding windows, recurrent state). Every row waits for its batch's last; no refill.
@@ -16,8 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.logging import get_logger
 
+from distperp_harness.run.compiling.state import CompileState
+from distperp_harness.run.generation.cudagraphs import GraphStep
 from distperp_harness.run.generation.prefill import plain_layers
 from distperp_harness.run.generation.sampling import SAMPLING_KEYS
+from distperp_harness.run.generation.step import CompiledStep, StaticStep, unsupported
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:
@@ -99,3 +103,30 @@ def note_fallback(reason: str) -> None:
             "last; no refill)",
             main_process_only=True,
         )
+
+
+def decode_step(
+    model: PreTrainedModel,
+    device: torch.device,
+    pad_token_id: int | None,
+    *,
+    compiled: CompileState,
+    batch_invariant: bool,
+    grouped: bool,
+    cuda_graphs: bool,
+) -> tuple[StaticStep | None, str]:
+    """The run's fixed-shape decode step and a line saying which (``None``: lanes decode on the ``DynamicCache``
+    batch): compiled when compiling is active; none with ``batch_invariant`` (each sequence decodes alone, at the
+    shapes of its own tokens) or for a model the fixed-shape step does not take; CUDA graphs on CUDA for a model
+    whole on one device (``grouped``: a shard or tensor-parallel group) unless ``cuda_graphs`` is off; else eager."""
+    pad = pad_token_id
+    if compiled.active:
+        return CompiledStep(model, compiled, device, pad), "the compiled decode step"
+    if batch_invariant:
+        return None, "batch_invariant=true: each sequence decodes alone on the dynamic cache"
+    why = unsupported(model)
+    if why is not None:
+        return None, f"the dynamic cache ({why})"
+    if device.type == "cuda" and cuda_graphs and not grouped:
+        return GraphStep(model, device, pad), "the fixed-shape decode step as CUDA graphs"
+    return StaticStep(model, device, pad), "the fixed-shape decode step (eager)"

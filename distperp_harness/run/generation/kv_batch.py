@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from distperp_harness.run.generation.prefill import last_logits
+from distperp_harness.run.generation.prefill import PrefillCache, Prefilled, dense_mask, last_logits, takes_dense_mask
 from distperp_harness.run.generation.scheduler import Row
 from distperp_harness.run.generation.stats import LaneStats
+from distperp_harness.run.generation.transfer import to_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -36,12 +37,12 @@ class KVBatch(Protocol):
     def free(self) -> int:
         """Slots a newly admitted row may take now."""
 
-    def join(self, group: Sequence[Row], cache, mask: torch.Tensor, keep: Sequence[int]) -> None:
-        """Rows ``group[i]`` for ``i`` in ``keep`` start running, with their rows of a prefill's ``cache``
-        (``DynamicCache``) and ``mask`` (``[len(group), width]``, 1 on each row's tokens)."""
+    def join(self, prefilled: Prefilled) -> None:
+        """A prefill's running rows start running, with their rows of its cache and mask."""
 
     def step(self) -> torch.Tensor:
-        """One decode forward of every running row's last token: ``[len(rows), vocab]`` logits."""
+        """One decode forward of every running row's last token: ``[len(rows), vocab]`` logits. Never reads the
+        device back (the loop's one read a step is the chosen tokens)."""
 
     def drop(self, keep: Sequence[int]) -> None:
         """Only ``rows[i]`` for ``i`` in ``keep`` keep running; the others' keys and values are released."""
@@ -63,20 +64,6 @@ def join_right_aligned(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([left(a), left(b)], 0)
 
 
-class _Layer(Protocol):
-    """A cache layer holding every row's keys and values (``[rows, kv heads, length, head dim]``)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
-class _Cache(Protocol):
-    """A ``DynamicCache`` of plain ``DynamicLayer``s (:func:`~.prefill.plain_layers`) that has run a prefill."""
-
-    @property
-    def layers(self) -> Sequence[_Layer]: ...
-
-
 class DynamicKVBatch:
     """:class:`KVBatch` over one ``DynamicCache`` edited between eager forwards (module docstring)."""
 
@@ -90,15 +77,18 @@ class DynamicKVBatch:
     ) -> None:
         self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
         self.rows: list[Row] = []
-        self.cache: _Cache | None = None
+        self.cache: PrefillCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, columns] long
+        self._spans: list[int] = []  # per row: the trailing columns from its first used one (host-side)
+        self.dense = takes_dense_mask(model)  # a 4D mask: transformers reads a 2D one back (may it skip it?)
 
     def free(self) -> int:
         return self.slots - len(self.rows)
 
-    def join(self, group: Sequence[Row], cache, mask: torch.Tensor, keep: Sequence[int]) -> None:
-        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        mask = mask.index_select(0, index)
+    def join(self, prefilled: Prefilled) -> None:
+        cache = prefilled.cache
+        index = to_device(prefilled.keep, torch.long, self.device)
+        mask = prefilled.mask.index_select(0, index)
         layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers]
         if self.cache is None or self.mask is None:  # no running row: both are set and cleared together
             self.cache, self.mask = cache, mask
@@ -108,7 +98,8 @@ class DynamicKVBatch:
             self.mask = join_right_aligned(self.mask, mask)
             for layer, (k, v) in zip(self.cache.layers, layers):
                 layer.keys, layer.values = join_right_aligned(layer.keys, k), join_right_aligned(layer.values, v)
-        self.rows = self.rows + [group[i] for i in keep]
+        self.rows = self.rows + prefilled.rows
+        self._spans = self._spans + prefilled.spans
 
     def step(self) -> torch.Tensor:
         rows, device = self.rows, self.device
@@ -117,9 +108,11 @@ class DynamicKVBatch:
         positions = self.mask.sum(1, keepdim=True)  # each row's next position: the tokens it holds
         self.mask = torch.cat([self.mask, torch.ones((len(rows), 1), dtype=self.mask.dtype, device=device)], 1)
         self.stats.peak_cache_positions = max(self.stats.peak_cache_positions, self.mask.numel())
-        ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=device)
+        ids = to_device([[r.tokens[-1]] for r in rows], torch.long, device)
+        mask = dense_mask(self.model, self.mask.bool()[:, None, None, :]) if self.dense else self.mask
         with self.around():
-            logits = last_logits(self.model, self.cache, ids, attention_mask=self.mask, position_ids=positions)
+            logits = last_logits(self.model, self.cache, ids, attention_mask=mask, position_ids=positions)
+        self._spans = [span + 1 for span in self._spans]
         self.stats.decode_forwards += 1
         self.stats.decode_positions += len(rows)
         return logits
@@ -128,14 +121,15 @@ class DynamicKVBatch:
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
+        self._spans = [self._spans[i] for i in keep]
         if not self.rows:
             self.cache, self.mask = None, None
             return
         if self.cache is None or self.mask is None:
             raise RuntimeError("internal error: running rows without their cache")
-        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        index = to_device(list(keep), torch.long, self.device)
         mask = self.mask.index_select(0, index)
-        first = int(mask.any(0).to(torch.int8).argmax())  # leading columns no row uses any more
+        first = mask.shape[1] - max(self._spans)  # leading columns no row uses any more
         self.mask = mask[:, first:]
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, first:]

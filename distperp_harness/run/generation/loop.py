@@ -5,43 +5,55 @@
 1. **admit**: every free slot takes the next prompt of the queue (:class:`~.scheduler.Scheduler`); the admitted
    prompts are prefilled (:class:`~.prefill.Prefiller`) and their rows join the running batch;
 2. **decode**: one forward of every running row's last token (the batch's :meth:`~.kv_batch.KVBatch.step`);
-3. **stop**: each row ends as soon as the stop rule says so; its keys and values are dropped at once and its slot
-   is free for the next step's admission.
+3. **choose**: each row's next token on the device (:class:`~.choose.Chooser`), read back once for all rows
+   (:class:`~.transfer.HostReads`: the step's one synchronisation);
+4. **stop**: each row ends as soon as the stop rule says so (stop strings of all rows in one batched decode); its
+   keys and values are dropped at once and its slot is free for the next step's admission.
 
 :func:`decode_lane` decodes a lane with a :class:`Decoder` (what every lane of a call shares), which picks the
-batch: static buffers and the compiled step when compiling is on and covers the lane, else the ``DynamicCache``
-batch (eager).
+batch: the fixed-shape buffers of its step (:mod:`.step`: eager, compiled or CUDA graphs) where that step covers
+the lane, else the ``DynamicCache`` batch (eager).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import torch
 
+from distperp_harness.run.generation.choose import Chooser
 from distperp_harness.run.generation.kv_batch import DynamicKVBatch, KVBatch
 from distperp_harness.run.generation.prefill import Prefiller, PrefixCache
-from distperp_harness.run.generation.scheduler import Lane, Scheduler, StopRule
+from distperp_harness.run.generation.scheduler import Lane, Row, Scheduler, StopRule
 from distperp_harness.run.generation.static_batch import StaticKVBatch
 from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.generation.step import CompiledStep, capacity_for
+from distperp_harness.run.generation.step import StaticStep, capacity_for
+from distperp_harness.run.generation.transfer import HostReads
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def run_lane(scheduler: Scheduler, prefiller: Prefiller, batch: KVBatch) -> list[list[int]]:
-    """Decode the scheduler's lane to the end; every prompt's new tokens, in lane order."""
+def run_lane(
+    scheduler: Scheduler, prefiller: Prefiller, batch: KVBatch, chooser: Chooser, reads: HostReads
+) -> list[list[int]]:
+    """Decode the scheduler's lane to the end; every prompt's new tokens, in lane order. Each forward (prefill or
+    decode step) reads the device back once: its rows' chosen tokens."""
+
+    def start(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
+        return scheduler.advance(rows, reads.tokens(chooser.start(rows, logits)))
+
     while scheduler.queued or batch.rows:
         admitted = scheduler.admit(batch.free())
-        for group, cache, mask, keep in prefiller.groups(admitted, scheduler):
-            batch.join(group, cache, mask, keep)
+        for prefilled in prefiller.groups(admitted, start):
+            batch.join(prefilled)
         if not batch.rows:
             continue
+        rows = batch.rows
         logits = batch.step()
-        batch.drop(scheduler.advance(batch.rows, logits))
+        batch.drop(scheduler.advance(rows, reads.tokens(chooser(rows, logits))))
     return scheduler.results()
 
 
@@ -50,22 +62,23 @@ class Decoder:
     """What every lane of a call decodes with: the model and its tokenizer, the device, the rank's
     :class:`~.prefill.PrefixCache` (shared prefixes computed once per rank), ``around()`` (a context entered around
     every forward: prefix, prefill, decode; e.g. a shard group's step, where every member makes the same forward
-    calls) and the compiled step (``None``: every lane eager)."""
+    calls) and the fixed-shape step (:class:`~.step.StaticStep` or a subclass; ``None``: every lane on the
+    ``DynamicCache`` batch)."""
 
     model: PreTrainedModel
     tokenizer: Any
     device: torch.device
     prefixes: PrefixCache | None = None
     around: Callable[[], ContextManager] = contextlib.nullcontext
-    static: CompiledStep | None = None
+    static: StaticStep | None = None
 
     def batch_for(self, lane: Lane, rule: StopRule, stats: LaneStats) -> KVBatch:
-        """Static buffers and the compiled step when that step covers the lane's bucket, else the dynamic batch."""
+        """The fixed-shape batch where the step covers the lane's bucket, else the dynamic batch."""
         static = self.static
         if static is not None and self.model is static.model:
             capacity = capacity_for(max(len(p) for p in lane.prompts), rule.max_new, static.bucket)
             if static.covers(lane.slots, capacity):
-                return StaticKVBatch(static, static.buffers_for(lane.slots, capacity), self.device, stats, self.around)
+                return StaticKVBatch(static, lane.slots, capacity, self.device, stats, self.around)
         return DynamicKVBatch(self.model, lane.slots, self.device, stats, self.around)
 
 
@@ -86,14 +99,16 @@ def decode_lane(
     :class:`~distperp_harness.run.scoring.kvcache.CacheNotShareable` (before choosing any token) when the model's cache
     cannot be edited row by row (:func:`~.engines.choose_engine` sends such lanes to ``model.generate`` first).
     """
-    scheduler = Scheduler(lane, rule, decoder.tokenizer.decode, warpers, on_done)
+    scheduler = Scheduler(lane, rule, decoder.tokenizer.batch_decode, on_done)
     prefiller = Prefiller.for_lane(
         decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes, decoder.around
     )
     batch = decoder.batch_for(lane, rule, prefiller.stats)
-    tokens = run_lane(scheduler, prefiller, batch)
+    reads = HostReads()
+    tokens = run_lane(scheduler, prefiller, batch, Chooser(lane.seeds, warpers, decoder.device), reads)
     stats = prefiller.stats
     stats.generated = sum(len(t) for t in tokens)
+    stats.host_reads = reads.count
     if decoder.static is not None and isinstance(batch, DynamicKVBatch):
         decoder.static.count_eager(stats.decode_forwards)
     return tokens, stats

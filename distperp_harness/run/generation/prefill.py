@@ -3,7 +3,7 @@ prompts (:class:`Prefiller`), the same for every KV batch kind.
 
 Admitted prompts are prefilled together, left-padded among themselves: those that start with the lane's shared
 prefix continue from its KV cache in one forward, the others whole in another. Each forward's last logits give the
-rows their first tokens (:meth:`~.scheduler.Scheduler.start`).
+rows their first tokens (the loop's ``start``: chosen on the device, read back once per forward).
 """
 
 from __future__ import annotations
@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol, Sequence, cast
 
 import torch
 
-from distperp_harness.run.generation.scheduler import Lane, Row, Scheduler
+from distperp_harness.run.generation.scheduler import Lane, Row
 from distperp_harness.run.generation.stats import LaneStats
+from distperp_harness.run.generation.transfer import to_device
 from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument
+from distperp_harness.run.scoring.masks import embedding_dtype
+from distperp_harness.run.scoring.support import takes_4d_mask
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,12 +29,63 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer ``(keys, values)`` of shape ``[rows, kv heads, length, head dim]``."""
 
 
+class CacheLayer(Protocol):
+    """A cache layer holding every row's keys and values (``[rows, kv heads, length, head dim]``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class PrefillCache(Protocol):
+    """A ``DynamicCache`` of plain ``DynamicLayer``s (:func:`plain_layers`) that has run a prefill."""
+
+    @property
+    def layers(self) -> Sequence[CacheLayer]: ...
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """One prefill forward's rows that go on running. ``group``: the rows prefilled together; ``cache`` (a
+    ``DynamicCache``) and ``mask`` (``[len(group), width]``, 1 on each row's tokens) hold the whole group; ``keep``:
+    the indices of its running rows; ``spans[i]``: how many trailing columns of ``mask`` row ``keep[i]`` reaches
+    into (its first 1 and everything after it) and ``lengths[i]`` its tokens (its 1s: the next position), both
+    known on the host so that no batch reads the mask back."""
+
+    group: list[Row]
+    cache: PrefillCache
+    mask: torch.Tensor
+    keep: list[int]
+    spans: list[int]
+    lengths: list[int]
+
+    @property
+    def rows(self) -> list[Row]:
+        return [self.group[i] for i in self.keep]
+
+
 def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
     """``[rows, vocab]`` logits of the last position of ``input_ids``, the forward writing its keys and values into
     ``cache`` (every generation forward: prefix, prefill, decode)."""
     return model(
         input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs, **{cache_argument(model): cache}
     ).logits[:, -1, :]
+
+
+def dense_mask(model: PreTrainedModel, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` (``[rows, 1, queries, keys]`` bool) as the 4D mask the model's attention takes: as is for sdpa,
+    additive (0 or the dtype's minimum, in the embeddings' dtype) for eager attention. A 4D mask is used as given,
+    so transformers reads nothing of it back to the host (it does read a 2D mask: whether it may skip it)."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return allowed
+    dtype = embedding_dtype(model)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def takes_dense_mask(model: PreTrainedModel) -> bool:
+    """Whether generation's forwards pass ``model`` a 4D mask (:func:`dense_mask`): sdpa or eager attention on a model
+    type known to take one."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl in ("sdpa", "eager") and takes_4d_mask(model)
 
 
 def plain_layers(cache) -> list:
@@ -72,7 +126,7 @@ class PrefixCache:
 
         cache = DynamicCache(config=model.config)
         with around():  # the root forward (one position of the head), as every other forward of generation
-            last_logits(model, cache, torch.tensor([key], device=device))
+            last_logits(model, cache, to_device([key], torch.long, device))
         self._entries[key] = [(layer.keys, layer.values) for layer in plain_layers(cache)]
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -114,14 +168,13 @@ class Prefiller:
         return out
 
     def groups(
-        self, admitted: Sequence[Row], scheduler: Scheduler
-    ) -> Iterator[tuple[list[Row], object, torch.Tensor, list[int]]]:
+        self, admitted: Sequence[Row], start: Callable[[Sequence[Row], torch.Tensor], list[int]]
+    ) -> Iterator[Prefilled]:
         """Prefill ``admitted`` rows: those continuing the lane's prefix first, then those prefilled whole, one
-        forward per group; the scheduler gives each row its first token and drops rows that already ended. Yields
-        ``(group, cache, mask, keep)`` per group with a row still running: ``cache`` (a ``DynamicCache``) and
-        ``mask`` (``[rows, width]``, 1 on the row's tokens) hold the whole group, ``keep`` the indices of its
-        running rows. Lazy: a group is prefilled only when the previous one has been taken, so consume each in the
-        loop that yields it (a running batch written from group 1 is what group 2 joins), never ``list()`` it."""
+        forward per group; ``start(group, last_logits)`` gives each row its first token and returns the indices of
+        the rows still running (rows that already ended are dropped). Yields a :class:`Prefilled` per group with a
+        row still running. Lazy: a group is prefilled only when the previous one has been taken, so consume each in
+        the loop that yields it (a running batch written from group 1 is what group 2 joins), never ``list()`` it."""
         lane = self.lane
         groups = [
             [r for r in admitted if lane.uses_prefix(r.job)],
@@ -130,13 +183,18 @@ class Prefiller:
         for group, shared in zip(groups, (len(lane.prefix), 0)):
             if not group:
                 continue
+            prompts = [lane.prompts[r.job] for r in group]
             with self.around():
-                cache, mask, logits = self._prefill([lane.prompts[r.job] for r in group], shared)
-            keep = scheduler.start(group, logits, self.device)
+                cache, mask, logits = self._prefill(prompts, shared)
+            keep = start(group, logits)
             if keep:
-                yield group, cache, mask, keep
+                width = int(mask.shape[1])  # a shared prefix starts at column 0; a whole prompt after its pads
+                spans = [width if shared else len(prompts[i]) for i in keep]
+                yield Prefilled(group, cache, mask, keep, spans, [len(prompts[i]) for i in keep])
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], shared: int) -> tuple[object, torch.Tensor, torch.Tensor]:
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], shared: int
+    ) -> tuple[PrefillCache, torch.Tensor, torch.Tensor]:
         """``[prefix][pads][own tokens]`` per row (the prefix from its cache), positions from the mask's cumulative
         sum. Returns the rows' cache, mask ``[rows, shared + width]`` and last logits."""
         from transformers import DynamicCache
@@ -144,8 +202,8 @@ class Prefiller:
         device = self.device
         suffixes = [list(p[shared:]) for p in prompts]
         width = max(len(s) for s in suffixes)
-        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes], dtype=torch.long, device=device)
-        own = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], dtype=torch.long, device=device)
+        ids = to_device([[self.pad] * (width - len(s)) + s for s in suffixes], torch.long, device)
+        own = to_device([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], torch.long, device)
         cache = DynamicCache(config=self.model.config)
         if shared:
             mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long, device=device), own], 1)
@@ -157,8 +215,13 @@ class Prefiller:
             mask = own
         positions = (mask.cumsum(1) - 1).clamp_min(0)[:, shared:]
         positions = positions.masked_fill(own == 0, 1)  # what generate gives pads; never attended to
-        logits = last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
+        attention: torch.Tensor = mask
+        if takes_dense_mask(self.model):  # causal over [prefix][pads][own], the pads hidden: no read back
+            keys = torch.arange(shared + width, device=device)
+            causal = keys[None, :] <= (shared + torch.arange(width, device=device))[:, None]
+            attention = dense_mask(self.model, (mask.bool()[:, None, :] & causal[None])[:, None])
+        logits = last_logits(self.model, cache, ids, attention_mask=attention, position_ids=positions)
         plain_layers(cache)
         self.stats.prefill_forwards += 1
         self.stats.prefill_positions += ids.numel()
-        return cache, mask, logits
+        return cast(PrefillCache, cache), mask, logits  # plain layers, checked above

@@ -16,6 +16,7 @@ import numpy as np
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 
 from distperp_harness.errors import InputError
+from distperp_harness.planning.encoding import encode_many
 from distperp_harness.planning.records import FlatUnits
 from distperp_harness.run.generation.jobs import JOB, LocalJobs, group_hash, key_words, kwargs_key_of
 from distperp_harness.run.generation.setup import GenerationSetup
@@ -67,14 +68,25 @@ def job_keys(args: Sequence[tuple[str, dict]], identities: Sequence[Any] | None)
     return out
 
 
-def encode(setup: GenerationSetup, context: str) -> list[int]:
-    """Prompt tokens with the special-token rule of lm-eval ``hf``'s ``tok_batch_encode``."""
-    tokenizer = setup.tokenizer
-    if has_bos_prefix(context, getattr(tokenizer, "bos_token", None)):
-        return tokenizer.encode(context, add_special_tokens=False)
+def _special(setup: GenerationSetup, context: str) -> dict:
+    """The special-token rule of lm-eval ``hf``'s ``tok_batch_encode`` for one prompt."""
+    if has_bos_prefix(context, getattr(setup.tokenizer, "bos_token", None)):
+        return {"add_special_tokens": False}
     if setup.add_bos_token is not None:
-        return tokenizer.encode(context, add_special_tokens=setup.add_bos_token)
-    return tokenizer.encode(context)
+        return {"add_special_tokens": setup.add_bos_token}
+    return {}
+
+
+def encode_prompts(setup: GenerationSetup, contexts: Sequence[str]) -> dict[str, list[int]]:
+    """Each distinct context's prompt tokens (``tokenizer.encode`` with :func:`_special`'s rule), in batches (one
+    per special-token rule)."""
+    groups: dict[tuple, dict[str, None]] = {}
+    for context in contexts:
+        groups.setdefault(tuple(sorted(_special(setup, context).items())), {})[context] = None
+    out: dict[str, list[int]] = {}
+    for special, strings in groups.items():
+        out.update(zip(strings, encode_many(setup.tokenizer, list(strings), **dict(special))))
+    return out
 
 
 def local_jobs(
@@ -84,10 +96,11 @@ def local_jobs(
     seen: dict[str, tuple] = {}
     prompts: dict[tuple[int, ...], None] = {}
     kwargs: dict[int, dict] = {}
+    encoded = encode_prompts(setup, [context for context, _ in args])
     for (key, kwargs_key, sampled), (context, gen_kwargs) in zip(keys, args):
         if key in seen:
             continue
-        prepared = prepare(setup, Job(key, tuple(encode(setup, context)), kwargs_key, gen_kwargs))
+        prepared = prepare(setup, Job(key, tuple(encoded[context]), kwargs_key, gen_kwargs))
         if not prepared.prompt:
             raise InputError(
                 f"generate_until got a request whose prompt has no tokens (context {context!r}); "

@@ -1,6 +1,6 @@
-"""The scheduler of one lane: its queue, its rows' states, admission in lane order, each row's next token and the
-stop rules. It owns no tensor but the logits it is handed; the KV batch (:mod:`.kv_batch`, :mod:`.static_batch`)
-owns the cache and the decode forward.
+"""The scheduler of one lane: its queue, admission in lane order, each row's tokens and the stop rules. It owns no
+tensor: tokens are chosen on the device (:mod:`.choose`) and handed to it as host integers once a step; the KV batch
+(:mod:`.kv_batch`, :mod:`.static_batch`) owns the cache and the decode forward.
 
 A *lane* (:class:`Lane`) is a fixed list of prompts decoded in ``slots`` rows (:mod:`.lanes` cuts them). Which
 prompt is admitted when is a pure function of the lane's prompts and the tokens generated (a free slot takes the
@@ -9,21 +9,10 @@ next prompt of the queue, in lane order), so a lane gives the same bits on any r
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-
-from distperp_harness.run.generation.sampling import draw, generators_for
-
-
-class RowState(enum.Enum):
-    """Where a prompt of a lane is: waiting in the queue, decoding in a slot, or done (its tokens recorded)."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass
@@ -33,7 +22,6 @@ class Row:
     job: int
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    state: RowState = RowState.QUEUED
 
 
 @dataclass(frozen=True)
@@ -63,12 +51,20 @@ class StopRule:
         return cls(until, frozenset(int(i) for i in eos_ids), int(max_new), lookback, allowed)
 
     def done(self, tokens: list[int], decode: Callable[[list[int]], str]) -> bool:
-        if tokens[-1] in self.eos_ids or len(tokens) >= self.max_new:
-            return True
-        if not self.until:
-            return False
-        tail = decode(tokens[-self.lookback :])
-        return any(s in tail for s in self.until) and (self.allowed is None or self.allowed(tokens))
+        """Whether one row ends with ``tokens`` (``decode``: token ids to text)."""
+        return self.ended([tokens], lambda tails: [decode(t) for t in tails])[0]
+
+    def ended(self, rows: Sequence[list[int]], batch_decode: Callable[[list[list[int]]], list[str]]) -> list[bool]:
+        """Whether each row ends with its tokens; the stop strings of every row still open are looked for in one
+        ``batch_decode`` of their last ``lookback`` tokens (one call a step, not one per row)."""
+        out = [tokens[-1] in self.eos_ids or len(tokens) >= self.max_new for tokens in rows]
+        open_rows = [i for i, done in enumerate(out) if not done]
+        if not self.until or not open_rows:
+            return out
+        tails = batch_decode([rows[i][-self.lookback :] for i in open_rows])
+        for i, tail in zip(open_rows, tails):
+            out[i] = any(s in tail for s in self.until) and (self.allowed is None or self.allowed(rows[i]))
+        return out
 
 
 def eos_ids(tokenizer, model: torch.nn.Module) -> list[int]:
@@ -97,21 +93,19 @@ class Lane:
 class Scheduler:
     """The queue and rows of one lane.
 
-    ``admit(free)`` takes the next prompts for ``free`` slots; ``start(rows, logits, device)`` gives freshly
-    prefilled rows their generators (sampled lanes) and first tokens; ``advance(rows, logits)`` appends every
-    running row's next token. Both return the indices of the rows still running; a row that ends is FINISHED, its
-    tokens go to :attr:`out` and ``on_done(job, tokens)`` is called, in row order."""
+    ``admit(free)`` takes the next prompts for ``free`` slots; ``advance(rows, tokens)`` appends each running row's
+    next token (chosen on the device, read back once for the whole step) and returns the indices of the rows still
+    running; a row that ends has its tokens in :attr:`out` and ``on_done(job, tokens)`` is called, in row order.
+    ``batch_decode``: token id lists to texts in one call (the stop strings of a step's rows)."""
 
     def __init__(
         self,
         lane: Lane,
         rule: StopRule,
-        decode: Callable[[list[int]], str],
-        warpers=None,
+        batch_decode: Callable[[list[list[int]]], list[str]],
         on_done: Callable[[int, list[int]], None] | None = None,
     ) -> None:
-        self.lane, self.rule, self._decode = lane, rule, decode
-        self._warpers, self._on_done = warpers, on_done
+        self.lane, self.rule, self._batch_decode, self._on_done = lane, rule, batch_decode, on_done
         self._queue = list(range(len(lane.prompts)))[::-1]  # pop() takes the next prompt
         self.out: list[list[int] | None] = [None] * len(lane.prompts)
 
@@ -123,33 +117,18 @@ class Scheduler:
         """The next ``free`` prompts (fewer when the queue runs out), in lane order."""
         return [Row(self._queue.pop()) for _ in range(min(free, len(self._queue)))]
 
-    def start(self, rows: Sequence[Row], logits: torch.Tensor, device: torch.device) -> list[int]:
-        """First tokens of prefilled ``rows`` from their last logits ``[len(rows), vocab]``."""
-        if self.lane.seeds is not None:
-            for r, g in zip(rows, generators_for([self.lane.seeds[r.job] for r in rows], device)):
-                r.generator = g
-        return self.advance(rows, logits)
-
-    def advance(self, rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
-        """Each row's next token (argmax, or drawn with the row's own generator in a sampled lane) from its row of
-        ``logits``; then the stop rule, row by row."""
-        if self.lane.seeds is None:
-            chosen = logits.argmax(-1).tolist()
-        else:
-            # every row of a sampled lane got its generator at start(); draw() refuses a count that differs
-            generators = [r.generator for r in rows if r.generator is not None]
-            chosen = draw(self._warpers, logits, generators).tolist()
-        for r, token in zip(rows, chosen):
+    def advance(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[int]:
+        """Row ``rows[i]`` takes ``tokens[i]``; then the stop rule for every row at once. Returns the indices of the
+        rows still running."""
+        for r, token in zip(rows, tokens):
             r.tokens.append(token)
         keep = []
-        for i, r in enumerate(rows):
-            if self.rule.done(r.tokens, self._decode):
-                r.state = RowState.FINISHED
+        for i, (r, done) in enumerate(zip(rows, self.rule.ended([r.tokens for r in rows], self._batch_decode))):
+            if done:
                 self.out[r.job] = r.tokens
                 if self._on_done is not None:
                     self._on_done(r.job, r.tokens)
             else:
-                r.state = RowState.RUNNING
                 keep.append(i)
         return keep
 

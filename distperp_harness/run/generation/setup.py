@@ -10,7 +10,7 @@ import torch
 
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.execution.executor import Executor
-from distperp_harness.run.generation.step import CompiledStep
+from distperp_harness.run.generation.step import StaticStep
 
 if TYPE_CHECKING:
     from distperp_harness.run.generation.batchgen import CausalLM
@@ -38,8 +38,9 @@ class GenerationSetup:
     ``progress(total_prompts)``: returns ``update(prompts, new_tokens)`` (rank 0's bar), or ``None``.
     ``think_end``: the ``think_end_token`` (a string or a token id; :mod:`.thinking`): the answer is the text after
     the trace, and a stop string ends a row only in the answer part.
-    ``static``: with ``compile`` on, the compiled decode step (:class:`~.step.CompiledStep`): ``prepare(collective,
-    lanes)`` after planning; lanes its graphs cover decode over it.
+    ``static``: the run's fixed-shape decode step (:func:`~.engines.decode_step`: eager, compiled or CUDA graphs;
+    ``None``: every lane on the dynamic cache): ``prepare(collective, lanes)`` after planning; lanes it covers
+    decode over it.
     """
 
     model: CausalLM
@@ -54,4 +55,4 @@ class GenerationSetup:
     min_shared_tokens: int = MIN_SHARED_TOKENS
     progress: Callable[[int], Callable[[int, int], None]] | None = None
     think_end: str | int | None = None
-    static: CompiledStep | None = None
+    static: StaticStep | None = None

@@ -14,7 +14,9 @@ batch):
   columns first move right to make room);
 * **step**: one forward of ``[S, 1]`` tokens, per-row position ids, every slot attending to column ``w``, which it
   writes. A free slot is fed the pad token and sees only its own column: harmless, and counted
-  (``padded_positions``);
+  (``padded_positions``). The step's inputs (tokens and positions) reach the device in one non-blocking copy into
+  fixed tensors (:attr:`StaticBuffers.inputs`), and nothing is read back: the forward can be replayed as a CUDA
+  graph (:mod:`.cudagraphs`);
 * **full**: when ``w`` reaches ``C``, the live columns move left by the first column any live row uses (rare: a
   row never spans more than ``longest + max_new - 1 < C`` columns, so there is always room after it).
 
@@ -28,8 +30,10 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence, 
 
 import torch
 
+from distperp_harness.run.generation.prefill import Prefilled
 from distperp_harness.run.generation.scheduler import Row
 from distperp_harness.run.generation.stats import LaneStats
+from distperp_harness.run.generation.transfer import to_device, write_into
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:
@@ -46,9 +50,12 @@ class _Allocated(Protocol):
 
 
 class StaticBuffers:
-    """One bucket's fixed tensors: a ``StaticCache`` of ``slots`` rows and ``capacity`` columns, and the mask
-    ``allowed``; ``length`` is the column the next step writes (every layer's ``cumulative_length``). ``shapes``:
-    ``(kv heads, key dim, value dim, dtype)`` per layer."""
+    """One bucket's fixed tensors: a ``StaticCache`` of ``slots`` rows and ``capacity`` columns, the mask
+    ``allowed``, the step's ``inputs`` (``[2, slots]``: row 0 the tokens, row 1 the positions; :attr:`ids` and
+    :attr:`positions` are ``[slots, 1]`` views of them) and ``live`` (the slots holding a row); ``length`` is the
+    column the next step writes (every layer's ``cumulative_length``). ``shapes``: ``(kv heads, key dim, value
+    dim, dtype)`` per layer. Every tensor keeps its address for the buffers' life (compiled graphs and CUDA graphs
+    read them where they are)."""
 
     def __init__(
         self, model: PreTrainedModel, slots: int, capacity: int, shapes: Sequence[tuple], device: torch.device
@@ -67,8 +74,25 @@ class StaticBuffers:
                 torch.empty(slots, heads, 1, v_dim, dtype=dtype, device=device),
             )
         self.allowed = torch.zeros(slots, capacity, dtype=torch.bool, device=device)
-        torch._dynamo.mark_static_address(self.allowed)
+        self.inputs = torch.zeros(2, slots, dtype=torch.long, device=device)
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
+        for t in (self.allowed, self.inputs):
+            torch._dynamo.mark_static_address(t)
         self.length = 0
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[slots, 1]``: each slot's token of the next step (a view of :attr:`inputs`)."""
+        return self.inputs[0].unsqueeze(1)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[slots, 1]``: each slot's position of the next step (a view of :attr:`inputs`)."""
+        return self.inputs[1].unsqueeze(1)
+
+    def feed(self, ids: Sequence[int], positions: Sequence[int]) -> None:
+        """The next step's tokens and positions, one per slot, in one copy that does not wait for the device."""
+        write_into(self.inputs, [list(ids), list(positions)])
 
     @property
     def layers(self) -> list[_Allocated]:
@@ -81,6 +105,8 @@ class StaticBuffers:
             layer.keys.zero_()
             layer.values.zero_()
         self.allowed.zero_()
+        self.inputs.zero_()
+        self.live.zero_()
         self.set_length(0)
 
     def set_length(self, w: int) -> None:
@@ -100,6 +126,7 @@ class StaticBuffers:
             layer.values[slot, :, lo : lo + width] = v
         self.allowed[slot] = False
         self.allowed[slot, lo : lo + width] = mask_row.bool()
+        self.live[slot] = True
 
     def move(self, lo: int, hi: int, offset: int) -> None:
         """Columns ``[lo, hi)`` of every slot move by ``offset`` (in place); the columns they leave are masked."""
@@ -116,26 +143,34 @@ class StaticBuffers:
 
 
 class StaticKVBatch:
-    """:class:`~.kv_batch.KVBatch` over ``buffers``, decoded by ``step`` (a :class:`~.step.CompiledStep`: called
-    as ``step.run(buffers, ids, positions)``; its ``state`` counts shifts and padded positions)."""
+    """:class:`~.kv_batch.KVBatch` of ``slots`` slots and ``capacity`` columns, decoded by ``step`` (a
+    :class:`~.step.StaticStep`: its ``buffers_for`` gives the bucket's buffers at the first join, ``run(buffers)``
+    computes a step; its ``state`` counts shifts and padded positions)."""
 
     def __init__(
         self,
         step,
-        buffers: StaticBuffers,
+        slots: int,
+        capacity: int,
         device: torch.device,
         stats: LaneStats,
         around: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.step_fn, self.buffers, self.device, self.stats, self.around = step, buffers, device, stats, around
+        self.step_fn, self.device, self.stats, self.around = step, device, stats, around
+        self.slots, self.capacity = slots, capacity
         self.pad = step.pad
-        slots = buffers.slots
+        self._buffers: StaticBuffers | None = None
         self._by_slot: list[Row | None] = [None] * slots
         self._position = [0] * slots  # each slot's next position: the tokens its row holds
         self._start = [0] * slots  # each slot's first column
         self._w = 0  # the column the next step writes
-        buffers.reset()
-        stats.peak_cache_positions = slots * buffers.capacity
+        stats.peak_cache_positions = slots * capacity
+
+    @property
+    def buffers(self) -> StaticBuffers:
+        if self._buffers is None:
+            raise RuntimeError("internal error: the static batch's buffers used before any row joined")
+        return self._buffers
 
     @property
     def rows(self) -> list[Row]:
@@ -147,8 +182,13 @@ class StaticKVBatch:
     def free(self) -> int:
         return self._by_slot.count(None)
 
-    def join(self, group: Sequence[Row], cache, mask: torch.Tensor, keep: Sequence[int]) -> None:
-        buffers, width = self.buffers, mask.shape[1]
+    def join(self, prefilled: Prefilled) -> None:
+        cache, mask = prefilled.cache, prefilled.mask
+        if self._buffers is None:  # the first rows: the bucket's buffers, emptied (shapes from this prefill)
+            self._buffers = self.step_fn.buffers_for(self.slots, self.capacity, cache)
+            self._buffers.reset()
+        buffers = self._buffers
+        width = int(mask.shape[1])
         if self._w < width:  # room on the left for the new rows: the live columns move right
             running = self._live()
             if running:
@@ -159,9 +199,9 @@ class StaticKVBatch:
             self._w = width
             buffers.set_length(self._w)
         free = [s for s, r in enumerate(self._by_slot) if r is None]
-        for s, i in zip(free, keep):
+        for s, i, length in zip(free, prefilled.keep, prefilled.lengths):
             buffers.write(s, [(layer.keys[i], layer.values[i]) for layer in cache.layers], mask[i], self._w - width)
-            self._by_slot[s], self._position[s], self._start[s] = group[i], int(mask[i].sum()), self._w - width
+            self._by_slot[s], self._position[s], self._start[s] = prefilled.group[i], length, self._w - width
 
     def _shift_left(self, running: list[int]) -> None:
         first = min(self._start[s] for s in running)
@@ -178,18 +218,14 @@ class StaticKVBatch:
         if self._w == buffers.capacity:
             self._shift_left(running)
         w = self._w
-        ids = torch.tensor(
-            [[r.tokens[-1] if r is not None else self.pad] for r in self._by_slot], dtype=torch.long, device=device
-        )
-        positions = torch.tensor(
-            [[self._position[s] if r is not None else 0] for s, r in enumerate(self._by_slot)],
-            dtype=torch.long,
-            device=device,
+        buffers.feed(
+            [r.tokens[-1] if r is not None else self.pad for r in self._by_slot],
+            [self._position[s] if r is not None else 0 for s, r in enumerate(self._by_slot)],
         )
         buffers.allowed[:, w] = True  # every slot sees the column it writes; a free slot only that one
         with self.around():
-            logits = self.step_fn.run(buffers, ids, positions)
-        buffers.allowed[:, w] = torch.tensor([r is not None for r in self._by_slot], device=device)
+            logits = self.step_fn.run(buffers)
+        buffers.allowed[:, w] = buffers.live
         self._w = w + 1
         buffers.length = self._w
         for s in running:
@@ -198,7 +234,9 @@ class StaticKVBatch:
         self.stats.decode_positions += len(running)
         self.stats.padded_positions += slots - len(running)
         self.step_fn.state.padded_positions += slots - len(running)
-        return logits.index_select(0, torch.tensor(running, dtype=torch.long, device=device))
+        if len(running) == slots:
+            return logits
+        return logits.index_select(0, to_device(running, torch.long, device))
 
     def drop(self, keep: Sequence[int]) -> None:
         kept = set(keep)
@@ -206,3 +244,4 @@ class StaticKVBatch:
             if i not in kept:
                 self._by_slot[s] = None
                 self.buffers.allowed[s] = False
+                self.buffers.live[s] = False

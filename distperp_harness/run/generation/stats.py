@@ -10,7 +10,8 @@ class LaneStats:
     """Work of one lane. ``prefill_positions`` counts every position run through the model before the first token
     (pads included, a shared prefix only when computed here); ``decode_positions``: rows of every decode forward;
     ``generated``: new tokens kept (up to and including the one that ended each row); ``padded_positions``: free
-    slots' positions a fixed-shape decode step computed (:mod:`.static_batch`; 0 elsewhere)."""
+    slots' positions a fixed-shape decode step computed (:mod:`.static_batch`; 0 elsewhere); ``host_reads``: reads of
+    the device back to the host (one per prefill and decode forward: the chosen tokens)."""
 
     prompts: int = 0
     prompt_tokens: int = 0
@@ -23,6 +24,7 @@ class LaneStats:
     generated: int = 0
     peak_cache_positions: int = 0
     padded_positions: int = 0
+    host_reads: int = 0
 
     SUMMED = (
         "prompts",
@@ -33,6 +35,7 @@ class LaneStats:
         "decode_positions",
         "generated",
         "padded_positions",
+        "host_reads",
     )
 
     def add(self, other: LaneStats) -> None:

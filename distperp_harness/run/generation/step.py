@@ -1,5 +1,8 @@
-"""The decode step: eager (:class:`~.kv_batch.DynamicKVBatch`'s forward) or compiled over fixed shapes
-(:class:`CompiledStep`, used by :class:`~.static_batch.StaticKVBatch` when ``compile`` is on).
+"""The fixed-shape decode step of :class:`~.static_batch.StaticKVBatch`: eager (:class:`StaticStep`, the default
+wherever the model takes a 4D mask), compiled (:class:`CompiledStep`, ``compile`` on) or replayed as CUDA graphs
+(:class:`~.cudagraphs.GraphStep`, the default on CUDA). Each reads its inputs from the bucket's fixed buffers
+(:class:`~.static_batch.StaticBuffers`) and reads nothing back. Lanes no fixed-shape step serves decode with
+:class:`~.kv_batch.DynamicKVBatch`'s eager forward.
 
 **Compiling.** :meth:`CompiledStep.prepare` compiles the step (``fullgraph``, static shapes) for every ``(slots,
 capacity)`` bucket the global lane plan needs and has not compiled yet, every rank together, the node's local rank
@@ -30,10 +33,9 @@ from accelerate.logging import get_logger
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.run.compiling.agreement import fake_compile_failure, first_failure, in_turn
 from distperp_harness.run.compiling.state import CompileState, warming
-from distperp_harness.run.generation.prefill import last_logits, plain_layers
+from distperp_harness.run.generation.prefill import dense_mask, last_logits, plain_layers, takes_dense_mask
 from distperp_harness.run.generation.static_batch import StaticBuffers
 from distperp_harness.run.scoring.kvcache import cache_argument
-from distperp_harness.run.scoring.masks import embedding_dtype
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,11 +75,22 @@ def uses_cudagraphs(mode: str | None, device: torch.device) -> bool:
     return device.type == "cuda" and mode in CUDA_GRAPH_MODES
 
 
-def unsupported(model: torch.nn.Module) -> str | None:
-    """Why the decode step of ``model`` is not compiled (None: it can be)."""
+def unsupported(model: PreTrainedModel) -> str | None:
+    """Why ``model`` does not decode with a fixed-shape step (None: it can): the step passes a 4D mask, which sdpa
+    and eager attention take on the model types of
+    :func:`~distperp_harness.run.scoring.support.packed_rows_unsupported`, and its cache layers must all be plain
+    ``StaticLayer``s (no sliding window)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
         return f"attention implementation {impl!r} (the static decode step takes sdpa or eager)"
+    if not takes_dense_mask(model):
+        return f"model type {getattr(model.config, 'model_type', None)!r} is not known to take a 4D attention mask"
+    layers = StaticCache(config=model.config, max_cache_len=1).layers
+    if any(type(layer) is not StaticLayer for layer in layers):
+        return f"its static cache layers are {sorted({type(layer).__name__ for layer in layers})}"
     return None
 
 
@@ -116,12 +129,14 @@ class DecodeState:
         }
 
 
-def kv_shapes(model: PreTrainedModel, device: torch.device, pad: int) -> list[tuple]:
-    """``(kv heads, key dim, value dim, dtype)`` per layer, read from a one-token forward's ``DynamicCache``."""
+def kv_shapes(model: PreTrainedModel, device: torch.device, pad: int, cache=None) -> list[tuple]:
+    """``(kv heads, key dim, value dim, dtype)`` per layer, read from ``cache`` (a prefill's ``DynamicCache``) or,
+    when none is given, from a one-token forward's."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    last_logits(model, cache, torch.tensor([[pad]], device=device))
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+        last_logits(model, cache, torch.tensor([[pad]], device=device))
     return [
         (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1], layer.keys.dtype)
         for layer in plain_layers(cache)
@@ -152,10 +167,70 @@ def packed_gqa():
         sdpa_attention.is_torchdynamo_compiling = before
 
 
-class CompiledStep:
+class StaticStep:
+    """The eager fixed-shape decode step of ``model`` and its bucket's buffers (one bucket alive at a time).
+
+    ``run(buffers)``: ``[slots, vocab]`` logits of one step over ``buffers`` (their ``ids``, ``positions`` and
+    ``allowed``); the forward writes each slot's keys and values at the buffers' write column. ``covers(slots,
+    capacity)``: whether a lane of that bucket decodes over this step. ``state``: counters (padded positions, moves
+    left) and, for the compiled and graph steps, what compiling or capturing did. ``kind``: the name the generation
+    record gives it."""
+
+    kind = "static"
+
+    def __init__(
+        self, model: PreTrainedModel, device: torch.device, pad_token_id: int | None, bucket: int = BUCKET
+    ) -> None:
+        self.bucket = bucket
+        self.model, self.device = model, device
+        self.pad = pad_token_id if pad_token_id is not None else 0
+        self.state = DecodeState()
+        self._shapes: list[tuple] | None = None
+        self._buffers: dict[tuple[int, int], StaticBuffers] = {}  # the bucket used last (one alive: memory)
+
+    def covers(self, slots: int, capacity: int) -> bool:
+        return True
+
+    def prepare(self, collective: Collective, lanes: Sequence[Any]) -> None:
+        """Nothing to prepare for the eager step (the compiled step compiles the plan's buckets here)."""
+
+    def forward(self, cache, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decode step: ``[S, V]`` logits of ``ids`` ``[S, 1]`` (what is compiled or captured)."""
+        mask = dense_mask(self.model, allowed[:, None, None, :])
+        return last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
+
+    def run(self, buffers: StaticBuffers) -> torch.Tensor:
+        return self.forward(buffers.cache, buffers.ids, buffers.allowed, buffers.positions)
+
+    def buffers_for(self, slots: int, capacity: int, cache=None) -> StaticBuffers:
+        """The bucket's buffers (allocated on first use, their shapes read from ``cache``, a prefill's
+        ``DynamicCache``, when not known yet; one bucket's tensors alive at a time)."""
+        key = (slots, capacity)
+        if key not in self._buffers:
+            self._buffers.clear()
+            if self._shapes is None:
+                self._shapes = kv_shapes(self.model, self.device, self.pad, cache)
+            self._buffers[key] = StaticBuffers(self.model, slots, capacity, self._shapes, self.device)
+            self.allocated(self._buffers[key])
+        return self._buffers[key]
+
+    def allocated(self, buffers: StaticBuffers) -> None:
+        """Called once per newly allocated bucket, before any row joins it (the graph step captures here)."""
+
+    def count_eager(self, forwards: int) -> None:
+        """``forwards`` decode forwards of a lane this step did not serve ran on the dynamic batch."""
+
+    def release(self) -> None:
+        """Free the buffers (and graphs): nothing of this step stays allocated after a run."""
+        self._buffers.clear()
+
+
+class CompiledStep(StaticStep):
     """The compiled decode step of ``model`` and its buffers, built when compiling is active. ``compile_state``:
     the run's :class:`~distperp_harness.run.compiling.state.CompileState` (its ``decode`` is this object's
     :class:`DecodeState`); ``bucket``: capacities are its multiples (:func:`capacity_for`)."""
+
+    kind = "compiled"
 
     def __init__(
         self,
@@ -165,19 +240,15 @@ class CompiledStep:
         pad_token_id: int | None,
         bucket: int = BUCKET,
     ) -> None:
-        self.bucket = bucket
-        self.model, self.compile_state, self.device = model, compile_state, device
-        self.pad = pad_token_id if pad_token_id is not None else 0
+        super().__init__(model, device, pad_token_id, bucket)
+        self.compile_state = compile_state
         self.mode = decode_mode(compile_state.mode, device)
         self.cudagraphs = uses_cudagraphs(self.mode, device)
         self.state = DecodeState(self.mode)
         compile_state.decode = self.state
         self.arg = cache_argument(model)
-        self.sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
-        self._shapes: list[tuple] | None = None
-        self._buffers: dict[tuple[int, int], StaticBuffers] = {}  # the bucket used last (one alive: memory)
         self._compiled_buckets: set[tuple[int, int]] = set()
-        self._step = torch.compile(self._forward, mode=self.mode, dynamic=False, fullgraph=True)
+        self._step = torch.compile(self.forward, mode=self.mode, dynamic=False, fullgraph=True)
 
     @property
     def active(self) -> bool:
@@ -208,11 +279,11 @@ class CompiledStep:
                         self._shapes = kv_shapes(self.model, self.device, self.pad)
                     for slots, capacity in needed:
                         buffers = self.buffers_for(slots, capacity)
-                        ids = torch.full((slots, 1), self.pad, dtype=torch.long, device=self.device)
                         for _ in range(3 if self.cudagraphs else 1):  # CUDA graphs: warm up, then record
                             buffers.reset()
+                            buffers.inputs[0].fill_(self.pad)
                             buffers.allowed[:, 0] = True
-                            self.run(buffers, ids, torch.zeros_like(ids))
+                            self.run(buffers)
                         self.state.graphs.append(f"{slots}x{capacity}")
             finally:
                 self.state.seconds += time.perf_counter() - t0
@@ -237,16 +308,9 @@ class CompiledStep:
                 main_process_only=True,
             )
 
-    def _forward(self, cache, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The decode step (what is compiled): ``[S, V]`` logits of ``ids`` ``[S, 1]``."""
-        mask = allowed[:, None, None, :]
-        if not self.sdpa:  # eager attention adds the mask
-            dtype = embedding_dtype(self.model)
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        return last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
-
-    def run(self, buffers: StaticBuffers, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(self, buffers: StaticBuffers) -> torch.Tensor:
         """One compiled step (outside the warm-up: no recompiling; a step the graphs do not cover runs eager)."""
+        ids, positions = buffers.ids, buffers.positions
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs may be overwritten now
         if self.compile_state.is_warming:
@@ -263,17 +327,9 @@ class CompiledStep:
                 if self.state.not_covered_example is None:
                     self.state.not_covered_example = " ".join(str(exc).split("triggered by")[-1].split())[:400]
                 buffers.set_length(buffers.length)  # the failed call may not have written: same column again
-                return self._forward(buffers.cache, ids, buffers.allowed, positions)
+                return self.forward(buffers.cache, ids, buffers.allowed, positions)
             self.state.compiled_calls += 1
         return out.clone() if self.cudagraphs else out
-
-    def buffers_for(self, slots: int, capacity: int) -> StaticBuffers:
-        """The bucket's buffers (allocated on first use; one bucket's tensors alive at a time)."""
-        key = (slots, capacity)
-        if key not in self._buffers:
-            self._buffers.clear()
-            self._buffers[key] = StaticBuffers(self.model, slots, capacity, self._shapes or [], self.device)
-        return self._buffers[key]
 
     def count_eager(self, forwards: int) -> None:
         """``forwards`` decode forwards of a lane the graphs did not serve (compiling failed, or a bucket the plan

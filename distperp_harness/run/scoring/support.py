@@ -30,6 +30,11 @@ _MASKABLE_TYPES = frozenset(
 )
 
 
+def takes_4d_mask(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s type is one whose transformers implementation passes a 4D attention mask through."""
+    return getattr(getattr(model, "config", None), "model_type", None) in _MASKABLE_TYPES
+
+
 def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
     """Why a batch of tree rows on ``model`` computes its rows' common prefix in every row instead of once from a
     key/value cache (None: from the cache). flex_attention: its block mask over queries that continue a cached
@@ -51,7 +56,7 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in _MASKABLE_TYPES:
+    if not takes_4d_mask(model):
         return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
     impl = getattr(config, "_attn_implementation", None)
     if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):

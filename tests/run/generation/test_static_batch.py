@@ -184,15 +184,17 @@ def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, 
     buffers = engine.buffers_for(3, capacity_for(max(map(len, prompts)), MAX_NEW, BUCKET))
     buffers.reset()
     buffers.allowed[:, 0] = True
-    ids = torch.tensor([[5], [6], [7]])
+    ids = [5, 6, 7]
     for graphs, kept_apart in ((False, False), (True, True)):
         monkeypatch.setattr(engine, "cudagraphs", graphs)
         marks.clear()
         with torch.no_grad():
-            first = engine.run(buffers, ids, torch.zeros_like(ids))
+            buffers.feed(ids, [0, 0, 0])
+            first = engine.run(buffers)
             saved = first.clone()
             buffers.set_length(0)
-            engine.run(buffers, ids + 1, torch.zeros_like(ids))
+            buffers.feed([i + 1 for i in ids], [0, 0, 0])
+            engine.run(buffers)
         assert torch.equal(first, saved) == kept_apart and len(marks) == (2 if graphs else 0)
     marks.clear()
     out, stats = decode_lane(Decoder(engine.model, tokenizer, CPU, static=engine), Lane(prompts, (), 3), rule)
