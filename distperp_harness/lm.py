@@ -60,7 +60,7 @@ from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING,
 from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing, one_slot
 from distperp_harness.run.runtime import attention_coefficient, choose_sharing, head_coefficient
-from distperp_harness.tokens import Tokenization
+from distperp_harness.tokens import Tokenization, loglikelihood_strings
 
 log = get_logger(__name__)
 
@@ -323,6 +323,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             self._sharing_line = None
         try:
             with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood requests"):
+                self.pre_encode(loglikelihood_strings(req.args for req in requests))
                 answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
                 self._compare(requests, [score for score, _ in answers])
         finally:
@@ -352,10 +353,15 @@ class DistPerpLM(Tokenization, TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[Score]:
         """Log-likelihood of each whole text (``Instance.args == (text,)``), conditioned on the prefix token."""
         with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood_rolling requests"):
-            units = [
-                window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
-                for (text,) in (req.args for req in requests)
-            ]
+            self._encoded = {}  # each text encoded once, in batches
+            try:
+                self.pre_encode((text, None) for (text,) in (req.args for req in requests))
+                units = [
+                    window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
+                    for (text,) in (req.args for req in requests)
+                ]
+            finally:
+                self._encoded = None
             results = self._score(units, "loglikelihood_rolling", disable_tqdm)
             out = []
             for req, r in zip(requests, results):

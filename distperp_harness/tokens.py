@@ -1,15 +1,19 @@
 """Tokenization with lm-eval ``hf``'s rules (parity): special tokens, the BOS-prefix check, the prefix token.
 
 A mixin for :class:`~distperp_harness.lm.DistPerpLM`, which provides ``tokenizer`` and ``options``. Within a
-``loglikelihood`` call (``_encoded`` set to a dict), each distinct string is encoded once: TemplateLM encodes a
-context again for every answer of a question.
+request call (``_encoded`` set to a dict), each distinct string is encoded once (TemplateLM encodes a context again
+for every answer of a question), and :meth:`Tokenization.pre_encode` encodes the strings a call will ask for in
+batches first (:func:`~distperp_harness.planning.encoding.encode_many`): ``tok_encode`` then reads them.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from distperp_harness.errors import InputError
+from distperp_harness.planning.encoding import encode_many
 
 
 class Tokenization:
@@ -25,14 +29,32 @@ class Tokenization:
         key = (string, add_special_tokens, left_truncate_len)
         if memo is not None and key in memo and not kwargs:
             return list(memo[key])
-        special = _add_special_kwargs(add_special_tokens, self.options.add_bos_token)
-        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
-            special["add_special_tokens"] = False
-        encoding = self.tokenizer.encode(string, **special)
+        encoding = self.tokenizer.encode(string, **self._special(string, add_special_tokens))
         encoding = encoding[-left_truncate_len:] if left_truncate_len else encoding
         if memo is not None and not kwargs:
             memo[key] = tuple(encoding)
         return encoding
+
+    def _special(self, string: str, add_special_tokens: bool | None) -> dict:
+        special = _add_special_kwargs(add_special_tokens, self.options.add_bos_token)
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        return special
+
+    def pre_encode(self, keys: Iterable[tuple[str, bool | None]]) -> None:
+        """Encode each distinct ``(string, add_special_tokens)`` into the call's memo, a batch per special-token
+        rule; :meth:`tok_encode` of the same arguments then returns them (the same ids: one encode each would)."""
+        memo = self._encoded
+        if memo is None:
+            return
+        groups: dict[tuple, dict[str, None]] = {}
+        for string, add in keys:
+            if (string, add, None) not in memo:
+                rule = (add, tuple(sorted(self._special(string, add).items())))
+                groups.setdefault(rule, {})[string] = None
+        for (add, special), strings in groups.items():
+            for string, ids in zip(strings, encode_many(self.tokenizer, list(strings), **dict(special))):
+                memo[(string, add, None)] = tuple(ids)
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
@@ -53,3 +75,19 @@ class Tokenization:
             "the tokenizer has neither a BOS nor an EOS token, so there is no token to condition the "
             "first token on. Fix: pass prefix_token_id=<id> in --model_args."
         )
+
+
+def loglikelihood_strings(args: Iterable[tuple[str, str]]) -> Iterable[tuple[str, bool | None]]:
+    """The ``tok_encode`` arguments lm-eval's ``TemplateLM.loglikelihood`` asks for, per ``(context, continuation)``:
+    an empty context encodes the continuation without special tokens; otherwise trailing spaces of the context move
+    to the continuation (``_encode_pair``) and both the whole text and the context are encoded. (Strings lm-eval
+    asks for that this does not list are simply encoded one by one.)"""
+    for context, continuation in args:
+        if context == "":
+            yield continuation, False
+            continue
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        yield context + continuation, None
+        yield context, None

@@ -254,6 +254,21 @@ def test_bench_generate_runs_end_to_end(tiny_model_dir):
     assert "| shape | backend | decode positions per useful token |" in out
     for shape in ("instruct", "gsm8k"):
         assert f"| {shape} (3 prompts" in out and f"\n{shape}: distperp " in out, out
+        assert f"| {shape} | distperp | static | " in out, out  # the decode step table: the fixed-shape step
+
+
+def test_decode_host_counts_one_read_per_forward(tiny_model_dir):
+    """``benchmarks/decode_host.py`` (the CPU proxy of a GPU's decode loop): both decode step kinds read the device
+    once per forward, and their greedy texts agree."""
+    proc = run_command(
+        [sys.executable, BENCHMARKS / "decode_host.py", "--model", tiny_model_dir, "--prompts", "5", "--new", "8"]
+        + ["--repeats", "1"],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| dynamic", "| static"))]
+    assert [r[1].strip() for r in rows] == ["dynamic", "static"], proc.stdout
+    assert all(r[3].strip() == "1.00" for r in rows) and "texts equal: 5/5" in proc.stdout, proc.stdout
 
 
 def test_tp_traffic_runs_and_its_tp_formula_matches_the_counts(tiny_model_dir):
@@ -329,3 +344,15 @@ def test_leaderboard_runs_the_whole_group_end_to_end(tiny_model_dir, tmp_path):
         assert re.search(rf"^- {name}: acc,none [0-9.]+, acc_norm,none [0-9.]+", out, re.M), out
         assert re.search(rf"^\| whole group \| {name} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", out, re.M), out
     assert "no chat template" in out and "Not computable here" in out and "| gpqa | 1,192 |" in out
+
+
+def test_request_path_runs_and_batched_ids_equal(tiny_model_dir):
+    """``benchmarks/request_path.py`` (the CPU proxy of the request path): the call runs, and batched tokenization
+    gives the ids of one encode per string (else it says DIFFER and exits 1)."""
+    proc = run_command(
+        [sys.executable, BENCHMARKS / "request_path.py", "--model", tiny_model_dir, "--questions", "3"]
+        + ["--repeats", "1"],
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
+    assert "| outside forwards, ms per request |" in proc.stdout and "batched equal to one by one" in proc.stdout

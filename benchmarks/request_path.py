@@ -1,0 +1,132 @@
+"""The request path of a ``loglikelihood`` call outside the model's forwards, per request: the CPU proxy of what a
+GPU waits for (tokenizing, planning, gathering, building results).
+
+    python benchmarks/request_path.py                                     # the tiny test model
+    python benchmarks/request_path.py --model ~/.cache/distperp/smollm2-135m-instruct --questions 100
+
+Work: MMLU-Pro-shaped requests (``--shots`` exemplars of ~120 words each shared by every question, a question,
+``--options`` answers of a few words each), as lm-eval builds them (one ``Instance`` per answer), through the real
+``DistPerpLM.loglikelihood`` in one process; ``--repeats`` times, median. Reported:
+
+* *requests/s* of the whole call, and *outside forwards ms per request* (the call's wall time minus the time inside
+  the model's forward calls, hooks on the model);
+* *tokenizer requests/s*: the call's tokenization alone, as the call does it (``pre_encode`` in batches, then
+  ``tok_encode`` from the memo), against one ``tok_encode`` per string (the strings lm-eval asks for, each distinct
+  string once), with the ids checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+
+def _words() -> list[str]:
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
+    if shared.exists():
+        return shared.read_text(encoding="utf-8").split()
+    from distperp_harness.commands.tiny import sample_text
+
+    return sample_text().split() * 8
+
+
+def mmlu_pro_requests(questions: int, shots: int, options: int) -> list:
+    """``(context, continuation)`` Instances shaped like lm-eval's MMLU-Pro 5-shot (exemplars shared by all)."""
+    from lm_eval.api.instance import Instance
+
+    words = _words()
+    exemplars = "".join(
+        f"Question: {' '.join(words[400 * k : 400 * k + 100])}?\nAnswer: Let's think step by step. "
+        f"{' '.join(words[400 * k + 100 : 400 * k + 120])}. The answer is (B).\n\n"
+        for k in range(shots)
+    )
+    out = []
+    for q in range(questions):
+        start = 20000 + 150 * q
+        context = f"{exemplars}Question: {' '.join(words[start : start + 60])}?\nAnswer:"
+        for o in range(options):
+            answer = " " + " ".join(words[start + 60 + 3 * o : start + 63 + 3 * o])
+            out.append(Instance("loglikelihood", {}, (context, answer), len(out)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a causal LM folder (default: the tiny test model)")
+    parser.add_argument("--questions", type=int, default=40)
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--options", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    from lm_eval.api.registry import get_model
+
+    import distperp_harness._hook  # noqa: F401 - registers --model distperp
+    from distperp_harness.tokens import loglikelihood_strings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model
+        if path is None:
+            from distperp_harness.commands.tiny import TEST_SPEC, build_tiny_model
+
+            path = str(build_tiny_model(TEST_SPEC, Path(tmp) / "tiny"))
+        lm = get_model("distperp").create_from_arg_string(
+            f"pretrained={path},max_length=2048,device=cpu", {"batch_size": args.batch_size}
+        )
+    inside = [0.0]
+    started = [0.0]
+    lm.model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
+    lm.model.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + time.perf_counter() - started[0]))
+    requests = mmlu_pro_requests(args.questions, args.shots, args.options)
+    keys = list(dict.fromkeys(loglikelihood_strings(r.args for r in requests)))
+
+    def batched() -> list:
+        lm._encoded = {}
+        try:
+            lm.pre_encode(keys)
+            return [lm.tok_encode(*key) for key in keys]
+        finally:
+            lm._encoded = None
+
+    def one_by_one() -> list:
+        return [lm.tok_encode(*key) for key in keys]
+
+    if batched() != one_by_one():
+        print("token ids DIFFER between batched and one-by-one tokenization")
+        return 1
+    walls, outside, tok_batched, tok_single = [], [], [], []
+    for _ in range(args.repeats):
+        for name, fn in (("batched", batched), ("single", one_by_one)):
+            t0 = time.perf_counter()
+            fn()
+            (tok_batched if name == "batched" else tok_single).append(time.perf_counter() - t0)
+        inside[0] = 0.0
+        t0 = time.perf_counter()
+        lm.loglikelihood(requests, disable_tqdm=True)
+        walls.append(time.perf_counter() - t0)
+        outside.append(walls[-1] - inside[0])
+    n = len(requests)
+    print(
+        f"model {Path(path).name if args.model else 'tiny test model'}, {args.questions} questions x {args.options} "
+        f"options, {args.shots}-shot ({n} requests, {len(keys)} distinct strings), CPU, "
+        f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}, median of {args.repeats}\n"
+    )
+    print("| measure | value |\n|---|---:|")
+    print(f"| loglikelihood call, requests/s | {n / statistics.median(walls):,.0f} |")
+    print(f"| outside forwards, ms per request | {statistics.median(outside) / n * 1e3:.3f} |")
+    print(f"| tokenizer requests/s, batched (as the call does) | {n / statistics.median(tok_batched):,.0f} |")
+    print(f"| tokenizer requests/s, one encode per string | {n / statistics.median(tok_single):,.0f} |")
+    print("\ntoken ids: batched equal to one by one")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
