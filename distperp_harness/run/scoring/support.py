@@ -50,7 +50,8 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
 
     Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
     where transformers implements it for the model (``_supports_flex_attn``; a block mask,
-    :mod:`distperp_harness.run.scoring.masks`) — flash attention takes no custom mask —, no attention-logit soft
+    :mod:`distperp_harness.run.scoring.masks`) and not on CUDA (tree rows there disagreed with sdpa's, unresolved) —
+    flash attention takes no custom mask —, no attention-logit soft
     capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
     ``max_length`` tokens, so a longer window never applies).
     """
@@ -59,6 +60,11 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
     if not takes_4d_mask(model):
         return f"model type {model_type!r} is not known to take a prefix-sharing attention mask"
     impl = getattr(config, "_attn_implementation", None)
+    if impl == "flex_attention" and getattr(getattr(model, "device", None), "type", None) == "cuda":
+        return (
+            "flex_attention on CUDA: its tree rows chose other answers than sdpa's there (log-likelihoods up to "
+            "0.084 apart, one H200), so each answer gets a row of its own; attn_implementation=sdpa shares prefixes"
+        )
     if impl == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
         return (
             f"transformers has no flex_attention for {type(model).__name__} (attn_implementation=sdpa takes the mask)"

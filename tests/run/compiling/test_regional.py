@@ -226,6 +226,13 @@ def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatc
     assert [float(s) for s in score_rolling(lm, TEXTS)] == [float(s) for s in score_rolling(eager, TEXTS)]
 
 
+def test_compiling_is_not_offered_on_cuda(eager_model):
+    """compile= on CUDA runs eager with the reason (measured slower than eager there); on CPU it is tried."""
+    assert compiling.unsupported([eager_model], 1, torch.device("cpu")) is None
+    why = compiling.unsupported([eager_model], 1, torch.device("cuda", 0))
+    assert why == compiling.CUDA_REFUSAL and "not offered on CUDA" in why and "cuda_graphs" in why
+
+
 def test_warmup_shapes_come_from_max_length_and_batching():
     assert compiling.warmup_shapes(lambda length: 4096 // length, 1024) == [(4, 1024)]
     assert compiling.warmup_shapes(lambda length: max(1, 4096 // length), 8192) == [(1, 8192), (2, 4096)]

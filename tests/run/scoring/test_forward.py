@@ -452,6 +452,21 @@ def test_flex_attention_needs_transformers_support():
     assert "no flex_attention for GPT2LMHeadModel" in support.packed_rows_unsupported(tiny, 128)
 
 
+def test_flex_attention_tree_rows_are_refused_on_cuda():
+    """On CUDA flex tree rows chose other answers than sdpa (an H200): refused there with the reason and the fix,
+    so every answer gets its own row; the same model type on CPU keeps them."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(model_type="llama", _attn_implementation="flex_attention")
+    on = {
+        kind: SimpleNamespace(config=config, device=torch.device(kind), _supports_flex_attn=True)
+        for kind in ("cpu", "cuda")
+    }
+    assert support.packed_rows_unsupported(on["cpu"], 128) is None
+    why = support.packed_rows_unsupported(on["cuda"], 128)
+    assert "flex_attention on CUDA" in why and "attn_implementation=sdpa" in why
+
+
 def test_each_row_alone_gives_the_scores_of_a_batch_of_that_row_and_the_same_bits_in_any_batch(model):
     units = _units(3)
     cpu = torch.device("cpu")
