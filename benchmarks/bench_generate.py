@@ -15,8 +15,9 @@ Both models are built in-process from lm-eval's registry and called with the sam
 repeat (rotated order), median of ``--repeats``. Every position through the decoder is counted on both sides
 (``hf``: a hook on ``base_model``; distperp: its own statistics, since a hook would be traced into a compiled step
 and skipped by a CUDA graph's replay): *decode positions* (rows of forwards of one new token, a fixed-shape step's
-free slots included), *prefill positions* (everything else, pads included). *Useful tokens*: new tokens up to and including the one that ends each row (distperp's count; a row
-of ``hf`` computes those too before its batch may stop). For every text that differs, the first differing token
+free slots included), *prefill positions* (everything else, pads included). *Useful tokens*: new tokens up to and
+including the one that ends each row (distperp's count; a row of ``hf`` computes those too before its batch may
+stop). For every text that differs, the first differing token
 and the top-2 logit gap of the model there (a near-tie, or not) are printed.
 
 ``distperp-invariant`` is ``batch_invariant=true`` (each sequence decoded alone: what the option costs).
@@ -258,10 +259,10 @@ def print_steps(results: list[dict], lms: dict, bandwidth: float | None) -> None
                 step_s = (weights + rows * context * kv_cache_bytes_per_token(model)) / (bandwidth * 1e9)
                 floor_tok_s = call["generated"] / (call["decode_forwards"] * step_s)
                 floor = f"{row['tok_s'] / floor_tok_s:.1%}"
+            reads = call.get("host_reads", 0) / max(1, forwards)
             print(
-                f"| {r['shape']} | {name} | {call.get('decode_step', '?')} | {forwards} | "
-                f"{call.get('host_reads', 0) / max(1, forwards):.2f} | {row['median_s'] / max(1, forwards) * 1e3:.1f} | "
-                f"{row['tok_s']:.0f} | {floor} |"
+                f"| {r['shape']} | {name} | {call.get('decode_step', '?')} | {forwards} | {reads:.2f} | "
+                f"{row['median_s'] / max(1, forwards) * 1e3:.1f} | {row['tok_s']:.0f} | {floor} |"
             )
 
 

@@ -8,8 +8,9 @@ Work: MMLU-Pro-shaped requests (``--shots`` exemplars of ~120 words each shared 
 ``--options`` answers of a few words each), as lm-eval builds them (one ``Instance`` per answer), through the real
 ``DistPerpLM.loglikelihood`` in one process; ``--repeats`` times, median. Reported:
 
-* *requests/s* of the whole call, and *outside forwards ms per request* (the call's wall time minus the time inside
-  the model's forward calls, hooks on the model);
+* *requests/s* of the whole call, and *outside batches ms per request*: the call's wall time minus the time spent
+  scoring its batches (forwards and log-probabilities, ``Executor.score``): tokenizing, planning, gathering and
+  building results, what a GPU waits for;
 * *tokenizer requests/s*: the call's tokenization alone, as the call does it (``pre_encode`` in batches, then
   ``tok_encode`` from the memo), against one ``tok_encode`` per string (the strings lm-eval asks for, each distinct
   string once), with the ids checked equal.
@@ -82,9 +83,16 @@ def main(argv: list[str] | None = None) -> int:
             f"pretrained={path},max_length=2048,device=cpu", {"batch_size": args.batch_size}
         )
     inside = [0.0]
-    started = [0.0]
-    lm.model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
-    lm.model.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + time.perf_counter() - started[0]))
+    score = lm.executor.score
+
+    def timed(*args, **kwargs):  # one scoring batch: its forwards and log-probabilities
+        t0 = time.perf_counter()
+        try:
+            return score(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - t0
+
+    lm.executor.score = timed
     requests = mmlu_pro_requests(args.questions, args.shots, args.options)
     keys = list(dict.fromkeys(loglikelihood_strings(r.args for r in requests)))
 
@@ -121,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| measure | value |\n|---|---:|")
     print(f"| loglikelihood call, requests/s | {n / statistics.median(walls):,.0f} |")
-    print(f"| outside forwards, ms per request | {statistics.median(outside) / n * 1e3:.3f} |")
+    print(f"| outside batches, ms per request | {statistics.median(outside) / n * 1e3:.3f} |")
+    print(f"| outside batches, share of the call | {statistics.median(o / w for o, w in zip(outside, walls)):.1%} |")
     print(f"| tokenizer requests/s, batched (as the call does) | {n / statistics.median(tok_batched):,.0f} |")
     print(f"| tokenizer requests/s, one encode per string | {n / statistics.median(tok_single):,.0f} |")
     print("\ntoken ids: batched equal to one by one")

@@ -355,4 +355,4 @@ def test_request_path_runs_and_batched_ids_equal(tiny_model_dir):
         cwd=REPO_ROOT,
         timeout=600,
     )
-    assert "| outside forwards, ms per request |" in proc.stdout and "batched equal to one by one" in proc.stdout
+    assert "| outside batches, ms per request |" in proc.stdout and "batched equal to one by one" in proc.stdout
