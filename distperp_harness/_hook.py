@@ -8,7 +8,9 @@ registered first (``import lm_eval.models``, itself lazy), so ``hf`` and ``dummy
 
 Likewise, when ``lm_eval.tasks.manager`` is first imported, its ``TaskManager`` learns to index distperp's task
 folder next to lm-eval's own (:func:`add_tasks`), so ``--tasks distperp_wikitext2`` needs no ``--include_path``;
-a handful of YAML files more in the index lm-eval builds anyway.
+a handful of YAML files more in the index lm-eval builds anyway. And when ``lm_eval.loggers.evaluation_tracker``
+is first imported, ``--output_path`` is checked before any model loads and results are never lost at the end
+(:func:`guard_outputs`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 
 _TARGET_MODULE = "lm_eval.api.registry"
 _TASKS_MODULE = "lm_eval.tasks.manager"
+_TRACKER_MODULE = "lm_eval.loggers.evaluation_tracker"
 
 
 def register(registry_module) -> None:
@@ -114,11 +117,39 @@ def add_tasks(manager_module) -> None:
     cls.__init__ = __init__
 
 
+def guard_outputs(tracker_module) -> None:
+    """Make lm-eval's ``EvaluationTracker`` check ``--output_path`` when it is made and never lose results at the
+    end (:mod:`distperp_harness.report.outputs`). Idempotent."""
+    import functools
+
+    cls = tracker_module.EvaluationTracker
+    if getattr(cls.save_results_aggregated, "_distperp", False):
+        return
+    init, save = cls.__init__, cls.save_results_aggregated
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        from distperp_harness.report.outputs import check_writable
+
+        init(self, *args, **kwargs)
+        check_writable(getattr(self, "output_path", None))
+
+    @functools.wraps(save)
+    def save_results_aggregated(self, results, *args, **kwargs):
+        from distperp_harness.report.outputs import save_or_fall_back
+
+        save_or_fall_back(save, self, results, *args, **kwargs)
+
+    save_results_aggregated._distperp = True  # type: ignore[attr-defined]
+    cls.__init__, cls.save_results_aggregated = __init__, save_results_aggregated
+
+
 def install() -> None:
-    """Register ``distperp`` once lm-eval's registry is loaded, and its tasks once lm-eval's task manager is (at
-    once where they already are)."""
+    """Register ``distperp`` once lm-eval's registry is loaded, its tasks once lm-eval's task manager is, and the
+    output checks once its evaluation tracker is (at once where they already are)."""
     after_import(_TARGET_MODULE, register)
     after_import(_TASKS_MODULE, add_tasks)
+    after_import(_TRACKER_MODULE, guard_outputs)
 
 
 install()

@@ -6,7 +6,9 @@ callers (``lm_eval.simple_evaluate``) get it as any exception. From the command 
 with code 1, on every rank of a launch; an error every rank meets alike (one that follows from the command line
 or that the ranks agreed on) is printed once per node, by its first process (``LOCAL_RANK`` 0).
 ``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity DEBUG`` brings the traceback back. lm-eval's own "Tasks not
-found" error keeps its traceback and gains a line that says how to fix it.
+found" error keeps its traceback and gains a line that says how to fix it. Ctrl-C is one line too (per node), no
+traceback (with ``resume_dir`` the store's signal handler says what is saved instead,
+:mod:`distperp_harness.run.execution.resume`).
 
 Standard library only: the start-up hook installs the excepthook before lm-eval runs a task.
 """
@@ -67,6 +69,12 @@ def one_line(error: InputError) -> str | None:
     return f"distperp: error{where}: {message}"
 
 
+INTERRUPTED = (
+    "distperp: stopped by Ctrl-C (SIGINT); nothing of this run is kept. Fix: resume_dir=FOLDER in --model_args "
+    "keeps finished batches, and the same command then resumes from them."
+)
+
+
 def _is_tasks_not_found(value: BaseException) -> bool:
     return isinstance(value, ValueError) and str(value).startswith("Tasks not found")
 
@@ -79,6 +87,10 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt) and not wants_traceback():  # Python still exits as for SIGINT
+            if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+                print(INTERRUPTED, file=sys.stderr, flush=True)
+            return
         if isinstance(value, InputError) and not wants_traceback():
             line = one_line(value)
             if line is not None:

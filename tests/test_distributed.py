@@ -348,3 +348,21 @@ def _alive(pid):
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_per_document_kl_values_read_back_from_the_samples_file(runs):
+    """``--log_samples`` holds each document's per-token KL values as JSON numbers (not an array's truncated repr):
+    read back, they give the run's own aggregates bit for bit (the 99th percentile over every token, each
+    document's KL sum)."""
+    import math
+
+    import numpy as np
+
+    samples = load_samples(runs["1p-int4"], "distperp_wikitext2")
+    results = load_results(runs["1p-int4"])["results"]["distperp_wikitext2"]
+    values = [s["kl_p99"] for s in samples]
+    assert values and all(isinstance(v, list) and all(isinstance(x, float) for x in v) for v in values)
+    for sample, kl in zip(samples, values):
+        total, n_tokens = sample["kl_divergence"]
+        assert len(kl) == n_tokens == sample["n_tokens"] and math.fsum(kl) == total
+    assert float(np.percentile(np.concatenate([np.asarray(v) for v in values]), 99)) == results["kl_p99,none"]

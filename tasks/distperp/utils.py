@@ -333,7 +333,7 @@ def process_results(doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:
     items.update(
         {
             "kl_divergence": (math.fsum(kl), n_tokens),
-            "kl_p99": kl,
+            "kl_p99": [float(x) for x in kl],  # JSON numbers in --log_samples (an array would be its repr)
             "kl_max": float(kl.max()) if len(kl) else None,
             "top1_agreement": (result.top1_agree, n_tokens),
             "ref_token_perplexity": (ref_loglikelihood, n_tokens),

@@ -19,9 +19,12 @@ What long runs meet, and the contract for each:
   ``OSError`` (disk full, permission lost, filesystem gone) removes the temporary file and stops saving on that
   process; rank 0 warns once per failing rank with the reason and the path. The evaluation finishes with the
   same results.
-* **Preemption.** With ``exit_on_sigterm``, SIGTERM (what SLURM sends, and ``accelerate launch`` forwards)
-  ends the process at once with exit code 143 — no exit barrier, no half-written file left behind — and rank 0
-  first logs that the same command resumes the run and how many batches are saved.
+* **Preemption and Ctrl-C.** With ``exit_on_sigterm``, SIGTERM (what SLURM sends, and ``accelerate launch``
+  forwards) and SIGINT (Ctrl-C, which reaches every process of a launch) end the process at once with exit code
+  143 or 130 — no exit barrier, no traceback, no half-written file left behind — and each node's first process
+  first says, in one line, how many batches are saved and that the same command resumes the run.
+* **Leftovers.** A writer killed between its temporary file and the rename (SIGKILL, a lost node) leaves a
+  ``.tmp-*`` file: rank 0 removes those when a run opens the folder.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -102,8 +106,17 @@ class BatchStore:
         self._warned_ranks: set[int] = set()
         self._logged_corrupt = 0
         self._in_flight: str | None = None
+        if is_main:
+            self._remove_leftovers()
         if exit_on_sigterm:
             _exit_on_sigterm(self)
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files of writers that were killed (no rank writes before the run's first collective)."""
+        with contextlib.suppress(OSError):
+            for path in self.folder.glob(".tmp-*"):
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     # ------------------------------------------------------------------------------------------ reading
     def load(self, rows: Sequence[Row]) -> BatchScores | None:
@@ -348,7 +361,8 @@ _ACTIVE: list[BatchStore] = []
 
 
 def _exit_on_sigterm(store: BatchStore) -> None:
-    """Make SIGTERM end this process at once (exit code 143), rank 0 saying how to resume.
+    """Make SIGTERM and SIGINT end this process at once (exit code 143 or 130), each node's first process saying
+    how to resume.
 
     ``os._exit`` skips ``atexit`` on purpose: the process-group exit barrier
     (:func:`distperp_harness.distributed.collective._leave_group`) would wait for peers that are being stopped too. The
@@ -360,6 +374,8 @@ def _exit_on_sigterm(store: BatchStore) -> None:
         return  # signal handlers can only be set from the main thread; the default SIGTERM still stops us
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Python's own: KeyboardInterrupt
+        signal.signal(signal.SIGINT, _on_sigterm)
 
 
 def _on_sigterm(signum: int, frame) -> None:  # signal handler signature
@@ -367,13 +383,16 @@ def _on_sigterm(signum: int, frame) -> None:  # signal handler signature
     store = _ACTIVE[0] if _ACTIVE else None
     if store is not None:
         store._discard_in_flight()
-        if store.is_main:
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # one line per node (a launch's every process stops)
             saved = store.saved_batches()
-            log.warning(
-                f"stopped by SIGTERM: {'an unknown number of' if saved is None else saved} finished "
+            name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+            print(
+                f"distperp: stopped by {name}: {'an unknown number of' if saved is None else saved} finished "
                 f"batch(es) of this model configuration are saved in resume_dir={store.folder}. Run the "
                 "same command again to resume: saved batches are reused (with any number of processes), "
-                "the rest are computed, and the results are identical."
+                "the rest are computed, and the results are identical.",
+                file=sys.stderr,
+                flush=True,
             )
     hard_exit(128 + signum)
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import zipfile
 
@@ -381,7 +382,11 @@ def _wait_until_saving_pauses(folder, launcher, log_path, timeout=240.0, quiet=2
     pytest.fail(f"no pause in saving within {timeout:g} s:\n{log_path.read_text()[-3000:]}")
 
 
-def test_sigterm_stops_both_ranks_and_the_same_command_resumes(tiny_model_dir, clean_cli, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stop_signal_stops_both_ranks_and_the_same_command_resumes(tiny_model_dir, clean_cli, tmp_path, signum):
+    """SIGTERM (SLURM, kill: the launcher forwards it) or Ctrl-C (SIGINT to the terminal's whole process group):
+    every rank stops within seconds, one line for the node says what is saved, no rank prints a traceback, no
+    temporary file is left, and the same command resumes."""
     resume, out, log_path = tmp_path / "resume", tmp_path / "preempted", tmp_path / "preempted.log"
     command = _command(tiny_model_dir, out, 2, resume)
     # Rank 1 stalls after its first batch, so rank 0 finishes its share and waits in a collective for it:
@@ -399,7 +404,10 @@ def test_sigterm_stops_both_ranks_and_the_same_command_resumes(tiny_model_dir, c
     try:
         _wait_until_saving_pauses(resume, launcher, log_path)
         t0 = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)  # as SLURM or a user's kill does; the launcher forwards it
+        if signum == signal.SIGINT:
+            os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C: the terminal signals every process of the group
+        else:
+            launcher.send_signal(signal.SIGTERM)  # as SLURM or a user's kill does; the launcher forwards it
         launcher.wait(timeout=60)
         elapsed = time.monotonic() - t0
         time.sleep(0.5)
@@ -411,10 +419,46 @@ def test_sigterm_stops_both_ranks_and_the_same_command_resumes(tiny_model_dir, c
     output = log_path.read_text()
     assert launcher.returncode != 0 and elapsed < 15, output[-3000:]
     saved = len(list(resume.glob("batch-*.npz")))
-    notices = [line for line in output.splitlines() if "stopped by SIGTERM" in line]
-    assert len(notices) == 1, output[-3000:]  # rank 0 only
+    name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
+    notices = [line for line in output.splitlines() if f"stopped by {name}" in line]
+    assert len(notices) == 1, output[-3000:]  # the node's first process only
+    assert "KeyboardInterrupt" not in output, output[-3000:]  # no rank's traceback
     assert f"{saved} finished batch(es)" in notices[0] and "Run the same command again to resume" in notices[0]
     assert not list(out.rglob("results_*.json")) and not list(resume.glob(".tmp-*"))
 
     run_command(command, cwd=tmp_path)
     _assert_resumed(out, clean_cli, saved)
+
+
+def test_ctrl_c_on_one_process_without_resume_dir_is_one_line(tiny_model_dir, tmp_path):
+    """Ctrl-C on a plain ``lm_eval`` run: one line that says nothing is kept and how to keep it, no traceback, the
+    exit status of SIGINT."""
+    out, log_path = tmp_path / "out", tmp_path / "run.log"
+    command = [sys.executable, *_command(tiny_model_dir, out, 1)[len(accelerate_launch_prefix(1)) :]]
+    with open(log_path, "w") as log:
+        run = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=offline_env({"DISTPERP_TEST_HOLD": "0:1"}),  # stalls after its first batch
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "distperp" not in log_path.read_text() or "loglikelihood_rolling" not in log_path.read_text():
+            if run.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run did not reach scoring:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    output = log_path.read_text()
+    assert run.returncode in (130, -signal.SIGINT), (run.returncode, output[-3000:])
+    lines = [line for line in output.splitlines() if line.startswith("distperp: stopped by Ctrl-C")]
+    assert len(lines) == 1 and "resume_dir=" in lines[0], output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
