@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distperp_harness.errors import InputError
 from distperp_harness.report.results import Score
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
@@ -176,6 +177,20 @@ def test_extra_metadata_is_ignored(tmp_path):
         **WT2, split="test", wikitext_path=str(tmp_path), pretrained="x", version=1.0, config_source="y.yaml"
     )
     assert pages(result) == SAMPLE_ARTICLES
+
+
+@pytest.mark.parametrize(
+    "loader, typo, key",
+    [("load_wikitext", "wikitext_pth", "wikitext_path"), ("load_local_docs", "doc_path", "docs_path")],
+)
+def test_a_misspelled_metadata_key_is_one_line_and_never_the_hub(monkeypatch, loader, typo, key):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda **kw: pytest.fail("went to the hub"))
+    kwargs = {**WT2, "split": "test"} if loader == "load_wikitext" else {"split": "test"}
+    with pytest.raises(InputError, match=f"--metadata key '{typo}' is not one this task reads") as info:
+        getattr(utils, loader)(**kwargs, **{typo: "/some/where"}, pretrained="x", version=1.0)
+    assert f"Did you mean '{key}'" in str(info.value) and info.value.same_on_every_rank
 
 
 def test_hub_is_the_default(monkeypatch):

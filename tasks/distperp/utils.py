@@ -183,6 +183,21 @@ def _to_dataset_dict(split: str, column: str, texts: list[str], extra: dict[str,
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _check_keys(task_key: str, given: dict[str, Any]) -> None:
+    """A key of lm-eval's metadata that looks like a misspelling of ``task_key`` is refused in one line (else the
+    task would silently read another source, the hub for WikiText). The rest of the metadata (``--model_args``
+    keys, the task version) is not this loader's."""
+    import difflib
+
+    close = [k for k in given if k != task_key and difflib.SequenceMatcher(None, k, task_key).ratio() >= 0.75]
+    if close:
+        raise InputError(
+            f"--metadata key {close[0]!r} is not one this task reads; allowed: {task_key!r}. Did you mean "
+            f"{task_key!r}? Fix: --metadata '{{\"{task_key}\": \"PATH\"}}'",
+            same_on_every_rank=True,
+        )
+
+
 def load_wikitext(
     *,
     hub_path: str,
@@ -202,6 +217,7 @@ def load_wikitext(
             ``$DISTPERP_WIKITEXT_PATH``.
         _ignored: the rest of lm-eval's metadata (model args, task version), not used.
     """
+    _check_keys("wikitext_path", _ignored)
     configured = _configured_path("wikitext_path", wikitext_path, WIKITEXT_PATH_ENV)
     if configured is None:
         import datasets
@@ -270,6 +286,7 @@ def read_local_docs(path: Path, source: str) -> list[tuple[str, str]]:
 
 def load_local_docs(*, split: str = "test", docs_path: str | None = None, **_ignored: Any):
     """``{split: Dataset}`` with ``text`` and ``source`` columns from ``docs_path`` or ``$DISTPERP_DOCS_PATH``."""
+    _check_keys("docs_path", _ignored)
     configured = _configured_path("docs_path", docs_path, DOCS_PATH_ENV)
     if configured is None:
         raise InputError(
