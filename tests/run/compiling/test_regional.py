@@ -13,6 +13,7 @@ from lm_eval.api.instance import Instance
 from distperp_harness.options import COMPILE_MODES, Options
 from distperp_harness.planning.requests import Unit, window_units
 from distperp_harness.run.compiling import regional as compiling
+from distperp_harness.run.generation.step import CompiledStep
 from distperp_harness.run.scoring.forward import LL, score_batch
 
 ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4,share_prefix=false"
@@ -134,7 +135,7 @@ def test_generation_decodes_with_the_compiled_static_step(compiled_lm, tiny_mode
     assert decode["state"] == "compiled" and decode["graphs"] and decode["compiled_calls"] > 0
     assert decode["eager_calls"]["not_covered"] == 0 and compiled_lm.compiled.recompilations() == 0
     eager = make_lm(tiny_model_dir, ARGS)
-    assert eager.static_decoding is None
+    assert not isinstance(eager.static_decoding, CompiledStep)  # the eager fixed-shape step
     assert texts == eager.generate_until(requests, disable_tqdm=True)
 
 
@@ -219,7 +220,10 @@ def test_failure_runs_eager_and_says_why(tiny_model_dir, compiled_lm, monkeypatc
         "forward" not in m.__dict__ for layer in compiling.decoder_layers(lm.model) for m in layer.modules()
     )  # eager again: layers and their linears (no packed weights)
     assert lm.get_model_info()["distperp"]["compile"]["prepacked"]["linears"] == 0
-    assert lm.static_decoding is None and lm.get_model_info()["distperp"]["compile"]["decode"] is None
+    assert (
+        not isinstance(lm.static_decoding, CompiledStep)
+        and lm.get_model_info()["distperp"]["compile"]["decode"] is None
+    )
     assert lm._scoring_config()["compiled"] is None  # eager bits: not the compiled run's resume key
     assert lm.get_model_info()["distperp"]["compile"]["reason"] == state.reason
     eager = make_lm(tiny_model_dir, ARGS)
