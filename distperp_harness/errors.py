@@ -15,6 +15,7 @@ Standard library only: the start-up hook installs the excepthook before lm-eval 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -75,6 +76,14 @@ INTERRUPTED = (
 )
 
 
+def close_progress_bars() -> None:
+    """End every open tqdm bar (its line), so that a message printed next starts on a line of its own."""
+    module = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(module, "tqdm", None), "_instances", None) or ()):
+        with contextlib.suppress(Exception):  # a bar half torn down: the message matters more
+            bar.close()
+
+
 def _is_tasks_not_found(value: BaseException) -> bool:
     return isinstance(value, ValueError) and str(value).startswith("Tasks not found")
 
@@ -89,6 +98,7 @@ def install_excepthook() -> None:
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if issubclass(kind, KeyboardInterrupt) and not wants_traceback():  # Python still exits as for SIGINT
             if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+                close_progress_bars()
                 print(INTERRUPTED, file=sys.stderr, flush=True)
             return
         if isinstance(value, InputError) and not wants_traceback():

@@ -193,7 +193,7 @@ def _check_keys(task_key: str, given: dict[str, Any]) -> None:
     if close:
         raise InputError(
             f"--metadata key {close[0]!r} is not one this task reads; allowed: {task_key!r}. Did you mean "
-            f"{task_key!r}? Fix: --metadata '{{\"{task_key}\": \"PATH\"}}'",
+            f'{task_key!r}? Fix: --metadata \'{{"{task_key}": "PATH"}}\'',
             same_on_every_rank=True,
         )
 

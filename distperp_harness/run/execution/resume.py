@@ -386,8 +386,8 @@ def _on_sigterm(signum: int, frame) -> None:  # signal handler signature
         if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # one line per node (a launch's every process stops)
             saved = store.saved_batches()
             name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
-            print(
-                f"distperp: stopped by {name}: {'an unknown number of' if saved is None else saved} finished "
+            print(  # from a new line: a progress bar may hold the current one (no lock taken in a handler)
+                f"\ndistperp: stopped by {name}: {'an unknown number of' if saved is None else saved} finished "
                 f"batch(es) of this model configuration are saved in resume_dir={store.folder}. Run the "
                 "same command again to resume: saved batches are reused (with any number of processes), "
                 "the rest are computed, and the results are identical.",

@@ -459,6 +459,6 @@ def test_ctrl_c_on_one_process_without_resume_dir_is_one_line(tiny_model_dir, tm
             os.killpg(run.pid, signal.SIGKILL)
     output = log_path.read_text()
     assert run.returncode in (130, -signal.SIGINT), (run.returncode, output[-3000:])
-    lines = [line for line in output.splitlines() if line.startswith("distperp: stopped by Ctrl-C")]
+    lines = [line for line in output.splitlines() if line.lstrip("\r").startswith("distperp: stopped by Ctrl-C")]
     assert len(lines) == 1 and "resume_dir=" in lines[0], output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
