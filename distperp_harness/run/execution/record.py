@@ -30,7 +30,8 @@ def run_record(lm: Any) -> dict:
 
     ``options.device`` is the device the run used where the value was lm-eval's default and fell back (no CUDA);
     ``options.compile`` is ``false`` or the torch.compile mode; ``sharing`` is what loglikelihood requests use
-    (rolling windows are one per row: their calls record ``share_mode: off``)."""
+    (rolling windows are one per row: their calls record ``share_mode: off``), its ``mode`` ``None`` when no
+    loglikelihood call ran."""
     options = lm.options.to_dict()
     if lm.options.device_from_cli and str(lm._device) != lm.options.device:
         options["device"] = str(lm._device)
@@ -57,8 +58,8 @@ def run_record(lm: Any) -> dict:
             },
             "batch_invariant": lm.options.batch_invariant,
             "bits_depend_on": bits_depend_on(lm.options.batch_invariant),
-            "sharing": {
-                "mode": lm.sharing.mode,
+            "sharing": {  # a mode only where loglikelihood requests ran (the calls say what ran)
+                "mode": lm.sharing.mode if any(c.kind == "loglikelihood" for c in lm.stats.calls) else None,
                 "requests": "loglikelihood",
                 "max_row_length": lm.sharing.max_row_length,
                 "row_budget": lm.row_budget_reason,

@@ -15,6 +15,16 @@ def test_options_say_the_device_and_compile_mode_the_run_used(tiny_model_dir):
         assert info["options"]["device"] == info["device"] == "cpu"
     assert info["options"]["compile"] is False
     assert info["sharing"]["requests"] == "loglikelihood"
+    assert info["sharing"]["mode"] is None  # no loglikelihood call ran: no sharing mode was used
+
+
+def test_a_rolling_only_run_records_no_sharing_mode(tiny_model_dir):
+    from helpers import score_rolling
+
+    lm = make_lm(tiny_model_dir, ",max_length=64")
+    score_rolling(lm, ["a few words of text to score"])
+    info = lm.get_model_info()["distperp"]
+    assert [c["kind"] for c in info["calls"]] == ["loglikelihood_rolling"] and info["sharing"]["mode"] is None
 
 
 def test_a_device_the_user_gave_is_recorded_as_given(tiny_model_dir):
