@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 TRACEBACK_ENV = "DISTPERP_TRACEBACK"
@@ -88,6 +89,30 @@ def _is_tasks_not_found(value: BaseException) -> bool:
     return isinstance(value, ValueError) and str(value).startswith("Tasks not found")
 
 
+def distperp_task_names() -> list[str]:
+    """The names of distperp's shipped tasks: its task folder's YAML files (in a checkout or installed)."""
+    package = Path(__file__).resolve().parent
+    for folder in (package.parent / "tasks" / "distperp", package / "tasks" / "distperp"):
+        if folder.is_dir():
+            return sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.startswith("_"))
+    return []
+
+
+def did_you_mean(message: str) -> list[str]:
+    """``distperp: did you mean NAME?`` lines for the names of lm-eval's "Tasks not found: a, b" that are close to
+    one of distperp's tasks."""
+    import difflib
+
+    missing = message.removeprefix("Tasks not found:").strip().split(", ")
+    ours = distperp_task_names()
+    lines = []
+    for name in missing:
+        close = difflib.get_close_matches(name, ours, n=1, cutoff=0.75)
+        if close:
+            lines.append(f"distperp: did you mean {close[0]!r} (for {name!r})?")
+    return lines
+
+
 def install_excepthook() -> None:
     """Show uncaught :class:`InputError` as one line (see the module docstring). Idempotent; a hook installed
     later that wraps this one (the fail-fast channel's) must call it for the printing."""
@@ -108,6 +133,8 @@ def install_excepthook() -> None:
             return
         previous(kind, value, traceback)
         if _is_tasks_not_found(value):
+            for line in did_you_mean(str(value)):
+                print(line, file=sys.stderr, flush=True)
             print(TASKS_HINT, file=sys.stderr, flush=True)
 
     hook._distperp_input = True  # type: ignore[attr-defined]

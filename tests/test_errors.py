@@ -73,3 +73,14 @@ def test_other_errors_keep_their_traceback_and_a_missing_task_gains_the_fix(hook
     sys.excepthook(type(missing), missing, None)
     assert hooked == [bug, missing]
     assert capsys.readouterr().err.splitlines() == [TASKS_HINT]
+
+
+def test_an_unknown_task_close_to_a_distperp_task_gets_did_you_mean():
+    from distperp_harness.errors import did_you_mean, distperp_task_names
+
+    assert "distperp_wikitext2" in distperp_task_names() and "distperp_local_docs" in distperp_task_names()
+    assert did_you_mean("Tasks not found: distperp_wikitxt2, hellaswagg, distperp_local_doc") == [
+        "distperp: did you mean 'distperp_wikitext2' (for 'distperp_wikitxt2')?",
+        "distperp: did you mean 'distperp_local_docs' (for 'distperp_local_doc')?",
+    ]
+    assert did_you_mean("Tasks not found: no_such_task") == []

@@ -1,4 +1,5 @@
-"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,compare,sweep}`` (also ``distperp``)."""
+"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,compare,sweep}`` (also
+``distperp``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         help="print the demo model's folder (a small Llama trained on the packaged "
         "sample; built once, about 30 s, then cached)",
     )
+
+    new_task = sub.add_parser(
+        "new-task", help="write a task YAML of your own (perplexity of your documents) that runs from your folder"
+    )
+    new_task.add_argument("name", help="the task's name (what --tasks takes)")
+    new_task.add_argument("--data", required=True, help="a folder of .txt/.jsonl documents, or one such file")
+    new_task.add_argument("--out", default=".", help="folder to write NAME.yaml in (default: the current one)")
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
     compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
@@ -58,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         from distperp_harness.commands.demo import run_demo
 
         return run_demo(out=args.out, processes=args.processes)
+    if args.command == "new-task":
+        from distperp_harness.commands.newtask import write_task
+
+        written = write_task(args.name, args.data, args.out)
+        print(
+            f"{written}\nrun it: lm_eval --model distperp --model_args pretrained=MODEL --tasks {args.name} "
+            f"--include_path {written.parent}"
+        )
+        return 0
     if args.command == "compare":
         from distperp_harness.commands.compare import run_compare
 
