@@ -5,9 +5,10 @@
 
 On a GPU a read of a tensor's values (``.tolist()``, ``.item()``, ``bool(t)``...) waits for the device, and the
 Python between two forwards leaves it idle: both decide a small model's decode speed there, and both can be
-counted on a CPU. For each decode step kind (``dynamic``: the ``DynamicCache`` batch; ``static``: the fixed-shape
-eager step, the default where the model takes a 4D mask) one lane of ``--prompts`` prompts is decoded greedily in
-``--slots`` slots (stop at EOS or a blank line, ``--new`` tokens at most), alternating kinds, ``--repeats`` times:
+counted on a CPU. For each decode step kind (``dynamic``: the ``DynamicCache`` batch, the default without a CUDA
+graph; ``static``: the fixed-shape step, eager, which a CUDA graph records) one lane of ``--prompts`` prompts is
+decoded greedily in ``--slots`` slots (stop at EOS or a blank line, ``--new`` tokens at most), alternating kinds,
+``--repeats`` times:
 
 * *reads per forward*: every read of tensor values by Python code during the lane (the model's forward included),
   counted by patching ``torch.Tensor`` (:func:`~distperp_harness.run.generation.transfer.counting_reads`), over

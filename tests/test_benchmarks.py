@@ -254,7 +254,9 @@ def test_bench_generate_runs_end_to_end(tiny_model_dir):
     assert "| shape | backend | decode positions per useful token |" in out
     for shape in ("instruct", "gsm8k"):
         assert f"| {shape} (3 prompts" in out and f"\n{shape}: distperp " in out, out
-        assert f"| {shape} | distperp | static | " in out, out  # the decode step table: the fixed-shape step
+        assert f"| {shape} | distperp | dynamic | " in out, (
+            out
+        )  # the decode step table: CPU decodes on the dynamic cache
 
 
 def test_decode_host_counts_one_read_per_forward(tiny_model_dir):
