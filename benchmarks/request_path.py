@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401 - registers --model distperp
+
     try:
         from distperp_harness.tokens import loglikelihood_strings
     except ImportError:  # a checkout from before batched tokenization: the same strings, listed here
