@@ -492,7 +492,11 @@ class DistPerpLM(Tokenization, TemplateLM):
 
     @property
     def batch_sizes(self) -> dict[int, int]:
-        return {0: self.batching.batch_size} if self.batching.batch_size else {}
+        """lm-eval's record of the batch size: the fixed one, or under ``auto`` the most rows a batch held so far."""
+        if self.batching.batch_size:
+            return {0: self.batching.batch_size}
+        rows = [getattr(c, "max_batch_rows", 0) for c in self.stats.calls]
+        return {0: max(rows)} if any(rows) else {}
 
     @property
     def device(self) -> torch.device:

@@ -212,6 +212,7 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
                 total_seconds=time.perf_counter() - t0,
                 seconds_after_arrival=time.perf_counter() - t_met,
                 facts=executor.facts(received_before),
+                max_batch_rows=max((b.stop - b.start for b in batches), default=0),
             )
         )
     return out

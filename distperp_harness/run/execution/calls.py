@@ -45,7 +45,8 @@ class RankFacts:
 class ScoringCall:
     """One scoring call over the global plan. ``computed_tokens``: positions run through the model (shared prefixes
     once); ``tokens_saved``: the units' input tokens minus those; balance figures from
-    :func:`distperp_harness.planning.plan.balance_report`; ``*_seconds`` from the call's start on this rank."""
+    :func:`distperp_harness.planning.plan.balance_report`; ``*_seconds`` from the call's start on this rank;
+    ``max_batch_rows``: the most rows a batch of the plan holds (the effective batch size under ``auto``)."""
 
     kind: str
     units: int
@@ -69,6 +70,7 @@ class ScoringCall:
     total_seconds: float
     seconds_after_arrival: float
     facts: list[RankFacts] = field(default_factory=list)
+    max_batch_rows: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("per_rank", "facts")}

@@ -30,3 +30,13 @@ def test_a_rolling_only_run_records_no_sharing_mode(tiny_model_dir):
 def test_a_device_the_user_gave_is_recorded_as_given(tiny_model_dir):
     info = make_lm(tiny_model_dir, ",device=cpu").get_model_info()["distperp"]
     assert info["options"]["device"] == "cpu" and info["options"]["compile"] is False
+
+
+def test_batch_size_auto_records_the_rows_its_batches_held(tiny_model_dir):
+    from helpers import score_rolling
+
+    lm = make_lm(tiny_model_dir, ",max_length=64", {"batch_size": "auto"})
+    assert lm.batch_sizes == {}  # nothing planned yet
+    score_rolling(lm, ["a few words of text to score", "and some more words here", "a third one"])
+    rows = lm.get_model_info()["distperp"]["calls"][0]["max_batch_rows"]
+    assert rows >= 1 and lm.batch_sizes == {0: rows}
