@@ -111,3 +111,30 @@ def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
         "compare: nowhere: no such results file or folder"
     ], missing.stderr
     assert os.listdir(here) and not (here / "distperp_harness").exists()
+
+    # nothing lost, nothing silent: an output folder that cannot be written (a file in the way) and a misspelled
+    # --metadata key are one line each before any model loads; a task of one's own from `distperp new-task` runs
+    # from this folder and gives the shipped task's results on the same documents
+    (here / "blocked").write_text("a file, not a folder")
+    docs = here / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(Path(where.strip()).parent.joinpath("data", "sample_wikitext.txt").read_text())
+    _run([distperp, "new-task", "mine", "--data", "docs", "--out", "mytasks"], cwd=here)
+    plain = [*lm_eval, "--model", "distperp", "--model_args", f"pretrained={model}"]
+    unwritable = [*plain, *sample, "--output_path", "blocked/results"]
+    typo = [*plain, "--tasks", "distperp_wikitext2", "--metadata", json.dumps({"wikitext_pth": "sample"})]
+    mine = [*plain, "--tasks", "mine", "--include_path", "mytasks", "--output_path", "mine/"]
+    shipped = [*plain, "--tasks", "distperp_local_docs", "--metadata", json.dumps({"docs_path": "docs"})]
+    blocked, misspelled, _, _ = side_by_side(
+        lambda: _run(unwritable, here, check=False),
+        lambda: _run(typo, here, check=False),
+        lambda: _run(mine, here),
+        lambda: _run([*shipped, "--output_path", "shipped/"], here),
+    )
+    for run, fragment in ((blocked, "--output_path 'blocked/results'"), (misspelled, "Did you mean 'wikitext_path'")):
+        said = [line for line in run.stderr.splitlines() if line.startswith("distperp: error")]
+        assert run.returncode == 1 and len(said) == 1 and fragment in said[0], run.stderr[-3000:]
+        assert "Traceback" not in run.stderr and "loglikelihood_rolling" not in run.stderr, run.stderr[-3000:]
+    ours = json.loads(next((here / "mine").rglob("results_*.json")).read_text())["results"]["mine"]
+    theirs = json.loads(next((here / "shipped").rglob("results_*.json")).read_text())["results"]["distperp_local_docs"]
+    assert ours["token_perplexity,none"] == theirs["token_perplexity,none"] and ours["n_tokens,none"] > 0
