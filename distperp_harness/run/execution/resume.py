@@ -89,8 +89,15 @@ class BatchStore:
         self.folder = Path(folder).expanduser()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=self.folder, prefix=".write-check-")  # writable: checked at start
+            os.close(fd)
+            os.unlink(probe)
         except OSError as exc:
-            raise InputError(f"resume_dir={str(folder)!r} cannot be created: {exc}") from exc
+            raise InputError(
+                f"resume_dir={str(folder)!r} cannot be created or written to: {exc}. Fix: give a folder you can "
+                "write to",
+                same_on_every_rank=True,
+            ) from exc
         self.with_kl = with_kl
         self.is_main = is_main
         config_text = json.dumps({"config": config, "format": FORMAT}, sort_keys=True, default=str)

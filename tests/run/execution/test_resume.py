@@ -29,6 +29,7 @@ from helpers import (
     score_rolling,
 )
 
+from distperp_harness.errors import InputError
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import build_rows, unit_rows
 from distperp_harness.run.execution.resume import BatchStore
@@ -462,3 +463,15 @@ def test_ctrl_c_on_one_process_without_resume_dir_is_one_line(tiny_model_dir, tm
     lines = [line for line in output.splitlines() if line.lstrip("\r").startswith("distperp: stopped by Ctrl-C")]
     assert len(lines) == 1 and "resume_dir=" in lines[0], output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+
+
+def test_a_resume_dir_that_cannot_be_written_is_refused_at_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(InputError, match="cannot be created or written to") as info:
+        BatchStore(blocker / "resume", {"model": "x"})
+    assert info.value.same_on_every_rank
+    (tmp_path / "ok" / ".tmp-left-by-a-killed-writer.npz").parent.mkdir()
+    (tmp_path / "ok" / ".tmp-left-by-a-killed-writer.npz").write_bytes(b"")
+    BatchStore(tmp_path / "ok", {"model": "x"})  # rank 0 opens it: the leftover goes, nothing else is left
+    assert list((tmp_path / "ok").iterdir()) == []
