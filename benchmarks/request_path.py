@@ -58,18 +58,6 @@ def mmlu_pro_requests(questions: int, shots: int, options: int) -> list:
     return out
 
 
-def _strings(args):
-    for context, continuation in args:
-        if context == "":
-            yield continuation, False
-            continue
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        yield context + continuation, None
-        yield context, None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a causal LM folder (default: the tiny test model)")
@@ -83,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401 - registers --model distperp
-
-    try:
-        from distperp_harness.tokens import loglikelihood_strings
-    except ImportError:  # a checkout from before batched tokenization: the same strings, listed here
-        loglikelihood_strings = _strings
+    from distperp_harness.tokens import loglikelihood_strings
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
@@ -115,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     def batched() -> list:
         lm._encoded = {}
         try:
-            if hasattr(lm, "pre_encode"):  # (a checkout from before batched tokenization: one by one)
-                lm.pre_encode(keys)
+            lm.pre_encode(keys)
             return [lm.tok_encode(*key) for key in keys]
         finally:
             lm._encoded = None

@@ -589,3 +589,23 @@ def write_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) 
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def peaked_model(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Any, Any]:
+    """The model at ``source`` with peaked distributions (:func:`sharpened_model`, scale 4: greedy choices far from
+    ties), loaded in float32, and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = sharpened_model(source, out, scale=4.0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def block_prompts(tokenizer: Any, text_path: Path, count: int = 9, block: bool = True) -> list[list[int]]:
+    """``count`` generation prompts of 4 to 50 tokens cut from ``text_path``, after a shared ~25-token block of
+    examples unless ``block`` is false."""
+    words = text_path.read_text(encoding="utf-8").split()
+    head = ("Examples:\n" + " ".join(words[:16]) + "\nA:") if block else ""
+    return [
+        tokenizer.encode(head + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 3 * i])) for i in range(count)
+    ]

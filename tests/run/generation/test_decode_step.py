@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import sharpened_model
+from helpers import block_prompts, peaked_model
 
 from distperp_harness.run.compiling.state import CompileState
 from distperp_harness.run.generation.cudagraphs import GraphStep
@@ -26,19 +26,13 @@ BUCKET = 8
 
 @pytest.fixture(scope="module")
 def peaked(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = sharpened_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_decode_step"), scale=4.0)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return peaked_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_decode_step"))
 
 
 @pytest.fixture(scope="module")
 def prompts(peaked, sample_text_path):
     """Nine prompts of 4 to 50 tokens after a shared 25-token block."""
-    tokenizer = peaked[1]
-    words = sample_text_path.read_text(encoding="utf-8").split()
-    head = "Examples:\n" + " ".join(words[:16]) + "\nA:"
-    return [tokenizer.encode(head + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 3 * i])) for i in range(9)]
+    return block_prompts(peaked[1], sample_text_path)
 
 
 @pytest.fixture(scope="module", autouse=True)

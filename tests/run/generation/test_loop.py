@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import sharpened_model
+from helpers import block_prompts, peaked_model
 
 from distperp_harness.run.generation.loop import Decoder, decode_lane
 from distperp_harness.run.generation.prefill import PrefixCache
@@ -19,18 +19,10 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def peaked(tiny_model_dir, tmp_path_factory):
     """The tiny model with peaked distributions (greedy choices far from ties) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = sharpened_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_slots"), scale=4.0)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return peaked_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_slots"))
 
 
-def _prompts(tokenizer, sample_text_path, count=9, block=True):
-    words = sample_text_path.read_text(encoding="utf-8").split()
-    head = ("Examples:\n" + " ".join(words[:16]) + "\nA:") if block else ""
-    return [
-        tokenizer.encode(head + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 3 * i])) for i in range(count)
-    ]
+_prompts = block_prompts
 
 
 def _alone(model, tokenizer, prompt, rule):
