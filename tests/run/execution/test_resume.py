@@ -312,6 +312,12 @@ def test_full_disk_finishes_with_identical_results(tiny_model_dir, clean, small_
 
 
 # ------------------------------------------------------------------------------ accelerate launch runs
+def _sigint_as_a_terminal_gives_it():
+    """In the child: SIGINT's default action. A shell's background job (a CI runner's, say) starts with SIGINT
+    ignored, and an ignored signal is inherited: Python would then install no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _command(model_dir, out, processes, resume=None):
     return [
         *accelerate_launch_prefix(processes),
@@ -401,6 +407,7 @@ def test_a_stop_signal_stops_both_ranks_and_the_same_command_resumes(tiny_model_
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=_sigint_as_a_terminal_gives_it,
         )
     try:
         _wait_until_saving_pauses(resume, launcher, log_path)
@@ -445,6 +452,7 @@ def test_ctrl_c_on_one_process_without_resume_dir_is_one_line(tiny_model_dir, tm
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=_sigint_as_a_terminal_gives_it,
         )
     try:
         deadline = time.monotonic() + 120
