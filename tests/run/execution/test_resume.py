@@ -318,6 +318,22 @@ def _sigint_as_a_terminal_gives_it():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _start(command, cwd, hold, log_path):
+    """``command`` in a session of its own (a terminal's process group), ``DISTPERP_TEST_HOLD=hold``, its output
+    in ``log_path``."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=offline_env({"DISTPERP_TEST_HOLD": hold}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_sigint_as_a_terminal_gives_it,
+        )
+
+
 def _command(model_dir, out, processes, resume=None):
     return [
         *accelerate_launch_prefix(processes),
@@ -398,17 +414,7 @@ def test_a_stop_signal_stops_both_ranks_and_the_same_command_resumes(tiny_model_
     command = _command(tiny_model_dir, out, 2, resume)
     # Rank 1 stalls after its first batch, so rank 0 finishes its share and waits in a collective for it:
     # SIGTERM then meets one rank in Python and one blocked in gloo.
-    with open(log_path, "w") as log:
-        launcher = subprocess.Popen(
-            command,
-            cwd=tmp_path,
-            env=offline_env({"DISTPERP_TEST_HOLD": "1:1"}),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=_sigint_as_a_terminal_gives_it,
-        )
+    launcher = _start(command, tmp_path, "1:1", log_path)
     try:
         _wait_until_saving_pauses(resume, launcher, log_path)
         t0 = time.monotonic()
@@ -443,17 +449,7 @@ def test_ctrl_c_on_one_process_without_resume_dir_is_one_line(tiny_model_dir, tm
     exit status of SIGINT."""
     out, log_path = tmp_path / "out", tmp_path / "run.log"
     command = [sys.executable, *_command(tiny_model_dir, out, 1)[len(accelerate_launch_prefix(1)) :]]
-    with open(log_path, "w") as log:
-        run = subprocess.Popen(
-            command,
-            cwd=tmp_path,
-            env=offline_env({"DISTPERP_TEST_HOLD": "0:1"}),  # stalls after its first batch
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=_sigint_as_a_terminal_gives_it,
-        )
+    run = _start(command, tmp_path, "0:1", log_path)  # rank 0 stalls after its first batch
     try:
         deadline = time.monotonic() + 120
         while "distperp" not in log_path.read_text() or "loglikelihood_rolling" not in log_path.read_text():
