@@ -383,6 +383,9 @@ class DistPerpLM(Tokenization, TemplateLM):
         return outputs
 
     def _generate(self, requests, disable_tqdm: bool) -> list[str]:
+        if self.decode_step_line:  # said where it applies: the first generate_until call
+            log.info(f"generate_until decodes with {self.decode_step_line}", main_process_only=True)
+            self.decode_step_line = ""
         setup = GenerationSetup(
             model=self._model,
             tokenizer=self.tokenizer,

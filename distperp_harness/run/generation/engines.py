@@ -117,19 +117,18 @@ def decode_step(
 ) -> tuple[StaticStep | None, str]:
     """The run's fixed-shape decode step and a line saying which (``None``: lanes decode on the ``DynamicCache``
     batch): compiled when compiling is active; CUDA graphs on CUDA for a model whole on one device (``grouped``: a
-    shard or tensor-parallel group) unless ``cuda_graphs`` is off; else none. Fixed shapes are used only where they
-    buy something (a graph): every slot of a fixed-shape step computes until the lane's last row ends, which costs
-    compute where rows cost compute (measured on CPU, SmolLM2, 8 prompts in 8 slots: 1.7-2.4 decode positions per
-    new token against 1.0, 1.8x the time). None with ``batch_invariant`` (each sequence decodes alone, at the shapes
-    of its own tokens) or for a model the fixed-shape step does not take."""
+    shard or tensor-parallel group) that takes the fixed-shape step, unless ``cuda_graphs`` is off; else none.
+    Fixed shapes are used only where a graph pays for them: every slot of a fixed-shape step computes until the
+    lane's last row ends (measured on CPU, SmolLM2, 8 prompts in 8 slots: 1.7-2.4 decode positions per new token
+    against 1.0). None with ``batch_invariant`` (each sequence decodes alone, at the shapes of its own tokens)."""
     pad = pad_token_id
     if compiled.active:
         return CompiledStep(model, compiled, device, pad), "the compiled decode step"
     if batch_invariant:
         return None, "batch_invariant=true: each sequence decodes alone on the dynamic cache"
-    why = unsupported(model)
-    if why is not None:
-        return None, f"the dynamic cache ({why})"
     if device.type == "cuda" and cuda_graphs and not grouped:
+        why = unsupported(model)
+        if why is not None:
+            return None, f"the dynamic cache ({why})"
         return GraphStep(model, device, pad), "the fixed-shape decode step as CUDA graphs"
     return None, "the dynamic cache (eager: fixed shapes buy nothing without a graph)"
