@@ -79,6 +79,7 @@ SCORERS: dict[str, str] = {
     "bare": "bare forward",
     "int4": "distperp int4 (float32 compute)",
     "int4-bf16": "distperp int4 (bfloat16, packed)",
+    "int4-kernel": "distperp int4 (bfloat16, packed, torchao's kernel only)",
 }
 """Scorer keys and their table labels. ``int4`` rows use ``quantize=int4`` (``distperp_harness.model.quantize``)."""
 
@@ -203,9 +204,13 @@ def make_lm(
     import distperp_harness._hook  # noqa: F401 - registers --model distperp
 
     name = "hf" if scorer == "hf" else "distperp"
-    extra = {"int4": ",quantize=int4", "int4-bf16": ",quantize=int4"}.get(scorer, "")
+    extra = {
+        "int4": ",quantize=int4",
+        "int4-bf16": ",quantize=int4",
+        "int4-kernel": ",quantize=int4,int4_prefill=kernel",
+    }.get(scorer, "")
     args = _model_args(path, max_length, extra + extra_args, device, dtype)
-    if scorer == "int4-bf16":
+    if scorer in ("int4-bf16", "int4-kernel"):
         args = args.replace("dtype=float32", "dtype=bfloat16")
     return get_model(name).create_from_arg_string(args, {"batch_size": batch_size})
 

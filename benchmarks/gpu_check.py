@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py                    # one GPU (two or more: also 1 vs 2 processes)
     python benchmarks/gpu_check.py --device cpu       # dry mode on the tiny test model (runs in `make test`)
 
-For each run (``bfloat16`` and ``quantize=int4`` by default) through the real ``DistPerpLM`` with ``batch_size=auto``:
+For each run (``bfloat16``, ``quantize=int4`` and ``int4-kernel``: ``quantize=int4,int4_prefill=kernel``, torchao's
+int4 kernel for every product, by default) through the real ``DistPerpLM`` with ``batch_size=auto``:
 load time and peak CUDA memory of the load stage, weight bytes, ``auto``'s token budget (chosen twice: the answer must
 not move), rolling log-likelihood tokens/s over ``--tokens`` tokens of text, for the unquantized run its MFU (2 x
 parameters x tokens/s over the GPU's dense bf16 peak, from an exact table of GPU names: "unknown" for any other GPU) and
@@ -127,7 +128,9 @@ def model_args(args: argparse.Namespace, model: Path, scheme: str, compiled: boo
     )
     if args.device == "cuda":
         kwargs["dtype"] = "bfloat16"
-    if scheme != "none":
+    if scheme == "int4-kernel":  # torchao's int4 kernel for every product (no dense prefill path)
+        kwargs.update(quantize="int4", int4_prefill="kernel")
+    elif scheme != "none":
         kwargs["quantize"] = scheme
     return kwargs
 
@@ -459,7 +462,11 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None, tokens: tuple
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__, 240)
-    parser.add_argument("--runs", default="none,int4", help="comma-separated quantize= schemes")
+    parser.add_argument(
+        "--runs",
+        default="none,int4,int4-kernel",
+        help="comma-separated quantize= schemes (int4-kernel: quantize=int4,int4_prefill=kernel)",
+    )
     parser.add_argument("--tokens", type=int, default=None, help="tokens scored per run (cuda 65536, cpu 3000)")
     parser.add_argument(
         "--compile",

@@ -171,6 +171,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             pad_token_id=self.tokenizer.pad_token_id,
             unsharded_bytes=loaded.weight_bytes
             + (self.reference_weight_bytes or 0)
+            + (loaded.int4_products.transient_bytes if loaded.int4_products else 0)
             + compile_extra_bytes(
                 self.options.compile_mode, [self._model, self.reference], self._device, self.shard_size
             ),

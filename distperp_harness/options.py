@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,6 +32,13 @@ TP_SIZES = (
 # The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
 # falls back to the CPU (with a log line). Any other CUDA device asked for on such a machine is an error.
 CLI_DEFAULT_DEVICE = "cuda:0"
+
+
+class Int4Prefill(str, enum.Enum):
+    """``int4_prefill``'s words (an integer N >= 1 is the other form: products of at least N rows dequantize)."""
+
+    AUTO = "auto"  # the device type's row count (model/int4_products.AUTO_ROWS)
+    KERNEL = "kernel"  # torchao's int4 kernel for every product
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,8 @@ class Options:
     quantize: str = "none"
     group_size: int = 128
     quantize_lm_head: bool = False
+    # packed int4 products of >= N rows dequantize the layer and multiply densely; auto: per device; kernel: never
+    int4_prefill: Int4Prefill | int = Int4Prefill.AUTO
     # perplexity
     stride: int | None = None
     reference: str | None = None
@@ -129,6 +139,18 @@ class Options:
             self.group_size,
             f"one of {', '.join(map(str, GROUP_SIZES))}",
             "e.g. group_size=128",
+        )
+        _require(
+            isinstance(self.int4_prefill, Int4Prefill)
+            or (
+                isinstance(self.int4_prefill, int)
+                and not isinstance(self.int4_prefill, bool)
+                and self.int4_prefill >= 1
+            ),
+            "int4_prefill",
+            self.int4_prefill,
+            "auto, kernel, or an integer N >= 1 (products of at least N rows dequantize the int4 weights)",
+            "e.g. int4_prefill=auto, or int4_prefill=kernel for torchao's kernel everywhere",
         )
         if self.stride is not None:
             _require(
@@ -426,6 +448,8 @@ class Options:
         """JSON-friendly view, recorded in the results."""
         out = dataclasses.asdict(self)
         out.pop("device_from_cli")
+        if isinstance(self.int4_prefill, Int4Prefill):
+            out["int4_prefill"] = self.int4_prefill.value
         if out.pop("in_memory"):
             out["pretrained_in_memory"] = True
         return out
@@ -503,6 +527,22 @@ def _as_size(key: str, value: Any) -> int | str:
     return text if not text.lstrip("-").isdigit() else _as_int(key, text)
 
 
+def _as_int4_prefill(key: str, value: Any) -> Int4Prefill | int:
+    """``int4_prefill``: ``auto``, ``kernel`` or a row count."""
+    if isinstance(value, (Int4Prefill, int)) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text.isdigit():
+        return int(text)
+    try:
+        return Int4Prefill(text)
+    except ValueError:
+        raise OptionError(
+            f"int4_prefill={value!r} is not valid for --model distperp; allowed: auto, kernel, or an integer N >= 1 "
+            "(products of at least N rows dequantize the int4 weights). Fix: e.g. int4_prefill=auto."
+        ) from None
+
+
 def _as_token(key: str, value: Any) -> int | str:
     """``think_end_token``: a digit string is a token id, as lm-eval hf reads it."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -522,6 +562,7 @@ _CASTS: dict[str, Callable[[str, Any], Any]] = {
     "shard_size": _as_size,
     "tp_size": _as_size,
     "think_end_token": _as_token,
+    "int4_prefill": _as_int4_prefill,
     "chat_template_args": lambda key, value: _as_json_object(key, value),
 }
 """Keys read by a cast of their own (the others by their type's set above, or kept as given)."""

@@ -80,7 +80,10 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     out = {name: root / name for name in ("1p", "2p", "3p", "2nodes", "1p-int4", "2p-int4", "torchrun")}
     adapter = lora_adapter(tiny_model_dir, root / "lora", seed=3)
     # a LoRA fine-tune merged, then quantized, against its base without the adapter: same exactness
-    int4 = {"model_args": f",peft={adapter},quantize=int4,group_size=32,reference=pretrained", "tasks": INT4_TASKS}
+    int4 = {
+        "model_args": f",peft={adapter},quantize=int4,group_size=32,reference=pretrained,int4_prefill=64",
+        "tasks": INT4_TASKS,
+    }
 
     def launch(n, name, extra):
         run_command(
@@ -141,6 +144,9 @@ def test_sampled_generations_are_samples(runs):
 def test_quantized_identical_across_world_sizes(runs):
     one, two = load_results(runs["1p-int4"]), load_results(runs["2p-int4"])
     assert two["config"]["distperp"]["quantization"]["config_name"] == "PrototypeInt4WeightOnlyConfig"
+    products = two["config"]["distperp"]["int4_products"]  # products of >= 64 rows dense, smaller ones the kernel
+    assert products == one["config"]["distperp"]["int4_products"] | {"seconds": products["seconds"]}
+    assert products["rows"] == 64 and products["layers"] == len(two["config"]["distperp"]["quantization"]["quantized"])
     assert two["config"]["distperp"]["fingerprint"] == one["config"]["distperp"]["fingerprint"]
     assert two["results"]["distperp_wikitext2"] == one["results"]["distperp_wikitext2"]
     assert two["results"]["distperp_wikitext2"]["kl_divergence,none"] > 0

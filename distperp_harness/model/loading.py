@@ -255,7 +255,8 @@ class Loaded:
     :class:`~distperp_harness.model.sharding.ShardReport` of each sharded model (``model``, ``reference``).
     ``load_memory``: this rank's :meth:`~distperp_harness.model.memory.LoadMeter.stop` report of the load stage.
     ``adapter``: what ``peft=``/``delta=`` applied; ``stored_quantization``: the config a pre-quantized checkpoint
-    was saved with (None for full-precision checkpoints).
+    was saved with (None for full-precision checkpoints). ``int4_products``: the
+    :class:`~distperp_harness.model.int4_products.Int4Products` of a model holding packed int4 weights.
     """
 
     device: torch.device
@@ -270,6 +271,7 @@ class Loaded:
     load_memory: dict[str, Any] = field(default_factory=dict)
     adapter: AdapterReport | None = None
     stored_quantization: dict | None = None
+    int4_products: Any | None = None
 
 
 def load_adapted(
@@ -331,6 +333,7 @@ def _load_all(
     and then sharded except for its torchao weights. Every rank must call this together when ``mesh`` is given.
     ``given``: a :class:`~distperp_harness.model.given.Given` in-memory model (and tokenizer), used as it is.
     """
+    from distperp_harness.model.int4_products import install as install_int4_products
     from distperp_harness.model.memory import LoadMeter
     from distperp_harness.model.quantize import quantize_model, resolve_model_dtype, weight_bytes
     from distperp_harness.model.sharding import shard_model
@@ -372,6 +375,9 @@ def _load_all(
             f"(quant_method={stored.get('quant_method')!r}); loaded as saved",
             main_process_only=True,
         )
+    products = install_int4_products(model, options.int4_prefill)
+    if products is not None:
+        log.info(products.summary(), main_process_only=True)
     sharding: dict[str, Any] = {}
     model_bytes = weight_bytes(model)
     if mesh is not None:
@@ -415,6 +421,7 @@ def _load_all(
         load_memory=meter.stop(),
         adapter=adapter,
         stored_quantization=stored,
+        int4_products=products,
     )
 
 

@@ -72,6 +72,7 @@ def run_record(lm: Any) -> dict:
             "quantization": lm.quant_report.to_dict() if lm.quant_report else None,
             "adapter": lm.loaded.adapter.to_dict() if lm.loaded.adapter else None,
             "stored_quantization": lm.loaded.stored_quantization,
+            "int4_products": lm.loaded.int4_products.to_dict() if lm.loaded.int4_products else None,
             "chat": lm.chat.to_dict(),
             "resume": lm.store.report() if lm.store else None,
             "reference": None
