@@ -26,6 +26,10 @@
 #      gpu_check's 1B-shaped model in bf16: hf vs distperp (CUDA graphs) vs cuda_graphs=false; new tokens/s, the
 #      decode step run, reads of the device per forward, ms per forward, fraction of the memory floor (4,800 GB/s),
 #      texts equal (benchmarks/bench_generate.py; make test runs it on CPU on the tiny model).
+#   9. cli: the lm_eval CLI end to end, hf vs distperp, on gpu_check's 1B-shaped model in bf16: lm-eval's
+#      leaderboard MMLU-Pro 5-shot on 1,000 local questions, rolling over 1M tokens of WikiText-2 articles (none a
+#      copy), and an int4 row (int4_prefill=auto vs kernel) over 262k tokens: wall, request phase, rate, answers
+#      (benchmarks/bench_cli.py; ~6-9 minutes alone: run it with --only cli when time is short).
 # The CPU dry mode runs every step on tiny models: bench_mc and bench_scoring use a random model of the test
 # model's shape instead of the 1B shape (said in the table). Text: ../shared/data/wikitext-2 when present, else
 # copies of the packaged sample. Exits non-zero when any check fails; the table says which.
@@ -39,7 +43,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE," \
-            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance,generate)" >&2; exit 2 ;;
+            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance,generate,cli)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -117,6 +121,8 @@ if [ "$DEVICE" = cpu ]; then
   run bench_scoring "$PY" "$HERE/bench_scoring.py" --random-shape tiny --workdir "$WORK/random" --text "$TEST_TEXT" \
     --scorers hf,distperp,bare --tokens 400 --repeats 1 --max-length 128 --batch-size 4 --no-memory
   run invariance "$PY" "$HERE/invariance_check.py" --device cpu --work "$WORK/invariance"
+  run cli "$PY" "$HERE/bench_cli.py" --device cpu --model "$WORK/models/dry-llama" --questions 4 --tokens 2000 \
+    --int4-tokens 1000 --max-length 128 --batch-size 4 --work "$WORK/cli" --json "$WORK/cli.json"
 else
   run gpu_check "$PY" "$HERE/gpu_check.py" --device cuda --work "$WORK/models"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
@@ -151,6 +157,11 @@ else
       --backends hf,distperp,distperp-nographs --bandwidth 4800
   elif want generate; then
     printf '\n## generate\nskipped: needs gpu_check'"'"'s 1B-shaped model (run gpu_check first)\n' >> "$OUT"
+  fi
+  if [ ${#ONE_MODEL[@]} -gt 0 ]; then
+    run cli "$PY" "$HERE/bench_cli.py" --device cuda "${ONE_MODEL[@]}" --work "$WORK/cli" --json "$WORK/cli.json"
+  elif want cli; then
+    printf '\n## cli\nskipped: needs gpu_check'"'"'s 1B-shaped model (run gpu_check first)\n' >> "$OUT"
   fi
 fi
 echo -e "\ntotal: $((SECONDS - START)) s" >> "$OUT"
