@@ -11,9 +11,10 @@ Work: MMLU-Pro-shaped requests (``--shots`` exemplars of ~120 words each shared 
 * *requests/s* of the whole call, and *outside batches ms per request*: the call's wall time minus the time spent
   scoring its batches (forwards and log-probabilities, ``Executor.score``): tokenizing, planning, gathering and
   building results, what a GPU waits for;
-* *tokenizer requests/s*: the call's tokenization alone, as the call does it (``pre_encode`` in batches, then
-  ``tok_encode`` from the memo), against one ``tok_encode`` per string (the strings lm-eval asks for, each distinct
-  string once), with the ids checked equal.
+* *tokenizer requests/s*: the call's tokenization alone, as the call does it (``pre_encode`` in batches, the
+  shared few-shot block tokenized once, then ``tok_encode`` from the memo), against the same batches of whole
+  strings and against one ``tok_encode`` per string (the strings lm-eval asks for, each distinct string once),
+  with the ids checked equal. The call itself runs both ways too (shared prefix once, whole strings).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.api.registry import get_model
 
     import distperp_harness._hook  # noqa: F401 - registers --model distperp
+    from distperp_harness.planning import encoding
     from distperp_harness.tokens import loglikelihood_strings
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,33 +109,55 @@ def main(argv: list[str] | None = None) -> int:
     def one_by_one() -> list:
         return [lm.tok_encode(*key) for key in keys]
 
-    if batched() != one_by_one():
+    def whole_strings(fn):  # the same, without tokenizing a shared prefix once
+        def run():
+            kept, encoding.MIN_GROUP = encoding.MIN_GROUP, 1 << 62
+            try:
+                return fn()
+            finally:
+                encoding.MIN_GROUP = kept
+
+        return run
+
+    def call() -> None:
+        lm.loglikelihood(requests, disable_tqdm=True)
+
+    if not batched() == whole_strings(batched)() == one_by_one():
         print("token ids DIFFER between batched and one-by-one tokenization")
         return 1
-    walls, outside, tok_batched, tok_single = [], [], [], []
+    sides = {"shared": batched, "whole": whole_strings(batched), "single": one_by_one}
+    calls = {"shared": call, "whole": whole_strings(call)}
+    tok: dict = {name: [] for name in sides}
+    walls: dict = {name: [] for name in calls}
+    outside: dict = {name: [] for name in calls}
     for _ in range(args.repeats):
-        for name, fn in (("batched", batched), ("single", one_by_one)):
+        for name, fn in sides.items():
             t0 = time.perf_counter()
             fn()
-            (tok_batched if name == "batched" else tok_single).append(time.perf_counter() - t0)
-        inside[0] = 0.0
-        t0 = time.perf_counter()
-        lm.loglikelihood(requests, disable_tqdm=True)
-        walls.append(time.perf_counter() - t0)
-        outside.append(walls[-1] - inside[0])
+            tok[name].append(time.perf_counter() - t0)
+        for name, fn in calls.items():
+            inside[0] = 0.0
+            t0 = time.perf_counter()
+            fn()
+            walls[name].append(time.perf_counter() - t0)
+            outside[name].append(walls[name][-1] - inside[0])
     n = len(requests)
     print(
         f"model {Path(path).name if args.model else 'tiny test model'}, {args.questions} questions x {args.options} "
         f"options, {args.shots}-shot ({n} requests, {len(keys)} distinct strings), CPU, "
         f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}, median of {args.repeats}\n"
     )
-    print("| measure | value |\n|---|---:|")
-    print(f"| loglikelihood call, requests/s | {n / statistics.median(walls):,.0f} |")
-    print(f"| outside batches, ms per request | {statistics.median(outside) / n * 1e3:.3f} |")
-    print(f"| outside batches, share of the call | {statistics.median(o / w for o, w in zip(outside, walls)):.1%} |")
-    print(f"| tokenizer requests/s, batched (as the call does) | {n / statistics.median(tok_batched):,.0f} |")
-    print(f"| tokenizer requests/s, one encode per string | {n / statistics.median(tok_single):,.0f} |")
-    print("\ntoken ids: batched equal to one by one")
+    print("| measure | shared prefix once (as the call does) | whole strings |\n|---|---:|---:|")
+    print(f"| loglikelihood call, requests/s | {n / statistics.median(walls['shared']):,.0f} | "
+          f"{n / statistics.median(walls['whole']):,.0f} |")  # fmt: skip
+    print(f"| outside batches, ms per request | {statistics.median(outside['shared']) / n * 1e3:.3f} | "
+          f"{statistics.median(outside['whole']) / n * 1e3:.3f} |")  # fmt: skip
+    share = {k: statistics.median(o / w for o, w in zip(outside[k], walls[k])) for k in calls}
+    print(f"| outside batches, share of the call | {share['shared']:.1%} | {share['whole']:.1%} |")
+    print(f"| tokenizer requests/s, batched | {n / statistics.median(tok['shared']):,.0f} | "
+          f"{n / statistics.median(tok['whole']):,.0f} |")  # fmt: skip
+    print(f"| tokenizer requests/s, one encode per string | {n / statistics.median(tok['single']):,.0f} | |")
+    print("\ntoken ids: batched equal to one by one (shared prefix once and whole strings alike)")
     return 0
 
 

@@ -35,9 +35,13 @@ class Tokenization:
             memo[key] = tuple(encoding)
         return encoding
 
-    def _special(self, string: str, add_special_tokens: bool | None) -> dict:
+    def _special(self, string: str, add_special_tokens: bool | None, prefix_text: str | None = None) -> dict:
+        """lm-eval hf's special-token keywords for ``string`` (``prefix_text``: the prefix token's text, when the
+        caller decoded it already)."""
         special = _add_special_kwargs(add_special_tokens, self.options.add_bos_token)
-        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+        if prefix_text is None:
+            prefix_text = self.tokenizer.decode(self.prefix_token_id)
+        if add_special_tokens is None and has_bos_prefix(string, prefix_text):
             special["add_special_tokens"] = False
         return special
 
@@ -48,9 +52,10 @@ class Tokenization:
         if memo is None:
             return
         groups: dict[tuple, dict[str, None]] = {}
+        prefix_text = self.tokenizer.decode(self.prefix_token_id)
         for string, add in keys:
             if (string, add, None) not in memo:
-                rule = (add, tuple(sorted(self._special(string, add).items())))
+                rule = (add, tuple(sorted(self._special(string, add, prefix_text).items())))
                 groups.setdefault(rule, {})[string] = None
         for (add, special), strings in groups.items():
             for string, ids in zip(strings, encode_many(self.tokenizer, list(strings), **dict(special))):

@@ -1,0 +1,120 @@
+"""Tests of :mod:`distperp_harness.planning.encoding`: batched encodes and a shared few-shot prefix tokenized once,
+to the same ids as one ``encode`` per string on every task shape (few-shot multiple choice with shared and unshared
+prefixes, rolling texts, chat-templated prompts, generation prompts, non-ASCII text), with and without a BOS the
+tokenizer adds; tokenizers whose ids are not local (a SentencePiece-style prefix space, a normalizer) are found
+and encoded whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from distperp_harness.commands.tiny import sample_text, train_tokenizer
+from distperp_harness.planning import encoding
+from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline, shared_prefix_groups
+
+WORDS = sample_text().split()
+
+
+def _piece(rng: random.Random, n: int) -> str:
+    start = rng.randrange(len(WORDS) - n)
+    return " ".join(WORDS[start : start + n])
+
+
+def task_strings(seed: int = 0) -> list[str]:
+    """What lm-eval asks a loglikelihood call to encode: per question its context and context + each answer, for
+    two few-shot blocks of ten questions each (shared prefixes), zero-shot questions (no shared prefix),
+    chat-templated and non-ASCII contexts, and rolling texts."""
+    rng = random.Random(seed)
+    out = []
+    for block in range(2):
+        shots = f"The following are questions about topic {block}.\n\n" + "\n\n".join(
+            f"Question: {_piece(rng, 60)}\nAnswer: {_piece(rng, 8)} The answer is (B)." for _ in range(3)
+        )
+        chat = "<|im_start|>user\n" if block else ""
+        for _ in range(10):
+            context = f"{chat}{shots}\n\nQuestion: {_piece(rng, 30)} ünï 漢字\nAnswer:"
+            out += [context] + [f"{context} ({letter})" for letter in "ABCD"]
+    for _ in range(5):
+        context = f"Question: {_piece(rng, 20)}\nAnswer:"
+        out += [context, context + " yes", context + " no"]
+    return out + [_piece(rng, 200) for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """Byte-level BPE tokenizers trained on the packaged sample: one adding no special tokens, one adding a BOS,
+    one with a SentencePiece-style prefix space (Metaspace), one with a normalizer."""
+    from tokenizers import normalizers, pre_tokenizers, processors
+
+    plain = train_tokenizer([sample_text()], 512)
+    with_bos = train_tokenizer([sample_text()], 512)
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", with_bos.bos_token_id)]
+    )
+    metaspace = train_tokenizer([sample_text()], 512)
+    metaspace.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    normalized = train_tokenizer([sample_text()], 512)
+    normalized.backend_tokenizer.normalizer = normalizers.NFKC()
+    return {"plain": plain, "bos": with_bos, "metaspace": metaspace, "normalized": normalized}
+
+
+@pytest.mark.parametrize("name", ["plain", "bos", "metaspace", "normalized"])
+@pytest.mark.parametrize("special", [{}, {"add_special_tokens": False}])
+def test_same_ids_as_one_encode_each(tokenizers, name, special):
+    tokenizer = tokenizers[name]
+    strings = task_strings()
+    assert encode_many(tokenizer, strings, **special) == [tokenizer.encode(s, **special) for s in strings]
+
+
+def test_a_shared_prefix_is_tokenized_once(tokenizers, monkeypatch):
+    """The two few-shot blocks are two groups; every member of a group is encoded as the shared head plus its own
+    tail (the whole strings only for the check), and the head carries the BOS."""
+    tokenizer = tokenizers["bos"]
+    assert local_pipeline(tokenizer) is None
+    seen: list[str] = []
+    batched = encoding._batched
+    monkeypatch.setattr(
+        encoding, "_batched", lambda tok, strings, **kw: seen.extend(strings) or batched(tok, strings, **kw)
+    )
+    strings = task_strings()
+    ids = encode_many(tokenizer, strings)
+    assert ids == [tokenizer.encode(s) for s in strings]
+    groups = shared_prefix_groups(strings)
+    assert [len(members) for members, _ in groups] == [50, 50]
+    long_ones = {strings[i] for members, _ in groups for i in members}
+    encoded_whole = [s for s in seen if s in long_ones]
+    assert len(encoded_whole) <= 2 * encoding.CHECKED  # only the checked samples, whole
+    assert sum(len(s) for s in seen) < 0.5 * sum(len(s) for s in strings)
+    assert all(ids[i][0] == tokenizer.bos_token_id for members, _ in groups for i in members)
+
+
+def test_what_is_not_local_is_said(tokenizers):
+    assert local_pipeline(tokenizers["plain"]) is None
+    assert "Metaspace" in local_pipeline(tokenizers["metaspace"])
+    assert "NFKC normalizer" in local_pipeline(tokenizers["normalized"])
+
+
+def test_the_check_refuses_a_split_that_changes_ids(tokenizers):
+    """A cut inside a word (not a pre-token boundary): the tails encoded alone differ, the check on whole encodes
+    finds it and the group is encoded whole; the cut ``find`` chooses passes."""
+    tokenizer = tokenizers["bos"]
+    strings = task_strings()
+    members, shared = shared_prefix_groups(strings)[0]
+    group = [strings[i] for i in members]
+    inside = group[0].index(" the ") + 2  # between "t" and "he": " the" is one token of this vocabulary
+    assert len(tokenizer.encode(" the", add_special_tokens=False)) == 1
+    assert PrefixSplit.checked(tokenizer, group, inside, {}) is None
+    split = PrefixSplit.find(tokenizer, group, shared, {})
+    assert split is not None and 0 < split.cut < shared
+    assert split.encode(group) == [tokenizer.encode(s) for s in group]
+
+
+def test_groups_of_shared_prefixes():
+    head = "x" * 40
+    strings = [head + f"{i}tail" for i in range(5)] + ["y" * 50, head[:10] + "z", "short"]
+    assert shared_prefix_groups(strings, min_chars=30, min_group=3) == [([0, 1, 2, 3, 4], 40)]
+    assert shared_prefix_groups(strings, min_chars=30, min_group=6) == []
+    assert shared_prefix_groups([], min_chars=30, min_group=1) == []
+    assert encoding._common("abcdef", "abcxyz") == 3 and encoding._common("", "a") == 0
