@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test lint venv bench clean
+.PHONY: demo test test-fast lint venv bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=30 $(PYTEST_ARGS)
+
+# the unit tests: no test of a module that starts processes, none marked distributed or slow; prints its time
+test-fast: $(STAMP)
+	@start=$$(date +%s); $(PY) -m pytest -q -x -m "not launches and not distributed and not slow" $(PYTEST_ARGS); \
+	rc=$$?; echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # ruff (format, import order, bugbear, simplify, complexity, argument count) and mypy on planning/ and run/;
 # the configuration is pyproject.toml's [tool.ruff] and [tool.mypy]

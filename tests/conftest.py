@@ -64,3 +64,27 @@ def tasks_dir() -> Path:
     """``tests/tasks``: ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``,
     ``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
     return TASKS_DIR
+
+
+_LAUNCHES = (
+    "run_command(",
+    "run_lm_eval(",
+    "accelerate_launch_prefix(",
+    "start_two_nodes(",
+    "run_two_nodes(",
+    "subprocess.",
+    "Popen(",
+)
+"""What starts another process (the helpers' launchers, subprocess): a module using any is a launching module."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test of a module that starts processes gets the ``launches`` marker: ``make test-fast`` deselects them."""
+    sources: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in sources:
+            text = path.read_text(encoding="utf-8")
+            sources[path] = any(call in text for call in _LAUNCHES)
+        if sources[path]:
+            item.add_marker(pytest.mark.launches)

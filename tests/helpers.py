@@ -19,9 +19,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -609,3 +613,153 @@ def block_prompts(tokenizer: Any, text_path: Path, count: int = 9, block: bool =
     return [
         tokenizer.encode(head + " " + " ".join(words[100 + 13 * i : 100 + 13 * i + 2 + 3 * i])) for i in range(count)
     ]
+
+
+# ----------------------------------------------------------------------------------- shared by several test modules
+class ThreadStore:
+    """The store's add, set and (blocking) get, for threads."""
+
+    def __init__(self):
+        self.values, self.lock = {}, threading.Condition()
+
+    def add(self, key, amount):
+        with self.lock:
+            self.values[key] = int(self.values.get(key, 0)) + amount
+            return self.values[key]
+
+    def set(self, key, value):
+        with self.lock:
+            self.values[key] = value
+            self.lock.notify_all()
+
+    def get(self, key):
+        with self.lock:
+            assert self.lock.wait_for(lambda: key in self.values, timeout=20), key
+            return str(self.values[key]).encode()
+
+
+def fewshot_units(questions=30, shots=70, seed=0, max_length=256):
+    """Continuation units of ``questions`` random few-shot questions sharing one block of ``shots`` tokens."""
+    from distperp_harness.planning.requests import continuation_unit
+
+    rng = np.random.default_rng(seed)
+    block = [int(t) for t in rng.integers(5, 900, shots)]
+    out = []
+    for _q in range(questions):
+        question = [int(t) for t in rng.integers(5, 900, int(rng.integers(3, 25)))]
+        answers = [[1000 + a] * int(rng.integers(1, 4)) for a in range(4)] + [[1000]]
+        out += [continuation_unit(block + question, ans, max_length) for ans in answers]
+    return list(dict.fromkeys(out))
+
+
+class ThreadRanks:
+    """``world`` ranks as threads: ``exchange`` is a real all-to-all between them (a barrier on each side)."""
+
+    def __init__(self, world):
+        self.world, self.box, self.barrier = world, {}, threading.Barrier(world)
+
+    def rank(self, r):
+        outer = self
+
+        class _Rank:
+            rank, world_size = r, outer.world
+            received = 0
+            sequence = 0
+
+            def all_gather_tensor(self, tensor, name=""):
+                import torch
+
+                parts = self.exchange([tensor.reshape(-1).numpy()] * outer.world, None, name)
+                return [torch.from_numpy(p.copy()).reshape(-1, *tensor.shape[1:]) for p in parts]
+
+            def all_gather_object(self, obj, name=""):
+                outer.box[("obj", r)] = obj
+                outer.barrier.wait()
+                out = [outer.box[("obj", s)] for s in range(outer.world)]
+                outer.barrier.wait()
+                return out
+
+            def exchange(self, parts, counts, name=""):
+                self.sequence += 1
+                for d, part in enumerate(parts):
+                    outer.box[(r, d)] = np.asarray(part)
+                outer.barrier.wait()
+                out = [outer.box[(s, r)] for s in range(outer.world)]
+                assert counts is None or [len(o) for o in out] == list(counts), name  # sizes derived by the receiver
+                self.received += sum(o.nbytes for s, o in enumerate(out) if s != r)
+                outer.barrier.wait()
+                return out
+
+        return _Rank()
+
+
+def run_ranks(world, fn):
+    """``fn(rank)`` on ``world`` :class:`ThreadRanks` threads; their results, or the first exception."""
+    group, results, errors = ThreadRanks(world), [None] * world, []
+
+    def body(r):
+        try:
+            results[r] = fn(group.rank(r))
+        except Exception as exc:
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def visible_columns(row, column):
+    """Columns a query at ``column`` attends to under the tree mask: earlier columns of its run and its ancestors."""
+    runs, anc = row.run_ids(), row.ancestors()
+    return [c for c in range(column + 1) if anc[runs[column], runs[c]]]
+
+
+def check_row_reads(rows, units, max_row_length=None, max_length=None):
+    """Each unit is in one row, and the row gives back its input tokens at its positions and ids."""
+    seen = sorted(i for r in rows for i in r.unit_ids)
+    assert seen == list(range(len(units)))
+    for row in rows:
+        tokens, positions = row.tokens(), row.position_ids()
+        assert len(tokens) == len(positions) == len(row.run_ids()) == row.length
+        assert all(p < r for r, p in enumerate(row.parents[1:], 1)) and row.parents[0] == -1
+        if max_row_length is not None and row.packed:
+            assert row.length <= max_row_length
+        if max_length is not None:
+            assert max(positions) < max_length  # every path within max_length, however long the row
+        for k, (uid, unit) in enumerate(zip(row.unit_ids, row.units)):
+            assert units[uid] is unit
+            cols = list(row.columns(k))
+            assert len(cols) == unit.n_score
+            first = unit.input_length - unit.n_score
+            assert [tokens[c] for c in cols] == list(unit.tokens[first:-1])
+            assert [positions[c] for c in cols] == list(range(first, unit.input_length))
+            # the unit's whole input, and nothing else, is visible to its last scored column
+            assert [tokens[c] for c in visible_columns(row, cols[-1])] == list(unit.tokens[:-1])
+
+
+def tensor_leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside ``t`` (a torchao or other wrapper subclass: its inner tensors, recursively)."""
+    import torch
+
+    if hasattr(type(t), "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in tensor_leaves(getattr(t, n))]
+    return [t]
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """The two models' state dicts hold the same keys, tensor types, dtypes and bits."""
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert type(sa[key]) is type(sb[key]), key
+        la, lb = tensor_leaves(sa[key]), tensor_leaves(sb[key])
+        assert len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb)), key

@@ -241,3 +241,19 @@ def test_rules_sit_below_the_orchestrators():
     assert [(a, b) for a, b in edges if a in policy and b in orchestrators] == []
     assert [b for a, b in edges if a == "distperp_harness.run.rules" and b.startswith("distperp_harness.run.")] == []
     assert ("distperp_harness.run.pipeline", "distperp_harness.run.rules") in edges
+
+
+def test_tests_share_helpers_only_through_helpers():
+    """A test module imports nothing from another test module: what several share lives in ``tests/helpers.py``."""
+    tests = Path(__file__).resolve().parent
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [
+                f"{path.relative_to(tests)} imports {name}"
+                for name in names
+                if (name.startswith("tests.") and name != "tests.helpers") or name.startswith("test_")
+            ]
+    assert offenders == []

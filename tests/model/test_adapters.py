@@ -118,7 +118,7 @@ def test_adapter_is_merged_before_quantizing(tiny_model_dir, adapter_dir):
     """quantize=int4 with peft=: the quantized weights are those of the merged model quantized (not of the base),
     and the report says the adapter was merged first."""
     from distperp_harness.model.quantize import quantize_model
-    from tests.model.test_loading import _assert_same_weights
+    from tests.helpers import assert_same_weights as _assert_same_weights
 
     lm = make_lm(tiny_model_dir, f",peft={adapter_dir},quantize=int4,group_size=32,reference=base")
     merged = make_lm(tiny_model_dir, f",peft={adapter_dir},dtype=bfloat16").model

@@ -17,6 +17,7 @@ from distperp_harness.commands.tiny import TEST_SPEC, build_tiny_model
 from distperp_harness.model.loading import load_all, load_model, load_quantized
 from distperp_harness.model.quantize import quantize_model, weight_bytes
 from distperp_harness.options import Options
+from tests.helpers import assert_same_weights as _assert_same_weights
 
 SHARED_MODEL = Path(__file__).resolve().parents[3] / "shared" / "models" / "wt2-llama-5m"
 CPU = torch.device("cpu")
@@ -44,22 +45,6 @@ def tied_model_dir(tmp_path_factory):
         dataclasses.replace(TEST_SPEC, tie_word_embeddings=True, name="test-llama-tied"),
         tmp_path_factory.mktemp("tied"),
     )
-
-
-def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    if hasattr(type(t), "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _leaves(getattr(t, n))]
-    return [t]
-
-
-def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert type(sa[key]) is type(sb[key]), key
-        la, lb = _leaves(sa[key]), _leaves(sb[key])
-        assert len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb)), key
 
 
 def _after_loading(options: Options, dtype: torch.dtype):

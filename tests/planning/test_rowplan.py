@@ -9,18 +9,8 @@ from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, en
 from distperp_harness.planning.requests import Unit, continuation_unit, window_units
 from distperp_harness.planning.rowplan import batch_shared, plan_from_records
 from distperp_harness.planning.rows import build_rows, row_of, shared_prefix, unit_rows
-from tests.planning.test_rows import _check_reads
-
-
-def _fewshot(questions=30, shots=70, seed=0, max_length=256):
-    rng = np.random.default_rng(seed)
-    block = [int(t) for t in rng.integers(5, 900, shots)]
-    out = []
-    for _q in range(questions):
-        question = [int(t) for t in rng.integers(5, 900, int(rng.integers(3, 25)))]
-        answers = [[1000 + a] * int(rng.integers(1, 4)) for a in range(4)] + [[1000]]
-        out += [continuation_unit(block + question, ans, max_length) for ans in answers]
-    return list(dict.fromkeys(out))
+from tests.helpers import check_row_reads as _check_reads
+from tests.helpers import fewshot_units as _fewshot
 
 
 def _rolling(seed=1):

@@ -7,39 +7,11 @@ import pytest
 from distperp_harness.planning.plan import make_batches
 from distperp_harness.planning.requests import Unit, UnitTable, continuation_unit
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX, build_rows, plan_rows, shared_prefix, unit_rows
+from tests.helpers import check_row_reads as _check_reads
 
 
 def _mc(context, answers, max_length=64):
     return [continuation_unit(context, answer, max_length) for answer in answers]
-
-
-def _visible(row, column):
-    """Columns a query at ``column`` attends to under the tree mask: earlier columns of its run and its ancestors."""
-    runs, anc = row.run_ids(), row.ancestors()
-    return [c for c in range(column + 1) if anc[runs[column], runs[c]]]
-
-
-def _check_reads(rows, units, max_row_length=None, max_length=None):
-    """Each unit is in one row, and the row gives back its input tokens at its positions and ids."""
-    seen = sorted(i for r in rows for i in r.unit_ids)
-    assert seen == list(range(len(units)))
-    for row in rows:
-        tokens, positions = row.tokens(), row.position_ids()
-        assert len(tokens) == len(positions) == len(row.run_ids()) == row.length
-        assert all(p < r for r, p in enumerate(row.parents[1:], 1)) and row.parents[0] == -1
-        if max_row_length is not None and row.packed:
-            assert row.length <= max_row_length
-        if max_length is not None:
-            assert max(positions) < max_length  # every path within max_length, however long the row
-        for k, (uid, unit) in enumerate(zip(row.unit_ids, row.units)):
-            assert units[uid] is unit
-            cols = list(row.columns(k))
-            assert len(cols) == unit.n_score
-            first = unit.input_length - unit.n_score
-            assert [tokens[c] for c in cols] == list(unit.tokens[first:-1])
-            assert [positions[c] for c in cols] == list(range(first, unit.input_length))
-            # the unit's whole input, and nothing else, is visible to its last scored column
-            assert [tokens[c] for c in _visible(row, cols[-1])] == list(unit.tokens[:-1])
 
 
 def test_one_token_answers_share_one_row():

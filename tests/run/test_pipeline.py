@@ -1,7 +1,6 @@
 """One scoring call across ranks (threads with a real all-to-all): the same results, batch by batch, for every world
 size, whichever rank computes a batch; a slow rank's batches are taken over."""
 
-import threading
 import time
 
 import numpy as np
@@ -13,29 +12,8 @@ from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing
 from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
-from tests.run.execution.test_routing import _run
-
-
-class _Store:
-    """The store's add, set and (blocking) get, for threads."""
-
-    def __init__(self):
-        self.values, self.lock = {}, threading.Condition()
-
-    def add(self, key, amount):
-        with self.lock:
-            self.values[key] = int(self.values.get(key, 0)) + amount
-            return self.values[key]
-
-    def set(self, key, value):
-        with self.lock:
-            self.values[key] = value
-            self.lock.notify_all()
-
-    def get(self, key):
-        with self.lock:
-            assert self.lock.wait_for(lambda: key in self.values, timeout=20), key
-            return str(self.values[key]).encode()
+from tests.helpers import ThreadStore as _Store
+from tests.helpers import run_ranks as _run
 
 
 def _requests(seed=0):

@@ -8,7 +8,7 @@ import pytest
 from distperp_harness.run.execution.calls import GenerationCall, RankShare, RunStats, ScoringCall
 from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
-from tests.run.execution.test_routing import _run
+from tests.helpers import run_ranks as _run
 
 
 class _Store:

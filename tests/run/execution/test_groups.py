@@ -10,7 +10,7 @@ from distperp_harness.distributed.store import CollectiveError
 from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.execution.groups import Follow, Workers
 from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
-from tests.run.test_pipeline import _Store as _ThreadStore
+from tests.helpers import ThreadStore as _ThreadStore
 
 
 def test_workers_map_ranks_and_expand_to_every_member():

@@ -14,68 +14,8 @@ from distperp_harness.run.execution.routing import (
     return_results,
     token_routes,
 )
-from tests.planning.test_rowplan import _fewshot
-
-
-class _Threads:
-    """``world`` ranks as threads: ``exchange`` is a real all-to-all between them (a barrier on each side)."""
-
-    def __init__(self, world):
-        self.world, self.box, self.barrier = world, {}, threading.Barrier(world)
-
-    def rank(self, r):
-        outer = self
-
-        class _Rank:
-            rank, world_size = r, outer.world
-            received = 0
-            sequence = 0
-
-            def all_gather_tensor(self, tensor, name=""):
-                import torch
-
-                parts = self.exchange([tensor.reshape(-1).numpy()] * outer.world, None, name)
-                return [torch.from_numpy(p.copy()).reshape(-1, *tensor.shape[1:]) for p in parts]
-
-            def all_gather_object(self, obj, name=""):
-                outer.box[("obj", r)] = obj
-                outer.barrier.wait()
-                out = [outer.box[("obj", s)] for s in range(outer.world)]
-                outer.barrier.wait()
-                return out
-
-            def exchange(self, parts, counts, name=""):
-                self.sequence += 1
-                for d, part in enumerate(parts):
-                    outer.box[(r, d)] = np.asarray(part)
-                outer.barrier.wait()
-                out = [outer.box[(s, r)] for s in range(outer.world)]
-                assert counts is None or [len(o) for o in out] == list(counts), name  # sizes derived by the receiver
-                self.received += sum(o.nbytes for s, o in enumerate(out) if s != r)
-                outer.barrier.wait()
-                return out
-
-        return _Rank()
-
-
-def _run(world, fn):
-    group, results, errors = _Threads(world), [None] * world, []
-
-    def body(r):
-        try:
-            results[r] = fn(group.rank(r))
-        except Exception as exc:
-            errors.append(exc)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
-    return results
+from tests.helpers import fewshot_units as _fewshot
+from tests.helpers import run_ranks as _run
 
 
 def _setup(world=3, tamper=None):

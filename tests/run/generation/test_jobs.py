@@ -22,7 +22,7 @@ from distperp_harness.run.generation.jobs import (
     plan_generation,
 )
 from distperp_harness.run.generation.lanes import lane_prefix
-from tests.run.execution.test_routing import _run
+from tests.helpers import run_ranks as _run
 
 
 def _key(name) -> str:
