@@ -2,8 +2,8 @@
 
 Every ``distperp_harness`` import between modules — at module level or inside a function — is an arrow. Between
 folders every arrow points down :data:`LAYERS`; peers on one layer do not import each other; nothing but the
-commands imports the lm-eval face (``lm``, ``docsplit``, ``tokens``). Module-level imports have no circle at all; a
-function-local import may close a circle only inside one folder.
+commands imports the lm-eval face (``lm``, ``docsplit``, ``tokens``). No circle at all, not even through a
+function-local import.
 """
 
 from __future__ import annotations
@@ -150,6 +150,11 @@ def test_no_circle_at_import_time():
 def test_circles_stay_inside_one_folder():
     crossing = [c for c in _cycles([(a, b) for a, b, _ in import_edges() if a != b]) if len({_unit(m) for m in c}) > 1]
     assert crossing == []
+
+
+def test_no_circle_at_all():
+    """Not even through a function-local import: the commands' figure data sits below compare, sweep and plots."""
+    assert _cycles([(a, b) for a, b, _ in import_edges() if a != b]) == []
 
 
 def test_the_check_sees_arrows():

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PPL_METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity")
+from distperp_harness.commands.panels import (  # re-exported: what callers read runs through
+    PPL_METRICS,  # noqa: F401 - re-exported
+    compare_panels,  # noqa: F401 - re-exported
+    per_document,  # noqa: F401 - re-exported
+    run_labels,  # noqa: F401 - re-exported
+    value_and_stderr,
+)
+
 METRICS = (
     "token_perplexity",
     "word_perplexity",
@@ -113,15 +120,6 @@ def load_run(path: str | Path) -> Run:
     )
 
 
-def value_and_stderr(run: Run, task: str, metric: str) -> tuple[Any, Any]:
-    """A metric of one task: lm-eval's result where the task reports it, else the reference entry's."""
-    values = run.tasks.get(task, {})
-    if f"{metric},none" in values:
-        return values[f"{metric},none"], values.get(f"{metric}_stderr,none")
-    entry = run.reference.get(task, {})
-    return entry.get(metric), entry.get(f"{metric}_stderr")
-
-
 def _scheme(options: dict[str, Any], config: dict[str, Any]) -> str:
     """``int4:128`` (with the group size where the scheme has one), ``int8``, ``none``; lm-eval's model otherwise."""
     quantize = options.get("quantize")
@@ -167,114 +165,6 @@ def markdown_table(runs: list[Run]) -> str:
             ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-def per_document(run: Run, task: str) -> dict[str, list[float]]:
-    """Per-document NLL per token (and mean KL per token with a reference), in document order."""
-    path = run.samples.get(task)
-    if path is None:
-        raise FileNotFoundError(f"{run.path}: no samples for {task} (run lm-eval with --log_samples)")
-    rows = sorted(
-        (json.loads(line) for line in path.read_text().splitlines() if line.strip()), key=lambda r: r["doc_id"]
-    )
-    nll, kl = [], []
-    for row in rows:
-        ll, n = row["token_perplexity"]
-        nll.append(-ll / n if n else float("nan"))
-        if "kl_divergence" in row:
-            kl_sum, n_kl = row["kl_divergence"]
-            kl.append(kl_sum / n_kl if n_kl else float("nan"))
-    return {"nll_per_token": nll, "kl_per_token": kl}
-
-
-def run_labels(runs: list[Run]) -> list[str]:
-    """:attr:`Run.label` of each run, a repeated one numbered (``(2)``, ...) so series stay apart in a figure."""
-    seen: dict[str, int] = {}
-    out = []
-    for run in runs:
-        seen[run.label] = seen.get(run.label, 0) + 1
-        out.append(run.label if seen[run.label] == 1 else f"{run.label} ({seen[run.label]})")
-    return out
-
-
-def _times(se: Any, factor: float) -> float | None:
-    return se * factor if isinstance(se, (int, float)) and math.isfinite(se) else None
-
-
-def _spread(values: dict[Any, tuple[float, Any]]) -> bool:
-    """Log scale: positive values spanning more than 20×."""
-    positive = [v for v, _ in values.values() if v > 0]
-    return len(positive) == len(values) > 0 and max(positive) / min(positive) > 20
-
-
-def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
-    """What ``compare --plot`` draws (:func:`distperp_harness.commands.plots.plot_compare`).
-
-    Returns:
-        The dot panels with data (rows: tasks, series: runs): ``kl_divergence``, ``top1_agreement``, ``perplexity``
-        (token perplexity; word or byte where a task has no token perplexity) and ``flips`` (% of documents), KL and
-        perplexity on a log scale where they span over 20×; the tasks with per-document samples; the skipped panels,
-        each with why.
-    """
-    from distperp_harness.commands.plots import make_panel
-
-    labels = run_labels(runs)
-    tasks = sorted({t for r in runs for t in (*r.tasks, *r.reference)})
-    kl, top1, ppl, flips = {}, {}, {}, {}
-    for label, run in zip(labels, runs):
-        for task in tasks:
-            for name, store, scale in (("kl_divergence", kl, 1), ("top1_agreement", top1, 1), ("flips", flips, 100)):
-                value, se = value_and_stderr(run, task, name)
-                if isinstance(value, (int, float)) and (name != "kl_divergence" or value > 0):
-                    store[(task, label)] = (scale * value, _times(se, scale))
-    for task in tasks:  # one perplexity per task: the first metric any run reports
-        metric = next(
-            (m for m in PPL_METRICS for r in runs if isinstance(value_and_stderr(r, task, m)[0], float)), None
-        )
-        for label, run in zip(labels, runs):
-            value, se = value_and_stderr(run, task, metric) if metric else (None, None)
-            if isinstance(value, float):
-                row = task if metric == PPL_METRICS[0] else f"{task} ({metric.split('_')[0]})"
-                ppl[(row, label)] = (value, se if isinstance(se, float) else None)
-    ppl_rows = sorted({row for row, _ in ppl})
-    no_reference = "no reference= in these runs"
-    candidates = [
-        (
-            make_panel(
-                "kl_divergence", "KL(reference ‖ model) per token", "nats / token", kl, tasks, labels, log=_spread(kl)
-            ),
-            "kl_divergence",
-            no_reference,
-        ),
-        (
-            make_panel("top1_agreement", "top-1 agreement with the reference", "share of tokens", top1, tasks, labels),
-            "top1_agreement",
-            no_reference,
-        ),
-        (
-            make_panel(
-                "perplexity",
-                "perplexity (token unless named)",
-                "perplexity (± stderr)",
-                ppl,
-                ppl_rows,
-                labels,
-                log=_spread(ppl),
-            ),
-            "perplexity",
-            "no perplexity metric",
-        ),
-        (
-            make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, tasks, labels),
-            "flips",
-            "no multiple-choice task with reference=",
-        ),
-    ]
-    sampled = sorted({t for r in runs for t in r.samples})
-    skipped = [f"{name} ({why})" for panel, name, why in candidates if panel is None]
-    if not sampled:
-        skipped.append("per-document panels (no samples: run lm-eval with --log_samples)")
-    return [p for p, _, _ in candidates if p is not None], sampled, skipped
 
 
 def plot_runs(runs: list[Run], out: str | Path) -> Path:

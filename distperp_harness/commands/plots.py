@@ -9,7 +9,7 @@ Which panels a figure has is decided from the loaded runs alone (:func:`leaderbo
 **Leaderboard** (:func:`plot_leaderboard`; ``(label, Run)`` pairs, rows in leaderboard order):
 
 - ``kl_vs_weight_bytes``: KL per token pooled over all tasks (log scale, ± stderr;
-  :func:`~distperp_harness.commands.sweep.pooled_kl`) against weight bytes, one point per scheme; the unquantized
+  :func:`~distperp_harness.commands.panels.pooled_kl`) against weight bytes, one point per scheme; the unquantized
   reference as a dotted vertical line at its weight bytes (its KL, 0, is off a log scale); the Pareto front (schemes
   no other scheme beats on both bytes and KL) dashed, its points filled.
 - ``delta_ppl``: Δppl % = 100·(exp(``ln_ppl_ratio``) − 1) ± delta-method stderr, for tasks without flips;
@@ -34,6 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distperp_harness.commands.panels import (  # make_panel, Panel: re-exported (the figures' data)
+    Panel,
+    compare_panels,
+    leaderboard_panels,
+    make_panel,  # noqa: F401 - re-exported: plots.make_panel builds the panels it draws
+    per_document,
+    ranked,
+    run_labels,
+)
+
 MARKERS = "osD^vPX<>"
 DPI = 110
 FONT = 8
@@ -43,20 +53,6 @@ DISTANCES = (5, 11, 18, 27, 38, 52, 70, 95, 125)  # label offsets from the point
 
 class PlotUnavailable(ImportError):
     """matplotlib is not installed."""
-
-
-@dataclass(frozen=True)
-class Panel:
-    """One dot panel: ``values[(row, series)] = (value, stderr or None)``; rows and series in drawing order."""
-
-    name: str
-    title: str
-    xlabel: str
-    rows: tuple[str, ...]
-    series: tuple[str, ...]
-    values: dict[tuple[str, str], tuple[float, float | None]]
-    log: bool = False
-    zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,23 +101,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
         i for i, (x, y) in enumerate(points) if not any(x2 <= x and y2 <= y and (x2 < x or y2 < y) for x2, y2 in points)
     ]
     return sorted(front, key=lambda i: points[i])
-
-
-def make_panel(
-    name: str,
-    title: str,
-    xlabel: str,
-    values: dict[tuple[str, str], tuple[float, float | None]],
-    rows: list[str],
-    series: list[str],
-    **kw: Any,
-) -> Panel | None:
-    """A :class:`Panel` keeping the rows and series (in the order given) that have values; ``None`` without any."""
-    if not values:
-        return None
-    rows = tuple(r for r in rows if any((r, s) in values for s in series))
-    series = tuple(s for s in series if any((r, s) in values for r in rows))
-    return Panel(name, title, xlabel, rows, series, values, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -337,8 +316,6 @@ def _save(fig, path: str | Path, names: list[str], titles: list[str], skipped: l
 def leaderboard_figure(runs: list[tuple[str, Any]]):
     """The leaderboard figure (not saved) and its panel names; ``ValueError`` when no run has anything to draw."""
     require_matplotlib()
-    from distperp_harness.commands.sweep import leaderboard_panels, ranked
-
     points, panels = leaderboard_panels(runs)
     if not points and not panels:
         raise ValueError(
@@ -393,8 +370,6 @@ def plot_leaderboard(runs: list[tuple[str, Any]], out: str | Path) -> Drawn:
 def compare_figure(runs: list[Any]):
     """The ``compare --plot`` figure (not saved), its panel names and the skipped panels."""
     require_matplotlib()
-    from distperp_harness.commands.compare import compare_panels, per_document, run_labels
-
     panels, sampled, skipped = compare_panels(runs)
     if not panels and not sampled:
         raise ValueError(

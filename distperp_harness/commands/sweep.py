@@ -29,6 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distperp_harness.commands.panels import (  # re-exported: the leaderboard's ranking and figure data
+    leaderboard_panels,  # noqa: F401 - re-exported
+    pooled_kl,  # noqa: F401 - re-exported
+    pooled_kl_stderr,  # noqa: F401 - re-exported
+    ranked,
+)
 from distperp_harness.errors import InputError
 from distperp_harness.options import GROUP_SIZES, QUANT_SCHEMES
 
@@ -198,72 +204,6 @@ def write_leaderboard(out: Path, runs: list[tuple[str, Any]], plot: str | Path |
 # ---------------------------------------------------------------------------------------------------------------
 # The leaderboard (pure: from loaded runs)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def pooled_kl(entries: dict[str, dict[str, Any]]) -> float:
-    """KL divergence per token over all scored tokens of all tasks: Σ(KLₜ·nₜ) / Σnₜ (ranking key)."""
-    tokens = math.fsum(e.get("n_tokens", 0) for e in entries.values() if "kl_divergence" in e)
-    if tokens <= 0:
-        return math.inf
-    return math.fsum(e["kl_divergence"] * e["n_tokens"] for e in entries.values() if "kl_divergence" in e) / tokens
-
-
-def ranked(runs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``(label, Run)`` pairs in leaderboard order: pooled KL, then label."""
-    return sorted(runs, key=lambda pair: (pooled_kl(pair[1].reference), pair[0]))
-
-
-def pooled_kl_stderr(entries: dict[str, dict[str, Any]]) -> float | None:
-    """Standard error of :func:`pooled_kl`, tasks taken as independent samples: √Σ(nₜ·seₜ)² / Σnₜ.
-
-    ``None`` where a task with a KL divergence has no standard error (one document) or no task has tokens.
-    """
-    kl = [e for e in entries.values() if "kl_divergence" in e and e.get("n_tokens", 0) > 0]
-    if not kl or any(e.get("kl_divergence_stderr") is None for e in kl):
-        return None
-    tokens = math.fsum(e["n_tokens"] for e in kl)
-    return math.sqrt(math.fsum((e["n_tokens"] * e["kl_divergence_stderr"]) ** 2 for e in kl)) / tokens
-
-
-def leaderboard_panels(runs: list[tuple[str, Any]]) -> tuple[list[tuple[str, float, float, float | None]], list]:
-    """What the leaderboard figure draws (:func:`distperp_harness.commands.plots.plot_leaderboard`), in leaderboard
-    order.
-
-    Returns:
-        Scatter points ``(label, weight MB, pooled KL, its stderr)`` of the schemes with weight bytes and a KL
-        divergence, and the dot panels with data (rows: schemes, series: tasks): ``delta_ppl`` (%, tasks without
-        flips), ``flips`` (% of documents) and ``delta_acc`` (points) for multiple-choice tasks.
-    """
-    from distperp_harness.commands.plots import make_panel
-
-    runs = ranked(runs)
-    points = [
-        (label, run.weight_bytes / 1e6, pooled_kl(run.reference), pooled_kl_stderr(run.reference))
-        for label, run in runs
-        if run.weight_bytes and 0 < pooled_kl(run.reference) < math.inf
-    ]
-    rows = [label for label, _ in runs]
-    tasks = sorted({t for _, run in runs for t in run.reference})
-    dppl, flips, dacc = {}, {}, {}
-    for label, run in runs:
-        for task, e in run.reference.items():
-            if "flips" in e:
-                flips[(label, task)] = (100 * e["flips"], _times(e.get("flips_stderr"), 100))
-                if e.get("delta_acc") is not None:
-                    dacc[(label, task)] = (100 * e["delta_acc"], _times(e.get("delta_acc_stderr"), 100))
-            elif e.get("ln_ppl_ratio") is not None:
-                ratio, se = e["ln_ppl_ratio"], e.get("ln_ppl_ratio_stderr")
-                dppl[(label, task)] = (100 * math.expm1(ratio), _times(se, 100 * math.exp(ratio)))
-    panels = [
-        make_panel("delta_ppl", "Δ perplexity vs reference", "Δppl % (± stderr)", dppl, rows, tasks, zero=True),
-        make_panel("flips", "answer flips vs reference", "% of documents (± stderr)", flips, rows, tasks),
-        make_panel("delta_acc", "Δ accuracy vs reference", "points (± stderr)", dacc, rows, tasks, zero=True),
-    ]
-    return points, [p for p in panels if p is not None]
-
-
-def _times(se: float | None, factor: float) -> float | None:
-    return None if se is None else se * factor
 
 
 def _pm(value: float | None, stderr: float | None, fmt: str) -> str:
