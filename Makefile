@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -x -m "not launches and not distributed and not slow" $(PYTEST_ARGS); \
 	rc=$$?; echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# ruff (format, import order, bugbear, simplify, complexity, argument count) and mypy on planning/ and run/;
+# ruff (format, import order, bugbear, simplify, complexity, argument count) and mypy over the whole package;
 # the configuration is pyproject.toml's [tool.ruff] and [tool.mypy]
 lint: $(STAMP)
 	$(PY) -m ruff format --check .

@@ -39,6 +39,7 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Callable
 
 from accelerate.logging import get_logger
@@ -126,9 +127,7 @@ def install_document_split(world_size: int) -> DocumentSplit:
             record = getattr(lm, "document_split", None)
             if not (isinstance(record, DocumentSplit) and record.installed) or getattr(lm, "world_size", 1) <= 1:
                 return original(self, **kwargs)
-            with stop_together(
-                getattr(lm, "collective", None), getattr(lm, "device", None), "building requests (document split)"
-            ):
+            with stop_together(lm.collective, lm.device, "building requests (document split)"):
                 entry = build_split(self, original, **kwargs)
             name = getattr(self, "task_name", None) or type(self).__name__
             record.tasks[name] = entry
@@ -148,7 +147,7 @@ def install_document_split(world_size: int) -> DocumentSplit:
 
 def evaluator_lm() -> Any:
     """The ``lm`` local of the calling ``lm_eval.evaluator.evaluate`` frame (read-only), or ``None`` outside one."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "evaluate" and frame.f_globals.get("__name__") == "lm_eval.evaluator":
             return frame.f_locals.get("lm")

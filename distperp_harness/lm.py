@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from accelerate.logging import get_logger
@@ -47,7 +47,7 @@ from distperp_harness.report.quantcost import ReferenceComparison, evaluator_tas
 from distperp_harness.report.results import Score
 from distperp_harness.run.budget import agree_on_batching, generation_rows
 from distperp_harness.run.compiling.regional import compile_extra_bytes, compile_models
-from distperp_harness.run.execution.calls import RunStats
+from distperp_harness.run.execution.calls import RunStats, ScoringCall
 from distperp_harness.run.execution.executor import Executor, model_forwards
 from distperp_harness.run.execution.probes import model_traffic
 from distperp_harness.run.execution.progress import generation_progress, setup_logging, token_progress
@@ -61,6 +61,11 @@ from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing, one_slot
 from distperp_harness.run.runtime import attention_coefficient, choose_sharing, head_coefficient
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from distperp_harness.run.generation.batchgen import CausalLM
 
 log = get_logger(__name__)
 
@@ -141,15 +146,14 @@ class DistPerpLM(Tokenization, TemplateLM):
             reference_model = None  # a sharded reference lives on its own run's mesh: load it again
         to_load = self.options if reference_model is None else dataclasses.replace(self.options, reference=None)
         loaded = load_all(to_load, self._device, mesh, given=given, tp_mesh=tp_mesh)
-        self.tokenizer, self._model = loaded.tokenizer, loaded.model
-        self.reference, self.quant_report, self.weight_bytes = (
-            loaded.reference,
-            loaded.quant_report,
-            loaded.weight_bytes,
-        )
+        self.tokenizer = loaded.tokenizer
+        self._model = cast("PreTrainedModel", loaded.model)  # what every loader returns: a transformers model
+        self.reference = cast("PreTrainedModel | None", loaded.reference)
+        self.quant_report, self.weight_bytes = loaded.quant_report, loaded.weight_bytes
         self.reference_weight_bytes = loaded.reference_weight_bytes
         if reference_model is not None:
-            self.reference, self.reference_weight_bytes = reference_model, weight_bytes(reference_model)
+            self.reference = cast("PreTrainedModel", reference_model)
+            self.reference_weight_bytes = weight_bytes(reference_model)
         self.comparison = ReferenceComparison() if self.reference is not None else None
         self.loaded = loaded
         self.per_rank = self.collective.all_gather_object(
@@ -388,7 +392,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             log.info(f"generate_until decodes with {self.decode_step_line}", main_process_only=True)
             self.decode_step_line = ""
         setup = GenerationSetup(
-            model=self._model,
+            model=cast("CausalLM", self._model),  # transformers' *ForCausalLM classes generate
             tokenizer=self.tokenizer,
             executor=self.executor,
             device=self._device,
@@ -457,6 +461,8 @@ class DistPerpLM(Tokenization, TemplateLM):
             progress=None if disable_tqdm else token_progress(f"distperp {kind}", self.collective.is_main),
         )
         call = self.stats.calls[-1]
+        if not isinstance(call, ScoringCall):  # the call just made is a scoring call
+            return results
         log.info(
             f"{kind}: {call.scored_tokens} tokens in {call.units} units, {call.rows} rows "
             f"({call.tokens_saved} input tokens saved), {call.batches} batches on "

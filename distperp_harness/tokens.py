@@ -8,11 +8,12 @@ batches first (:func:`~distperp_harness.planning.encoding.encode_many`): ``tok_e
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from distperp_harness.errors import InputError
+from distperp_harness.options import Options
 from distperp_harness.planning.encoding import encode_many
 
 
@@ -20,6 +21,8 @@ class Tokenization:
     """``tok_encode`` / ``tok_decode`` / ``eot_token_id`` / ``prefix_token_id`` for lm-eval's ``TemplateLM``."""
 
     _encoded: dict | None = None
+    tokenizer: Any  # a Hugging Face tokenizer, set by the class that mixes this in
+    options: Options
 
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs

@@ -38,9 +38,9 @@ def make_panel(
     """A :class:`Panel` keeping the rows and series (in the order given) that have values; ``None`` without any."""
     if not values:
         return None
-    rows = tuple(r for r in rows if any((r, s) in values for s in series))
-    series = tuple(s for s in series if any((r, s) in values for r in rows))
-    return Panel(name, title, xlabel, rows, series, values, **kw)
+    kept_rows = tuple(r for r in rows if any((r, s) in values for s in series))
+    kept_series = tuple(s for s in series if any((r, s) in values for r in kept_rows))
+    return Panel(name, title, xlabel, kept_rows, kept_series, values, **kw)
 
 
 PPL_METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity")
@@ -104,7 +104,11 @@ def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
     """
     labels = run_labels(runs)
     tasks = sorted({t for r in runs for t in (*r.tasks, *r.reference)})
-    kl, top1, ppl, flips = {}, {}, {}, {}
+    Values = dict[tuple[str, str], tuple[float, float | None]]
+    kl: Values = {}
+    top1: Values = {}
+    ppl: Values = {}
+    flips: Values = {}
     for label, run in zip(labels, runs):
         for task in tasks:
             for name, store, scale in (("kl_divergence", kl, 1), ("top1_agreement", top1, 1), ("flips", flips, 100)):
@@ -117,7 +121,7 @@ def compare_panels(runs: list[Any]) -> tuple[list, list[str], list[str]]:
         )
         for label, run in zip(labels, runs):
             value, se = value_and_stderr(run, task, metric) if metric else (None, None)
-            if isinstance(value, float):
+            if isinstance(value, float) and metric is not None:
                 row = task if metric == PPL_METRICS[0] else f"{task} ({metric.split('_')[0]})"
                 ppl[(row, label)] = (value, se if isinstance(se, float) else None)
     ppl_rows = sorted({row for row, _ in ppl})

@@ -208,8 +208,9 @@ def place_labels(ax, points: list[tuple[float, float]], labels: list[str], obsta
                     best = (cost, dist, dx, dy)
                 if cost == 0:
                     break
-            if best[0] == 0:
+            if best is not None and best[0] == 0:
                 break
+        assert best is not None  # DIRECTIONS is not empty: the loop chose an offset
         _, dist, dx, dy = best
         norm = math.hypot(dx, dy)
         arrow = dict(arrowstyle="-", color="0.55", lw=0.6, shrinkA=0, shrinkB=4) if dist > 11 else None
@@ -344,7 +345,7 @@ def leaderboard_figure(runs: list[tuple[str, Any]]):
         )
     fig.draw_without_rendering()
     fig.set_layout_engine("none")  # freeze the layout: label placement measures final positions
-    if points:
+    if points and obstacles is not None:
         place_labels(
             fig.axes[0], [(x, y) for _, x, y, _ in points], [p[0] for p in points], obstacles(fig.canvas.get_renderer())
         )

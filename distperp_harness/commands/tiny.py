@@ -87,7 +87,7 @@ TEST_SPEC = TinySpec(
 
 def sample_text_path() -> Path:
     """Path of the packaged WikiText-formatted sample (original text, see ``distperp_harness/data/README.md``)."""
-    return Path(str(resources.files("distperp_harness").joinpath("data", "sample_wikitext.txt")))
+    return Path(str(resources.files("distperp_harness").joinpath("data").joinpath("sample_wikitext.txt")))
 
 
 def sample_text() -> str:
@@ -174,7 +174,7 @@ def build_tiny_model(spec: TinySpec, out_dir: str | os.PathLike[str], text: str 
     torch.set_num_threads(1)
     try:
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).float()
         if spec.train_steps > 0:
             _train(model, tokenizer(text, verbose=False)["input_ids"], spec)
         model.generation_config.do_sample = False

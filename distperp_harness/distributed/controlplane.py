@@ -53,12 +53,12 @@ def bound_address() -> tuple[str, str]:
         found = [a.address for a in addrs if a.family == socket.AF_INET] + [
             a.address.split("%")[0] for a in addrs if a.family == socket.AF_INET6
         ]
-        return (found[0] if found else "unknown"), f"{VARIABLE}={names}"
+        return (str(found[0]) if found else "unknown"), f"{VARIABLE}={names}"
     host = socket.gethostname()
     try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][
-            0
-        ], f"host name {host!r} resolves to it ({VARIABLE} unset)"
+        return str(
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        ), f"host name {host!r} resolves to it ({VARIABLE} unset)"
     except OSError:
         return "127.0.0.1", f"host name {host!r} does not resolve, gloo falls back to loopback ({VARIABLE} unset)"
 

@@ -45,10 +45,14 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane);
       ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost).
     """
-    actions = {_POINTS[point]: _raise_injected}
+    actions: dict[str, Callable[[str], None]] = {_POINTS[point]: _raise_injected}
     if point == "lane":
-        actions["DISTPERP_TEST_HOLD_LANE"] = lambda _: time.sleep(600)
+        actions["DISTPERP_TEST_HOLD_LANE"] = _hold
     inject(point, rank, actions)
+
+
+def _hold(spec: str) -> None:
+    time.sleep(600)  # a decode step of ten minutes: slow, not lost
 
 
 def _raise_injected(spec: str) -> None:

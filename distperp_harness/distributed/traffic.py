@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,7 +40,7 @@ def _group_size(args: tuple, kwargs: dict) -> int:
     for value in (*args, *kwargs.values()):
         if isinstance(value, str):
             try:
-                return int(_resolve_process_group(value).size())
+                return int(_resolve_process_group(cast(Any, value)).size())
             except Exception:  # a reduce op name or tag, not a group name
                 continue
     return 1

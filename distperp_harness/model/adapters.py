@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate.logging import get_logger
@@ -60,7 +60,7 @@ def _require_peft() -> None:
 
 
 def _vocab_size(model: torch.nn.Module) -> int:
-    config = model.config
+    config: Any = getattr(model, "config", None)
     text = getattr(config, "text_config", None)
     return int(getattr(text, "vocab_size", None) or config.vocab_size)
 
@@ -78,7 +78,7 @@ def apply_peft(model: torch.nn.Module, options: Any, tokenizer: Any) -> tuple[to
             f"({len(tokenizer)}): resizing the embeddings before applying the adapter (as lm-eval hf)",
             main_process_only=True,
         )
-        model.resize_token_embeddings(len(tokenizer))
+        getattr(model, "resize_token_embeddings")(len(tokenizer))  # noqa: B009 - a transformers model's method
     device = next(model.parameters()).device
     try:
         peft_model = PeftModel.from_pretrained(
@@ -100,7 +100,7 @@ def apply_peft(model: torch.nn.Module, options: Any, tokenizer: Any) -> tuple[to
     )
     if not options.merge_adapter:  # the transformers model, its Linears replaced by PEFT's LoRA layers in place
         peft_model.eval()
-        return peft_model.base_model.model, AdapterReport(
+        return cast(torch.nn.Module, peft_model.base_model.model), AdapterReport(
             **common, merged=False, note=f"PEFT adapter {source} applied unmerged (merge_adapter=false)."
         )
     merged = peft_model.merge_and_unload()

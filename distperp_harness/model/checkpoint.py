@@ -115,7 +115,7 @@ def _hub_weight_bytes(options: Any) -> int | None:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        config = try_to_load_from_cache(
+        config = try_to_load_from_cache(  # type: ignore[call-arg]  # subfolder= is accepted; the stubs lag
             options.pretrained, "config.json", revision=options.revision, subfolder=options.subfolder or None
         )
     except Exception:

@@ -22,10 +22,11 @@ weights.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -67,19 +68,34 @@ class Layout:
     tail_gather: torch.Tensor | None = None
 
 
+class PackedInt4(Protocol):
+    """What a torchao packed int4 weight (``Int4OpaqueTensor``, ``Int4TilePackedTo4dTensor``) holds: the packed
+    nibbles, scales and zeros as ``[in / group, out, 2]``, the group as ``block_size[-1]``, its ``[out, in]`` shape."""
+
+    qdata: torch.Tensor
+    scale_and_zero: torch.Tensor
+    block_size: list[int]
+    shape: torch.Size
+
+
+def packed(linear: nn.Linear) -> PackedInt4:
+    """``linear``'s weight as the packed int4 tensor it holds (the caller checked its type)."""
+    return cast(PackedInt4, linear.weight)
+
+
 @dataclass(frozen=True)
 class _Format:
     """One torchao int4 tensor type: its packer (``int32 [n, k]`` values 0..15 -> packed tensor)."""
 
     name: str
-    pack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    pack: Callable[[torch.Tensor, PackedInt4], torch.Tensor]
 
 
-def _pack_cpu(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _pack_cpu(values: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
 
 
-def _pack_tiles(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _pack_tiles(values: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
     pairs = (values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8).contiguous()
     return torch.ops.aten._convert_weight_to_int4pack(pairs, int(weight.qdata.shape[-1]) * 2)
 
@@ -88,7 +104,7 @@ _FORMATS = {"Int4OpaqueTensor": _Format("Int4OpaqueTensor", _pack_cpu)}
 _FORMATS["Int4TilePackedTo4dTensor"] = _Format("Int4TilePackedTo4dTensor", _pack_tiles)
 
 
-def _format(weight: torch.Tensor) -> tuple[_Format | None, str]:
+def _format(weight: PackedInt4) -> tuple[_Format | None, str]:
     """The weight's format, or None and why it keeps the kernel."""
     fmt = _FORMATS.get(type(weight).__name__)
     if fmt is None:
@@ -98,9 +114,13 @@ def _format(weight: torch.Tensor) -> tuple[_Format | None, str]:
     return fmt, ""
 
 
-def nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The 4-bit values of ``packed``'s bytes, low nibble first, as a flat ``uint8`` tensor."""
-    raw = packed.contiguous().view(torch.uint8).reshape(-1)
+def _pack_with(fmt: _Format, weight: PackedInt4, values: torch.Tensor) -> torch.Tensor:
+    return fmt.pack(values, weight)
+
+
+def nibbles(data: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values of ``data``'s bytes, low nibble first, as a flat ``uint8`` tensor."""
+    raw = data.contiguous().view(torch.uint8).reshape(-1)
     return torch.stack((raw & 15, raw >> 4), dim=-1).reshape(-1)
 
 
@@ -155,7 +175,7 @@ def _gather(where: torch.Tensor) -> torch.Tensor | None:
     return gather
 
 
-def dense_weight(weight: torch.Tensor, layout: Layout, rounding: Rounding, dtype: torch.dtype) -> torch.Tensor:
+def dense_weight(weight: PackedInt4, layout: Layout, rounding: Rounding, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` (a torchao int4 tensor in ``layout``) as a dense ``[out, in]`` tensor in ``dtype``, built from its
     packed nibbles, scales and zeros ``CHUNK_ELEMENTS`` at a time."""
     group = int(weight.block_size[-1])
@@ -170,15 +190,15 @@ def dense_weight(weight: torch.Tensor, layout: Layout, rounding: Rounding, dtype
     per_block = layout.block_rows * k_pad
     blocks = n_pad // layout.block_rows
     pieces = [(raw[: blocks * per_block // 2].view(blocks, per_block // 2), layout.block_rows, layout.gather)]
-    if layout.tail_rows:
+    if layout.tail_rows and layout.tail_gather is not None:
         pieces.append((raw[blocks * per_block // 2 :].view(1, -1), layout.tail_rows, layout.tail_gather))
     top = 0
-    for packed, block_rows, gather in pieces:
+    for part, block_rows, gather in pieces:
         step = max(1, CHUNK_ELEMENTS // (block_rows * k_pad))
-        for first in range(0, packed.shape[0], step):
+        for first in range(0, part.shape[0], step):
             if top >= n:
                 return out
-            values = nibbles(packed[first : first + step]).view(-1, block_rows * k_pad).index_select(1, gather)
+            values = nibbles(part[first : first + step]).view(-1, block_rows * k_pad).index_select(1, gather)
             values = values.view(-1, k_pad // group, group)
             rows = values.shape[0]
             full = values.to(wide).sub_(8).mul_(scale[top : top + rows]).add_(zero[top : top + rows])
@@ -188,15 +208,15 @@ def dense_weight(weight: torch.Tensor, layout: Layout, rounding: Rounding, dtype
     return out
 
 
-def kernel_columns(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def kernel_columns(weight: PackedInt4, columns: torch.Tensor) -> torch.Tensor:
     """The kernel's own dequantized values of ``weight`` at ``columns`` (``[out, len(columns)]``): its product with
     those rows of the identity, which sums one non-zero term per output."""
     eye = torch.zeros(columns.numel(), weight.shape[1], dtype=torch.bfloat16, device=weight.qdata.device)
     eye[torch.arange(columns.numel(), device=eye.device), columns] = 1
-    return F.linear(eye, weight).t()
+    return F.linear(eye, cast(torch.Tensor, weight)).t()
 
 
-def _matches(weight: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor) -> bool:
+def _matches(weight: PackedInt4, dense: torch.Tensor, columns: torch.Tensor) -> bool:
     for chunk in columns.split(1024):
         if not torch.equal(kernel_columns(weight, chunk).to(dense.dtype), dense[:, chunk]):
             return False
@@ -242,7 +262,7 @@ def install(model: nn.Module, setting: Int4Prefill | int) -> Int4Products | None
     if not linears:
         return None
     text = setting.value if isinstance(setting, Int4Prefill) else str(setting)
-    device_type = linears[0].weight.qdata.device.type
+    device_type = packed(linears[0]).qdata.device.type
     rows = _rows(setting, device_type)
     if rows is None:
         why = "as asked" if setting is Int4Prefill.KERNEL else f"no dense path on {device_type}"
@@ -275,7 +295,7 @@ def _plan(linears: list[nn.Linear]) -> tuple[list[tuple[Layout, Rounding]], str]
     roundings: dict[tuple[str, tuple[int, ...], int], Rounding] = {}
     plans = []
     for linear in linears:
-        weight = linear.weight
+        weight = packed(linear)
         fmt, why = _format(weight)
         if fmt is None:
             return [], why
@@ -284,7 +304,7 @@ def _plan(linears: list[nn.Linear]) -> tuple[list[tuple[Layout, Rounding]], str]
         device = weight.qdata.device
         key = (fmt.name, k_pad, n_pad, str(device))
         if key not in layouts:
-            layouts[key] = derive_layout(lambda values, w=weight, f=fmt: f.pack(values, w), k_pad, device, n_pad)
+            layouts[key] = derive_layout(functools.partial(_pack_with, fmt, weight), k_pad, device, n_pad)
         layout = layouts[key]
         if layout is None:
             return [], f"the {fmt.name} packing is not a permutation of nibbles within blocks of rows"
@@ -305,7 +325,7 @@ def _plan(linears: list[nn.Linear]) -> tuple[list[tuple[Layout, Rounding]], str]
     return plans, ""
 
 
-def _sample(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _sample(weight: PackedInt4, device: torch.device) -> torch.Tensor:
     """Up to ``SAMPLED_COLUMNS`` columns: the first and last, a group's edges, the rest spread evenly."""
     k, group = int(weight.shape[1]), int(weight.block_size[-1])
     picks = {0, k - 1, min(group - 1, k - 1), min(group, k - 1)}
@@ -317,10 +337,9 @@ def _dense_forward(linear: nn.Linear, rows: int, layout: Layout, rounding: Round
     """``linear``'s forward: dense for inputs of at least ``rows`` rows, torchao's kernel below."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = linear.weight
         if x.numel() < rows * x.shape[-1]:
-            return F.linear(x, weight, linear.bias)
-        dense = dense_weight(weight, layout, rounding, torch.bfloat16)
+            return F.linear(x, linear.weight, linear.bias)
+        dense = dense_weight(packed(linear), layout, rounding, torch.bfloat16)
         out = F.linear(x.to(torch.bfloat16), dense)
         if linear.bias is not None:
             out += linear.bias.to(out.dtype)

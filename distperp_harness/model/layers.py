@@ -3,7 +3,13 @@ unsharded bytes) and compiling (the layer compiled once)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def _length(stack: torch.nn.ModuleList) -> int:
+    return len(stack)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -12,10 +18,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     models, ``transformer.h`` of GPT-2, ``language_model.layers`` of a vision-language model); without that count,
     the longest such list; [] when there is none."""
     base = getattr(model, "base_model", model)
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     depth = getattr(config, "num_hidden_layers", None)
-    stacks = [
+    stacks: list[torch.nn.ModuleList] = [
         m
         for m in base.modules()
         if isinstance(m, torch.nn.ModuleList) and len(m) and len({type(layer) for layer in m}) == 1
@@ -23,4 +29,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     exact = [m for m in stacks if depth is not None and len(m) == depth]
     if exact:
         return list(exact[0])
-    return list(max(stacks, key=len)) if stacks and depth is None else []
+    if not stacks or depth is not None:
+        return []
+    longest = stacks[0]
+    for stack in stacks[1:]:  # the first of the longest, as max() would
+        if _length(stack) > _length(longest):
+            longest = stack
+    return list(longest)

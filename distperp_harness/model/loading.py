@@ -11,7 +11,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate.logging import get_logger
@@ -91,7 +91,7 @@ def load_model(
     _check_source(source, key)
     if key == "pretrained":
         check_gguf(options)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "revision": options.revision,
         "trust_remote_code": options.trust_remote_code,
         "dtype": dtype,
@@ -185,7 +185,7 @@ def skeleton(options: Options, dtype: torch.dtype | str, source: str | None = No
         )
 
 
-def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, distributed_config: Any = None):
+def load_quantized(options: Options, device: torch.device, dtype: torch.dtype | str, distributed_config: Any = None):
     """The model with ``options.quantize`` applied *while loading*, and its
     :class:`~distperp_harness.model.quantize.QuantReport`.
 
@@ -201,7 +201,8 @@ def load_quantized(options: Options, device: torch.device, dtype: torch.dtype, d
     from distperp_harness.model.quantize import SCHEMES, _import_torchao, finish_report, quantize_model, select_layers
 
     scheme = options.quantize
-    plan = SCHEMES[scheme].plan(dtype, options.group_size, device)
+    # "auto" reaches here only for schemes whose plans do not read the dtype (int8, 8da4w: no preferred dtype)
+    plan = SCHEMES[scheme].plan(cast(torch.dtype, dtype), options.group_size, device)
     meta = skeleton(options, dtype)
     selection = select_layers(meta, plan, options.quantize_lm_head)
     if distributed_config is not None and plan.storage != "int8":  # group-wise schemes: groups within a slice
@@ -348,9 +349,9 @@ def _load_all(
     staging = device if mesh is None else torch.device("cpu")  # FSDP2 moves each unit to the device as it shards
     report = adapter = None
     if options.quantize != "none":
-        dtype, note = resolve_model_dtype(options.quantize, options.dtype, device)
+        preferred, note = resolve_model_dtype(options.quantize, options.dtype, device)
         log.info(note, main_process_only=True)
-        dtype = asked if dtype is None else dtype
+        dtype = asked if preferred is None else preferred
         if options.peft or options.delta or options.gguf_file:  # merge first, then quantize the merged weights
             model, adapter = load_adapted(options, device, dtype, tokenizer)
             report = quantize_model(
@@ -450,11 +451,17 @@ def _load_given(options: Options, device: torch.device, given: Any, meter: Any) 
     )
 
 
+def _embedding_rows(model: torch.nn.Module) -> int:
+    """Rows of the model's input embeddings (else its config's ``vocab_size``)."""
+    embeddings = getattr(model, "get_input_embeddings")()  # noqa: B009 - a transformers model's method
+    return int(getattr(embeddings, "num_embeddings", 0) or getattr(model, "config").vocab_size)  # noqa: B009
+
+
 def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:
     """``token`` (the prefix token id: ``given`` in ``--model_args``, or the tokenizer's BOS/EOS) must index every
     model's embeddings: else it would load, then fail at the first batch (an ``IndexError``; a device-side assert on
     CUDA). Raises ``ValueError`` naming the fix."""
-    rows = min(int(getattr(m.get_input_embeddings(), "num_embeddings", 0) or m.config.vocab_size) for m in models)
+    rows = min(_embedding_rows(m) for m in models)
     if not 0 <= token < rows:
         what = "prefix_token_id" if given else "the tokenizer's BOS/EOS id"
         raise InputError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import overload
+from typing import Any, overload
 
 import torch
 
@@ -23,7 +23,7 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     position: the last hidden state and the gathered features (``w`` each), the indices, target and float64 results (64
     bytes). Not counted: logits chunks (:func:`~distperp_harness.run.scoring.forward.chunk_bytes`).
     """
-    config = model.config
+    config: Any = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(config, "hidden_size", 1024) or 1024)
     inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
@@ -148,7 +148,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 def kv_cache_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes one token adds to a generation's KV cache: ``2 (K and V) * layers * KV heads * head dim * element
     size`` in the model's compute dtype (e.g. 512 KiB for Llama-2-7B in bfloat16)."""
-    config = model.config
+    config: Any = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)

@@ -60,6 +60,8 @@ __all__ = [
     "weight_bytes",
 ]
 
+INT4: torch.dtype = getattr(torch, "int4")  # noqa: B009 - torch.int4 exists at runtime, not in torch's stubs
+
 SkipCheck = Callable[[nn.Linear], "str | None"]
 """Why a Linear cannot be quantized by a plan, or ``None`` when it can."""
 
@@ -128,7 +130,7 @@ def _int4_in_int8(group_size: int, why: str) -> Plan:
     from torchao.quantization import IntxWeightOnlyConfig, MappingType, PerGroup
 
     config = IntxWeightOnlyConfig(
-        weight_dtype=torch.int4, granularity=PerGroup(group_size), mapping_type=MappingType.ASYMMETRIC
+        weight_dtype=INT4, granularity=PerGroup(group_size), mapping_type=MappingType.ASYMMETRIC
     )
     return Plan(
         config,
@@ -200,7 +202,7 @@ def _plan_int8(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
 def _plan_8da4w(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup
 
-    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=INT4, weight_granularity=PerGroup(group_size))
     return Plan(
         config,
         "int4-in-int8",
@@ -269,7 +271,7 @@ def is_tensor_subclass(t: torch.Tensor) -> bool:
 
 def _storage_bytes(t: torch.Tensor, seen: set[tuple[int, int]]) -> int:
     if is_tensor_subclass(t):
-        names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh: tensors only
+        names, _ = getattr(t, "__tensor_flatten__")()  # noqa: B009 - not in Tensor's stubs; a DTensor also names its device_mesh: tensors only
         return sum(
             _storage_bytes(inner, seen) for inner in (getattr(t, n) for n in names) if isinstance(inner, torch.Tensor)
         )
@@ -415,7 +417,7 @@ def quantize_model(
         _import_torchao()
     plan = spec.plan(dtype, group_size, device)
     before = weight_bytes(model)
-    common = dict(
+    common: dict[str, Any] = dict(
         scheme=scheme,
         storage=plan.storage,
         note=plan.note,
@@ -469,6 +471,7 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> LayerS
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
+        reason: str | None
         if module is lm_head and not include_lm_head:
             reason = "output embedding kept in full precision by default (quantize_lm_head=true includes it)"
         elif is_tensor_subclass(module.weight):
@@ -482,7 +485,7 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> LayerS
     notes: list[str] = []
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     head_name = next((name for name, module in model.named_modules() if module is lm_head), None)
-    if head_name in selected and getattr(embedding, "weight", None) is lm_head.weight:
+    if head_name in selected and getattr(embedding, "weight", None) is getattr(lm_head, "weight", None):
         notes.append(
             "The output embedding was tied to the input embedding: quantizing it untied them, and the "
             "input embedding keeps its full-precision copy."
@@ -504,7 +507,8 @@ def finish_report(
     from torchao.core.config import config_to_dict
 
     skipped = dict(selection.skipped)
-    quantized, formats = [], collections.Counter()
+    quantized: list[str] = []
+    formats: collections.Counter[str] = collections.Counter()
     modules = dict(model.named_modules())
     for name in selection.selected:
         if is_tensor_subclass(modules[name].weight):

@@ -110,7 +110,7 @@ def mesh_backend(timeout_s: float) -> tuple[str, Any]:
     if "nccl" in str(dist.get_backend()):
         backend, options = "nccl", dist.ProcessGroupNCCL.Options()
     else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+        backend, options = "gloo", getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 - private, not in the stubs
     options._timeout = timedelta(seconds=timeout_s)
     return backend, options
 
@@ -171,7 +171,7 @@ def is_sharded(model: nn.Module | None) -> bool:
 def gathered(*models: nn.Module | None) -> Iterator[None]:
     """Within the block, the root FSDP group of each sharded model (embeddings, final norm, output head) is
     all-gathered; decoder layers gather themselves in their forward. A no-op for unsharded models (and None)."""
-    roots = [m for m in models if is_sharded(m)]
+    roots: list[Any] = [m for m in models if is_sharded(m)]  # FSDP2 modules: unshard/reshard
     for m in roots:
         m.unshard()
     try:
@@ -184,7 +184,7 @@ def gathered(*models: nn.Module | None) -> Iterator[None]:
 def regather(*models: nn.Module | None) -> None:
     """Reshard, then gather again, the root group of each sharded model: inside :func:`gathered`, what ends one
     forward call and begins the next exactly as two ``gathered`` blocks would (same collectives, same order)."""
-    roots = [m for m in models if is_sharded(m)]
+    roots: list[Any] = [m for m in models if is_sharded(m)]  # FSDP2 modules: unshard/reshard
     for m in roots:
         m.reshard()
     for m in roots:

@@ -62,7 +62,7 @@ def check_tp_plan(config: Any, tp_size: int, source: str) -> None:
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if count is not None and count % tp_size:
+        if count is not None and heads is not None and count % tp_size:
             allowed = [d for d in range(2, int(count) + 1) if heads % d == 0 and (kv_heads or heads) % d == 0]
             raise InputError(
                 f"tp_size={tp_size}: {source!r} has {name}={count}, which does not divide by tp_size={tp_size} "
@@ -189,7 +189,9 @@ def whole_bytes(model: torch.nn.Module, tp_size: int) -> int:
 
     from distperp_harness.model.quantize import _storage_bytes
 
-    total, seen, counted = 0, set(), set()
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    counted: set[int] = set()
     for _, p, split in _layout(model):
         if id(p) in counted:  # tied weights count once
             continue

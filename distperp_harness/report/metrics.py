@@ -113,7 +113,7 @@ def with_stderr(stderr_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Callable
     """Attach ``stderr_fn`` to an aggregation as ``.distperp_stderr`` (read by :func:`install_lm_eval_stderr_hook`)."""
 
     def attach(aggregation: Callable) -> Callable:
-        aggregation.distperp_stderr = stderr_fn
+        setattr(aggregation, "distperp_stderr", stderr_fn)  # noqa: B010 - an attribute of a function object
         return aggregation
 
     return attach
@@ -227,7 +227,7 @@ def total(items: Sequence[int | None]) -> int | str:
     if any(x is None for x in items):
         _warn_no_tokens()
         return NOT_AVAILABLE
-    return int(sum(int(x) for x in items))
+    return sum(int(x) for x in items if x is not None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def _wrap_stderr_for_metric(original: Callable) -> Callable:
             return stderr_fn if (bootstrap_iters or 0) > 0 else None
         return original(metric, bootstrap_iters)
 
-    stderr_for_metric._distperp_hook = True
-    stderr_for_metric.__wrapped__ = original
+    setattr(stderr_for_metric, "_distperp_hook", True)  # noqa: B010 - attributes of a function object
+    setattr(stderr_for_metric, "__wrapped__", original)  # noqa: B010
     stderr_for_metric.__doc__ = original.__doc__
     return stderr_for_metric

@@ -34,6 +34,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -93,7 +94,7 @@ def evaluator_tasks() -> Mapping[str, Any] | None:
     This reads that local from the calling frames, read-only; nothing is patched. Without it (a direct call, another
     lm-eval layout) flips are still counted, with continuation lengths and no gold.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "evaluate" and frame.f_globals.get("__name__") == "lm_eval.evaluator":
             tasks = frame.f_locals.get("eval_tasks")
@@ -253,17 +254,18 @@ def _flip_stats(choices: Sequence[Choice]) -> dict[str, Any]:
         mean, se = _mean_stderr(values)
         entry.update({name: mean, f"{name}_stderr": se, f"n_{name}": int(sum(values))})
     labelled = [c for c in choices if c.gold is not None]
+    golds = [c.gold or () for c in labelled]
     entry["n_docs_with_gold"] = len(labelled)
     if not labelled:
         return entry
-    c2w = sum(c.reference in c.gold and c.model not in c.gold for c in labelled)
-    w2c = sum(c.reference not in c.gold and c.model in c.gold for c in labelled)
+    c2w = sum(c.reference in g and c.model not in g for c, g in zip(labelled, golds))
+    w2c = sum(c.reference not in g and c.model in g for c, g in zip(labelled, golds))
     entry.update(
         {"correct_to_wrong": c2w / n, "wrong_to_correct": w2c / n, "n_correct_to_wrong": c2w, "n_wrong_to_correct": w2c}
     )
     for suffix, model, reference in (("", "model", "reference"), ("_norm", "model_norm", "reference_norm")):
-        mine = [float(getattr(c, model) in c.gold) for c in labelled]
-        theirs = [float(getattr(c, reference) in c.gold) for c in labelled]
+        mine = [float(getattr(c, model) in g) for c, g in zip(labelled, golds)]
+        theirs = [float(getattr(c, reference) in g) for c, g in zip(labelled, golds)]
         delta, se = _mean_stderr([a - b for a, b in zip(mine, theirs)])
         entry.update(
             {
