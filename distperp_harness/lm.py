@@ -203,7 +203,7 @@ class DistPerpLM(Tokenization, TemplateLM):
             collective=self.collective,
             rows_for=self.batching.rows_for,
             max_length=self._max_length,
-            packed=self.sharing.mode == "prefix",
+            packed=self.sharing.mode == ShareMode.PREFIX,
             pad_token_id=self.tokenizer.pad_token_id,
             device=self._device,
             shard_size=self.shard_size,

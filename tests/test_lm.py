@@ -176,6 +176,7 @@ def test_sampled_generation_is_seeded_by_content(tiny_model_dir, tasks_dir):
 
 
 def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir, monkeypatch, caplog):
+    import dataclasses
     import logging
 
     import lm_eval
@@ -183,7 +184,8 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
 
     from distperp_harness.run.scoring import support
 
-    monkeypatch.setattr(support, "_MASKABLE_TYPES", frozenset())  # as for a model type not known to take the mask
+    unmasked = {t: dataclasses.replace(s, takes_4d_mask=False) for t, s in support.MODEL_TYPES.items()}
+    monkeypatch.setattr(support, "MODEL_TYPES", unmasked)  # as for a model type not known to take the mask
     with caplog.at_level(logging.INFO, logger="distperp_harness"):
         logging.getLogger("distperp_harness").addHandler(caplog.handler)
         run = lm_eval.simple_evaluate(

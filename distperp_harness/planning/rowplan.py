@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distperp_harness.planning.records import BLOCK, GlobalTable
-from distperp_harness.planning.rows import MIN_SHARED_PREFIX, SHARE_MODES, worth_merging
+from distperp_harness.planning.rows import MIN_SHARED_PREFIX, ShareMode, share_mode, worth_merging
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,18 @@ class PlannedRows:
 
 
 def plan_from_records(
-    table: GlobalTable, mode: str = "prefix", max_row_length: int | None = None, attention_coef: float = 0.0
+    table: GlobalTable,
+    mode: ShareMode | str = ShareMode.PREFIX,
+    max_row_length: int | None = None,
+    attention_coef: float = 0.0,
 ) -> PlannedRows:
     """Rows for every unit of ``table`` (module docstring); the result depends only on the table."""
-    if mode not in SHARE_MODES:
-        raise ValueError(f"share mode {mode!r} is not one of {', '.join(SHARE_MODES)}")
+    mode = share_mode(mode)
     units = table.units
     n = len(units)
     n_score = units["n_score"].astype(np.int64)
     first_scored = units["length"].astype(np.int64) - 1 - n_score  # input positions before it feed no target
-    if mode == "off":
+    if mode == ShareMode.OFF:
         ids = np.arange(n)
         return _ordered(
             ids,
@@ -65,7 +67,7 @@ def plan_from_records(
             lcp=np.zeros(n, np.int64),
         )
     m = len(table.inputs)
-    if mode == "inputs":
+    if mode == ShareMode.INPUTS:
         host = _context_hosts(table)
         hosts, row_of_input = np.unique(host, return_inverse=True)
         k = len(hosts)
@@ -169,7 +171,7 @@ def _ordered(
     lengths: np.ndarray,
     first_scored: np.ndarray,
     n_score: np.ndarray,
-    mode: str,
+    mode: ShareMode,
     *,
     span: np.ndarray,
     lcp: np.ndarray,
@@ -184,7 +186,7 @@ def _ordered(
     min_scored = np.full(k, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(min_scored, row_of_unit, first_scored)
     first_id = by_row[bounds[:-1]] if k else np.zeros(0, np.int64)
-    if mode == "prefix" and k:
+    if mode == ShareMode.PREFIX and k:
         shared = np.minimum(lcp[span[1:, 0]], np.minimum(min_scored[:-1], min_scored[1:]))
         cut = np.flatnonzero(shared < MIN_SHARED_PREFIX) + 1
         spans = np.split(np.arange(k), cut)
@@ -193,7 +195,7 @@ def _ordered(
     key = np.lexsort((first_id, -lengths))  # longest first, then the lowest unit id
     rank = np.empty(k, dtype=np.int64)
     rank[key] = np.arange(k)
-    if mode == "prefix":
+    if mode == ShareMode.PREFIX:
         loose = np.concatenate([s for s in spans if len(s) == 1] or [np.zeros(0, np.int64)])
         groups = sorted((s[np.argsort(rank[s])] for s in spans if len(s) > 1), key=lambda g: rank[g[0]])
     else:

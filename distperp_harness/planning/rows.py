@@ -60,6 +60,16 @@ class ShareMode(str, enum.Enum):
 
 
 SHARE_MODES = tuple(m.value for m in ShareMode)
+
+
+def share_mode(mode: ShareMode | str) -> ShareMode:
+    """``mode`` as a :class:`ShareMode` (its value accepted too); ``ValueError`` for anything else."""
+    try:
+        return ShareMode(mode)
+    except ValueError:
+        raise ValueError(f"share mode {mode!r} is not one of {', '.join(SHARE_MODES)}") from None
+
+
 MIN_SHARED_PREFIX = 32
 """Shortest prefix a batch computes once for all its rows (below it, one more forward call costs more than the
 tokens it saves)."""
@@ -170,19 +180,25 @@ def unit_rows(units: Sequence[Unit], first_id: int = 0) -> list[Row]:
 
 
 def build_rows(
-    units: Sequence[Unit], mode: str = "prefix", max_row_length: int | None = None, attention_coef: float = 0.0
+    units: Sequence[Unit],
+    mode: ShareMode | str = ShareMode.PREFIX,
+    max_row_length: int | None = None,
+    attention_coef: float = 0.0,
 ) -> list[Row]:
     """The rows of :func:`plan_rows`, in plan order."""
     return plan_rows(units, mode, max_row_length, attention_coef).rows
 
 
 def plan_rows(
-    units: Sequence[Unit], mode: str = "prefix", max_row_length: int | None = None, attention_coef: float = 0.0
+    units: Sequence[Unit],
+    mode: ShareMode | str = ShareMode.PREFIX,
+    max_row_length: int | None = None,
+    attention_coef: float = 0.0,
 ) -> RowPlan:
     """Rows for ``units`` (the canonical table: a unit's index is its id) and their groups.
 
     Args:
-        mode: ``"prefix"``, ``"inputs"`` or ``"off"`` (module docstring).
+        mode: a :class:`ShareMode` (or its value: ``"prefix"``, ``"inputs"``, ``"off"``; module docstring).
         max_row_length: a row holds at most this many tokens (None: no limit); a longer unit input gets its own row.
         attention_coef: the plan's attention weight (:func:`distperp_harness.run.runtime.attention_coefficient`):
             rows only grow while the tokens they share outweigh their extra dense-attention work.
@@ -190,9 +206,8 @@ def plan_rows(
     Every unit is in exactly one row; the result depends only on the arguments. Rows come in canonical order within
     each group (longest first, then by the lowest unit id), the rows that share no long prefix first.
     """
-    if mode not in SHARE_MODES:
-        raise ValueError(f"share mode {mode!r} is not one of {', '.join(SHARE_MODES)}")
-    if mode == "off":
+    mode = share_mode(mode)
+    if mode == ShareMode.OFF:
         rows = unit_rows(units)
         return RowPlan(sorted(rows, key=_order), (0,) if rows else ())
     leaves, readers, classes = _leaves(units)
@@ -203,7 +218,7 @@ def plan_rows(
     for j, leaf in enumerate(leaves):
         d = lcps[j]
         t = len(leaf) - d
-        if mode == "prefix" and packs and size + t <= limit and worth_merging(size, d, t, attention_coef):
+        if mode == ShareMode.PREFIX and packs and size + t <= limit and worth_merging(size, d, t, attention_coef):
             packs[-1].append(j)
             size += t
         else:
@@ -212,7 +227,7 @@ def plan_rows(
     rows = [
         _tree_row([leaves[j] for j in pack], [lcps[j] for j in pack[1:]], readers, classes, units) for pack in packs
     ]
-    if mode == "inputs":
+    if mode == ShareMode.INPUTS:
         return RowPlan(sorted(rows, key=_order), (0,) if rows else ())
     return _grouped(rows, [lcps[p[0]] for p in packs[1:]])
 

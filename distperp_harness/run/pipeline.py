@@ -36,7 +36,7 @@ from distperp_harness.planning.plan import Batch, assign_batches, balance_report
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
-from distperp_harness.planning.rows import Row, row_of, shared_prefix, unit_rows
+from distperp_harness.planning.rows import Row, ShareMode, row_of, shared_prefix, unit_rows
 from distperp_harness.run.execution.calls import RankShare, RunStats, ScoringCall
 from distperp_harness.run.execution.claims import helper_of
 from distperp_harness.run.execution.executor import Executor
@@ -112,11 +112,11 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
 
     planned = plan_from_records(table, sharing.mode, sharing.max_row_length, rule.attention_coef)
     batches = rule.batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
-    if sharing.mode == "prefix" and sharing.cached_prefix:
+    if sharing.mode == ShareMode.PREFIX and sharing.cached_prefix:
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
     if prepare is not None:
         prepare(
-            sharing.mode == "prefix"
+            sharing.mode == ShareMode.PREFIX
             and any(len(planned.members[r]) > 1 for b in batches if not b.shared for r in range(b.start, b.stop))
         )
     workers = executor.workers  # a tensor-parallel group is one worker; without TP a worker is a rank
@@ -233,12 +233,12 @@ def unit_mark(uid: int, stats: np.ndarray) -> int:
     )
 
 
-def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: str) -> None:
+def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: ShareMode) -> None:
     """The rows built from tokens are what the plan promised: no longer than planned, one path each where masks are
     not allowed, and sharing at least the planned prefix (shard groups count forward calls from the plan). Only a
     collision of prefix hashes breaks this; the run then stops rather than compute something else."""
     for r, row in zip(range(batch.start, batch.stop), rows):
-        if row.length > planned.lengths[r] or (mode != "prefix" and row.packed):
+        if row.length > planned.lengths[r] or (mode != ShareMode.PREFIX and row.packed):
             raise HashCollision(
                 f"row {r} holds {row.length} tokens ({len(row.runs)} runs) where its plan allows "
                 f"{planned.lengths[r]} ({mode}): prefix hashes collided"
@@ -250,10 +250,10 @@ def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row],
         )
 
 
-def _build_row(planned: PlannedRows, r: int, available, mode: str) -> Row:
+def _build_row(planned: PlannedRows, r: int, available, mode: ShareMode) -> Row:
     ids = planned.members[r]
     units = [available.unit(int(i)) for i in ids]
-    if mode == "off":
+    if mode == ShareMode.OFF:
         return unit_rows(units, int(ids[0]))[0]
     return row_of(units, ids)
 

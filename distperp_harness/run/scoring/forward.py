@@ -38,6 +38,7 @@ from distperp_harness.run.scoring.logprobs import (
 )
 from distperp_harness.run.scoring.masks import Packing as _Packing
 from distperp_harness.run.scoring.masks import flex_shapes
+from distperp_harness.run.scoring.support import model_support
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -47,30 +48,6 @@ if TYPE_CHECKING:
 LL, GREEDY, N_TOKENS, REF_LL, TOP1 = range(5)
 N_COLUMNS = 5
 
-# Model types whose logits are exactly ``get_output_embeddings()(base_model(...).last_hidden_state)``; for
-# them only scored positions go through the head. Others (soft-capping, logit scaling, ...) use full logits.
-_PLAIN_HEAD_TYPES = frozenset(
-    {
-        "llama",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "phi3",
-        "gemma",
-        "olmo",
-        "olmo2",
-        "gpt2",
-        "gpt_neox",
-        "gptj",
-        "stablelm",
-        "starcoder2",
-        "smollm3",
-        "ministral",
-    }
-)
 # Logits per chunk of scored positions. CPU: 64 MiB of float32, cache-friendly (measured, benchmarks/README.md).
 # CUDA: 256 MiB, so a 128k vocabulary still gets ~500 positions per chunk (fewer, larger kernels).
 _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
@@ -149,14 +126,14 @@ def _features(
     of the batch's shared prefix (:func:`~distperp_harness.run.scoring.kvcache.prefix_cache`), which ``input_ids``
     follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    plain_head = model_support(model).plain_head
     extra = packing.kwargs(model) if packing is not None else {}
     if cache is not None:
         extra[cache_argument(model)] = cache
         extra["use_cache"] = True
     else:
         extra["use_cache"] = False
-    if head is not None and model_type in _PLAIN_HEAD_TYPES:
+    if head is not None and plain_head:
         hidden = model.base_model(input_ids=input_ids, **extra).last_hidden_state
         feats = hidden[rows, cols]
         if ReusedHead.applies(head, feats):

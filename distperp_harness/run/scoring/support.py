@@ -3,36 +3,45 @@ and continuing a batch's common prefix from its key/value cache. Each check retu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# Model types whose transformers implementation passes a 4D attention mask through unchanged and takes position ids
-# (each checked against unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py).
-_MASKABLE_TYPES = frozenset(
-    {
-        "llama",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "phi3",
-        "gemma",
-        "olmo",
-        "olmo2",
-        "gpt2",
-        "gpt_neox",
-        "gptj",
-        "stablelm",
-        "starcoder2",
-        "smollm3",
-    }
-)
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """What scoring relies on in a model type's transformers implementation.
+
+    ``plain_head``: its logits are exactly ``get_output_embeddings()(base_model(...).last_hidden_state)``, so only
+    scored positions go through the head (others: soft-capping, logit scaling, ... use full logits).
+    ``takes_4d_mask``: it passes a 4D attention mask through unchanged and takes position ids (each checked against
+    unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py)."""
+
+    plain_head: bool
+    takes_4d_mask: bool
+
+
+_BOTH = ModelSupport(plain_head=True, takes_4d_mask=True)
+MODEL_TYPES: dict[str, ModelSupport] = {
+    **dict.fromkeys(
+        ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo"), _BOTH
+    ),
+    **dict.fromkeys(("olmo2", "gpt2", "gpt_neox", "gptj", "stablelm", "starcoder2", "smollm3"), _BOTH),
+    "ministral": ModelSupport(plain_head=True, takes_4d_mask=False),
+}
+"""The one table of model types scoring knows (``config.model_type``); any other type: neither."""
+
+_NEITHER = ModelSupport(plain_head=False, takes_4d_mask=False)
+
+
+def model_support(model: torch.nn.Module) -> ModelSupport:
+    """:data:`MODEL_TYPES`' entry of ``model``'s ``config.model_type``."""
+    return MODEL_TYPES.get(getattr(getattr(model, "config", None), "model_type", None) or "", _NEITHER)
 
 
 def takes_4d_mask(model: torch.nn.Module) -> bool:
     """Whether ``model``'s type is one whose transformers implementation passes a 4D attention mask through."""
-    return getattr(getattr(model, "config", None), "model_type", None) in _MASKABLE_TYPES
+    return model_support(model).takes_4d_mask
 
 
 def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
@@ -48,8 +57,8 @@ def cached_prefix_unsupported(model: torch.nn.Module) -> str | None:
 def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | None:
     """Why ``model`` cannot compute packed rows (prefix-sharing mask and position ids), or None when it can.
 
-    Needs a model type in ``_MASKABLE_TYPES``, ``sdpa`` or ``eager`` attention (a dense mask), or ``flex_attention``
-    where transformers implements it for the model (``_supports_flex_attn``; a block mask,
+    Needs a model type whose :data:`MODEL_TYPES` entry takes a 4D mask, ``sdpa`` or ``eager`` attention (a dense
+    mask), or ``flex_attention`` where transformers implements it for the model (``_supports_flex_attn``; a block mask,
     :mod:`distperp_harness.run.scoring.masks`) and not on CUDA (tree rows there disagreed with sdpa's, unresolved) —
     flash attention takes no custom mask —, no attention-logit soft
     capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
