@@ -17,10 +17,36 @@ from distperp_harness.errors import OptionError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-QUANT_SCHEMES = ("none", "int4", "int8", "8da4w")
+
+
+class QuantScheme(str, enum.Enum):
+    """``quantize=``'s schemes: the one list of their names (``model/quantize.py`` registers a plan for each)."""
+
+    NONE = "none"
+    INT4 = "int4"
+    INT8 = "int8"
+    DA8W4 = "8da4w"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CompileMode(str, enum.Enum):
+    """``compile=``: eager (``false``) or a torch.compile mode (``compile=true`` is ``default``)."""
+
+    OFF = "false"
+    DEFAULT = "default"
+    REDUCE_OVERHEAD = "reduce-overhead"
+    MAX_AUTOTUNE = "max-autotune"
+    MAX_AUTOTUNE_NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+QUANT_SCHEMES = tuple(s.value for s in QuantScheme)
 GROUP_SIZES = (32, 64, 128, 256)
-# torch.compile's modes (``compile=true`` is "default"); "false": eager
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = tuple(m.value for m in CompileMode if m is not CompileMode.OFF)
 SHARD_SIZES = (
     "an integer >= 1 that divides the processes per node, or 'node' (all processes of a node share one "
     "copy of the weights)"
@@ -64,7 +90,7 @@ class Options:
     # distributed
     timeout: float = 1800.0
     # quantization
-    quantize: str = "none"
+    quantize: QuantScheme = QuantScheme.NONE
     group_size: int = 128
     quantize_lm_head: bool = False
     # packed int4 products of >= N rows dequantize the layer and multiply densely; auto: per device; kernel: never
@@ -83,7 +109,7 @@ class Options:
     tp_size: int | str = 1
     tp_plan: str | None = None
     # compiled decoder layers: "false" (eager) or a torch.compile mode; compile=true is "default"
-    compile: str = "false"
+    compile: CompileMode = CompileMode.OFF
     # generation on CUDA: the decode step replayed as CUDA graphs (checked against the eager step once per bucket)
     cuda_graphs: bool = True
     # stragglers: ranks take batches as they go (a slow rank computes fewer); false: the static plan
@@ -403,7 +429,7 @@ class Options:
     @property
     def compile_mode(self) -> str | None:
         """The torch.compile mode of ``compile=``, or None for eager."""
-        return None if self.compile == "false" else self.compile
+        return None if self.compile == CompileMode.OFF else CompileMode(self.compile).value
 
     @property
     def auto_batch(self) -> bool:
@@ -448,8 +474,9 @@ class Options:
         """JSON-friendly view, recorded in the results."""
         out = dataclasses.asdict(self)
         out.pop("device_from_cli")
-        if isinstance(self.int4_prefill, Int4Prefill):
-            out["int4_prefill"] = self.int4_prefill.value
+        for key, value in out.items():  # the enums' words, as given
+            if isinstance(value, enum.Enum):
+                out[key] = value.value
         if out.pop("in_memory"):
             out["pretrained_in_memory"] = True
         return out
@@ -511,6 +538,21 @@ def _aliased(aliases: dict[str, str]) -> Callable[[str, Any], str]:
     return lambda key, value: aliases.get(str(value).strip().lower(), str(value).strip().lower())
 
 
+def _enum(kind: type[enum.Enum], aliases: dict[str, str]) -> Callable[[str, Any], Any]:
+    """A cast to ``kind``'s member of the lower-cased text (``aliases`` mapped first); text that names none is kept,
+    for validation to refuse with the allowed values."""
+    words = _aliased(aliases)
+
+    def cast(key: str, value: Any) -> Any:
+        text = words(key, value)
+        try:
+            return kind(text)
+        except ValueError:
+            return text
+
+    return cast
+
+
 def _as_dtype(key: str, value: Any) -> str:
     text = str(value).strip().lower().removeprefix("torch.")
     return _DTYPE_ALIASES.get(text, text)
@@ -553,10 +595,10 @@ def _as_token(key: str, value: Any) -> int | str:
 
 _CASTS: dict[str, Callable[[str, Any], Any]] = {
     "dtype": _as_dtype,
-    "quantize": _aliased({"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}),
+    "quantize": _enum(QuantScheme, {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}),
     "batch_size": lambda key, value: _as_batch_size(value),
-    "compile": _aliased(
-        {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false", "none": "false"}
+    "compile": _enum(
+        CompileMode, {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false", "none": "false"}
     ),
     "tp_plan": _as_tp_plan,
     "shard_size": _as_size,
@@ -629,6 +671,7 @@ def _as_batch_size(value: Any) -> int | str:
 
 def _require(ok: bool, key: str, value: Any, allowed: str, fix: str) -> None:
     if not ok:
+        value = value.value if isinstance(value, enum.Enum) else value  # the word given, not the member's repr
         message = f"{key}={value!r} is not valid for --model distperp; allowed: {allowed}."
         if fix:
             message += f" Fix: {fix}."

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from distperp_harness.errors import InputError
-from distperp_harness.options import DTYPES, GROUP_SIZES
+from distperp_harness.options import DTYPES, GROUP_SIZES, QUANT_SCHEMES
 
 # torchao's wheel loads CUDA-only .so files (cutlass sm90a, mxfp8) at import and logs failures where they cannot
 # load; no scheme here uses them. transformers imports torchao as soon as a model class is imported: import this
@@ -89,11 +89,14 @@ class Scheme:
 
 
 SCHEMES: dict[str, Scheme] = {}
-"""Scheme name -> :class:`Scheme`, in registration order; keys equal ``options.QUANT_SCHEMES``."""
+"""Scheme name -> :class:`Scheme`, one per :class:`~distperp_harness.options.QuantScheme` (checked at import)."""
 
 
 def register_scheme(name: str, *, uses_group_size: bool, preferred_dtype: torch.dtype | None = None):
     """Decorator registering a plan function ``(dtype, group_size, device) -> Plan`` under ``name``."""
+
+    if name not in QUANT_SCHEMES:
+        raise ValueError(f"scheme {name!r} is not a QuantScheme ({', '.join(QUANT_SCHEMES)}): add it there first")
 
     def wrap(plan: Callable[[torch.dtype, int, torch.device], Plan]):
         SCHEMES[name] = Scheme(name, uses_group_size, preferred_dtype, plan)
@@ -210,6 +213,10 @@ def _plan_8da4w(dtype: torch.dtype, group_size: int, device: torch.device) -> Pl
         "kernel (int4 values stored one per byte; no packed 8da4w kernel for this device in torchao)",
         _k_divisible(group_size),
     )
+
+
+if tuple(SCHEMES) != QUANT_SCHEMES:  # every QuantScheme has its plan, in the same order
+    raise ImportError(f"quantize.py registers {tuple(SCHEMES)}, options.QuantScheme names {QUANT_SCHEMES}")
 
 
 def _name(dtype: torch.dtype) -> str:

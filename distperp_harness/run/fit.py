@@ -27,7 +27,7 @@ from torch import nn
 from distperp_harness.errors import InputError
 from distperp_harness.model.layers import decoder_layers
 from distperp_harness.model.memory import activation_bytes_per_token, first_float_dtype, free_memory_bytes
-from distperp_harness.options import Options
+from distperp_harness.options import Options, QuantScheme
 
 if TYPE_CHECKING:
     from distperp_harness.distributed.protocol import Collective
@@ -241,7 +241,7 @@ def _fixes(  # noqa: PLR0913 - the bounds each candidate option is tried within,
             fixes.append(f"{key}={size} ({need_for(options, size, None).total / GiB:.2f} GiB)")
             break
     if options.quantize == "none" and not stored:
-        int4 = dataclasses.replace(options, quantize="int4")
+        int4 = dataclasses.replace(options, quantize=QuantScheme.INT4)
         if need_for(int4, shard_size, None).total <= room:
             fixes.append(f"quantize=int4 ({need_for(int4, shard_size, None).total / GiB:.2f} GiB)")
     if not options.auto_batch and int(options.batch_size) > 1:
