@@ -9,7 +9,7 @@ For each run (``--runs``: ``none`` = the model in bfloat16 on GPU / float32 on C
 ``quantize=int4,reference=base``) two launches of the real ``DistPerpLM`` score the same rolling documents:
 ``shard_size=1`` and ``shard_size=<processes>`` (``accelerate launch``), or with one process (``torchrun``, which
 sets up the process group a device mesh needs) ``shard_size=1`` unsharded and ``shard_size=1`` on a **mesh of
-one** (``DistPerpLM(mesh_of_one=True)``: FSDP2 applied on a one-process ``DeviceMesh``, so the sharded load path
+one** (``DistPerpLM.in_process(mesh_of_one=True)``: FSDP2 applied on a one-process ``DeviceMesh``, so the sharded load path
 - host staging, layer-by-layer move to the device, torchao weights left out of FSDP - and the sharded forward's
 unshard/reshard run on one GPU; FSDP2 skips the all-gather itself for a group of one and copies each unit
 instead, so NCCL is not exercised). Per run the table shows the largest per-rank peak of the load stage (CUDA
@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     from distperp_harness.lm import DistPerpLM
     from distperp_harness.model.sharding import is_sharded
 
-    lm = DistPerpLM(**model_args(args, args.run, args.shard_size), mesh_of_one=args.mesh_of_one)
+    lm = DistPerpLM.in_process(**model_args(args, args.run, args.shard_size), mesh_of_one=args.mesh_of_one)
     if lm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(lm.device)  # scoring's peak, not the load's
     lm.loglikelihood_rolling([SimpleNamespace(args=(d,)) for d in documents(args.tokens)], disable_tqdm=True)

@@ -8,7 +8,8 @@ batches first (:func:`~distperp_harness.planning.encoding.encode_many`): ``tok_e
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
@@ -47,6 +48,15 @@ class Tokenization:
         if add_special_tokens is None and has_bos_prefix(string, prefix_text):
             special["add_special_tokens"] = False
         return special
+
+    @contextlib.contextmanager
+    def one_call(self) -> Iterator[None]:
+        """The memo of one request call: every string encoded once (:meth:`pre_encode`), nothing kept after."""
+        self._encoded = {}
+        try:
+            yield
+        finally:
+            self._encoded = None
 
     def pre_encode(self, keys: Iterable[tuple[str, bool | None]]) -> None:
         """Encode each distinct ``(string, add_special_tokens)`` into the call's memo, a batch per special-token

@@ -21,7 +21,9 @@ TOP_LEVEL: dict[str, str] = {
     # validated model_args, the input-error type
     "lm": "face",
     "docsplit": "face",
-    "tokens": "face",  # the lm-eval face
+    "tokens": "face",
+    "stages": "face",
+    "groupcalls": "face",  # the lm-eval face, the stages it wires and its mixins
     "__main__": "entry",
     "_hook": "entry",  # ``python -m distperp_harness`` and the .pth registration hook
 }

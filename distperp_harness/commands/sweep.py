@@ -143,7 +143,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     out = Path(args.output_path)
     reference, folders, t0 = None, [], time.perf_counter()
     for scheme in schemes:
-        lm = DistPerpLM(**kwargs, **scheme.model_args(), reference_model=reference)
+        lm = DistPerpLM.in_process(**kwargs, **scheme.model_args(), reference_model=reference)
         log.info(
             f"sweep: scheme {scheme.label} loaded in {lm.load_seconds:.1f} s "
             f"({'reference reused' if reference is not None else 'reference loaded'})",

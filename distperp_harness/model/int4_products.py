@@ -254,9 +254,12 @@ def _rows(setting: Int4Prefill | int, device_type: str) -> int | None:
     return int(setting)
 
 
-def install(model: nn.Module, setting: Int4Prefill | int) -> Int4Products | None:
+def install(model: nn.Module, setting: Int4Prefill | int, tensor_parallel: bool = False) -> Int4Products | None:
     """Give every Linear of ``model`` holding a packed torchao int4 weight the dense path for products of at least
-    ``rows`` rows (``setting``: :class:`Int4Prefill` or a row count); None when the model holds no such weight."""
+    ``rows`` rows (``setting``: :class:`Int4Prefill` or a row count); None when the model holds no such weight.
+
+    A tensor-parallel model (``tensor_parallel``: its plan wraps layers' forwards and moves their inputs and outputs
+    across ranks) and any layer whose forward something else already replaced keep torchao's kernel."""
     start = time.perf_counter()
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight).__name__ in _FORMATS]
     if not linears:
@@ -264,6 +267,10 @@ def install(model: nn.Module, setting: Int4Prefill | int) -> Int4Products | None
     text = setting.value if isinstance(setting, Int4Prefill) else str(setting)
     device_type = packed(linears[0]).qdata.device.type
     rows = _rows(setting, device_type)
+    replaced = [m for m in linears if "forward" in vars(m)]
+    if rows is not None and (tensor_parallel or replaced):
+        why = "tensor-parallel layers" if tensor_parallel else f"{len(replaced)} layers whose forward was replaced"
+        return Int4Products(text, None, 0, f"torchao's int4 kernel for every product ({why})")
     if rows is None:
         why = "as asked" if setting is Int4Prefill.KERNEL else f"no dense path on {device_type}"
         return Int4Products(text, None, 0, f"torchao's int4 kernel for every product ({why})")

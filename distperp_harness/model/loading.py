@@ -376,7 +376,7 @@ def _load_all(
             f"(quant_method={stored.get('quant_method')!r}); loaded as saved",
             main_process_only=True,
         )
-    products = install_int4_products(model, options.int4_prefill)
+    products = install_int4_products(model, options.int4_prefill, tensor_parallel=distributed_config is not None)
     if products is not None:
         log.info(products.summary(), main_process_only=True)
     sharding: dict[str, Any] = {}

@@ -44,6 +44,12 @@ class Score(float):
         self.top1_agree = None if top1_agree is None else int(top1_agree)
         return self
 
+    @classmethod
+    def of(cls, result: Any) -> "Score":
+        """The score of one request's result (``loglikelihood``, ``n_tokens``, ``ref_loglikelihood``, ``kl``,
+        ``top1_agree``: :class:`~distperp_harness.run.pipeline.RequestResult`'s fields)."""
+        return cls(result.loglikelihood, result.n_tokens, result.ref_loglikelihood, result.kl, result.top1_agree)
+
     @property
     def has_reference(self) -> bool:
         return self.kl is not None

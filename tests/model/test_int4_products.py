@@ -148,3 +148,16 @@ def test_option_values(given, expected):
 def test_option_refuses(given):
     with pytest.raises(OptionError, match="int4_prefill=.*allowed: auto, kernel, or an integer N >= 1"):
         Options.from_kwargs(pretrained="m", int4_prefill=given)
+
+
+def test_tensor_parallel_and_replaced_forwards_keep_the_kernel():
+    """A tensor-parallel plan moves a layer's inputs and outputs across ranks around its forward: such a model, and
+    any layer whose forward something else replaced, keep torchao's kernel, said in the report."""
+    model = int4_linear(64, 64, 32)
+    report = install(model, 8, tensor_parallel=True)
+    assert report.rows is None and report.layers == 0 and "tensor-parallel layers" in report.reason
+    assert "forward" not in vars(model[0])
+    wrapped = int4_linear(64, 64, 32)
+    wrapped[0].forward = wrapped[0].forward  # an instance-level forward, as a wrapping library leaves
+    report = install(wrapped, 8)
+    assert report.rows is None and "1 layers whose forward was replaced" in report.reason

@@ -72,6 +72,15 @@ class ScoringCall:
     facts: list[RankFacts] = field(default_factory=list)
     max_batch_rows: int = 0
 
+    def summary(self, world_size: int, fingerprint: str) -> str:
+        """The call's one log line: tokens, units, rows, tokens saved, batches, time, speed, balance, fingerprint."""
+        return (
+            f"{self.kind}: {self.scored_tokens} tokens in {self.units} units, {self.rows} rows "
+            f"({self.tokens_saved} input tokens saved), {self.batches} batches on {world_size} process(es) in "
+            f"{self.total_seconds:.1f} s ({self.scored_tokens / max(self.total_seconds, 1e-9):.0f} tok/s); load "
+            f"max/mean {self.max_over_mean:.3f}; fingerprint {fingerprint}"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("per_rank", "facts")}
         out["computed_tokens_per_context"] = self.computed_tokens / max(1, self.contexts)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from distperp_harness import __version__
-from distperp_harness.model.sharding import sharding_report
+from distperp_harness.options import Options
+from distperp_harness.run.execution.calls import RunStats
+from distperp_harness.run.rules import Batching, Sharing
 
 
 def bits_depend_on(batch_invariant: bool) -> list[str]:
@@ -24,73 +28,100 @@ def bits_depend_on(batch_invariant: bool) -> list[str]:
     return facts
 
 
-def run_record(lm: Any) -> dict:
-    """``config`` entries of a :class:`~distperp_harness.lm.DistPerpLM`: the checkpoint's identity and
-    ``distperp``: options (as the run used them), device, layout, batching, sharing, calls, fingerprint, memory.
+@dataclass
+class RunFacts:
+    """What a run's record is made of, gathered by the face (``stages.run_facts``) from its stages' records."""
+
+    options: Options
+    device: torch.device
+    device_identity: dict
+    checkpoint: dict
+    model_num_parameters: int
+    model_dtype: str
+    control_backend: str
+    world_size: int
+    num_nodes: int
+    max_length: int
+    weight_bytes: int
+    batching: Batching
+    sharing: Sharing
+    row_budget_reason: str | None
+    sharing_fallback: str | None
+    load_seconds: float
+    compiled: dict
+    stats: RunStats
+    quantization: dict | None
+    adapter: dict | None
+    stored_quantization: dict | None
+    int4_products: dict | None
+    chat: dict
+    resume: dict | None
+    reference: dict | None
+    sharding: dict
+    traffic: Any
+    load_memory_per_rank: list
+    memory_estimate: dict | None
+    warnings: list[str]
+    document_split: dict
+
+
+def run_record(facts: RunFacts) -> dict:
+    """``config`` entries of a run: the checkpoint's identity and ``distperp``: options (as the run used them),
+    device, layout, batching, sharing, calls, fingerprint, memory.
 
     ``options.device`` is the device the run used where the value was lm-eval's default and fell back (no CUDA);
     ``options.compile`` is ``false`` or the torch.compile mode; ``sharing`` is what loglikelihood requests use
     (rolling windows are one per row: their calls record ``share_mode: off``), its ``mode`` ``None`` when no
     loglikelihood call ran."""
-    options = lm.options.to_dict()
-    if lm.options.device_from_cli and str(lm._device) != lm.options.device:
-        options["device"] = str(lm._device)
-    options["compile"] = lm.options.compile_mode or False
-    info = {
-        "model_num_parameters": sum(p.numel() for p in lm._model.parameters()),
-        "model_dtype": str(next(lm._model.parameters()).dtype),
-        "model_revision": lm.options.revision,
-        **lm.checkpoint_identity,
+    options = facts.options.to_dict()
+    if facts.options.device_from_cli and str(facts.device) != facts.options.device:
+        options["device"] = str(facts.device)
+    options["compile"] = facts.options.compile_mode or False
+    return {
+        "model_num_parameters": facts.model_num_parameters,
+        "model_dtype": facts.model_dtype,
+        "model_revision": facts.options.revision,
+        **facts.checkpoint,
         "distperp": {
             "version": __version__,
             "options": options,
-            "device": str(lm._device),
-            "device_identity": lm.device_identity,
-            "control_plane": lm.collective.control_backend,
-            "world_size": lm.world_size,
-            "num_nodes": lm.collective.num_nodes,
-            "max_length": lm.max_length,
-            "weight_bytes": lm.weight_bytes,
+            "device": str(facts.device),
+            "device_identity": facts.device_identity,
+            "control_plane": facts.control_backend,
+            "world_size": facts.world_size,
+            "num_nodes": facts.num_nodes,
+            "max_length": facts.max_length,
+            "weight_bytes": facts.weight_bytes,
             "batching": {
-                "batch_size": lm.batching.batch_size,
-                "token_budget": lm.batching.token_budget,
-                "max_batch_size": lm.batching.max_batch_size,
+                "batch_size": facts.batching.batch_size,
+                "token_budget": facts.batching.token_budget,
+                "max_batch_size": facts.batching.max_batch_size,
             },
-            "batch_invariant": lm.options.batch_invariant,
-            "bits_depend_on": bits_depend_on(lm.options.batch_invariant),
+            "batch_invariant": facts.options.batch_invariant,
+            "bits_depend_on": bits_depend_on(facts.options.batch_invariant),
             "sharing": {  # a mode only where loglikelihood requests ran (the calls say what ran)
-                "mode": lm.sharing.mode if any(c.kind == "loglikelihood" for c in lm.stats.calls) else None,
+                "mode": facts.sharing.mode if any(c.kind == "loglikelihood" for c in facts.stats.calls) else None,
                 "requests": "loglikelihood",
-                "max_row_length": lm.sharing.max_row_length,
-                "row_budget": lm.row_budget_reason,
-                "fallback_reason": lm.sharing_fallback,
+                "max_row_length": facts.sharing.max_row_length,
+                "row_budget": facts.row_budget_reason,
+                "fallback_reason": facts.sharing_fallback,
             },
-            "load_seconds": lm.load_seconds,
-            "compile": lm.compiled.to_dict(),
-            "calls": lm.stats.to_dicts(),
-            "fingerprint": lm.stats.fingerprint,
-            "quantization": lm.quant_report.to_dict() if lm.quant_report else None,
-            "adapter": lm.loaded.adapter.to_dict() if lm.loaded.adapter else None,
-            "stored_quantization": lm.loaded.stored_quantization,
-            "int4_products": lm.loaded.int4_products.to_dict() if lm.loaded.int4_products else None,
-            "chat": lm.chat.to_dict(),
-            "resume": lm.store.report() if lm.store else None,
-            "reference": None
-            if lm.reference is None
-            else {
-                "source": lm.options.reference,
-                "dtype": str(next(lm.reference.parameters()).dtype),
-                "tasks": lm.comparison.entries(),
-                "weight_bytes": lm.reference_weight_bytes,
-            },
-            "sharding": sharding_report(
-                lm.shard_size, lm.loaded.sharding, lm.per_rank, lm.collective.world_size, tp_size=lm.tp_size
-            ),
-            "traffic": lm.traffic,
-            "load_memory_per_rank": [r["load_memory"] for r in lm.per_rank],
-            "memory_estimate": dataclasses.asdict(lm.estimate) if lm.estimate else None,
-            "warnings": lm.warnings,
-            "document_split": lm.document_split.to_dict(),
+            "load_seconds": facts.load_seconds,
+            "compile": facts.compiled,
+            "calls": facts.stats.to_dicts(),
+            "fingerprint": facts.stats.fingerprint,
+            "quantization": facts.quantization,
+            "adapter": facts.adapter,
+            "stored_quantization": facts.stored_quantization,
+            "int4_products": facts.int4_products,
+            "chat": facts.chat,
+            "resume": facts.resume,
+            "reference": facts.reference,
+            "sharding": facts.sharding,
+            "traffic": facts.traffic,
+            "load_memory_per_rank": facts.load_memory_per_rank,
+            "memory_estimate": facts.memory_estimate,
+            "warnings": facts.warnings,
+            "document_split": facts.document_split,
         },
     }
-    return info
