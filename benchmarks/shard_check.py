@@ -7,16 +7,16 @@
 
 For each run (``--runs``: ``none`` = the model in bfloat16 on GPU / float32 on CPU, ``int4`` =
 ``quantize=int4,reference=base``) two launches of the real ``DistPerpLM`` score the same rolling documents:
-``shard_size=1`` and ``shard_size=<processes>`` (``accelerate launch``), or with one process (``torchrun``, which
-sets up the process group a device mesh needs) ``shard_size=1`` unsharded and ``shard_size=1`` on a **mesh of
-one** (``DistPerpLM.in_process(mesh_of_one=True)``: FSDP2 applied on a one-process ``DeviceMesh``, so the
-sharded load path - host staging, layer-by-layer move to the device, torchao weights left out of FSDP - and
-the sharded forward's unshard/reshard run on one GPU; FSDP2 skips the all-gather itself for a group of one and copies each unit
-instead, so NCCL is not exercised). Per run the table shows the largest per-rank peak of the load stage (CUDA
-allocator; host ``VmHWM`` on CPU), weight bytes resident per rank (model, reference), the largest per-rank peak
-of scoring, whether the fingerprint equals the unsharded one (it must), and both peaks against the memory
-estimate made at start (``distperp_harness/run/fit.py``; for the mesh of one plus the units FSDP copies while they
-are in use: the roots of model and reference and the largest decoder layer, once each).
+``shard_size=1`` and ``shard_size=<processes>`` (``accelerate launch``), or with one process (``torchrun``, which sets
+up the process group a device mesh needs) ``shard_size=1`` unsharded and ``shard_size=1`` on a **mesh of one**
+(``DistPerpLM.in_process(mesh_of_one=True)``: FSDP2 applied on a one-process ``DeviceMesh``, so the sharded load path
+- host staging, layer-by-layer move to the device, torchao weights left out of FSDP - and the sharded forward's
+unshard/reshard run on one GPU; FSDP2 skips the all-gather itself for a group of one and copies each unit instead, so
+NCCL is not exercised). Per run the table shows the largest per-rank peak of the load stage (CUDA allocator; host
+``VmHWM`` on CPU), weight bytes resident per rank (model, reference), the largest per-rank peak of scoring, whether
+the fingerprint equals the unsharded one (it must), and both peaks against the memory estimate made at start
+(``distperp_harness/run/fit.py``; for the mesh of one plus the units FSDP copies while they are in use: the roots of
+model and reference and the largest decoder layer, once each).
 
 Default model: the random Llama-3.2-1B-shaped model of ``gpu_check.py`` (built into ``--work``); ``--model PATH``
 uses a local checkpoint. Exits 1 when bits differ, when the sharded run holds more than 0.6x the weights per rank
