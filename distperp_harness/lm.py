@@ -31,6 +31,7 @@ from distperp_harness.run.generation.generate import generate
 from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import ScoringRule, Sharing
 from distperp_harness.run.runtime import attention_coefficient, head_coefficient
+from distperp_harness.runfacts import run_facts
 from distperp_harness.stages import (
     InProcess,
     Tokens,
@@ -38,7 +39,6 @@ from distperp_harness.stages import (
     load_models,
     place,
     prepare,
-    run_facts,
     run_identity,
     scoring_config,
 )

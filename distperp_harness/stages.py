@@ -37,7 +37,6 @@ from distperp_harness.model.sharding import (
     check_groups_within_hosts,
     make_mesh,
     resolve_shard_size,
-    sharding_report,
 )
 from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
 from distperp_harness.options import Options
@@ -48,7 +47,6 @@ from distperp_harness.run.compiling.regional import compile_extra_bytes, compile
 from distperp_harness.run.execution.calls import RunStats
 from distperp_harness.run.execution.executor import Executor, model_forwards
 from distperp_harness.run.execution.probes import model_traffic
-from distperp_harness.run.execution.record import RunFacts
 from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engines import decode_step
@@ -181,7 +179,7 @@ def load_models(options: Options, placement: Placement, given: Any, extra: InPro
 
 
 @dataclass
-class Prepared:
+class PreparedRun:
     """What a call runs with: the batching rule, prefix sharing (and why not, the row budget, the line to say at the
     first loglikelihood call), compiled models, the decode step (and its line), quantization warnings, the call
     records, the resume store, the executor, the measured traffic, lm-eval's document split and the chat template."""
@@ -214,7 +212,7 @@ class Tokens:
 
 def prepare(
     options: Options, placement: Placement, models: Models, tokens: Tokens, scoring_config: Callable[[Any], dict]
-) -> Prepared:
+) -> PreparedRun:
     """Everything after loading, agreed on by every rank where it must be (``scoring_config``: the resume key,
     given the compiled state)."""
     pad_token_id = tokens.pad_token_id
@@ -301,7 +299,7 @@ def prepare(
     chat = ChatTemplate(
         options.chat_kwargs, options.think_end_token, functools.partial(log.warning, main_process_only=True)
     )
-    return Prepared(
+    return PreparedRun(
         batching,
         sharing,
         fallback,
@@ -335,66 +333,11 @@ def scoring_config(options: Options, placement: Placement, model: torch.nn.Modul
     }
 
 
-def run_facts(
-    options: Options,
-    placement: Placement,
-    models: Models,
-    prepared: Prepared,
-    load_seconds: float,
-    checkpoint: dict,
-) -> RunFacts:
-    """The :class:`~distperp_harness.run.execution.record.RunFacts` of a run, from its stages' records."""
-    model, loaded, collective = models.model, models.loaded, placement.collective
-    reference = models.reference
-    return RunFacts(
-        options=options,
-        device=placement.device,
-        device_identity=placement.device_identity,
-        checkpoint=checkpoint,
-        model_num_parameters=sum(p.numel() for p in model.parameters()),
-        model_dtype=str(next(model.parameters()).dtype),
-        control_backend=collective.control_backend,
-        world_size=collective.world_size,
-        num_nodes=collective.num_nodes,
-        max_length=loaded.max_length,
-        weight_bytes=loaded.weight_bytes,
-        batching=prepared.batching,
-        sharing=prepared.sharing,
-        row_budget_reason=prepared.row_budget_reason,
-        sharing_fallback=prepared.sharing_fallback,
-        load_seconds=load_seconds,
-        compiled=prepared.compiled.to_dict(),
-        stats=prepared.stats,
-        quantization=loaded.quant_report.to_dict() if loaded.quant_report else None,
-        adapter=loaded.adapter.to_dict() if loaded.adapter else None,
-        stored_quantization=loaded.stored_quantization,
-        int4_products=loaded.int4_products.to_dict() if loaded.int4_products else None,
-        chat=prepared.chat.to_dict(),
-        resume=prepared.store.report() if prepared.store else None,
-        reference=None
-        if reference is None or models.comparison is None
-        else {
-            "source": options.reference,
-            "dtype": str(next(reference.parameters()).dtype),
-            "tasks": models.comparison.entries(),
-            "weight_bytes": models.reference_weight_bytes,
-        },
-        sharding=sharding_report(
-            placement.shard_size, loaded.sharding, models.per_rank, collective.world_size, tp_size=placement.tp_size
-        ),
-        traffic=prepared.traffic,
-        load_memory_per_rank=[r["load_memory"] for r in models.per_rank],
-        memory_estimate=dataclasses.asdict(placement.estimate) if placement.estimate else None,
-        warnings=prepared.warnings,
-        document_split=prepared.document_split.to_dict(),
-    )
-
-
 def generation_setup(
     options: Options,
     placement: Placement,
     models: Models,
-    prepared: Prepared,
+    prepared: PreparedRun,
     tokenizer: Any,
     max_gen_toks: int,
     progress: Any,

@@ -23,7 +23,8 @@ TOP_LEVEL: dict[str, str] = {
     "docsplit": "face",
     "tokens": "face",
     "stages": "face",
-    "groupcalls": "face",  # the lm-eval face, the stages it wires and its mixins
+    "groupcalls": "face",
+    "runfacts": "face",  # the lm-eval face, the stages it wires and its mixins
     "__main__": "entry",
     "_hook": "entry",  # ``python -m distperp_harness`` and the .pth registration hook
 }
@@ -213,7 +214,7 @@ GENERATION = [
     "lanes",
     "jobs",
     "setup",
-    "requests",
+    "prompts",
     "lane_texts",
     "generate",
 ]

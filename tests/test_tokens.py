@@ -91,7 +91,7 @@ def test_rolling_texts_are_encoded_in_a_batch_per_rule(lm, monkeypatch):
 
 
 def test_generation_prompts_are_encoded_in_batches_with_hf_rules(lm):
-    from distperp_harness.run.generation.requests import encode_prompts
+    from distperp_harness.run.generation.prompts import encode_prompts
 
     setup = type("Setup", (), {"tokenizer": lm.tokenizer, "add_bos_token": None})()
     texts = _texts(lm.tokenizer)

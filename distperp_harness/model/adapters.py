@@ -30,6 +30,7 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.errors import InputError
+from distperp_harness.options import Options
 
 log = get_logger(__name__)
 
@@ -65,13 +66,15 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(getattr(text, "vocab_size", None) or config.vocab_size)
 
 
-def apply_peft(model: torch.nn.Module, options: Any, tokenizer: Any) -> tuple[torch.nn.Module, AdapterReport]:
+def apply_peft(model: torch.nn.Module, options: Options, tokenizer: Any) -> tuple[torch.nn.Module, AdapterReport]:
     """The base with the PEFT adapter ``options.peft`` (at ``options.revision``), merged unless
     ``options.merge_adapter`` is false (module doc)."""
     _require_peft()
     from peft import PeftModel
 
     source = options.peft
+    if source is None:
+        raise InputError("apply_peft needs peft=<adapter folder or hub id>; none was given.")
     if tokenizer is not None and _vocab_size(model) != len(tokenizer):
         log.info(
             f"distperp: the model's vocabulary ({_vocab_size(model)}) differs from the tokenizer's "
@@ -91,7 +94,7 @@ def apply_peft(model: torch.nn.Module, options: Any, tokenizer: Any) -> tuple[to
         ) from exc
     config = peft_model.peft_config[peft_model.active_adapter]
     targets = getattr(config, "target_modules", None)
-    common = dict(
+    common: dict[str, Any] = dict(
         kind="peft",
         source=source,
         peft_type=str(getattr(config.peft_type, "value", config.peft_type)),

@@ -21,11 +21,12 @@ import os
 from typing import Any
 
 from distperp_harness.errors import InputError
+from distperp_harness.options import Options
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def source_kwargs(options: Any, key: str = "pretrained") -> dict[str, str]:
+def source_kwargs(options: Options, key: str = "pretrained") -> dict[str, str]:
     """``subfolder`` / ``gguf_file`` keywords for ``from_pretrained`` of the ``pretrained`` checkpoint."""
     if key != "pretrained":
         return {}
@@ -37,7 +38,7 @@ def source_kwargs(options: Any, key: str = "pretrained") -> dict[str, str]:
     return out
 
 
-def check_gguf(options: Any) -> None:
+def check_gguf(options: Options) -> None:
     """``gguf_file`` needs the ``gguf`` package and (in a local folder) the file; ValueError otherwise."""
     if not options.gguf_file:
         return
@@ -78,7 +79,7 @@ def quant_method(stored: dict) -> str:
     return str(getattr(method, "value", method))
 
 
-def refuse_on_stored(options: Any, stored: dict | None) -> None:
+def refuse_on_stored(options: Options, stored: dict | None) -> None:
     """ValueError for ``quantize=`` on top of a pre-quantized checkpoint (``reference=base`` without ``quantize=``
     is refused earlier, by :class:`~distperp_harness.options.Options`)."""
     if stored is None:
@@ -93,7 +94,7 @@ def refuse_on_stored(options: Any, stored: dict | None) -> None:
         )
 
 
-def stored_weight_bytes(options: Any) -> int | None:
+def stored_weight_bytes(options: Options) -> int | None:
     """Bytes of the ``pretrained`` checkpoint's weight files on this machine (module doc), or None when it is not
     a local folder (or holds none)."""
     folder = os.path.expanduser(options.pretrained)
@@ -110,7 +111,7 @@ def stored_weight_bytes(options: Any) -> int | None:
     return sum(sizes) or None
 
 
-def _hub_weight_bytes(options: Any) -> int | None:
+def _hub_weight_bytes(options: Options) -> int | None:
     """The weight files' sizes of a hub snapshot in the local cache (offline runs), else None."""
     try:
         from huggingface_hub import try_to_load_from_cache

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from distperp_harness.errors import InputError
+from distperp_harness.options import Options
 
 
 @dataclass
@@ -56,7 +57,7 @@ def split_given(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Given | None]:
     return out, Given(model, tokenizer)
 
 
-def check_given(options: Any, given: Given) -> None:
+def check_given(options: Options, given: Given) -> None:
     """ValueError for the options an in-memory model cannot take (module doc)."""
     if not hasattr(given.model, "config") or not hasattr(given.model, "get_input_embeddings"):
         raise InputError(

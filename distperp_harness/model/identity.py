@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+
+from distperp_harness.options import Options
 
 _FILE_HASHES: dict[tuple[str, int, int], str] = {}
 CHUNK = 1 << 22
@@ -99,7 +100,7 @@ def gguf_path(pretrained: str, gguf_file: str, revision: str = "main", subfolder
     return _hub_file(pretrained, f"{subfolder}/{gguf_file}" if subfolder else gguf_file, revision)
 
 
-def checkpoint_identity(options: Any) -> dict[str, str]:
+def checkpoint_identity(options: Options) -> dict[str, str]:
     """The identity keys of ``options``' checkpoint, as lm-eval ``hf`` names them (plus ``gguf_file``/``gguf_sha``,
     ``subfolder``): ``model_sha`` always; ``peft_sha``, ``delta_sha``, ``gguf_*`` when those keys are given."""
     if getattr(options, "in_memory", False):

@@ -1,7 +1,7 @@
 """torchao weight quantization by scheme name: which config runs on which device, and an honest report.
 
 A scheme name (``quantize=`` in ``--model_args``) maps to a handler in :data:`SCHEMES`. Given the model's device,
-weight dtype and group size, the handler returns a :class:`Plan`: the torchao config that
+weight dtype and group size, the handler returns a :class:`QuantPlan`: the torchao config that
 ``torchao.quantization.quantize_`` applies, how the weights end up stored, and a per-layer check that lists the
 layers the kernel cannot take (instead of failing deep inside torchao).
 
@@ -51,9 +51,9 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 __all__ = [
     "SCHEMES",
-    "Plan",
+    "QuantPlan",
     "QuantReport",
-    "Scheme",
+    "SchemeSpec",
     "quantize_model",
     "register_scheme",
     "resolve_model_dtype",
@@ -67,7 +67,7 @@ SkipCheck = Callable[[nn.Linear], "str | None"]
 
 
 @dataclass(frozen=True)
-class Plan:
+class QuantPlan:
     """What a scheme does for one (device, weight dtype, group size): the torchao ``AOBaseConfig`` (``None`` for
     ``none``); the ``storage`` (``int4-packed``: two values per byte; ``int4-in-int8``: one per byte; ``int8``;
     ``full``); a one-sentence ``note`` (kernel, storage, why); ``skip_reason`` for shapes the kernel cannot take."""
@@ -79,27 +79,27 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Scheme:
+class SchemeSpec:
     """A registered scheme: whether ``group_size`` applies, the dtype its fast path needs, its plan function."""
 
     name: str
     uses_group_size: bool
     preferred_dtype: torch.dtype | None
-    plan: Callable[[torch.dtype, int, torch.device], Plan]
+    plan: Callable[[torch.dtype, int, torch.device], QuantPlan]
 
 
-SCHEMES: dict[str, Scheme] = {}
-"""Scheme name -> :class:`Scheme`, one per :class:`~distperp_harness.options.QuantScheme` (checked at import)."""
+SCHEMES: dict[str, SchemeSpec] = {}
+"""Scheme name -> :class:`SchemeSpec`, one per :class:`~distperp_harness.options.QuantScheme` (checked at import)."""
 
 
 def register_scheme(name: str, *, uses_group_size: bool, preferred_dtype: torch.dtype | None = None):
-    """Decorator registering a plan function ``(dtype, group_size, device) -> Plan`` under ``name``."""
+    """Decorator registering a plan function ``(dtype, group_size, device) -> QuantPlan`` under ``name``."""
 
     if name not in QUANT_SCHEMES:
         raise ValueError(f"scheme {name!r} is not a QuantScheme ({', '.join(QUANT_SCHEMES)}): add it there first")
 
-    def wrap(plan: Callable[[torch.dtype, int, torch.device], Plan]):
-        SCHEMES[name] = Scheme(name, uses_group_size, preferred_dtype, plan)
+    def wrap(plan: Callable[[torch.dtype, int, torch.device], QuantPlan]):
+        SCHEMES[name] = SchemeSpec(name, uses_group_size, preferred_dtype, plan)
         return plan
 
     return wrap
@@ -129,13 +129,13 @@ def _k_divisible(group_size: int, n_multiple: int = 1) -> SkipCheck:
     return check
 
 
-def _int4_in_int8(group_size: int, why: str) -> Plan:
+def _int4_in_int8(group_size: int, why: str) -> QuantPlan:
     from torchao.quantization import IntxWeightOnlyConfig, MappingType, PerGroup
 
     config = IntxWeightOnlyConfig(
         weight_dtype=INT4, granularity=PerGroup(group_size), mapping_type=MappingType.ASYMMETRIC
     )
-    return Plan(
+    return QuantPlan(
         config,
         "int4-in-int8",
         f"int4 values stored one per byte (memory as int8), dequantized per matmul, because {why}",
@@ -144,12 +144,12 @@ def _int4_in_int8(group_size: int, why: str) -> Plan:
 
 
 @register_scheme("none", uses_group_size=False)
-def _plan_none(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
-    return Plan(None, "full", "no quantization")
+def _plan_none(dtype: torch.dtype, group_size: int, device: torch.device) -> QuantPlan:
+    return QuantPlan(None, "full", "no quantization")
 
 
 @register_scheme("int4", uses_group_size=True, preferred_dtype=torch.bfloat16)
-def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
+def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> QuantPlan:
     if dtype != torch.bfloat16:
         return _int4_in_int8(
             group_size,
@@ -171,7 +171,7 @@ def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
             int4_tile_packed_ntile=16 if torch.version.hip else 8,
             set_inductor_config=False,
         )
-        return Plan(
+        return QuantPlan(
             config,
             "int4-packed",
             "int4 packed two per byte, tinygemm kernel aten._weight_int4pack_mm",
@@ -182,7 +182,7 @@ def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
     config = PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
-    return Plan(
+    return QuantPlan(
         config,
         "int4-packed",
         "int4 packed two per byte, CPU kernel aten._weight_int4pack_mm_for_cpu",
@@ -191,10 +191,10 @@ def _plan_int4(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
 
 
 @register_scheme("int8", uses_group_size=False)
-def _plan_int8(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
+def _plan_int8(dtype: torch.dtype, group_size: int, device: torch.device) -> QuantPlan:
     from torchao.quantization import Int8WeightOnlyConfig
 
-    return Plan(
+    return QuantPlan(
         Int8WeightOnlyConfig(set_inductor_config=False),
         "int8",
         "int8 weights with per-row scales, matmul in the model dtype",
@@ -202,11 +202,11 @@ def _plan_int8(dtype: torch.dtype, group_size: int, device: torch.device) -> Pla
 
 
 @register_scheme("8da4w", uses_group_size=True)
-def _plan_8da4w(dtype: torch.dtype, group_size: int, device: torch.device) -> Plan:
+def _plan_8da4w(dtype: torch.dtype, group_size: int, device: torch.device) -> QuantPlan:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup
 
     config = Int8DynamicActivationIntxWeightConfig(weight_dtype=INT4, weight_granularity=PerGroup(group_size))
-    return Plan(
+    return QuantPlan(
         config,
         "int4-in-int8",
         "per-token int8 activations x symmetric group-wise int4 weights, reference "
@@ -223,7 +223,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _scheme(scheme: str) -> Scheme:
+def _scheme(scheme: str) -> SchemeSpec:
     if scheme not in SCHEMES:
         raise InputError(
             f"quantize={scheme!r} is not a known scheme; allowed: {', '.join(SCHEMES)}. "
@@ -306,7 +306,7 @@ class QuantReport:
     """What :func:`quantize_model` did: ``to_dict()`` for the results JSON, ``summary()`` for the rank-0 log.
 
     Attributes:
-        scheme, storage, note: the scheme name and its :class:`Plan`'s storage and note.
+        scheme, storage, note: the scheme name and its :class:`QuantPlan`'s storage and note.
         config_name, config: the torchao config class that ran and ``config_to_dict(config)`` (``None``: none).
         device_type, model_dtype: where the weights were and their dtype before quantization (e.g. ``bfloat16``).
         group_size: the group size used, ``None`` when the scheme has no groups.
@@ -466,7 +466,7 @@ class LayerSelection:
     notes: list[str]
 
 
-def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> LayerSelection:
+def select_layers(model: nn.Module, plan: QuantPlan, include_lm_head: bool) -> LayerSelection:
     """Which Linear layers ``plan`` quantizes (:class:`LayerSelection`).
 
     Reads only module types, shapes and identities, so a ``meta``-device skeleton gives the same answer as the
@@ -503,7 +503,7 @@ def select_layers(model: nn.Module, plan: Plan, include_lm_head: bool) -> LayerS
 def finish_report(
     model: nn.Module,
     scheme: str,
-    plan: Plan,
+    plan: QuantPlan,
     group_size: int,
     selection: LayerSelection,
     common: dict[str, Any],

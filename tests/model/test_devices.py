@@ -123,11 +123,11 @@ def test_a_mismatched_rank_stops_a_real_launch_before_loading(tiny_model_dir, tm
     script.write_text(
         textwrap.dedent(f"""
         import os
-        from distperp_harness import lm
+        from distperp_harness import lm, stages
         if os.environ["RANK"] == "1":  # rank 1 pretends to be another GPU model
-            real = lm.device_identity
-            lm.device_identity = lambda device: {{**real(device), "name": "NVIDIA H100 80GB HBM3"}}
-        lm.load_all = lambda *a, **k: os._exit(42)  # loading must not even start
+            real = stages.device_identity
+            stages.device_identity = lambda device: {{**real(device), "name": "NVIDIA H100 80GB HBM3"}}
+        stages.load_all = lambda *a, **k: os._exit(42)  # loading must not even start
         lm.DistPerpLM(pretrained={str(tiny_model_dir)!r}, device="cpu", timeout=30)
     """)
     )

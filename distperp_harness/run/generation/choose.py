@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from distperp_harness.run.generation.sampling import draw, generators_for
-from distperp_harness.run.generation.scheduler import Row
+from distperp_harness.run.generation.scheduler import GenRow
 
 
 class Chooser:
@@ -22,7 +22,7 @@ class Chooser:
     def __init__(self, seeds: Sequence[int] | None, warpers, device: torch.device) -> None:
         self.seeds, self.warpers, self.device = seeds, warpers, device
 
-    def start(self, rows: Sequence[Row], logits: torch.Tensor) -> torch.Tensor:
+    def start(self, rows: Sequence[GenRow], logits: torch.Tensor) -> torch.Tensor:
         """First tokens of freshly prefilled ``rows`` (``logits``: ``[len(rows), vocab]``); a sampled row gets its
         generator here."""
         if self.seeds is not None:
@@ -30,7 +30,7 @@ class Chooser:
                 r.generator = g
         return self(rows, logits)
 
-    def __call__(self, rows: Sequence[Row], logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: Sequence[GenRow], logits: torch.Tensor) -> torch.Tensor:
         """Next tokens of running ``rows``: a ``[len(rows)]`` long tensor on the logits' device."""
         if self.seeds is None:
             return logits.argmax(-1)

@@ -40,7 +40,7 @@ from distperp_harness.run.generation.jobs import key_hex, kwargs_key_of, plan_ge
 from distperp_harness.run.generation.lane_texts import lane_key, run_lane
 from distperp_harness.run.generation.lanes import LanePlan
 from distperp_harness.run.generation.prefill import PrefixCache
-from distperp_harness.run.generation.requests import Job, Prepared, job_keys, local_jobs, prepare, seed_of
+from distperp_harness.run.generation.prompts import Job, Prepared, job_keys, local_jobs, prepare, seed_of
 from distperp_harness.run.generation.setup import GenerationSetup
 from distperp_harness.run.generation.stats import LaneRecord, LaneStats
 

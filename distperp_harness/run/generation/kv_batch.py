@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from distperp_harness.run.generation.prefill import PrefillCache, Prefilled, dense_mask, last_logits, takes_dense_mask
-from distperp_harness.run.generation.scheduler import Row
+from distperp_harness.run.generation.scheduler import GenRow
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.transfer import to_device
 
@@ -31,7 +31,7 @@ class KVBatch(Protocol):
     """The running rows of one lane (at most ``slots``) and their KV cache."""
 
     @property
-    def rows(self) -> list[Row]:
+    def rows(self) -> list[GenRow]:
         """The running rows, in the order :meth:`step` returns their logits."""
 
     def free(self) -> int:
@@ -76,7 +76,7 @@ class DynamicKVBatch:
         around: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
         self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
-        self.rows: list[Row] = []
+        self.rows: list[GenRow] = []
         self.cache: PrefillCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, columns] long
         self._spans: list[int] = []  # per row: the trailing columns from its first used one (host-side)

@@ -20,7 +20,7 @@ from distperp_harness.run.generation.engines import Engine, choose_engine, note_
 from distperp_harness.run.generation.lanes import LanePlan, common_prefix, lane_prefix
 from distperp_harness.run.generation.loop import Decoder, decode_lane
 from distperp_harness.run.generation.prefill import PrefixCache
-from distperp_harness.run.generation.requests import Job, Prepared
+from distperp_harness.run.generation.prompts import Job, Prepared
 from distperp_harness.run.generation.sampling import warpers_for
 from distperp_harness.run.generation.scheduler import Lane, StopRule, eos_ids
 from distperp_harness.run.generation.setup import GenerationSetup

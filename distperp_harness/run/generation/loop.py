@@ -26,7 +26,7 @@ import torch
 from distperp_harness.run.generation.choose import Chooser
 from distperp_harness.run.generation.kv_batch import DynamicKVBatch, KVBatch
 from distperp_harness.run.generation.prefill import Prefiller, PrefixCache
-from distperp_harness.run.generation.scheduler import Lane, Row, Scheduler, StopRule
+from distperp_harness.run.generation.scheduler import GenRow, Lane, Scheduler, StopRule
 from distperp_harness.run.generation.static_batch import StaticKVBatch
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.step import StaticStep, capacity_for
@@ -42,7 +42,7 @@ def run_lane(
     """Decode the scheduler's lane to the end; every prompt's new tokens, in lane order. Each forward (prefill or
     decode step) reads the device back once: its rows' chosen tokens."""
 
-    def start(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
+    def start(rows: Sequence[GenRow], logits: torch.Tensor) -> list[int]:
         return scheduler.advance(rows, reads.tokens(chooser.start(rows, logits)))
 
     while scheduler.queued or batch.rows:

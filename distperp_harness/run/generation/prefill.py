@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol, 
 
 import torch
 
-from distperp_harness.run.generation.scheduler import Lane, Row
+from distperp_harness.run.generation.scheduler import GenRow, Lane
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.transfer import to_device
 from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument
@@ -51,7 +51,7 @@ class Prefilled:
     into (its first 1 and everything after it) and ``lengths[i]`` its tokens (its 1s: the next position), both
     known on the host so that no batch reads the mask back."""
 
-    group: list[Row]
+    group: list[GenRow]
     cache: PrefillCache
     mask: torch.Tensor
     keep: list[int]
@@ -59,7 +59,7 @@ class Prefilled:
     lengths: list[int]
 
     @property
-    def rows(self) -> list[Row]:
+    def rows(self) -> list[GenRow]:
         return [self.group[i] for i in self.keep]
 
 
@@ -168,7 +168,7 @@ class Prefiller:
         return out
 
     def groups(
-        self, admitted: Sequence[Row], start: Callable[[Sequence[Row], torch.Tensor], list[int]]
+        self, admitted: Sequence[GenRow], start: Callable[[Sequence[GenRow], torch.Tensor], list[int]]
     ) -> Iterator[Prefilled]:
         """Prefill ``admitted`` rows: those continuing the lane's prefix first, then those prefilled whole, one
         forward per group; ``start(group, last_logits)`` gives each row its first token and returns the indices of

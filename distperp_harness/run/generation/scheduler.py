@@ -16,7 +16,7 @@ import torch
 
 
 @dataclass
-class Row:
+class GenRow:
     """One prompt of a lane (``job``: its index in the lane) and the tokens generated for it so far."""
 
     job: int
@@ -113,12 +113,12 @@ class Scheduler:
     def queued(self) -> int:
         return len(self._queue)
 
-    def admit(self, free: int) -> list[Row]:
+    def admit(self, free: int) -> list[GenRow]:
         """The next ``free`` prompts (fewer when the queue runs out), in lane order."""
-        return [Row(self._queue.pop()) for _ in range(min(free, len(self._queue)))]
+        return [GenRow(self._queue.pop()) for _ in range(min(free, len(self._queue)))]
 
-    def advance(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[int]:
-        """Row ``rows[i]`` takes ``tokens[i]``; then the stop rule for every row at once. Returns the indices of the
+    def advance(self, rows: Sequence[GenRow], tokens: Sequence[int]) -> list[int]:
+        """GenRow ``rows[i]`` takes ``tokens[i]``; then the stop rule for every row at once. Returns the indices of the
         rows still running."""
         for r, token in zip(rows, tokens):
             r.tokens.append(token)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence, 
 import torch
 
 from distperp_harness.run.generation.prefill import Prefilled
-from distperp_harness.run.generation.scheduler import Row
+from distperp_harness.run.generation.scheduler import GenRow
 from distperp_harness.run.generation.stats import LaneStats
 from distperp_harness.run.generation.transfer import to_device, write_into
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
@@ -160,7 +160,7 @@ class StaticKVBatch:
         self.slots, self.capacity = slots, capacity
         self.pad = step.pad
         self._buffers: StaticBuffers | None = None
-        self._by_slot: list[Row | None] = [None] * slots
+        self._by_slot: list[GenRow | None] = [None] * slots
         self._position = [0] * slots  # each slot's next position: the tokens its row holds
         self._start = [0] * slots  # each slot's first column
         self._w = 0  # the column the next step writes
@@ -173,7 +173,7 @@ class StaticKVBatch:
         return self._buffers
 
     @property
-    def rows(self) -> list[Row]:
+    def rows(self) -> list[GenRow]:
         return [r for r in self._by_slot if r is not None]
 
     def _live(self) -> list[int]:
