@@ -355,7 +355,7 @@ def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, 
     import torch
     from transformers import DynamicCache
 
-    from distperp_harness.run.generation.step import capacity_for
+    from distperp_harness.run.generation.engine.step import capacity_for
 
     model, engine = eager_lm.model, compiled_lm.static_decoding
     capacity = capacity_for(context, 1)

@@ -11,7 +11,7 @@ decoded greedily in ``--slots`` slots (stop at EOS or a blank line, ``--new`` to
 ``--repeats`` times:
 
 * *reads per forward*: every read of tensor values by Python code during the lane (the model's forward included),
-  counted by patching ``torch.Tensor`` (:func:`~distperp_harness.run.generation.transfer.counting_reads`), over
+  counted by patching ``torch.Tensor`` (:func:`~distperp_harness.run.generation.engine.transfer.counting_reads`), over
   prefill and decode forwards;
 * *loop ms per forward*: the lane's wall time minus the time inside the model's forward calls, per forward (the
   scheduler, stop rules, batch edits and token choice: what a GPU would wait for);
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distperp_harness.run.generation.loop import Decoder, decode_lane
-    from distperp_harness.run.generation.scheduler import Lane, StopRule, eos_ids
-    from distperp_harness.run.generation.transfer import counting_reads
+    from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
+    from distperp_harness.run.generation.engine.scheduler import Lane, StopRule, eos_ids
+    from distperp_harness.run.generation.engine.transfer import counting_reads
 
     PartialState()
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +128,7 @@ def _step(kind: str, model, device, pad):
         return None
     if kind != "static":
         raise SystemExit(f"--kinds: {kind!r} is not a decode step kind (dynamic, static)")
-    from distperp_harness.run.generation.step import StaticStep
+    from distperp_harness.run.generation.engine.step import StaticStep
 
     return StaticStep(model, device, pad)
 

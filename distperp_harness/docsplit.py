@@ -40,7 +40,7 @@ import inspect
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from accelerate.logging import get_logger
 
@@ -127,7 +127,8 @@ def install_document_split(world_size: int) -> DocumentSplit:
             record = getattr(lm, "document_split", None)
             if not (isinstance(record, DocumentSplit) and record.installed) or getattr(lm, "world_size", 1) <= 1:
                 return original(self, **kwargs)
-            with stop_together(lm.collective, lm.device, "building requests (document split)"):
+            collective, device = getattr(lm, "collective", None), getattr(lm, "device", None)
+            with stop_together(cast(Any, collective), device, "building requests (document split)"):
                 entry = build_split(self, original, **kwargs)
             name = getattr(self, "task_name", None) or type(self).__name__
             record.tasks[name] = entry

@@ -49,7 +49,7 @@ from distperp_harness.run.execution.executor import Executor, model_forwards
 from distperp_harness.run.execution.probes import model_traffic
 from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
-from distperp_harness.run.generation.engines import decode_step
+from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import one_slot
 from distperp_harness.run.runtime import choose_sharing
@@ -57,7 +57,7 @@ from distperp_harness.run.runtime import choose_sharing
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from distperp_harness.run.generation.batchgen import CausalLM
+    from distperp_harness.run.generation.engine.batchgen import CausalLM
 
 log = get_logger(__name__)
 

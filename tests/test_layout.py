@@ -196,7 +196,7 @@ def test_run_folders_are_its_stages_and_import_downward():
     assert ("generation", "execution") in arrows and ("execution", "scoring") in arrows  # the check sees them
 
 
-GENERATION = [
+ENGINE = [
     "sampling",
     "thinking",
     "stats",
@@ -211,32 +211,30 @@ GENERATION = [
     "loop",
     "engines",
     "batchgen",
-    "lanes",
-    "jobs",
-    "setup",
-    "prompts",
-    "lane_texts",
-    "generate",
 ]
-"""``run/generation``'s modules, lowest first: each imports only modules before it (the per-row rules, the
-scheduler, token choice, the KV batches and the steps below the loop, the engine choice above it, the orchestrator
-on top)."""
+"""``run/generation/engine``'s modules, lowest first: each imports only modules before it (the per-row rules, the
+scheduler, token choice, the KV batches and the steps below the loop, the engine choice above it)."""
+PLAN = ["lanes", "jobs", "setup", "prompts", "lane_texts", "generate"]
+"""``run/generation``'s own modules (the distributed plan), lowest first, above the whole engine."""
+GENERATION = [*[f"engine.{m}" for m in ENGINE], *PLAN]
 
 
 def test_generation_roles_import_downward():
+    """Plan above engine: the engine's modules import nothing of the plan, and within each the order holds."""
     prefix = "distperp_harness.run.generation."
-    modules = {p.stem for p in (PACKAGE / "run" / "generation").glob("*.py")} - {"__init__"}
-    assert modules == set(GENERATION), f"place {sorted(modules ^ set(GENERATION))} in GENERATION"
+    folder = PACKAGE / "run" / "generation"
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(PLAN), "place new modules in PLAN"
+    assert {p.stem for p in (folder / "engine").glob("*.py")} - {"__init__"} == set(ENGINE), "place them in ENGINE"
     rank = {name: i for i, name in enumerate(GENERATION)}
-    upward = [
-        (a, b)
+    inside = [
+        (a.removeprefix(prefix), b.removeprefix(prefix))
         for a, b, _ in import_edges()
-        if a.startswith(prefix)
-        and b.startswith(prefix)
-        and rank[b.removeprefix(prefix)] >= rank[a.removeprefix(prefix)]
+        if a.startswith(prefix) and b.startswith(prefix) and a != prefix + "engine" and b != prefix + "engine"
     ]
-    assert upward == []
-    assert (prefix + "loop", prefix + "scheduler") in {(a, b) for a, b, _ in import_edges()}  # the check sees them
+    assert [(a, b) for a, b in inside if rank[b] >= rank[a]] == []
+    assert [(a, b) for a, b in inside if a.startswith("engine.") and not b.startswith("engine.")] == []
+    assert ("engine.loop", "engine.scheduler") in inside  # the check sees them
+    assert ("generate", "engine.engines") in inside or any(a in PLAN and b.startswith("engine.") for a, b in inside)
 
 
 def test_rules_sit_below_the_orchestrators():

@@ -1,7 +1,4 @@
-"""``generate_until``: what it needs from the loaded run (``setup``), requests as jobs (``requests``), the global plan
-of lanes (``jobs``, ``lanes``), a lane's texts from its engine (``lane_texts``), the orchestrator (``generate``), and
-one lane's decoding in three roles — the scheduler (``scheduler``: queue, row states, admission, stop rules), the KV
-batch (``kv_batch``: ``DynamicCache`` edits; ``static_batch``: fixed buffers) with the prefill of joining rows
-(``prefill``), and the decode step (``step``: eager or compiled) — walked by one loop (``loop``). ``engines``
-chooses how a lane is decoded (slots, or ``model.generate`` batches: ``batchgen``); ``sampling`` and
-``thinking`` are the per-row rules of sampled and thinking models."""
+"""``generate_until`` as a distributed plan above a one-lane engine (``engine/``): what it needs from the loaded run
+(``setup``), requests as jobs (``prompts``), the global plan of lanes (``jobs``, ``lanes``), a lane's texts from its
+engine (``lane_texts``) and the orchestrator (``generate``). The plan imports the engine; the engine never imports
+the plan (tests/test_layout.py)."""

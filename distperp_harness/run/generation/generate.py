@@ -36,13 +36,13 @@ from accelerate.logging import get_logger
 
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.run.execution.calls import GenerationCall, RankShare
+from distperp_harness.run.generation.engine.prefill import PrefixCache
+from distperp_harness.run.generation.engine.stats import LaneRecord, LaneStats
 from distperp_harness.run.generation.jobs import key_hex, kwargs_key_of, plan_generation
 from distperp_harness.run.generation.lane_texts import lane_key, run_lane
 from distperp_harness.run.generation.lanes import LanePlan
-from distperp_harness.run.generation.prefill import PrefixCache
 from distperp_harness.run.generation.prompts import Job, Prepared, job_keys, local_jobs, prepare, seed_of
 from distperp_harness.run.generation.setup import GenerationSetup
-from distperp_harness.run.generation.stats import LaneRecord, LaneStats
 
 log = get_logger(__name__)
 

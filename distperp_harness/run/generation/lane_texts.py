@@ -15,17 +15,17 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from distperp_harness.errors import InputError
-from distperp_harness.run.generation.batchgen import BatchArgs, generate_batch
-from distperp_harness.run.generation.engines import Engine, choose_engine, note_fallback
+from distperp_harness.run.generation.engine.batchgen import BatchArgs, generate_batch
+from distperp_harness.run.generation.engine.engines import Engine, choose_engine, note_fallback
+from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
+from distperp_harness.run.generation.engine.prefill import PrefixCache
+from distperp_harness.run.generation.engine.sampling import warpers_for
+from distperp_harness.run.generation.engine.scheduler import Lane, StopRule, eos_ids
+from distperp_harness.run.generation.engine.stats import LaneRecord, LaneStats
+from distperp_harness.run.generation.engine.thinking import answer, stop_in_answer
 from distperp_harness.run.generation.lanes import LanePlan, common_prefix, lane_prefix
-from distperp_harness.run.generation.loop import Decoder, decode_lane
-from distperp_harness.run.generation.prefill import PrefixCache
 from distperp_harness.run.generation.prompts import Job, Prepared
-from distperp_harness.run.generation.sampling import warpers_for
-from distperp_harness.run.generation.scheduler import Lane, StopRule, eos_ids
 from distperp_harness.run.generation.setup import GenerationSetup
-from distperp_harness.run.generation.stats import LaneRecord, LaneStats
-from distperp_harness.run.generation.thinking import answer, stop_in_answer
 
 
 def lane_key(part: Sequence[tuple[Job, Prepared]], lane: LanePlan) -> bytes:

@@ -10,10 +10,10 @@ import torch
 
 from distperp_harness.planning.rows import MIN_SHARED_PREFIX
 from distperp_harness.run.execution.executor import Executor
-from distperp_harness.run.generation.step import StaticStep
+from distperp_harness.run.generation.engine.step import StaticStep
 
 if TYPE_CHECKING:
-    from distperp_harness.run.generation.batchgen import CausalLM
+    from distperp_harness.run.generation.engine.batchgen import CausalLM
 
 MIN_SHARED_TOKENS = MIN_SHARED_PREFIX
 """Shortest common prefix a lane starts from a shared KV cache (the rule scoring's batches follow too): the saved

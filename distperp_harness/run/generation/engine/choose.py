@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from distperp_harness.run.generation.sampling import draw, generators_for
-from distperp_harness.run.generation.scheduler import GenRow
+from distperp_harness.run.generation.engine.sampling import draw, generators_for
+from distperp_harness.run.generation.engine.scheduler import GenRow
 
 
 class Chooser:

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import torch
 
-from distperp_harness.run.generation.choose import Chooser
-from distperp_harness.run.generation.kv_batch import DynamicKVBatch, KVBatch
-from distperp_harness.run.generation.prefill import Prefiller, PrefixCache
-from distperp_harness.run.generation.scheduler import GenRow, Lane, Scheduler, StopRule
-from distperp_harness.run.generation.static_batch import StaticKVBatch
-from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.generation.step import StaticStep, capacity_for
-from distperp_harness.run.generation.transfer import HostReads
+from distperp_harness.run.generation.engine.choose import Chooser
+from distperp_harness.run.generation.engine.kv_batch import DynamicKVBatch, KVBatch
+from distperp_harness.run.generation.engine.prefill import Prefiller, PrefixCache
+from distperp_harness.run.generation.engine.scheduler import GenRow, Lane, Scheduler, StopRule
+from distperp_harness.run.generation.engine.static_batch import StaticKVBatch
+from distperp_harness.run.generation.engine.stats import LaneStats
+from distperp_harness.run.generation.engine.step import StaticStep, capacity_for
+from distperp_harness.run.generation.engine.transfer import HostReads
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_lm
 
-from distperp_harness.run.generation.thinking import answer_of, stop_allowed, stop_hit, tokens_after_think
+from distperp_harness.run.generation.engine.thinking import answer_of, stop_allowed, stop_hit, tokens_after_think
 
 CASES = [
     ("<think>a\n\nb</think>\n\nThe answer is 4.\n\nQ: next", "</think>", ["\n\n", "Q:"]),
@@ -42,9 +42,9 @@ def test_a_stop_string_ends_a_row_only_after_the_trace(tiny_tokenizer):
     ``model.generate`` batches (the per-row criterion of batchgen.py)."""
     import functools
 
-    from distperp_harness.run.generation.batchgen import _AnswerStops
-    from distperp_harness.run.generation.scheduler import StopRule
-    from distperp_harness.run.generation.thinking import stop_in_answer
+    from distperp_harness.run.generation.engine.batchgen import _AnswerStops
+    from distperp_harness.run.generation.engine.scheduler import StopRule
+    from distperp_harness.run.generation.engine.thinking import stop_in_answer
 
     prompt = tiny_tokenizer.encode("Question:")
     rows = ["the trace says Q: here", "the trace says Q: here</think> answer", "trace</think> answer Q:"]

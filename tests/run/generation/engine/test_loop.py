@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import block_prompts, peaked_model
 
-from distperp_harness.run.generation.loop import Decoder, decode_lane
-from distperp_harness.run.generation.prefill import PrefixCache
-from distperp_harness.run.generation.sampling import generators_for, warpers_for
-from distperp_harness.run.generation.scheduler import Lane, StopRule
+from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
+from distperp_harness.run.generation.engine.prefill import PrefixCache
+from distperp_harness.run.generation.engine.sampling import generators_for, warpers_for
+from distperp_harness.run.generation.engine.scheduler import Lane, StopRule
 
 CPU = torch.device("cpu")
 

@@ -10,10 +10,10 @@ import torch
 from helpers import block_prompts, peaked_model
 
 from distperp_harness.run.compiling.state import CompileState, unique_graphs
-from distperp_harness.run.generation.loop import Decoder, decode_lane
-from distperp_harness.run.generation.sampling import warpers_for
-from distperp_harness.run.generation.scheduler import Lane, StopRule
-from distperp_harness.run.generation.step import CompiledStep, capacity_for, decode_mode, uses_cudagraphs
+from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
+from distperp_harness.run.generation.engine.sampling import warpers_for
+from distperp_harness.run.generation.engine.scheduler import Lane, StopRule
+from distperp_harness.run.generation.engine.step import CompiledStep, capacity_for, decode_mode, uses_cudagraphs
 
 CPU = torch.device("cpu")
 MAX_NEW = 20

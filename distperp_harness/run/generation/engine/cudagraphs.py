@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from accelerate.logging import get_logger
 
-from distperp_harness.run.generation.static_batch import StaticBuffers
-from distperp_harness.run.generation.step import BUCKET, StaticStep, StepState
+from distperp_harness.run.generation.engine.static_batch import StaticBuffers
+from distperp_harness.run.generation.engine.step import BUCKET, StaticStep, StepState
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence, 
 
 import torch
 
-from distperp_harness.run.generation.prefill import Prefilled
-from distperp_harness.run.generation.scheduler import GenRow
-from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.generation.transfer import to_device, write_into
+from distperp_harness.run.generation.engine.prefill import Prefilled
+from distperp_harness.run.generation.engine.scheduler import GenRow
+from distperp_harness.run.generation.engine.stats import LaneStats
+from distperp_harness.run.generation.engine.transfer import to_device, write_into
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:

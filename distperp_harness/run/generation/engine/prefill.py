@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol, 
 
 import torch
 
-from distperp_harness.run.generation.scheduler import GenRow, Lane
-from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.generation.transfer import to_device
+from distperp_harness.run.generation.engine.scheduler import GenRow, Lane
+from distperp_harness.run.generation.engine.stats import LaneStats
+from distperp_harness.run.generation.engine.transfer import to_device
 from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument
 from distperp_harness.run.scoring.masks import embedding_dtype
 from distperp_harness.run.scoring.support import takes_4d_mask

@@ -33,8 +33,8 @@ from accelerate.logging import get_logger
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.run.compiling.agreement import fake_compile_failure, first_failure, in_turn
 from distperp_harness.run.compiling.state import CompileState, warming
-from distperp_harness.run.generation.prefill import dense_mask, last_logits, plain_layers, takes_dense_mask
-from distperp_harness.run.generation.static_batch import StaticBuffers
+from distperp_harness.run.generation.engine.prefill import dense_mask, last_logits, plain_layers, takes_dense_mask
+from distperp_harness.run.generation.engine.static_batch import StaticBuffers
 from distperp_harness.run.scoring.kvcache import cache_argument
 
 if TYPE_CHECKING:

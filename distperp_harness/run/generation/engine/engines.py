@@ -18,10 +18,10 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.run.compiling.state import CompileState
-from distperp_harness.run.generation.cudagraphs import GraphStep
-from distperp_harness.run.generation.prefill import plain_layers
-from distperp_harness.run.generation.sampling import SAMPLING_KEYS
-from distperp_harness.run.generation.step import CompiledStep, StaticStep, unsupported
+from distperp_harness.run.generation.engine.cudagraphs import GraphStep
+from distperp_harness.run.generation.engine.prefill import plain_layers
+from distperp_harness.run.generation.engine.sampling import SAMPLING_KEYS
+from distperp_harness.run.generation.engine.step import CompiledStep, StaticStep, unsupported
 from distperp_harness.run.scoring.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:

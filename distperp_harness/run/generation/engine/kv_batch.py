@@ -18,10 +18,16 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from distperp_harness.run.generation.prefill import PrefillCache, Prefilled, dense_mask, last_logits, takes_dense_mask
-from distperp_harness.run.generation.scheduler import GenRow
-from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.generation.transfer import to_device
+from distperp_harness.run.generation.engine.prefill import (
+    PrefillCache,
+    Prefilled,
+    dense_mask,
+    last_logits,
+    takes_dense_mask,
+)
+from distperp_harness.run.generation.engine.scheduler import GenRow
+from distperp_harness.run.generation.engine.stats import LaneStats
+from distperp_harness.run.generation.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -12,13 +12,13 @@ import torch
 from helpers import block_prompts, peaked_model
 
 from distperp_harness.run.compiling.state import CompileState
-from distperp_harness.run.generation.cudagraphs import GraphStep
-from distperp_harness.run.generation.engines import decode_step
-from distperp_harness.run.generation.loop import Decoder, decode_lane
-from distperp_harness.run.generation.sampling import warpers_for
-from distperp_harness.run.generation.scheduler import Lane, StopRule
-from distperp_harness.run.generation.step import CompiledStep, StaticStep, StepState
-from distperp_harness.run.generation.transfer import counting_reads
+from distperp_harness.run.generation.engine.cudagraphs import GraphStep
+from distperp_harness.run.generation.engine.engines import decode_step
+from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
+from distperp_harness.run.generation.engine.sampling import warpers_for
+from distperp_harness.run.generation.engine.scheduler import Lane, StopRule
+from distperp_harness.run.generation.engine.step import CompiledStep, StaticStep, StepState
+from distperp_harness.run.generation.engine.transfer import counting_reads
 
 CPU = torch.device("cpu")
 BUCKET = 8

@@ -17,9 +17,9 @@ from accelerate.logging import get_logger
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from distperp_harness.run.generation.sampling import SeededDraw, warpers_for
-from distperp_harness.run.generation.stats import LaneStats
-from distperp_harness.run.generation.thinking import answer, stop_in_answer
+from distperp_harness.run.generation.engine.sampling import SeededDraw, warpers_for
+from distperp_harness.run.generation.engine.stats import LaneStats
+from distperp_harness.run.generation.engine.thinking import answer, stop_in_answer
 from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument, prefix_cache
 
 if TYPE_CHECKING:
