@@ -19,7 +19,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-class QuantScheme(str, enum.Enum):
+class Word(str, enum.Enum):
+    """A choice spelled as a word: compares equal to the word, shows as the word (``str``, f-strings, records)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class QuantScheme(Word):
     """``quantize=``'s schemes: the one list of their names (``model/quantize.py`` registers a plan for each)."""
 
     NONE = "none"
@@ -27,11 +34,8 @@ class QuantScheme(str, enum.Enum):
     INT8 = "int8"
     DA8W4 = "8da4w"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class CompileMode(str, enum.Enum):
+class CompileMode(Word):
     """``compile=``: eager (``false``) or a torch.compile mode (``compile=true`` is ``default``)."""
 
     OFF = "false"
@@ -39,9 +43,6 @@ class CompileMode(str, enum.Enum):
     REDUCE_OVERHEAD = "reduce-overhead"
     MAX_AUTOTUNE = "max-autotune"
     MAX_AUTOTUNE_NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 QUANT_SCHEMES = tuple(s.value for s in QuantScheme)
@@ -60,7 +61,7 @@ TP_SIZES = (
 CLI_DEFAULT_DEVICE = "cuda:0"
 
 
-class Int4Prefill(str, enum.Enum):
+class Int4Prefill(Word):
     """``int4_prefill``'s words (an integer N >= 1 is the other form: products of at least N rows dequantize)."""
 
     AUTO = "auto"  # the device type's row count (model/int4_products.AUTO_ROWS)

@@ -21,7 +21,6 @@ weights.
 
 from __future__ import annotations
 
-import enum
 import functools
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from distperp_harness.options import Int4Prefill
+from distperp_harness.options import Int4Prefill, Word
 
 __all__ = ["AUTO_ROWS", "Int4Products", "Layout", "Rounding", "dense_weight", "derive_layout", "install"]
 
@@ -48,7 +47,7 @@ CHUNK_ELEMENTS = 1 << 24
 SAMPLED_COLUMNS = 64
 
 
-class Rounding(str, enum.Enum):
+class Rounding(Word):
     """How ``(q - 8) * scale + zero`` reaches the model dtype: through float32 (two roundings) or float64 (one)."""
 
     FP32 = "fp32"

@@ -21,6 +21,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from distperp_harness.planning.rows import common_prefix_length as _common  # works on strings as on ids
+
 CHUNK = 1024
 """Strings per tokenizer call (bounds the batch's transient memory)."""
 MIN_SHARED_CHARS = 256
@@ -96,18 +98,6 @@ def read_pipeline(tokenizer: Any) -> str | None:
     if post.get("type") not in (None, "ByteLevel", "TemplateProcessing") or (single and "Sequence" not in single[-1]):
         return "special tokens after the text"
     return None
-
-
-def _common(a: str, b: str) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (binary search over slice comparisons)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def shared_prefix_groups(

@@ -37,26 +37,23 @@ Pure Python.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from distperp_harness.options import Word
 from distperp_harness.planning.requests import Unit
 
 
-class ShareMode(str, enum.Enum):
+class ShareMode(Word):
     """How units share rows (module docstring); a ``str`` enum, so records and logs show its value."""
 
     OFF = "off"
     INPUTS = "inputs"
     PREFIX = "prefix"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 SHARE_MODES = tuple(m.value for m in ShareMode)
@@ -273,7 +270,7 @@ def _order(row: Row) -> tuple[int, int]:
     return -row.length, min(row.unit_ids)
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the longest common prefix of ``a`` and ``b`` (of one sequence type; binary search on C-level slice
     comparisons)."""
     lo, hi = 0, min(len(a), len(b))

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import block_prompts, peaked_model
 
 from distperp_harness.run.compiling.state import CompileState
 from distperp_harness.run.generation.engine.cudagraphs import GraphStep
@@ -22,24 +21,6 @@ from distperp_harness.run.generation.engine.transfer import counting_reads
 
 CPU = torch.device("cpu")
 BUCKET = 8
-
-
-@pytest.fixture(scope="module")
-def peaked(tiny_model_dir, tmp_path_factory):
-    return peaked_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_decode_step"))
-
-
-@pytest.fixture(scope="module")
-def prompts(peaked, sample_text_path):
-    """Nine prompts of 4 to 50 tokens after a shared 25-token block."""
-    return block_prompts(peaked[1], sample_text_path)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _accelerate_state():
-    from accelerate import PartialState
-
-    PartialState()
 
 
 def _decode(model, tokenizer, lane, rule, static=None, **kw):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import block_prompts, peaked_model
 
 from distperp_harness.run.compiling.state import CompileState, unique_graphs
 from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
@@ -38,24 +37,6 @@ class _Plan:
 
     def __init__(self, slots, prompts, max_new=MAX_NEW):
         self.slots, self.longest, self.max_new = slots, max(len(p) for p in prompts), max_new
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _accelerate_state():
-    from accelerate import PartialState
-
-    PartialState()
-
-
-@pytest.fixture(scope="module")
-def peaked(tiny_model_dir, tmp_path_factory):
-    return peaked_model(tiny_model_dir, tmp_path_factory.mktemp("peaked_static"))
-
-
-@pytest.fixture(scope="module")
-def prompts(peaked, sample_text_path):
-    """Nine prompts of 4 to 50 tokens after a shared 25-token block."""
-    return block_prompts(peaked[1], sample_text_path)
 
 
 @pytest.fixture(scope="module")
