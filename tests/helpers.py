@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pytest
 
+from distperp_harness.commands.launching import (  # noqa: F401 - re-exported for the tests
+    OFFLINE_ENV,
+    accelerate_launch_prefix,
+    free_port,
+    offline_env,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,22 +38,6 @@ REPO_ROOT = TESTS_DIR.parent
 TASKS_DIR = TESTS_DIR / "tasks"
 """Local lm-eval tasks ``dptest_mc``, ``dptest_mmlu``, ``dptest_fewshot``, ``dptest_random``, ``dptest_rolling``,
 ``dptest_gen``, ``dptest_chain``, ``dptest_sample`` (pass as ``--include_path``)."""
-
-OFFLINE_ENV: dict[str, str] = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-def offline_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of ``os.environ`` with :data:`OFFLINE_ENV` applied, then ``extra`` (which wins)."""
-    env = dict(os.environ)
-    env.update(OFFLINE_ENV)
-    env.update(extra or {})
-    return env
 
 
 def _tail(text: str | bytes | None, lines: int) -> str:
@@ -96,31 +86,6 @@ def run_command(
     return proc
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for ``--main_process_port``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def accelerate_launch_prefix(num_processes: int, port: int | None = None) -> list[str]:
-    """``python -m accelerate.commands.launch ...`` for ``num_processes`` local processes.
-
-    Uses ``--multi_gpu`` even on CPU: Accelerate's ``--cpu`` flag starts a single process whatever
-    ``--num_processes`` says. On a CPU-only machine the processes form a gloo group only if the program creates
-    ``PartialState(cpu=True)`` (or ``Accelerator(cpu=True)``); a bare ``PartialState()`` reports world size 1.
-    """
-    if num_processes < 1:
-        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-    return [
-        sys.executable, "-m", "accelerate.commands.launch",
-        *(["--multi_gpu"] if num_processes > 1 else []),
-        "--num_processes", str(num_processes), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(port if port is not None else free_port()),
-    ]  # fmt: skip
-
-
 def start_two_nodes(
     args: Sequence[str],
     *,
@@ -137,24 +102,7 @@ def start_two_nodes(
     return [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--multi_gpu",
-                "--num_machines",
-                "2",
-                "--machine_rank",
-                str(rank),
-                "--num_processes",
-                str(2 * per_node),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                str(port),
-                "--mixed_precision",
-                "no",
-                "--dynamo_backend",
-                "no",
+                *accelerate_launch_prefix(2 * per_node, port, num_machines=2, machine_rank=rank),
                 *map(str, args),
             ],
             cwd=cwd,

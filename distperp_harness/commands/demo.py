@@ -13,44 +13,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from distperp_harness.commands.launching import accelerate_launch_prefix, offline_env
 from distperp_harness.commands.taskdir import tasks_path
 
 TASK = "distperp_wikitext2"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        env.setdefault(key, "1")
-    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
-
-
 def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int) -> float:
     """Run lm-eval under ``accelerate launch``; stream its output; return wall seconds."""
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes",
-        str(processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(port),
-    ]
-    if processes > 1:
-        launch.insert(3, "--multi_gpu")
+    launch = accelerate_launch_prefix(processes, port)
     cmd = [
         *launch,
         "-m",
@@ -77,7 +52,9 @@ def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int)
         flush=True,
     )
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        cmd, env=offline_env(keep_set=True), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     wall = time.perf_counter() - t0
     table = [line for line in proc.stdout.splitlines() if line.startswith(("|", "distperp ("))]
     print("\n".join(table) if proc.returncode == 0 else proc.stdout[-4000:], flush=True)
