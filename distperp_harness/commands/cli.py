@@ -1,5 +1,5 @@
-"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,compare,sweep}`` (also
-``distperp``)."""
+"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,compare,sweep,check,parity}``
+(also ``distperp``)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
 
+    from distperp_harness.commands.check import add_arguments as check_arguments
+    from distperp_harness.commands.parity import add_arguments as parity_arguments
+
+    check_arguments(
+        sub.add_parser(
+            "check",
+            help="self-check of this machine: load, bf16 and int4 scoring, same bits twice, memory released, "
+            "1 vs 2 processes; a table and a verdict",
+        )
+    )
+    parity_arguments(
+        sub.add_parser(
+            "parity",
+            help="your checkpoint through lm-eval's hf and through distperp on a few tasks: per-request "
+            "differences, metrics side by side, a verdict",
+        )
+    )
+
     args = parser.parse_args(argv)
     install_excepthook()
     if args.command == "tasks-path":
@@ -83,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         from distperp_harness.commands.sweep import run_sweep
 
         return run_sweep(args)
+    if args.command == "check":
+        from distperp_harness.commands.check import run_check
+
+        return run_check(args)
+    if args.command == "parity":
+        from distperp_harness.commands.parity import run_parity
+
+        return run_parity(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -85,6 +85,14 @@ TEST_SPEC = TinySpec(
 """The test model: random init, builds in about a second."""
 
 
+CHECK_SPEC = TinySpec(
+    vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
+    max_position_embeddings=128, seed=0, train_steps=0, name="check-llama",
+)  # fmt: skip
+"""``distperp check``'s model: random init; every Linear input width (128, 256) a multiple of int4's group size 128,
+so ``quantize=int4`` quantizes every Linear layer of the decoder."""
+
+
 def sample_text_path() -> Path:
     """Path of the packaged WikiText-formatted sample (original text, see ``distperp_harness/data/README.md``)."""
     return Path(str(resources.files("distperp_harness").joinpath("data").joinpath("sample_wikitext.txt")))

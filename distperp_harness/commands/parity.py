@@ -1,0 +1,203 @@
+"""``distperp parity``: your checkpoint through lm-eval's ``hf`` and through ``distperp``, request by request.
+
+Both models run in this process through ``lm_eval.simple_evaluate`` with the same tasks, dtype, batch size, window
+length and ``--limit``, one after the other (the first is freed before the second loads). For every request:
+
+- ``loglikelihood``: the difference of the two log-likelihoods, whether the greedy flags agree, and per document
+  with several answers whether the chosen answer (the highest log-likelihood) is the same;
+- ``loglikelihood_rolling``: the difference of the document totals;
+- ``generate_until``: whether the texts are the same.
+
+A value agrees when ``|distperp - hf| <= atol + rtol * |hf|``. The defaults follow ``--dtype``: float32/float64
+``atol=1e-3`` nats (``hf``'s float32 log-softmax alone is off by up to 3e-4 nats per answer on a 49k vocabulary),
+``rtol=1e-5``; bfloat16/float16 ``atol=0.1``, ``rtol=5e-3`` (the two backends batch differently, and low-precision
+kernels round by batch shape). A task **agrees** when every value agrees and every choice and generation is the
+same; the command exits 0 when every task agrees, 1 otherwise. Metrics are printed side by side.
+
+Default task: ``distperp_wikitext2`` on the packaged WikiText-format sample (offline). Any lm-eval task works
+(``--tasks hellaswag,arc_easy --limit 100``) where its data can be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import gc
+import json
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TOLERANCES = {"float32": (1e-3, 1e-5), "float64": (1e-3, 1e-5), "bfloat16": (0.1, 5e-3), "float16": (0.1, 5e-3)}
+"""dtype -> (atol in nats, rtol): the defaults of ``--atol`` and ``--rtol``."""
+
+
+class Verdict(str, enum.Enum):
+    AGREE = "agree"
+    DIFFER = "DIFFER"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+    def agrees(self, hf: float, dp: float) -> bool:
+        return math.isfinite(dp) and abs(dp - hf) <= self.atol + self.rtol * abs(hf)
+
+
+@dataclass
+class TaskParity:
+    """One task's comparison (counts over its requests and documents) and its metrics, hf then distperp."""
+
+    task: str
+    values: int = 0
+    values_outside: int = 0
+    max_abs_diff: float = 0.0
+    greedy_differ: int = 0
+    choices: int = 0
+    choices_differ: int = 0
+    generations: int = 0
+    generations_differ: int = 0
+    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> Verdict:
+        differ = self.values_outside + self.greedy_differ + self.choices_differ + self.generations_differ
+        return Verdict.DIFFER if differ or not (self.values or self.generations) else Verdict.AGREE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a local folder or hub id (what pretrained= takes)")
+    parser.add_argument("--tasks", default="distperp_wikitext2", help="comma-separated lm-eval tasks")
+    parser.add_argument("--include_path", default=None, help="a folder of your own task YAMLs")
+    parser.add_argument("--metadata", default=None, help="JSON for the tasks (default: the packaged sample's path)")
+    parser.add_argument("--limit", type=int, default=None, help="the first N documents of each task")
+    parser.add_argument("--num_fewshot", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES))
+    parser.add_argument("--batch_size", default="8")
+    parser.add_argument("--max_length", type=int, default=None)
+    parser.add_argument("--model_args", default="", help="more model_args for both, e.g. trust_remote_code=true")
+    parser.add_argument("--atol", type=float, default=None, help="nats (default: by --dtype)")
+    parser.add_argument("--rtol", type=float, default=None, help="relative (default: by --dtype)")
+    parser.add_argument("--json", default=None, help="also write the comparison to this JSON file")
+
+
+def _first_per_doc(samples: list[dict]) -> dict[int, list]:
+    """Document id -> its responses, one per request (the first filter's row; the first response of each)."""
+    out: dict[int, list] = {}
+    for sample in samples:
+        out.setdefault(int(sample["doc_id"]), [resp[0] for resp in sample["resps"]])
+    return out
+
+
+def compare_task(task: str, hf: list[dict], dp: list[dict], tolerance: Tolerance) -> TaskParity:
+    """Compare the logged samples of one task, request by request (pure: no model, no lm-eval call)."""
+    parity = TaskParity(task)
+    hf_docs, dp_docs = _first_per_doc(hf), _first_per_doc(dp)
+    if set(hf_docs) != set(dp_docs):
+        raise ValueError(f"{task}: the two runs scored different documents ({len(hf_docs)} vs {len(dp_docs)})")
+    for doc, hf_resps in hf_docs.items():
+        scores: dict[str, list[float]] = defaultdict(list)
+        for a, b in zip(hf_resps, dp_docs[doc], strict=True):
+            if isinstance(a, str):
+                parity.generations += 1
+                parity.generations_differ += a != b
+                continue
+            pair = isinstance(a, (list, tuple))
+            x, y = (float(a[0]), float(b[0])) if pair else (float(a), float(b))
+            parity.values += 1
+            parity.values_outside += not tolerance.agrees(x, y)
+            parity.max_abs_diff = max(parity.max_abs_diff, abs(y - x))
+            if pair:
+                parity.greedy_differ += bool(a[1]) != bool(b[1])
+                scores["hf"].append(x)
+                scores["dp"].append(y)
+        if len(scores["hf"]) > 1:
+            parity.choices += 1
+            parity.choices_differ += _argmax(scores["hf"]) != _argmax(scores["dp"])
+    return parity
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def metrics(hf: dict, dp: dict) -> dict[str, tuple[float, float]]:
+    """Numeric metrics of one task (standard errors left out), hf's value then distperp's."""
+    return {
+        key: (float(value), float(dp[key]))
+        for key, value in hf.items()
+        if "_stderr" not in key and "," in key and isinstance(value, (int, float)) and key in dp
+    }
+
+
+def _evaluate(model: str, args: argparse.Namespace, device: str, manager: Any) -> dict:
+    import lm_eval
+    import torch
+
+    model_args = f"pretrained={args.model},dtype={args.dtype}"
+    model_args += f",max_length={args.max_length}" if args.max_length else ""
+    model_args += f",{args.model_args}" if args.model_args else ""
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=args.tasks.split(","),
+        task_manager=manager,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        device=device,
+        limit=args.limit,
+        log_samples=True,
+    )
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_parity(args: argparse.Namespace) -> int:
+    """Run both models, print the comparison and the verdict; 0 when every task agrees."""
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    from distperp_harness.commands.tiny import sample_text_path
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    atol, rtol = TOLERANCES[args.dtype]
+    tolerance = Tolerance(args.atol if args.atol is not None else atol, args.rtol if args.rtol is not None else rtol)
+    metadata = json.loads(args.metadata) if args.metadata else {"wikitext_path": str(sample_text_path())}
+    manager = TaskManager(include_path=args.include_path, metadata=metadata)
+    runs = {name: _evaluate(name, args, device, manager) for name in ("hf", "distperp")}
+    tasks = sorted(runs["hf"]["samples"])
+    report = []
+    for task in tasks:
+        parity = compare_task(task, runs["hf"]["samples"][task], runs["distperp"]["samples"][task], tolerance)
+        parity.metrics = metrics(runs["hf"]["results"].get(task, {}), runs["distperp"]["results"].get(task, {}))
+        report.append(parity)
+    print(
+        f"\ndistperp parity: {args.model}, {args.dtype} on {device}; a value agrees when "
+        f"|distperp - hf| <= {tolerance.atol:g} + {tolerance.rtol:g} x |hf|\n"
+    )
+    print("| task | values outside / all | max abs diff | greedy flags differ | choices differ | generations differ "
+          "| verdict |\n|---|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    for p in report:
+        print(
+            f"| {p.task} | {p.values_outside}/{p.values} | {p.max_abs_diff:.3g} | {p.greedy_differ} | "
+            f"{p.choices_differ}/{p.choices} | {p.generations_differ}/{p.generations} | {p.verdict.value} |"
+        )
+    print("\n| task | metric | hf | distperp | relative difference |\n|---|---|---:|---:|---:|")
+    for p in report:
+        for key, (a, b) in p.metrics.items():
+            rel = abs(b - a) / abs(a) if a else abs(b - a)
+            print(f"| {p.task} | {key} | {a:.6g} | {b:.6g} | {rel:.2e} |")
+    differ = [p.task for p in report if p.verdict is Verdict.DIFFER]
+    print(f"\n{'DIFFER: ' + ', '.join(differ) if differ else 'AGREE'}: {len(report) - len(differ)} of {len(report)} "
+          "tasks agree")  # fmt: skip
+    if args.json:
+        rows = [{**asdict(p), "verdict": p.verdict.value} for p in report]
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"tolerance": asdict(tolerance), "tasks": rows}, handle, indent=2)
+    return 1 if differ else 0
