@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from distperp_harness.planning.requests import Unit
-from distperp_harness.run.scoring.forward import score_batch
+from distperp_harness.run.scoring.engine.forward import score_batch
 
 
 def main(argv: list[str] | None = None) -> None:

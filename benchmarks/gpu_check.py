@@ -146,7 +146,7 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str],
     from distperp_harness.lm import DistPerpLM
     from distperp_harness.planning.requests import window_units
     from distperp_harness.run.budget import batching_for
-    from distperp_harness.run.scoring.forward import score_batch
+    from distperp_harness.run.scoring.engine.forward import score_batch
 
     cuda = args.device == "cuda"
     t0 = time.perf_counter()

@@ -11,7 +11,8 @@ Builds synthetic requests of full size (token counts and sharing structure, rand
 * **HellaSwag** (0-shot): 10,042 contexts of ~60 tokens, 4 endings of ~45 tokens (multi-token answers);
 
 splits the documents of every subtask as lm-eval does (``docs[rank::W]``), and for each W runs, for the rank with the
-largest share (rank 0 under lm-eval's split), exactly what :func:`distperp_harness.run.pipeline.score_requests` runs
+largest share (rank 0 under lm-eval's split), exactly what :func:`distperp_harness.run.scoring.pipeline.score_requests`
+runs
 before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every rank's real
 encoded payload, handed over by a collective that simulates the W ranks), the merge
 (:class:`~distperp_harness.planning.records.GlobalTable`), the plan (rows, batches, owners, helpers) and the routes of
@@ -44,7 +45,7 @@ from distperp_harness.planning.rowplan import batch_shared, plan_from_records
 from distperp_harness.run.execution.claims import helper_of, helper_step
 from distperp_harness.run.execution.routing import _front_coded, result_routes, token_routes
 from distperp_harness.run.rules import Batching
-from distperp_harness.run.scoring.forward import N_COLUMNS
+from distperp_harness.run.scoring.engine.forward import N_COLUMNS
 
 MAX_LENGTH = 4096
 ATTENTION_COEF = 32 * 4096 / 8.0e9  # an 8B Llama: layers * hidden / parameters

@@ -28,9 +28,9 @@ from distperp_harness.run.execution.calls import ScoringCall
 from distperp_harness.run.execution.progress import generation_progress, setup_logging, token_progress
 from distperp_harness.run.execution.record import run_record
 from distperp_harness.run.generation.generate import generate
-from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import ScoringRule, Sharing
 from distperp_harness.run.runtime import attention_coefficient, head_coefficient
+from distperp_harness.run.scoring.pipeline import score_requests
 from distperp_harness.runfacts import run_facts
 from distperp_harness.stages import (
     InProcess,

@@ -162,7 +162,7 @@ def test_no_circle_at_all():
 
 def test_the_check_sees_arrows():
     edges = {(a, b) for a, b, _ in import_edges()}
-    assert ("distperp_harness.run.pipeline", "distperp_harness.planning.plan") in edges
+    assert ("distperp_harness.run.scoring.pipeline", "distperp_harness.planning.plan") in edges
     assert ("distperp_harness.commands.sweep", "distperp_harness.lm") in edges  # function-local
     assert ("distperp_harness.model.quantize", "distperp_harness.options") in edges
     assert _cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
@@ -171,29 +171,34 @@ def test_the_check_sees_arrows():
 RUN_LAYERS: dict[str, int] = {
     # run's folders and top-level modules -> layer; an arrow between two of them only reaches a lower layer
     "rules": 0,  # the rules a call is planned by: imports nothing of run
-    "scoring": 1,  # one batch's forward, masks and shared-prefix cache
+    "scoring.engine": 1,  # one batch's forward, masks and shared-prefix cache
     "compiling": 2,
     "budget": 2,
     "runtime": 2,
     "fit": 2,  # compile=, and the policy that chooses the rules and checks the fit
     "execution": 3,  # the executor both stages share
-    "pipeline": 4,
-    "generation": 4,  # the two orchestrators: a scoring call, generate_until
+    "scoring": 4,
+    "generation": 4,  # the two plans (a scoring call, generate_until), each above its engine
 }
 
 
 def _run_unit(module: str) -> str | None:
+    """The unit of RUN_LAYERS a module of ``run`` belongs to (scoring's engine is a unit of its own)."""
     parts = module.split(".")
-    return parts[2] if len(parts) > 2 and parts[1] == "run" else None
+    if len(parts) < 3 or parts[1] != "run":
+        return None
+    return "scoring.engine" if parts[2:4] == ["scoring", "engine"] else parts[2]
 
 
 def test_run_folders_are_its_stages_and_import_downward():
     run = PACKAGE / "run"
     units = {p.stem for p in run.glob("*.py")} - {"__init__"} | {p.parent.name for p in run.glob("*/__init__.py")}
+    units |= {"scoring.engine"} if (run / "scoring" / "engine" / "__init__.py").exists() else set()
     assert units == set(RUN_LAYERS), f"place {sorted(units ^ set(RUN_LAYERS))} in RUN_LAYERS (and the README's layout)"
     arrows = {(_run_unit(a), _run_unit(b)) for a, b, _ in import_edges() if _run_unit(a) and _run_unit(b)}
     assert [(a, b) for a, b in arrows if a != b and RUN_LAYERS[b] >= RUN_LAYERS[a]] == []
-    assert ("generation", "execution") in arrows and ("execution", "scoring") in arrows  # the check sees them
+    assert ("generation", "execution") in arrows and ("execution", "scoring.engine") in arrows  # the check sees them
+    assert ("scoring", "scoring.engine") in arrows and ("scoring", "execution") in arrows
 
 
 ENGINE = [
@@ -239,14 +244,15 @@ def test_generation_roles_import_downward():
 
 def test_rules_sit_below_the_orchestrators():
     """The batching, sharing and scoring rules (``run.rules``) and the policy that chooses them (``run.budget``,
-    ``run.runtime``) import neither orchestrator (``run.pipeline``, ``run.generation.generate``); ``rules`` imports
+    ``run.runtime``) import neither orchestrator (``run.scoring.pipeline``, ``run.generation.generate``); ``rules``
+    imports
     nothing of ``run``."""
-    orchestrators = {"distperp_harness.run.pipeline", "distperp_harness.run.generation.generate"}
+    orchestrators = {"distperp_harness.run.scoring.pipeline", "distperp_harness.run.generation.generate"}
     edges = {(a, b) for a, b, _ in import_edges()}
     policy = {"distperp_harness.run.rules", "distperp_harness.run.budget", "distperp_harness.run.runtime"}
     assert [(a, b) for a, b in edges if a in policy and b in orchestrators] == []
     assert [b for a, b in edges if a == "distperp_harness.run.rules" and b.startswith("distperp_harness.run.")] == []
-    assert ("distperp_harness.run.pipeline", "distperp_harness.run.rules") in edges
+    assert ("distperp_harness.run.scoring.pipeline", "distperp_harness.run.rules") in edges
 
 
 def test_tests_share_helpers_only_through_helpers():

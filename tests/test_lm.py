@@ -182,7 +182,7 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from distperp_harness.run.scoring import support
+    from distperp_harness.run.scoring.engine import support
 
     unmasked = {t: dataclasses.replace(s, takes_4d_mask=False) for t, s in support.MODEL_TYPES.items()}
     monkeypatch.setattr(support, "MODEL_TYPES", unmasked)  # as for a model type not known to take the mask

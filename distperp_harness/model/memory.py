@@ -21,7 +21,7 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     activation, up projection, their product, the down projection); eager attention adds its scores over ``max_length``
     keys (in ``w``, a float32 softmax and the cast back), which sdpa/flash kernels do not hold. Plus scoring's per
     position: the last hidden state and the gathered features (``w`` each), the indices, target and float64 results (64
-    bytes). Not counted: logits chunks (:func:`~distperp_harness.run.scoring.forward.chunk_bytes`).
+    bytes). Not counted: logits chunks (:func:`~distperp_harness.run.scoring.engine.forward.chunk_bytes`).
     """
     config: Any = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

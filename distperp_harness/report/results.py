@@ -47,7 +47,7 @@ class Score(float):
     @classmethod
     def of(cls, result: Any) -> "Score":
         """The score of one request's result (``loglikelihood``, ``n_tokens``, ``ref_loglikelihood``, ``kl``,
-        ``top1_agree``: :class:`~distperp_harness.run.pipeline.RequestResult`'s fields)."""
+        ``top1_agree``: :class:`~distperp_harness.run.scoring.pipeline.RequestResult`'s fields)."""
         return cls(result.loglikelihood, result.n_tokens, result.ref_loglikelihood, result.kl, result.top1_agree)
 
     @property

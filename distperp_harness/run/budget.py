@@ -9,7 +9,8 @@ memory, the requests or the world size — so the plan, and hence the bits, are 
     budget = pow2_floor((fraction * (total - resident weights) - logits chunks) / activation bytes per token)
 
 with ``resident weights`` the model's and the reference's stored bytes, the logits chunks
-:func:`~distperp_harness.run.scoring.forward.chunk_bytes`, the activation bytes :func:`activation_bytes_per_token` (one
+:func:`~distperp_harness.run.scoring.engine.forward.chunk_bytes`, the activation bytes
+:func:`activation_bytes_per_token` (one
 layer's transients in the compute dtype; eager attention's scores only with eager attention), and
 ``fraction`` 1/2 on CUDA (the allocator's fragmentation and the CUDA context take part of the rest) and 1/4 on CPU
 (the other processes of the node share the memory). On CPU the budget is also capped at ``_CPU_MAX_TOKENS``:
@@ -103,7 +104,7 @@ def memory_budget(
 ) -> int:
     """The token budget of ``batch_size=auto`` (module doc): a pure function of the model(s), ``device_type`` and
     ``total_bytes``; ``resident_bytes`` are the stored weights of the model and the reference."""
-    from distperp_harness.run.scoring.forward import chunk_bytes
+    from distperp_harness.run.scoring.engine.forward import chunk_bytes
 
     fraction = _MEMORY_FRACTION.get(device_type, _MEMORY_FRACTION["cpu"])
     per_token = max(activation_bytes_per_token(m, max_length) for m in (model, reference) if m is not None)
@@ -165,10 +166,10 @@ def scoring_probe(
     pad_token_id: int = 0,
 ) -> Probe:
     """A :data:`Probe` that scores ``budget // max_length`` rows of ``max_length + 1`` tokens, every position
-    scored (the worst case), with the real :func:`~distperp_harness.run.scoring.forward.score_batch`."""
+    scored (the worst case), with the real :func:`~distperp_harness.run.scoring.engine.forward.score_batch`."""
     from distperp_harness.model.sharding import gathered
     from distperp_harness.planning.requests import Unit
-    from distperp_harness.run.scoring.forward import score_batch
+    from distperp_harness.run.scoring.engine.forward import score_batch
 
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
 
@@ -304,7 +305,7 @@ def agree_on_batching(  # noqa: PLR0913 - keyword-only, defaulted facts of the m
         if device.type == "cuda" and not is_sharded(model) and not is_tensor_parallel(model)
         else None
     )
-    from distperp_harness.run.scoring.forward import chunk_bytes
+    from distperp_harness.run.scoring.engine.forward import chunk_bytes
 
     logits = chunk_bytes(device.type, first_float_dtype(model), first_float_dtype(reference))
     problem = check_budget(

@@ -191,10 +191,11 @@ def estimate(  # noqa: PLR0913 - the facts an estimate reads before loading, the
     Gathered: both roots (held for the whole batch) plus twice the largest decoder layer of either (the model's layers
     are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each model's
     compute dtype and attention implementation, for ``rows`` full-length rows. Logits:
-    :func:`~distperp_harness.run.scoring.forward.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when sharded on
+    :func:`~distperp_harness.run.scoring.engine.forward.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when
+    sharded on
     CUDA (gloo's buffers on CPU are negligible).
     """
-    from distperp_harness.run.scoring.forward import chunk_bytes
+    from distperp_harness.run.scoring.engine.forward import chunk_bytes
 
     kept, root, layer = _parts(
         model,

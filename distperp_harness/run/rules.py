@@ -1,7 +1,8 @@
 """The rules a scoring call is planned by, below the orchestrators that apply them: how rows are batched
 (:class:`Batching`), how units share rows (:class:`Sharing`, a :class:`~distperp_harness.planning.rows.ShareMode`)
 and what else the global plan weighs (:class:`ScoringRule`). :mod:`~distperp_harness.run.budget` and
-:mod:`~distperp_harness.run.runtime` choose them; :mod:`~distperp_harness.run.pipeline` and generation follow them."""
+:mod:`~distperp_harness.run.runtime` choose them; :mod:`~distperp_harness.run.scoring.pipeline` and generation follow
+them."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def choose_sharing(
     tree rows are off when a model cannot take their mask, how the row budget was chosen, the line to log at the
     first loglikelihood call)``. ``batch_invariant``: rows of at most ``max_length`` tokens whatever the batching,
     and no prefix shared across a batch's rows (each row is computed alone)."""
-    from distperp_harness.run.scoring.support import cached_prefix_unsupported, packed_rows_unsupported
+    from distperp_harness.run.scoring.engine.support import cached_prefix_unsupported, packed_rows_unsupported
 
     if not share_prefix:
         return Sharing(ShareMode.OFF), None, None, None

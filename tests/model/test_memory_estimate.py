@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from distperp_harness.run.fit import estimate
     from distperp_harness.model.memory import _proc_status, _reset_host_peak
     from distperp_harness.planning.requests import Unit
-    from distperp_harness.run.scoring.forward import score_batch
+    from distperp_harness.run.scoring.engine.forward import score_batch
 
     attn, hidden, vocab, length, rows = sys.argv[1], 512, 32000, 512, 4
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=1365, num_hidden_layers=4,

@@ -18,7 +18,7 @@ from distperp_harness.run.budget import (
     memory_budget,
     scoring_probe,
 )
-from distperp_harness.run.scoring.forward import chunk_elements
+from distperp_harness.run.scoring.engine.forward import chunk_elements
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 GIB = 1 << 30

@@ -127,8 +127,9 @@ def _warm_up(
     model: PreTrainedModel, shapes: Sequence[tuple[int, int]], tree: bool, pad_token_id: int, device: torch.device
 ) -> list[str]:
     """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with ``tree``
-    tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.masks.Packing` hands them)."""
-    from distperp_harness.run.scoring.masks import Packing
+    tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.engine.masks.Packing` hands
+    them)."""
+    from distperp_harness.run.scoring.engine.masks import Packing
 
     done = []
     for rows, length in shapes:

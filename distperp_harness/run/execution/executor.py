@@ -41,7 +41,7 @@ from distperp_harness.run.execution.calls import RankFacts
 from distperp_harness.run.execution.claims import Claiming, Claims, GroupSteps, helper_step
 from distperp_harness.run.execution.groups import Follow, Workers
 from distperp_harness.run.execution.resume import fault_for_tests
-from distperp_harness.run.scoring.forward import (
+from distperp_harness.run.scoring.engine.forward import (
     BatchScores,
     NonFiniteLogitsError,
     forward_calls,
@@ -60,7 +60,8 @@ class Forwards:
     ``score(rows, shared)``: one batch's :class:`BatchScores` (rows sharing their first ``shared`` tokens);
     ``idle_score()``: a scoring forward whose result is dropped; ``root()``: the context of one generation forward
     (the model's root weights gathered); ``idle_decode()``: a one-token generation forward, result dropped;
-    ``row_at_a_time``: ``score`` runs each row alone (:func:`~distperp_harness.run.scoring.forward.score_each_row`)."""
+    ``row_at_a_time``: ``score`` runs each row alone
+    (:func:`~distperp_harness.run.scoring.engine.forward.score_each_row`)."""
 
     score: Callable[[Sequence[Any], int], BatchScores]
     idle_score: Callable[[], None] = lambda: None

@@ -20,7 +20,7 @@ def model_probes(
     """``(decode, score)`` probes of :func:`forward_traffic` for a loaded model (the real scoring path, no
     reference)."""
     from distperp_harness.planning.requests import Unit
-    from distperp_harness.run.scoring.forward import score_batch
+    from distperp_harness.run.scoring.engine.forward import score_batch
 
     pad = pad_token_id if pad_token_id is not None else 0
 

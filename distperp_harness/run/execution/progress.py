@@ -7,7 +7,7 @@ from typing import Callable
 
 
 def token_progress(desc: str, is_main: bool) -> Callable[[int], Callable[[int], None]]:
-    """Factory for :func:`distperp_harness.run.pipeline.score_requests`' ``progress`` argument.
+    """Factory for :func:`distperp_harness.run.scoring.pipeline.score_requests`' ``progress`` argument.
 
     Rank 0's share of a balanced plan tracks the whole plan, so its bar's rate and ETA are the run's.
     """

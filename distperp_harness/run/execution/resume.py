@@ -49,7 +49,7 @@ from distperp_harness.distributed.testfaults import inject
 from distperp_harness.errors import InputError
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
-from distperp_harness.run.scoring.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
+from distperp_harness.run.scoring.engine.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1, BatchScores
 
 # Printed by the "distperp_harness" handler that lm.py sets up; a store logs only when ``is_main`` (rank 0).
 log = logging.getLogger(__name__)

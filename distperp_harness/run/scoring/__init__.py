@@ -1,2 +1,3 @@
-"""One batch of rows scored exactly: the forward and float64 log-probabilities (``forward``), the tree attention
-mask (``masks``) and the key/value cache of a shared prefix (``kvcache``, also used by generation)."""
+"""Scoring: one call's distributed plan above, one batch's engine below. ``pipeline`` runs a loglikelihood or
+rolling call (the global plan, its batches through the executor, the float64 gather); ``engine/`` scores one batch of
+rows exactly and imports nothing of the plan above it (tests/test_layout.py)."""

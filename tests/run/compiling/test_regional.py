@@ -14,7 +14,7 @@ from distperp_harness.options import COMPILE_MODES, Options
 from distperp_harness.planning.requests import Unit, window_units
 from distperp_harness.run.compiling import regional as compiling
 from distperp_harness.run.generation.engine.step import CompiledStep
-from distperp_harness.run.scoring.forward import LL, score_batch
+from distperp_harness.run.scoring.engine.forward import LL, score_batch
 
 ARGS = ",device=cpu,dtype=float32,max_length=64,batch_size=4,share_prefix=false"
 TEXTS = [

@@ -7,7 +7,7 @@ import pytest
 
 from distperp_harness.run.execution.calls import GenerationCall, RankShare, RunStats, ScoringCall
 from distperp_harness.run.execution.executor import Executor, Forwards
-from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
+from distperp_harness.run.scoring.engine.forward import N_COLUMNS, BatchScores
 from tests.helpers import run_ranks as _run
 
 

@@ -9,7 +9,7 @@ import pytest
 from distperp_harness.distributed.store import CollectiveError
 from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.execution.groups import Follow, Workers
-from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
+from distperp_harness.run.scoring.engine.forward import N_COLUMNS, BatchScores
 from tests.helpers import ThreadStore as _ThreadStore
 
 

@@ -33,7 +33,7 @@ from distperp_harness.errors import InputError
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import build_rows, unit_rows
 from distperp_harness.run.execution.resume import BatchStore
-from distperp_harness.run.scoring.forward import GREEDY, LL, N_TOKENS, TOP1, BatchScores
+from distperp_harness.run.scoring.engine.forward import GREEDY, LL, N_TOKENS, TOP1, BatchScores
 
 UNITS = unit_rows([Unit((1, 2, 3, 4), 3), Unit((5, 6), 1)])  # two one-unit rows
 GOOD = BatchScores(

@@ -145,7 +145,7 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
 
 def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path, monkeypatch):
     from distperp_harness.run.generation.engine import engines
-    from distperp_harness.run.scoring.kvcache import CacheNotShareable
+    from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable
 
     model, tokenizer = _load(peaked_dir)
     args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]

@@ -20,7 +20,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from distperp_harness.run.generation.engine.sampling import SeededDraw, warpers_for
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.thinking import answer, stop_in_answer
-from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument, prefix_cache
+from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable, cache_argument, prefix_cache
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel

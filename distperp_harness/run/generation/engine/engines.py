@@ -22,7 +22,7 @@ from distperp_harness.run.generation.engine.cudagraphs import GraphStep
 from distperp_harness.run.generation.engine.prefill import plain_layers
 from distperp_harness.run.generation.engine.sampling import SAMPLING_KEYS
 from distperp_harness.run.generation.engine.step import CompiledStep, StaticStep, unsupported
-from distperp_harness.run.scoring.kvcache import CacheNotShareable
+from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

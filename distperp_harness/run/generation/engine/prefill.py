@@ -18,9 +18,9 @@ import torch
 from distperp_harness.run.generation.engine.scheduler import GenRow, Lane
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.transfer import to_device
-from distperp_harness.run.scoring.kvcache import CacheNotShareable, cache_argument
-from distperp_harness.run.scoring.masks import embedding_dtype
-from distperp_harness.run.scoring.support import takes_4d_mask
+from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable, cache_argument
+from distperp_harness.run.scoring.engine.masks import embedding_dtype
+from distperp_harness.run.scoring.engine.support import takes_4d_mask
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -90,7 +90,7 @@ def takes_dense_mask(model: PreTrainedModel) -> bool:
 
 def plain_layers(cache) -> list:
     """The layers of a ``DynamicCache`` when every one is a plain ``DynamicLayer`` (rows can be joined, dropped and
-    trimmed); raises :class:`~distperp_harness.run.scoring.kvcache.CacheNotShareable` naming the layer types
+    trimmed); raises :class:`~distperp_harness.run.scoring.engine.kvcache.CacheNotShareable` naming the layer types
     otherwise."""
     from transformers.cache_utils import DynamicLayer
 

@@ -34,7 +34,7 @@ from distperp_harness.run.generation.engine.prefill import Prefilled
 from distperp_harness.run.generation.engine.scheduler import GenRow
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.transfer import to_device, write_into
-from distperp_harness.run.scoring.kvcache import CacheNotShareable
+from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -35,7 +35,7 @@ from distperp_harness.run.compiling.agreement import fake_compile_failure, first
 from distperp_harness.run.compiling.state import CompileState, warming
 from distperp_harness.run.generation.engine.prefill import dense_mask, last_logits, plain_layers, takes_dense_mask
 from distperp_harness.run.generation.engine.static_batch import StaticBuffers
-from distperp_harness.run.scoring.kvcache import cache_argument
+from distperp_harness.run.scoring.engine.kvcache import cache_argument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -78,7 +78,7 @@ def uses_cudagraphs(mode: str | None, device: torch.device) -> bool:
 def unsupported(model: PreTrainedModel) -> str | None:
     """Why ``model`` does not decode with a fixed-shape step (None: it can): the step passes a 4D mask, which sdpa
     and eager attention take on the model types of
-    :func:`~distperp_harness.run.scoring.support.packed_rows_unsupported`, and its cache layers must all be plain
+    :func:`~distperp_harness.run.scoring.engine.support.packed_rows_unsupported`, and its cache layers must all be plain
     ``StaticLayer``s (no sliding window)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer

@@ -1,4 +1,5 @@
-"""The tree mask (:mod:`distperp_harness.run.scoring.masks`): the dense mask against the rule computed by hand, and flex
+"""The tree mask (:mod:`distperp_harness.run.scoring.engine.masks`): the dense mask against the rule computed by hand,
+and flex
 attention's ``mask_mod`` and ``BlockMask`` against the dense mask, element for element."""
 
 import numpy as np
@@ -7,7 +8,7 @@ import torch
 
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
-from distperp_harness.run.scoring.masks import FLEX_BLOCK, Packing
+from distperp_harness.run.scoring.engine.masks import FLEX_BLOCK, Packing
 
 
 def _row(runs, parents, tag=0):

@@ -11,7 +11,7 @@ the same positions also give KL(reference || model) (float64), the reference's l
 Memory per chunk of logits (what :func:`chunk_bytes` counts and the memory estimate uses): the head's output in
 the model dtype plus its float32 copy when that dtype is narrower; with a reference the same for the reference's
 head, plus the KL's float64 work space, two buffers of half a chunk's rows each: one float64 per logit of the chunk
-(:func:`~distperp_harness.run.scoring.logprobs.kl_`). With a reference the chunk holds half the positions.
+(:func:`~distperp_harness.run.scoring.engine.logprobs.kl_`). With a reference the chunk holds half the positions.
 
 Results depend only on the batch's content, never on which process computes it.
 """
@@ -26,8 +26,8 @@ import torch
 
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
-from distperp_harness.run.scoring.kvcache import cache_argument, prefix_cache
-from distperp_harness.run.scoring.logprobs import (
+from distperp_harness.run.scoring.engine.kvcache import cache_argument, prefix_cache
+from distperp_harness.run.scoring.engine.logprobs import (
     MIN_GEMM_ROWS,
     ReusedHead,
     at_least_float32,
@@ -36,9 +36,9 @@ from distperp_harness.run.scoring.logprobs import (
     kl_,
     logsumexp_,
 )
-from distperp_harness.run.scoring.masks import Packing as _Packing
-from distperp_harness.run.scoring.masks import flex_shapes
-from distperp_harness.run.scoring.support import model_support
+from distperp_harness.run.scoring.engine.masks import Packing as _Packing
+from distperp_harness.run.scoring.engine.masks import flex_shapes
+from distperp_harness.run.scoring.engine.support import model_support
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -123,7 +123,8 @@ def _features(
     """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to float32+
     logits. The logits a call returns may be overwritten by the next call (see :class:`ReusedHead`). ``packing``: the
     attention mask and position ids of a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache
-    of the batch's shared prefix (:func:`~distperp_harness.run.scoring.kvcache.prefix_cache`), which ``input_ids``
+    of the batch's shared prefix (:func:`~distperp_harness.run.scoring.engine.kvcache.prefix_cache`), which
+    ``input_ids``
     follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     plain_head = model_support(model).plain_head
@@ -168,8 +169,9 @@ def score_batch(
     batch.
 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids
-    (:mod:`~distperp_harness.run.scoring.masks`; the caller makes sure the model takes them,
-    :func:`~distperp_harness.run.scoring.support.packed_rows_unsupported`); a batch of plain rows runs with no mask.
+    (:mod:`~distperp_harness.run.scoring.engine.masks`; the caller makes sure the model takes them,
+    :func:`~distperp_harness.run.scoring.engine.support.packed_rows_unsupported`); a batch of plain rows runs with no
+    mask.
     ``shared`` > 0
     (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the first ``shared`` tokens, equal in every
     row, are computed once and every row continues from their key/value cache (:func:`forward_calls`: two forward calls,

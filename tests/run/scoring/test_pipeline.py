@@ -9,9 +9,9 @@ import pytest
 from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.run.execution.calls import RunStats
 from distperp_harness.run.execution.executor import Executor, Forwards
-from distperp_harness.run.pipeline import score_requests
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing
-from distperp_harness.run.scoring.forward import N_COLUMNS, BatchScores
+from distperp_harness.run.scoring.engine.forward import N_COLUMNS, BatchScores
+from distperp_harness.run.scoring.pipeline import score_requests
 from tests.helpers import ThreadStore as _Store
 from tests.helpers import run_ranks as _run
 

@@ -13,9 +13,17 @@ from transformers import AutoModelForCausalLM
 from distperp_harness.planning.requests import Unit
 from distperp_harness.run.rules import Batching
 from distperp_harness.run.runtime import choose_sharing
-from distperp_harness.run.scoring import forward as scoring
-from distperp_harness.run.scoring import support
-from distperp_harness.run.scoring.forward import GREEDY, LL, N_TOKENS, REF_LL, TOP1, NonFiniteLogitsError, score_batch
+from distperp_harness.run.scoring.engine import forward as scoring
+from distperp_harness.run.scoring.engine import support
+from distperp_harness.run.scoring.engine.forward import (
+    GREEDY,
+    LL,
+    N_TOKENS,
+    REF_LL,
+    TOP1,
+    NonFiniteLogitsError,
+    score_batch,
+)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,8 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
 
     Needs a model type whose :data:`MODEL_TYPES` entry takes a 4D mask, ``sdpa`` or ``eager`` attention (a dense
     mask), or ``flex_attention`` where transformers implements it for the model (``_supports_flex_attn``; a block mask,
-    :mod:`distperp_harness.run.scoring.masks`) and not on CUDA (tree rows there disagreed with sdpa's, unresolved) —
+    :mod:`distperp_harness.run.scoring.engine.masks`) and not on CUDA (tree rows there disagreed with sdpa's,
+    unresolved) —
     flash attention takes no custom mask —, no attention-logit soft
     capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
     ``max_length`` tokens, so a longer window never applies).

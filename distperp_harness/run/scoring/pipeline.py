@@ -42,7 +42,7 @@ from distperp_harness.run.execution.claims import helper_of
 from distperp_harness.run.execution.executor import Executor
 from distperp_harness.run.execution.routing import move_tokens, return_results
 from distperp_harness.run.rules import ScoringRule
-from distperp_harness.run.scoring.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1
+from distperp_harness.run.scoring.engine.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1
 
 
 def _forward_calls(executor: Executor, batches: Sequence[Batch], b: int) -> int:
