@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", default=None, help="a WikiText-format file (default: the packaged sample)")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N documents")
     parser.add_argument("--max-length", type=int, default=None, help="window length (default: the model's)")
+    parser.add_argument(
+        "--model_args", default="", help="more model_args for every run, e.g. group_size=64,trust_remote_code=true"
+    )
     parser.add_argument("--work", default=None, help="folder for the launched run's results (default: temporary)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
@@ -220,7 +223,7 @@ def launched(processes: int, model_args: dict, metadata: dict, limit: int | None
 
 
 def processes_row(args: argparse.Namespace, device: str, model_args: dict, metadata: dict, one: Evaluation | None):
-    name = f"1 vs {args.processes} processes"
+    name = f"1 vs {max(args.processes, 2)} processes"
     if args.processes < 2:
         return CheckRow(name, "same bits", Outcome.SKIP, "--processes 1")
     if one is None:
@@ -250,6 +253,7 @@ def cached_model() -> str:
 def run_check(args: argparse.Namespace) -> int:
     """Run every check, print the table and the verdict; 0 when nothing failed."""
     from lm_eval.tasks import TaskManager
+    from lm_eval.utils import simple_parse_args_string
 
     from distperp_harness.commands.taskdir import tasks_path
     from distperp_harness.commands.tiny import sample_text_path
@@ -261,6 +265,7 @@ def run_check(args: argparse.Namespace) -> int:
     base: dict[str, Any] = {"pretrained": model, "device": device, "dtype": args.dtype, "batch_size": "auto"}
     if args.max_length:
         base["max_length"] = args.max_length
+    base.update(simple_parse_args_string(args.model_args))  # lm-eval's own parsing of --model_args
     baseline = _cuda_baseline() if device == "cuda" else None
     rows, first = run_in_process(args.dtype, base, manager, args.limit, baseline)
     int4_rows, _ = run_in_process("int4", {**base, "quantize": "int4"}, manager, args.limit, baseline)
