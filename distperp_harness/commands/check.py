@@ -30,7 +30,12 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+
+    from distperp_harness.lm import DistPerpLM
 
 TASK = "distperp_wikitext2"
 RELEASE_SLACK = 16 << 20
@@ -96,7 +101,7 @@ def _per_doc(samples: list[dict]) -> dict[int, str]:
     return {int(s["doc_id"]): float(s["resps"][0][0]).hex() for s in samples}
 
 
-def _evaluate(lm: Any, manager: Any, limit: int | None) -> Evaluation:
+def _evaluate(lm: DistPerpLM, manager: TaskManager | None, limit: int | None) -> Evaluation:
     import lm_eval
 
     out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=manager, log_samples=True, limit=limit)
@@ -149,7 +154,9 @@ def released(model_ref: weakref.ref, baseline: int | None) -> tuple[bool, str]:
     return ok, detail
 
 
-def run_in_process(name: str, model_args: dict, manager: Any, limit: int | None, baseline: int | None):
+def run_in_process(
+    name: str, model_args: dict[str, Any], manager: TaskManager | None, limit: int | None, baseline: int | None
+) -> tuple[list[CheckRow], Evaluation | None]:
     """Rows of one in-process run, and its first evaluation (``None`` when the model did not load)."""
     from distperp_harness.lm import DistPerpLM
 
@@ -222,7 +229,9 @@ def launched(processes: int, model_args: dict, metadata: dict, limit: int | None
     )
 
 
-def processes_row(args: argparse.Namespace, device: str, model_args: dict, metadata: dict, one: Evaluation | None):
+def processes_row(
+    args: argparse.Namespace, device: str, model_args: dict[str, Any], metadata: dict, one: Evaluation | None
+) -> CheckRow:
     name = f"1 vs {max(args.processes, 2)} processes"
     if args.processes < 2:
         return CheckRow(name, "same bits", Outcome.SKIP, "--processes 1")

@@ -27,7 +27,10 @@ import json
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 TOLERANCES = {"float32": (1e-3, 1e-5), "float64": (1e-3, 1e-5), "bfloat16": (0.1, 5e-3), "float16": (0.1, 5e-3)}
 """dtype -> (atol in nats, rtol): the defaults of ``--atol`` and ``--rtol``."""
@@ -134,7 +137,7 @@ def metrics(hf: dict, dp: dict) -> dict[str, tuple[float, float]]:
     }
 
 
-def _evaluate(model: str, args: argparse.Namespace, device: str, manager: Any) -> dict:
+def _evaluate(model: str, args: argparse.Namespace, device: str, manager: TaskManager) -> dict:
     import lm_eval
     import torch
 
