@@ -114,7 +114,8 @@ def _evaluate(lm: DistPerpLM, manager: TaskManager | None, limit: int | None) ->
     )
 
 
-def _cuda_baseline() -> int | None:
+def cuda_baseline() -> int | None:
+    """Allocated CUDA bytes before any run, cuBLAS's workspaces left out (see :func:`released`); None without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
@@ -275,7 +276,7 @@ def run_check(args: argparse.Namespace) -> int:
     if args.max_length:
         base["max_length"] = args.max_length
     base.update(simple_parse_args_string(args.model_args))  # lm-eval's own parsing of --model_args
-    baseline = _cuda_baseline() if device == "cuda" else None
+    baseline = cuda_baseline() if device == "cuda" else None
     rows, first = run_in_process(args.dtype, base, manager, args.limit, baseline)
     int4_rows, _ = run_in_process("int4", {**base, "quantize": "int4"}, manager, args.limit, baseline)
     rows += int4_rows
