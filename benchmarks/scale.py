@@ -43,7 +43,7 @@ from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, encode, local_records
 from distperp_harness.planning.rowplan import batch_shared, plan_from_records
 from distperp_harness.run.execution.claims import helper_of, helper_step
-from distperp_harness.run.execution.routing import _front_coded, result_routes, token_routes
+from distperp_harness.run.execution.routing import front_coded, result_routes, token_routes
 from distperp_harness.run.rules import Batching
 from distperp_harness.run.scoring.engine.forward import N_COLUMNS
 
@@ -161,7 +161,7 @@ def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) ->
             theirs = rank_units(shape, counts, source, world)
             position = np.full(len(table), -1, dtype=np.int64)
             position[table.ids(theirs.keys())] = np.arange(len(theirs))
-            token_in += 4 * len(_front_coded(theirs, position[ids], ids))
+            token_in += 4 * len(front_coded(theirs, position[ids], ids))
     result_in = (N_COLUMNS + 1) * 8 * sum(len(ids) for ids in expect_results)
     records_in = sum(len(p) for p in payloads)
     input_tokens = int(lengths.sum())

@@ -35,7 +35,7 @@ from scale import cpu_and_peak  # benchmarks/ is this script's folder
 from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.records import FlatUnits, local_records
 from distperp_harness.run.execution.claims import helper_of, helper_step
-from distperp_harness.run.execution.routing import _front_coded, token_routes
+from distperp_harness.run.execution.routing import front_coded, token_routes
 from distperp_harness.run.generation.jobs import (
     JOB,
     JobTable,
@@ -135,7 +135,7 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
             theirs = rank_jobs(shape, source, world)[1]
             position = np.full(len(table.prompts), -1, dtype=np.int64)
             position[table.prompts.ids(theirs.keys())] = np.arange(len(theirs))
-            tokens_in += 4 * len(_front_coded(theirs, position[ids], ids))
+            tokens_in += 4 * len(front_coded(theirs, position[ids], ids))
     records_in = sum(len(p) for p in payloads)
     return {
         "shape": shape.name,

@@ -114,7 +114,7 @@ def move_tokens(
     send, expect = token_routes(table, unit_ranks, me, world)
     position = np.full(len(table), -1, dtype=np.int64)
     position[local_ids] = np.arange(len(local_ids))
-    parts = [_front_coded(local, position[ids], ids) for ids in send]
+    parts = [front_coded(local, position[ids], ids) for ids in send]
     sizes = collective.exchange(
         [np.asarray([len(p)], np.int64) for p in parts], [1] * world, "sizes of the token messages"
     )
@@ -142,9 +142,11 @@ def move_tokens(
     return Available(local, local_ids, flat, ids)
 
 
-def _front_coded(local: FlatUnits, positions: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Units as one int32 message, in token order, each as ``[id, shared, n, n tokens]``: ``shared`` tokens of the
-    unit before it, then its own ``n`` (a few-shot block travels once per message, not once per unit)."""
+def front_coded(local: FlatUnits, positions: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The units at ``positions`` of ``local``, named ``ids``, as the one int32 message :func:`move_tokens` sends: in
+    token order, each as ``[id, shared, n, n tokens]``: ``shared`` tokens of the unit before it, then its own ``n``
+    (a few-shot block travels once per message, not once per unit). Its length is what a rank receives for those
+    units (``benchmarks/scale.py`` counts it); empty ``positions`` give an empty message."""
     seqs = [local.tokens[local.offsets[p] : local.offsets[p + 1]] for p in positions]
     order = sorted(range(len(seqs)), key=lambda k: seqs[k].astype(">i4").tobytes())
     out: list[np.ndarray] = []
@@ -160,7 +162,7 @@ def _front_coded(local: FlatUnits, positions: np.ndarray, ids: np.ndarray) -> np
 
 
 def _front_decoded(message: np.ndarray) -> dict[int, np.ndarray]:
-    """Inverse of :func:`_front_coded`: unit id -> tokens."""
+    """Inverse of :func:`front_coded`: unit id -> tokens."""
     out: dict[int, np.ndarray] = {}
     previous = np.zeros(0, np.int32)
     at = 0

@@ -7,8 +7,8 @@ import pytest
 
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
 from distperp_harness.run.execution.routing import (
-    _front_coded,
     _front_decoded,
+    front_coded,
     move_tokens,
     result_routes,
     return_results,
@@ -37,7 +37,7 @@ def test_front_coding_round_trips_and_sends_a_shared_block_once():
     units = _fewshot(questions=10)
     flat = FlatUnits.of(units)
     ids = np.arange(len(units)) + 100
-    message = _front_coded(flat, np.arange(len(units)), ids)
+    message = front_coded(flat, np.arange(len(units)), ids)
     back = _front_decoded(message)
     assert all(back[100 + k].tolist() == list(u.tokens) for k, u in enumerate(units))
     assert len(message) < sum(len(u.tokens) for u in units) / 4
