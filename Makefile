@@ -45,7 +45,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_scoring.py
+	$(PY) -m benchmarks.bench_scoring
 
 clean:
 	rm -rf $(VENV) .cache

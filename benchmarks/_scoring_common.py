@@ -1,33 +1,16 @@
-"""What every part of ``bench_scoring.py`` shares: offline environment, models, work, scorers and the machine.
-
-Importing it sets the offline environment (before torch, transformers or tqdm load) and puts the checkout on
-``sys.path``. ``bench_mc.py`` and ``bench_compile.py`` use it through ``bench_scoring``.
-"""
+"""What every part of ``bench_scoring`` shares: models, work, scorers and the machine (``bench_mc`` and
+``bench_compile`` use it too)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import platform
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TQDM_DISABLE": "1",
-}.items():
-    os.environ.setdefault(_key, _value)  # before torch/transformers/tqdm are imported
-if not any(a in ("cuda", "--device=cuda") for a in sys.argv):  # torchao's CUDA kernels are not needed on the CPU
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles  # noqa: F401 - the parts use them
+from benchmarks.common import SHARED_MODEL, lm_eval_model
 
 RANDOM_MODEL = "random-llama-52m"
 RANDOM_CONFIG = dict(
@@ -199,10 +182,6 @@ def make_lm(
     """The lm-eval LM object behind ``scorer`` (``bare`` uses a plain ``distperp`` LM for its model and plan);
     ``extra_args`` (``",key=value..."``) go to its ``--model_args``; ``device`` (``cpu``, ``cuda``) and
     ``dtype`` to both ``hf`` and distperp."""
-    from lm_eval.api.registry import get_model
-
-    import distperp_harness._hook  # noqa: F401 - registers --model distperp
-
     name = "hf" if scorer == "hf" else "distperp"
     extra = {
         "int4": ",quantize=int4",
@@ -212,7 +191,7 @@ def make_lm(
     args = _model_args(path, max_length, extra + extra_args, device, dtype)
     if scorer in ("int4-bf16", "int4-kernel"):
         args = args.replace("dtype=float32", "dtype=bfloat16")
-    return get_model(name).create_from_arg_string(args, {"batch_size": batch_size})
+    return lm_eval_model(name).create_from_arg_string(args, {"batch_size": batch_size})
 
 
 def requests_for(docs: list[str]) -> list[Any]:

@@ -1,5 +1,5 @@
-"""``bench_scoring.py``'s memory: one fresh subprocess per scorer (``bench_scoring.py --memory-worker``) scores
-``--memory-tokens`` tokens while a thread samples the resident set size; on CUDA, the allocator's peak."""
+"""``bench_scoring``'s memory: one fresh subprocess per scorer (``python -m benchmarks.bench_scoring --memory-worker``)
+scores ``--memory-tokens`` tokens while a thread samples the resident set size; on CUDA, the allocator's peak."""
 
 from __future__ import annotations
 
@@ -9,25 +9,20 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from _scoring_common import (
-    REPO_ROOT,
+from benchmarks._scoring_common import (
     _quiet,
     bare_batches,
-    load_articles,
     make_lm,
     make_runner,
     requests_for,
     select_documents,
 )
-
-BENCH_SCORING = Path(__file__).resolve().with_name("bench_scoring.py")
-"""The command line a memory worker runs: ``bench_scoring.py --memory-worker SCORER ...``."""
+from benchmarks.common import REPO_ROOT, environment, load_articles, module_command
 
 
 class RssSampler:
@@ -111,9 +106,8 @@ def memory_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_memory(scorer: str, path: Path, args: argparse.Namespace) -> dict[str, Any] | None:
     """Run :func:`memory_worker` for ``scorer`` in a fresh subprocess; None (with a note) if it fails."""
-    cmd = [
-        sys.executable,
-        str(BENCH_SCORING),
+    cmd = module_command(
+        "bench_scoring",
         "--memory-worker",
         scorer,
         "--model-path",
@@ -132,8 +126,8 @@ def measure_memory(scorer: str, path: Path, args: argparse.Namespace) -> dict[st
         args.device,
         "--dtype",
         args.dtype,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
+    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=environment(device=args.device))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(f"  note: memory of {scorer} not measured (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")

@@ -1,4 +1,5 @@
-"""``bench_scoring.py --profile``: torch.profiler op breakdown of hf, distperp and the bare forward."""
+"""``python -m benchmarks.bench_scoring --profile``: torch.profiler op breakdown of hf, distperp and the bare
+forward."""
 
 from __future__ import annotations
 
@@ -7,17 +8,17 @@ import contextlib
 import io
 from pathlib import Path
 
-from _scoring_common import (
+from benchmarks._scoring_common import (
     DEFAULT_TOKENS,
     SCORERS,
     _quiet,
     bare_batches,
-    load_articles,
     make_lm,
     make_runner,
     requests_for,
     select_documents,
 )
+from benchmarks.common import load_articles
 
 POSTPROCESSING_OPS = (
     "aten::_log_softmax",

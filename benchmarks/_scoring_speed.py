@@ -1,4 +1,4 @@
-"""``bench_scoring.py``'s speed: every scorer timed on the same work in alternating repeats, the real CLI once each
+"""``bench_scoring``'s speed: every scorer timed on the same work in alternating repeats, the real CLI once each
 way (``--cli``), and the markdown table of speed and memory for ``benchmarks/README.md``."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import contextlib
 import datetime
 import gc
 import io
-import os
 import statistics
 import subprocess
 import sys
@@ -17,15 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _scoring_common import (
+from benchmarks._scoring_common import (
     DEFAULT_TOKENS,
-    REPO_ROOT,
     SCORERS,
     _model_args,
     _quiet,
     bare_batches,
     device_name,
-    load_articles,
     machine,
     make_lm,
     make_runner,
@@ -34,7 +31,8 @@ from _scoring_common import (
     requests_for,
     select_documents,
 )
-from _scoring_memory import measure_memory
+from benchmarks._scoring_memory import measure_memory
+from benchmarks.common import PROJECT_TASKS, REPO_ROOT, environment, load_articles
 
 
 @dataclass
@@ -164,10 +162,10 @@ def _fmt(value: float | None, spec: str, unit: str = "") -> str:
 def cli_sanity(path: Path, args: argparse.Namespace) -> str:
     """The real CLI once each way: ``python -m lm_eval --model hf|distperp ... --tasks distperp_wikitext2 --limit N``
     on the local WikiText file; wall time of each command (start-up included) and the ratio."""
-    tasks = REPO_ROOT / "tasks" / "distperp"
+    tasks = PROJECT_TASKS
     if not (tasks / "distperp_wikitext2.yaml").is_file():
         return f"CLI sanity skipped: {tasks}/distperp_wikitext2.yaml not found"
-    env = dict(os.environ, DISTPERP_WIKITEXT_PATH=str(Path(args.text).parent))
+    env = environment({"DISTPERP_WIKITEXT_PATH": str(Path(args.text).parent)}, args.device)
     seconds = {}
     for name in ("hf", "distperp"):
         cmd = [

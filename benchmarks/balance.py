@@ -1,6 +1,6 @@
 """Load balance of the global plan vs lm-eval's round-robin split of documents, and a 1,024-rank simulation.
 
-    python benchmarks/balance.py            # about 10 s on 2 CPU cores
+    python -m benchmarks.balance            # about 10 s on 2 CPU cores
 
 Data: WikiText-2 test (``../shared/data/wikitext-2/test.txt``, 62 articles split on `` = Title = `` lines), tokenized
 with ``../shared/models/wt2-llama-5m``'s tokenizer, cut into lm-eval's disjoint rolling windows of ``--max-length``
@@ -26,20 +26,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from _wikitext import SHARED_MODEL, WIKITEXT_TEST, load_articles
-
+from benchmarks.common import SHARED_MODEL, WIKITEXT_TEST, load_articles
 from distperp_harness.planning.plan import assign_batches, balance_report, make_batches, round_robin_max_over_mean
 
 

@@ -1,13 +1,13 @@
 """The ``lm_eval`` CLI end to end, ``hf`` against ``distperp``, where a user would measure: one table.
 
-    python benchmarks/bench_cli.py --device cuda --model DIR            # one H200: ~6 minutes at the defaults
-    python benchmarks/bench_cli.py --device cpu --questions 6 --tokens 3000 --max-length 128   # dry (make test)
+    python -m benchmarks.bench_cli --device cuda --model DIR            # one H200: ~6 minutes at the defaults
+    python -m benchmarks.bench_cli --device cpu --questions 6 --tokens 3000 --max-length 128   # dry (make test)
 
 Work, each run as its own ``python -m lm_eval`` process (start-up, task building, tokenizing and scoring: what a
 user waits for):
 
 * ``mmlu_pro``: lm-eval's ``leaderboard_mmlu_pro`` (its YAML: 5-shot, ten one-letter answers) on ``--questions``
-  local questions in its schema (``leaderboard_data``: lm-eval's task, only the data swapped; default 1,000);
+  local questions in its schema (``_leaderboard_data``: lm-eval's task, only the data swapped; default 1,000);
 * ``rolling``: ``distperp_local_docs`` (``loglikelihood_rolling``) over ``--tokens`` tokens (default 1M) of WikiText-2
   test and valid articles; past their ~0.6M tokens, the articles again with their paragraphs in reverse order, so no
   two documents or windows are copies (distperp computes an identical window once, ``hf`` would not);
@@ -21,7 +21,7 @@ against the first
 row of the work: the wall-time ratio and whether the answers agree (MMLU-Pro: the chosen letter of every question;
 rolling: the largest relative difference of a document's log-likelihood). ``hf`` sums bf16 log-probabilities
 in bf16 (its documents' sums are rounded to bf16), so rolling rows differ from it by that rounding, not by a bug:
-the float64 checks live in the tests. The bare-forward fraction is ``bench_scoring.py``'s (a forward without the
+the float64 checks live in the tests. The bare-forward fraction is ``bench_scoring``'s (a forward without the
 CLI around it). Exits 1 when a run fails.
 """
 
@@ -30,25 +30,24 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _wikitext import REPO_ROOT, load_articles
+from benchmarks._leaderboard_data import build_leaderboard_include
+from benchmarks.common import WIKITEXT_TEST, WIKITEXT_VALID, environment, load_articles, use_offline_env
 
-WIKI = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "USE_HUB_KERNELS": "0"}
+NO_HUB_KERNELS = {"USE_HUB_KERNELS": "0"}
+"""transformers would swap layers for Hub kernels when a model loads onto a GPU, which fails offline."""
 
 
 def rolling_docs(folder: Path, tokens: int, tokenizer) -> int:
     """Write documents of about ``tokens`` tokens to ``folder`` (one ``.txt`` each); the tokens written."""
     from distperp_harness.commands.tiny import sample_text
 
-    articles = [load_articles(WIKI / name) for name in ("test.txt", "valid.txt") if (WIKI / name).is_file()]
+    articles = [load_articles(path) for path in (WIKITEXT_TEST, WIKITEXT_VALID) if path.is_file()]
     base = [a for group in articles for a in group] or [sample_text()]
     folder.mkdir(parents=True, exist_ok=True)
     total, i, turn = 0, 0, 0
@@ -84,7 +83,8 @@ def lm_eval(args, name: str, model: str, model_args: str, task: str, out: Path, 
     if task == "leaderboard_mmlu_pro":
         cmd += ["--include_path", str(args.include)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, **OFFLINE, **env}, capture_output=True, text=True, check=False)
+    env = environment({**NO_HUB_KERNELS, **env}, args.device)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="folder for data and outputs (default: a temporary one)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    use_offline_env(args.device)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     root = Path(args.work or tempfile.mkdtemp(prefix="distperp-bench-cli-"))
-    from leaderboard_data import build_leaderboard_include
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

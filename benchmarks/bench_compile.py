@@ -1,15 +1,15 @@
 """``compile=true`` vs eager: whole process and scoring only, compile time included, cold and warm compile caches.
 
-    python benchmarks/bench_compile.py                         # WikiText-2 test (all) + hellaswag: ~6 min, 2 cores
-    python benchmarks/bench_compile.py --tokens 100000 --work rolling
-    python benchmarks/bench_compile.py --scorers eager,cold,warm --questions 100
+    python -m benchmarks.bench_compile                         # WikiText-2 test (all) + hellaswag: ~6 min, 2 cores
+    python -m benchmarks.bench_compile --tokens 100000 --work rolling
+    python -m benchmarks.bench_compile --scorers eager,cold,warm --questions 100
 
 Work (``--work``): ``rolling`` is ``loglikelihood_rolling`` over WikiText-2 test articles (the first ones up to
-``--tokens`` tokens; 0: all 62), as ``bench_scoring.py`` runs it; ``mc`` is ``bench_mc.py``'s ``hellaswag`` shape (a
+``--tokens`` tokens; 0: all 62), as ``bench_scoring`` runs it; ``mc`` is ``bench_mc``'s ``hellaswag`` shape (a
 ~90-token context and four ~15-token endings per question, tree rows with their mask) as ``loglikelihood``.
 
-Scorers, each a fresh process (``python bench_compile.py --worker ...``, same model, dtype float32, batch size and
-``max_length``): ``hf`` (lm-eval's), ``eager`` (distperp), ``cold`` (distperp ``compile=true`` with an empty
+Scorers, each a fresh process (``python -m benchmarks.bench_compile --worker ...``, same model, dtype float32, batch
+size and ``max_length``): ``hf`` (lm-eval's), ``eager`` (distperp), ``cold`` (distperp ``compile=true`` with an empty
 ``TORCHINDUCTOR_CACHE_DIR``: a first run), ``warm`` (the same again: the on-disk caches that ``cold`` filled).
 Whole process is the parent's wall time of the worker (interpreter start, imports, load, compile, requests, scoring,
 exit); scoring is the wall time of the lm-eval call less any compiling inside it (the tree-mask graph compiles when
@@ -30,7 +30,6 @@ import contextlib
 import datetime
 import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -38,9 +37,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _wikitext import REPO_ROOT, SHARED_MODEL, WIKITEXT_TEST, load_articles
-from bench_scoring import _quiet, machine, make_lm, requests_for, select_documents  # sets env
+from benchmarks._scoring_common import _quiet, machine, make_lm, requests_for, select_documents
+from benchmarks.bench_mc import build_questions
+from benchmarks.bench_mc import requests_for as mc_requests
+from benchmarks.common import (
+    REPO_ROOT,
+    SHARED_MODEL,
+    WIKITEXT_TEST,
+    WIKITEXT_VALID,
+    environment,
+    load_articles,
+    module_command,
+)
 
 SCORERS = {
     "hf": ("hf", ""),
@@ -75,9 +83,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         def call() -> list[float]:
             return [float(x) for x in lm.loglikelihood_rolling(requests, disable_tqdm=True)]
     else:
-        from bench_mc import build_questions
-        from bench_mc import requests_for as mc_requests
-
         ids = lm.tokenizer.encode(Path(args.mc_text).read_text(encoding="utf-8"), add_special_tokens=False)
         questions = build_questions("hellaswag", ids, lambda t: lm.tokenizer.decode(t), args.questions)
         requests = mc_requests(questions)
@@ -108,9 +113,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_worker(scorer: str, work: str, args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
     """:func:`worker` in a fresh process; adds ``process_s`` (its whole wall time, start-up and exit included)."""
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+    cmd = module_command(
+        "bench_compile",
         "--worker",
         scorer,
         "--work",
@@ -131,8 +135,8 @@ def run_worker(scorer: str, work: str, args: argparse.Namespace, cache_dir: Path
         args.mc_text,
         "--threads",
         str(args.threads),
-    ]
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+    )
+    env = environment({"TORCHINDUCTOR_CACHE_DIR": str(cache_dir)})
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
     process_s = time.perf_counter() - t0
@@ -222,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs of each scorer but cold (fastest one shown)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
     p.add_argument("--text", default=str(WIKITEXT_TEST))
-    p.add_argument("--mc-text", default=str(WIKITEXT_TEST.with_name("valid.txt")))
+    p.add_argument("--mc-text", default=str(WIKITEXT_VALID))
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

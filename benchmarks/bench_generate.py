@@ -1,6 +1,6 @@
 """Greedy ``generate_until`` on leaderboard shapes: lm-eval's ``hf`` model vs ``distperp``, in one process.
 
-    python benchmarks/bench_generate.py --model ~/.cache/distperp/smollm2-135m-instruct --batch-size 8
+    python -m benchmarks.bench_generate --model ~/.cache/distperp/smollm2-135m-instruct --batch-size 8
 
 Shapes (``--shapes``, comma-separated):
 
@@ -34,22 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TQDM_DISABLE": "1",
-    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from benchmarks.common import lm_eval_model
 
 TOPICS = [
     "the sea",
@@ -294,14 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         "--bandwidth", type=float, default=None, help="memory GB/s: report each distperp row's fraction of the floor"
     )
     args = parser.parse_args(argv)
-
-    from lm_eval.api.registry import get_model
-
-    import distperp_harness._hook  # noqa: F401 - registers --model distperp
-
     model_args = f"pretrained={args.model},dtype={args.dtype},max_length={args.max_length},device={args.device}"
     lms = {
-        name: get_model(name.split("-")[0]).create_from_arg_string(
+        name: lm_eval_model(name.split("-")[0]).create_from_arg_string(
             model_args + VARIANTS.get(name, ""), {"batch_size": args.batch_size}
         )
         for name in args.backends.split(",")
@@ -350,12 +336,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, blocks: int = 5) -> tuple[float, float]:
     """Median ms of one decode step of ``rows`` rows at ``context`` cached tokens: the eager engine's forward
-    (``DynamicCache``, a ``[rows, context + 1]`` mask) and the compiled static step (its bucket compiled first),
-    alternating blocks of ``steps``."""
+    (``DynamicCache``, a ``[rows, context + 1]`` mask) and ``compiled_lm.static_decoding``'s step (the compiled
+    static step; its bucket compiled first by ``prepare``), alternating blocks of ``steps``. Only the public faces
+    of the step are used: ``prepare``, ``buffers_for`` and ``run`` over the bucket's buffers."""
     import torch
     from transformers import DynamicCache
 
     from distperp_harness.run.generation.engine.step import capacity_for
+    from distperp_harness.run.scoring.engine.kvcache import cache_argument
 
     model, engine = eager_lm.model, compiled_lm.static_decoding
     capacity = capacity_for(context, 1)
@@ -364,14 +352,16 @@ def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, 
         slots, longest, max_new = rows, context, 1
 
     engine.prepare(compiled_lm.collective, [_Plan()])
-    buffers = engine._bucket(rows, capacity)
+    buffers = engine.buffers_for(rows, capacity)
     buffers.reset()
     buffers.allowed[:, : context + 1] = True
+    buffers.feed([7] * rows, [context] * rows)
     ids = torch.full((rows, 1), 7, dtype=torch.long)
     positions = torch.full((rows, 1), context, dtype=torch.long)
     cache = DynamicCache(config=model.config)
+    arg = cache_argument(model)  # ``cache`` or ``past_key_values``, by the transformers version
     with torch.no_grad():
-        model(input_ids=torch.full((rows, context), 7), use_cache=True, cache=cache)
+        model(input_ids=torch.full((rows, context), 7), use_cache=True, **{arg: cache})
     mask = torch.ones((rows, context + 1), dtype=torch.long)
     times: dict[str, list[float]] = {"eager": [], "static": []}
     with torch.no_grad():
@@ -386,12 +376,12 @@ def step_times(eager_lm, compiled_lm, rows: int, context: int, steps: int = 20, 
                             position_ids=positions,
                             use_cache=True,
                             logits_to_keep=1,
-                            cache=cache,
+                            **{arg: cache},
                         )
                         cache.crop(-1)  # the next step writes the same column again
                     else:
                         buffers.set_length(context)
-                        engine._call(buffers, ids, positions)
+                        engine.run(buffers)
                 times[name].append((time.perf_counter() - start) / steps * 1000)
     return statistics.median(times["eager"]), statistics.median(times["static"])
 

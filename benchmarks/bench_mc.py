@@ -1,8 +1,8 @@
 """Multiple-choice scoring speed: lm-eval's ``hf`` vs ``distperp`` (shared rows) vs ``distperp share_prefix=false``.
 
-    python benchmarks/bench_mc.py --threads 1          # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min
-    python benchmarks/bench_mc.py --shapes hellaswag --repeats 2 --scorers hf,distperp
-    python benchmarks/bench_mc.py --random-shape llama-1b --device cuda --dtype float32 --questions 50 --repeats 1
+    python -m benchmarks.bench_mc --threads 1          # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min
+    python -m benchmarks.bench_mc --shapes hellaswag --repeats 2 --scorers hf,distperp
+    python -m benchmarks.bench_mc --random-shape llama-1b --device cuda --dtype float32 --questions 50 --repeats 1
 
 Shapes (questions cut from WikiText-2 valid, ``../shared/data/wikitext-2/valid.txt``, read at run time; or the
 shipped sample with ``--text``), as ``loglikelihood`` requests ``(context, continuation)``:
@@ -20,14 +20,14 @@ shipped sample with ``--text``), as ``loglikelihood`` requests ``(context, conti
   ~360 / ~260).
 
 Each repeat runs every scorer once on the same ``Instance`` objects (in-process, built with lm-eval's registry, as
-``bench_scoring.py`` does), in an order rotated per repeat. Scoring time is the wall time of
+``bench_scoring`` does), in an order rotated per repeat. Scoring time is the wall time of
 ``lm.loglikelihood(requests)`` (tokenization included, start-up not); tokens/s counts the tokens of all requests
 (context + continuation, each answer on its own: the unshared work), the same numerator for every scorer. The table
 gives the best repeat (interference on a shared machine only slows runs down) and the median ratios; it also checks
 that distperp's chosen answers equal ``hf``'s and gives the largest log-likelihood difference.
 
 ``--device cuda`` / ``--dtype``: every scorer on ``cuda:0`` in that dtype (lm-eval ``hf`` takes both too).
-``--random-shape NAME``: a random-init model of ``bench_scoring.RANDOM_SHAPES`` (``llama-1b``: Llama-3.2-1B's shape;
+``--random-shape NAME``: a random-init model of ``_scoring_common.RANDOM_SHAPES`` (``llama-1b``: Llama-3.2-1B's shape;
 ``tiny``: the test model's), built once into ``--workdir``. Exits 1 when a scorer's chosen answers differ from
 ``hf``'s in float32 (a failed check); in bfloat16/float16 ``hf`` sums log-probs in that dtype, so near-ties of a
 random model may flip: the count is reported, not checked.
@@ -41,17 +41,14 @@ import datetime
 import gc
 import io
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _wikitext import SHARED_MODEL, WIKITEXT_TEST
-from bench_scoring import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model
+from benchmarks._scoring_common import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model
+from benchmarks.common import SHARED_MODEL, WIKITEXT_VALID, use_offline_env
 
-WIKITEXT_VALID = WIKITEXT_TEST.with_name("valid.txt")
 SCORERS = {"hf": ("hf", ""), "distperp": ("distperp", ""), "unshared": ("distperp", ",share_prefix=false")}
 LABELS = {"hf": "lm-eval hf", "distperp": "distperp (shared rows)", "unshared": "distperp share_prefix=false"}
 SHAPES = {"mmlu0": 300, "mmlu5": 50, "hellaswag": 300, "mmlupro5": 100, "mmlu3": 100, "bbh3": 150}
@@ -306,9 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    use_offline_env(args.device)
     import torch
 
-    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.random_shape:

@@ -1,10 +1,11 @@
 """Scoring speed and memory: lm-eval's ``hf`` model vs ``distperp`` on the same checkpoint, dtype, batch and work.
 
-    python benchmarks/bench_scoring.py                 # both models, all scorers: ~13 min on 2 CPU cores
-    python benchmarks/bench_scoring.py --quick         # small subsets: ~5 min
-    python benchmarks/bench_scoring.py --models wt2-llama-5m --scorers hf,distperp --cli 62   # + the real CLI
-    python benchmarks/bench_scoring.py --profile       # torch.profiler op breakdown instead of timing
-    python benchmarks/bench_scoring.py --random-shape llama-1b --device cuda --dtype bfloat16 --no-memory
+    python -m benchmarks.bench_scoring                 # both models, all scorers: ~13 min on 2 CPU cores
+    python -m benchmarks.bench_scoring --quick         # small subsets: ~5 min
+    python -m benchmarks.bench_scoring --models wt2-llama-5m --scorers hf,distperp --cli 62   # + the real CLI
+    python -m benchmarks.bench_scoring --profile       # torch.profiler op breakdown instead of timing
+    python -m benchmarks.bench_scoring --sweep 2,4,8,16,32,64 --models wt2-llama-5m   # tokens/s per batch size
+    python -m benchmarks.bench_scoring --random-shape llama-1b --device cuda --dtype bfloat16 --no-memory
 
 Work: ``loglikelihood_rolling`` over WikiText-2 test articles (``../shared/data/wikitext-2/test.txt``, read at run
 time, split on top-level `` = Title = `` lines), disjoint windows of ``--max-length`` tokens, ``--batch-size`` rows,
@@ -33,6 +34,10 @@ what was allocated before it); when the call raised the process's high-water mar
 (``getrusage`` ``ru_maxrss``), that exact kernel figure is used instead of the sampled one. torch on CPU allocates
 through malloc, so RSS is what scoring really holds (``tracemalloc`` does not see torch tensors).
 
+Sweep (``--sweep ROWS``, instead of timing; it was ``batch_sweep.py``): distperp's ``score_batch`` alone on
+full-length windows of random ids at each row count, tokens/s per batch size and against the fastest size
+(:mod:`benchmarks._scoring_sweep`).
+
 Prints a markdown table (date, machine, versions) for ``benchmarks/README.md``; ``--json PATH`` saves raw numbers.
 """
 
@@ -45,28 +50,16 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-# The shared setup first: it sets the offline environment before torch, transformers or tqdm are imported.
-from _scoring_common import (
-    RANDOM_MODEL,
-    RANDOM_SHAPES,
-    SCORERS,
-    WIKITEXT_TEST,
-    _quiet,
-    device_name,  # noqa: F401 - re-exported: the other benchmarks import it from here
-    machine,  # noqa: F401 - re-exported: the other benchmarks import it from here
-    make_lm,  # noqa: F401 - re-exported: the other benchmarks import it from here
-    requests_for,  # noqa: F401 - re-exported: the other benchmarks import it from here
-    resolve_model,
-    select_documents,  # noqa: F401 - re-exported: the other benchmarks import it from here
-)
-from _scoring_memory import memory_worker
-from _scoring_profile import profile_scorers
-from _scoring_speed import bench_model, cli_sanity, report
+from benchmarks._scoring_common import RANDOM_MODEL, RANDOM_SHAPES, SCORERS, _quiet, resolve_model
+from benchmarks._scoring_memory import memory_worker
+from benchmarks._scoring_profile import profile_scorers
+from benchmarks._scoring_speed import bench_model, cli_sanity, report
+from benchmarks._scoring_sweep import sweep_rows
+from benchmarks.common import WIKITEXT_TEST, use_offline_env
 
 # What the parts measure: _scoring_speed.py (alternating timed repeats, the CLI check, the table), _scoring_memory.py
-# (peak scoring memory in a fresh subprocess per scorer), _scoring_profile.py (--profile); _scoring_common.py holds
-# what they share (models, work, scorers, machine). bench_mc.py and bench_compile.py import the shared names from here.
+# (peak scoring memory in a fresh subprocess per scorer), _scoring_profile.py (--profile), _scoring_sweep.py
+# (--sweep); _scoring_common.py holds what they share (models, work, scorers, machine), with bench_mc and bench_compile.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokens",
         type=int,
         default=None,
-        help="score the first articles up to this many tokens (0: all; default per model)",
+        help="score the first articles up to this many tokens (0: all; default per model); "
+        "--sweep: tokens per size and round (default 65536)",
     )
     p.add_argument(
         "--memory-tokens",
@@ -123,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="instead of timing: torch.profiler op breakdown of hf, distperp and the bare forward",
     )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="ROWS",
+        help="instead of timing: tokens/s of score_batch at each of these row counts (comma-separated)",
+    )
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or "distperp" not in args.scorers:
         p.error(f"--scorers {','.join(args.scorers)}: allowed {', '.join(SCORERS)}; distperp is required")
     if args.repeats is None:
-        args.repeats = 3 if args.quick else 5
+        args.repeats = 3 if args.quick or args.sweep else 5
     if args.memory_tokens is None:
         args.memory_tokens = (1 if args.quick else 2) * args.batch_size * args.max_length
     return args
@@ -146,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    use_offline_env(args.device)  # on CUDA torchao's kernels load (int4 scorers)
     if args.memory_worker:
         print(json.dumps(memory_worker(args)))
         return 0
@@ -161,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 print(profile_scorers(resolve_model(name, workdir), args), flush=True)
                 continue
+            if args.sweep:
+                print(sweep_rows(resolve_model(name, workdir), args) + "\n", flush=True)
+                continue
             results.append(bench_model(name, resolve_model(name, workdir), args))
             if args.cli:
                 results[-1].notes.append(cli_sanity(resolve_model(name, workdir), args))
-    if args.profile:
+    if args.profile or args.sweep:
         return 0
     table = report(results, args)
     print()

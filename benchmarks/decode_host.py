@@ -1,7 +1,7 @@
 """What the decode loop costs the host, per forward: reads of the device back, and loop time outside the model.
 
-    python benchmarks/decode_host.py                                    # the tiny test model, built in a temp dir
-    python benchmarks/decode_host.py --model ~/.cache/distperp/smollm2-135m-instruct --prompts 16 --new 48
+    python -m benchmarks.decode_host                                    # the tiny test model, built in a temp dir
+    python -m benchmarks.decode_host --model ~/.cache/distperp/smollm2-135m-instruct --prompts 16 --new 48
 
 On a GPU a read of a tensor's values (``.tolist()``, ``.item()``, ``bool(t)``...) waits for the device, and the
 Python between two forwards leaves it idle: both decide a small model's decode speed there, and both can be
@@ -23,20 +23,17 @@ Texts of the two kinds are compared (greedy; they may differ only where a near-t
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from benchmarks.common import WIKITEXT_TEST
 
 
 def _prompts(tokenizer, count: int) -> list[list[int]]:
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
-    if shared.exists():
-        words = shared.read_text(encoding="utf-8").split()
+    if WIKITEXT_TEST.exists():
+        words = WIKITEXT_TEST.read_text(encoding="utf-8").split()
     else:
         from distperp_harness.commands.tiny import sample_text
 

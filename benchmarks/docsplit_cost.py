@@ -7,7 +7,7 @@ now pays when the wrapper acts) against a 1/64 share (what lm-eval builds per ra
 ``docsplit.build_split`` for one rank of 64 (``--split``); medians; then the memory the built instances hold (with
 the documents they reference, each object counted once) and the growth of the process's peak RSS.
 
-    PYTHONPATH=. python benchmarks/docsplit_cost.py [--docs 14042] [--ranks 64] [--repeats 3] [--full-repeats 3]
+    python -m benchmarks.docsplit_cost [--docs 14042] [--ranks 64] [--repeats 3] [--full-repeats 3] [--split]
 """
 
 from __future__ import annotations
@@ -190,14 +190,14 @@ def deep_bytes(instances) -> int:
     return total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, default=14042)
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="builds of a 1/ranks share timed (median)")
     parser.add_argument("--full-repeats", type=int, default=3, help="builds of all documents timed (median)")
     parser.add_argument("--split", action="store_true", help="also time docsplit.build_split for one rank")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import lm_eval.api.task as task_module
 
     from distperp_harness.docsplit import build_split

@@ -1,7 +1,7 @@
 """The GPU check of distperp: one command, one table, at most ~8 minutes on one GPU.
 
-    python benchmarks/gpu_check.py                    # one GPU (two or more: also 1 vs 2 processes)
-    python benchmarks/gpu_check.py --device cpu       # dry mode on the tiny test model (runs in `make test`)
+    python -m benchmarks.gpu_check                    # one GPU (two or more: also 1 vs 2 processes)
+    python -m benchmarks.gpu_check --device cpu       # dry mode on the tiny test model (runs in `make test`)
 
 For each run (``bfloat16``, ``quantize=int4`` and ``int4-kernel``: ``quantize=int4,int4_prefill=kernel``, torchao's
 int4 kernel for every product, by default) through the real ``DistPerpLM`` with ``batch_size=auto``:
@@ -40,8 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,41 +47,12 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import torch
 
-from distperp_harness.commands.tiny import TinySpec, build_tiny_model, sample_text
+from benchmarks import common
+from benchmarks._gpu_common import base_parser, build_model, documents, gib, model_args, parse
+from benchmarks._gpu_tree import tree_case, tree_table
 
-LLAMA_1B = TinySpec(
-    vocab_size=128256,
-    hidden_size=2048,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    intermediate_size=8192,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    seed=0,
-    name="gpu-check-llama-1b",
-)
-# The dry-run model: every Linear input width (hidden 128, heads x head_dim 128, MLP 256) a multiple of the int4
-# group size 128, so quantize=int4 quantizes every Linear layer of the decoder (the test model quantizes 2 of 15).
-DRY_SPEC = TinySpec(
-    vocab_size=512,
-    hidden_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=256,
-    max_position_embeddings=128,
-    seed=0,
-    train_steps=0,
-    name="dry-llama",
-)
 # Dense (no sparsity) bf16 tensor-core peak in FLOP/s, by the exact name torch.cuda.get_device_name() reports
 # (NVIDIA datasheets). Any other name: MFU "unknown", never a guess from a similar name (H100 PCIe and NVL are
 # 24 % and 16 % below the SXM part).
@@ -104,35 +73,6 @@ PEAK_BF16 = {
 }
 # Allocated CUDA bytes a run may leave behind (the caching allocator's own bookkeeping), for the release check.
 RELEASE_SLACK = 16 << 20
-
-
-def build_model(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    spec = LLAMA_1B if args.device == "cuda" else DRY_SPEC
-    out = Path(args.work) / spec.name
-    if not (out / "config.json").exists():
-        build_tiny_model(spec, out)
-    return out
-
-
-def documents(tokens: int) -> list[str]:
-    """Copies of the packaged sample, each a separate document, about ``tokens`` tokens in all (~4 chars/token)."""
-    text = sample_text()
-    return [f"{text}\n(copy {i})" for i in range(max(1, tokens * 4 // len(text)))]
-
-
-def model_args(args: argparse.Namespace, model: Path, scheme: str, compiled: bool = False) -> dict:
-    kwargs = dict(
-        pretrained=str(model), device=args.device, batch_size="auto", max_length=args.max_length, compile=compiled
-    )
-    if args.device == "cuda":
-        kwargs["dtype"] = "bfloat16"
-    if scheme == "int4-kernel":  # torchao's int4 kernel for every product (no dense prefill path)
-        kwargs.update(quantize="int4", int4_prefill="kernel")
-    elif scheme != "none":
-        kwargs["quantize"] = scheme
-    return kwargs
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -243,37 +183,11 @@ def release(row: dict, model_ref: "weakref.ref", baseline: int | None) -> None:
 
 
 def launch(args: argparse.Namespace, model: Path, processes: int, out: Path) -> str:
-    """Rolling fingerprint of a ``processes``-process ``accelerate launch`` of this script's worker mode."""
+    """Rolling fingerprint of a ``processes``-process ``accelerate launch`` of this module's worker mode."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        *(["--multi_gpu"] if processes > 1 else []),
-        "--num_processes",
-        str(processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(29500 + processes),
-        __file__,
-        "--worker",
-        "--model",
-        str(model),
-        "--device",
-        args.device,
-        "--tokens",
-        str(args.tokens),
-        "--max-length",
-        str(args.max_length),
-        "--work",
-        str(out),
-    ]
-    subprocess.run(cmd, check=True, timeout=args.launch_timeout, cwd=REPO)
+    worker_args = ["--worker", "--model", model, "--device", args.device, "--tokens", args.tokens]
+    worker_args += ["--max-length", args.max_length, "--work", out]
+    common.launch("gpu_check", worker_args, processes, device=args.device, check=True, timeout=args.launch_timeout)
     return json.loads((out / "fingerprint.json").read_text())["fingerprint"]
 
 
@@ -284,109 +198,6 @@ def worker(args: argparse.Namespace) -> None:
     lm.loglikelihood_rolling([SimpleNamespace(args=(d,)) for d in documents(args.tokens)], disable_tqdm=True)
     if lm.rank == 0:
         Path(args.work, "fingerprint.json").write_text(json.dumps({"fingerprint": lm.stats.fingerprint}))
-
-
-def tree_questions(tokenizer, cuda: bool, n: int) -> list[tuple[str, list[str]]]:
-    """``n`` MMLU-Pro-shaped questions ``(context, ten continuations)`` (bench_mc.py's ``mmlupro5`` layout; in the
-    dry mode one shot, no header and two-token stems, so a prompt nearly fits the dry model's 128 positions)."""
-    shots, stem, option_tokens = (5, 40, 5) if cuda else (1, 2, 1)
-    ids = tokenizer.encode(sample_text(), add_special_tokens=False)
-    width = stem + 10 * option_tokens
-    letters = "ABCDEFGHIJ"
-
-    def piece(start: int, length: int) -> str:
-        start %= len(ids) - length
-        return tokenizer.decode(ids[start : start + length]).strip()
-
-    def prompt(k: int) -> str:
-        options = "\n".join(
-            f"{letters[j]}. {piece(k * width + stem + j * option_tokens, option_tokens)}" for j in range(10)
-        )
-        return f"Question: {piece(k * width, stem)}\nOptions:\n{options}\nAnswer:"
-
-    header = "The following are multiple choice questions (with answers) about history.\n" if cuda else ""
-    block = header + "".join(f"{prompt(k)} {letters[k % 10]}\n\n" for k in range(shots))
-    return [(block + prompt(shots + q), [f" {x}" for x in letters]) for q in range(n)]
-
-
-def tree_case(args: argparse.Namespace, model: Path, impl: str) -> dict:
-    """The MMLU-Pro-shaped case with ``attn_implementation=impl`` (module doc); ``skipped`` says why it did not run."""
-    from distperp_harness.lm import DistPerpLM
-
-    cuda = args.device == "cuda"
-    row = dict(impl=impl, skipped=None)
-    kwargs = dict(model_args(args, model, "none"), attn_implementation=impl)
-    if not cuda:
-        kwargs["max_length"] = 128
-    try:
-        lm = DistPerpLM(**kwargs)
-    except (ValueError, ImportError) as e:  # transformers: no flex attention for this model or device
-        return dict(row, skipped=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    if lm.sharing_fallback:
-        row["skipped"] = f"no tree rows: {lm.sharing_fallback}"
-        del lm
-        return row
-    questions = tree_questions(lm.tokenizer, cuda, args.tree_questions)
-    requests = [SimpleNamespace(args=(c, x)) for c, xs in questions for x in xs]
-    lm.loglikelihood(requests, disable_tqdm=True)  # untimed: compiles flex's kernels for every batch shape
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    out = lm.loglikelihood(requests, disable_tqdm=True)
-    call = lm.stats.calls[-1].to_dict()
-    lls = [float(ll) for ll, _ in out]
-    request_tokens = sum(len(lm.tok_encode(c + x)) for c, x in (r.args for r in requests))
-    prompt = [len(lm.tok_encode(c)) for c, _ in questions]
-    shared = len(os.path.commonprefix([lm.tok_encode(c) for c, _ in questions[:2]]))
-    row.update(
-        questions=len(questions),
-        prompt_tokens=sum(prompt) / len(prompt),
-        shared_tokens=shared,
-        rows=call["rows"],
-        per_question=call["computed_tokens"] / len(questions),
-        seconds=call["scoring_seconds"],
-        tokens_per_s=request_tokens / call["scoring_seconds"],
-        peak=torch.cuda.max_memory_allocated() if cuda else None,
-        lls=lls,
-        answers=[max(range(10), key=lambda j: lls[q + j]) for q in range(0, len(lls), 10)],
-    )
-    del lm
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return row
-
-
-def tree_table(rows: list[dict]) -> str:
-    lines = [
-        "| tree rows, MMLU-Pro 5-shot shape | questions | prompt tokens (shared) | rows | computed tokens per "
-        "question | scoring s | request tokens/s | vs sdpa | scoring peak GiB | answers vs sdpa |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    base = next((r for r in rows if r["impl"] == "sdpa" and not r["skipped"]), None)
-    for r in rows:
-        if r["skipped"]:
-            lines.append(f"| {r['impl']} | skipped: {r['skipped']} | | | | | | | | |")
-            continue
-        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
-        lines.append(
-            f"| {r['impl']} | {r['questions']} | {r['prompt_tokens']:.0f} ({r['shared_tokens']}) | "
-            f"{r['rows']} | {r['per_question']:.0f} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
-            f"{speed} | {gib(r['peak'])} | {tree_agreement(r, base)} |"
-        )
-    return "\n".join(lines)
-
-
-def tree_agreement(row: dict, base: dict | None) -> str:
-    if base is None or row is base:
-        return "-"
-    same = row["answers"] == base["answers"]
-    diff = max(abs(a - b) for a, b in zip(row["lls"], base["lls"]))
-    return f"{'equal' if same else 'DIFFERENT'} (max abs ll diff {diff:.2g})"
-
-
-def gib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / 2**30:.2f}"
 
 
 def efficiency(row: dict, rows: list[dict]) -> str:
@@ -438,28 +249,6 @@ def passed(row: dict) -> bool:
     )
 
 
-def base_parser(doc: str, launch_timeout: float) -> argparse.ArgumentParser:
-    """The options every prepared GPU check shares (``shard_check.py`` too)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: random Llama-3.2-1B shape)")
-    parser.add_argument("--work", default=None, help="folder for the built model (default: a temporary one)")
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--launch-timeout", type=float, default=launch_timeout)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--max-length", type=int, default=None, help="cuda 2048, cpu 64")
-    return parser
-
-
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None, tokens: tuple[int, int]) -> argparse.Namespace:
-    """Parsed arguments with the device-dependent defaults filled in (``tokens``: cuda, cpu)."""
-    args = parser.parse_args(argv)
-    cuda = args.device == "cuda"
-    args.tokens = args.tokens or tokens[0 if cuda else 1]
-    args.max_length = args.max_length or (2048 if cuda else 64)
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__, 240)
     parser.add_argument(
@@ -485,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tree-questions", type=int, default=None, help="questions of the tree case (cuda 400, cpu 4)")
     args = parse(parser, argv, tokens=(65536, 3000))
+    common.use_offline_env(args.device)  # on CUDA torchao's kernels load (the int4 runs)
     cuda = args.device == "cuda"
     if args.worker:
         worker(args)

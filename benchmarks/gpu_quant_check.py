@@ -4,8 +4,8 @@ Default (one CUDA GPU, < 5 min on an H200): a random Llama-3.2-1B-shaped model (
 embeddings) in bfloat16, against itself quantized with ``int4`` (and ``int8``, ``8da4w``) by
 ``distperp_harness.model.quantize``. Every run rebuilds the model from the same seed (checked by a weight checksum).
 
-    python benchmarks/gpu_quant_check.py                       # writes a markdown table and JSON to stdout
-    python benchmarks/gpu_quant_check.py --device cpu --model ../shared/models/wt2-llama-5m \\
+    python -m benchmarks.gpu_quant_check                       # writes a markdown table and JSON to stdout
+    python -m benchmarks.gpu_quant_check --device cpu --model ../shared/models/wt2-llama-5m \\
         --runs none:float32,none:bfloat16,int4:auto,int4:float32,int8:auto,int8:bfloat16,8da4w:auto \\
         --text ../shared/data/wikitext-2/test.txt --agree 8     # the CPU table of docs/quantization.md
 
@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from benchmarks.common import use_offline_env
 from distperp_harness.model.quantize import quantize_model, resolve_model_dtype
 
 LLAMA_1B = dict(
@@ -53,12 +51,14 @@ def build(args: argparse.Namespace, dtype: torch.dtype | None, device: torch.dev
 def make_tokens(args: argparse.Namespace, vocab: int) -> torch.Tensor:
     n = args.batch * args.seq
     if args.text:
-        assert args.model, "--text needs --model (its tokenizer)"
+        if not args.model:
+            raise SystemExit(f"--text {args.text} needs --model (its tokenizer cuts the text into tokens)")
         from transformers import AutoTokenizer
 
         with open(args.text, encoding="utf-8") as f:
             ids = AutoTokenizer.from_pretrained(args.model)(f.read())["input_ids"][:n]
-        assert len(ids) == n, f"{args.text} has {len(ids)} tokens, need {n}"
+        if len(ids) != n:
+            raise SystemExit(f"--text {args.text} has {len(ids)} tokens, need --batch x --seq = {n}; lower them")
         return torch.tensor(ids).view(args.batch, args.seq)
     return torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
 
@@ -121,7 +121,7 @@ def agreement(ref: torch.Tensor, got: torch.Tensor, tokens: torch.Tensor) -> dic
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: random Llama-3.2-1B shape)")
@@ -132,7 +132,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--agree", type=int, default=2, help="sequences compared with the reference")
     parser.add_argument("--text", default=None, help="text file to take the tokens from (default: random ids)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    use_offline_env(args.device)  # on CUDA torchao's kernels load
     device = torch.device(args.device)
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)

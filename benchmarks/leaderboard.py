@@ -1,12 +1,12 @@
 """The Open LLM Leaderboard v2 group (``--tasks leaderboard``) end to end, ``hf`` against ``distperp``, offline.
 
-    python benchmarks/leaderboard.py --model ~/.cache/distperp/smollm2-135m-instruct --docs 2 --repeats 3
+    python -m benchmarks.leaderboard --model ~/.cache/distperp/smollm2-135m-instruct --docs 2 --repeats 3
 
-Local data in each family's schema (:mod:`leaderboard_data`: lm-eval's own task YAMLs, only the data swapped). Both
-models are built once in this process (same ``--model_args`` base, same batch size, float32 on the CPU); each
-repetition runs the whole group as one ``simple_evaluate`` per backend with the chat template, as the leaderboard
-does, alternating which backend goes first; the wall times are medians. Per family, the backends are also run on
-that family alone (same alternation), which gives each family's wall time, ratio and cost per document.
+Local data in each family's schema (:mod:`benchmarks._leaderboard_data`: lm-eval's own task YAMLs, only the data
+swapped). Both models are built once in this process (same ``--model_args`` base, same batch size, float32 on the
+CPU); each repetition runs the whole group as one ``simple_evaluate`` per backend with the chat template, as the
+leaderboard does, alternating which backend goes first; the wall times are medians. Per family, the backends are
+also run on that family alone (same alternation), which gives each family's wall time, ratio and cost per document.
 
 Prints, per family and for the group: requests, positions computed (prefill and decode, counted by a hook on the
 decoder for ``hf``, from distperp's call records for ``distperp``), decode positions per useful generated token,
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import Counter  # positions through the decoder, prefill and decode
-from leaderboard_data import FAMILY_OF, GROUP, REAL_COUNTS, build_leaderboard_include, not_computable
+from benchmarks._leaderboard_data import FAMILY_OF, GROUP, REAL_COUNTS, build_leaderboard_include, not_computable
+from benchmarks.bench_generate import Counter  # positions through the decoder, prefill and decode
+from benchmarks.common import lm_eval_model
 
 FAMILIES = list(REAL_COUNTS)
 SUBGROUP = {
@@ -205,14 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="hf,distperp")
     parser.add_argument("--work", default=None, help="folder for the data (default: a temporary folder)")
     args = parser.parse_args(argv)
-
-    from lm_eval.api.registry import get_model
-
-    import distperp_harness._hook  # noqa: F401 - registers --model distperp and its task folder
-
     model_args = f"pretrained={args.model},dtype=float32,max_length={args.max_length},device=cpu"
     lms = {
-        name: get_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
+        name: lm_eval_model(name).create_from_arg_string(model_args, {"batch_size": args.batch_size})
         for name in args.backends.split(",")
     }
     plain = [name for name, lm in lms.items() if getattr(lm.tokenizer, "chat_template", None) is None]

@@ -1,8 +1,8 @@
-"""A small LoRA fine-tune to evaluate against its base (docs/checkpoints.md): ``wt2-llama-5m`` with a rank-8
-LoRA on every attention and MLP projection, trained on WikiText-2 *valid* for ``--steps`` steps (seed 0, one
-thread, AdamW), saved as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+"""A small LoRA fine-tune to evaluate against its base (docs/checkpoints.md): ``wt2-llama-5m`` (``--model``) with a
+rank-8 LoRA on every attention and MLP projection, trained on WikiText-2 *valid* (``--text``) for ``--steps`` steps
+(seed 0, one thread, AdamW), saved as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
 
-    python benchmarks/lora_example.py --out ~/.cache/distperp/wt2-lora      # ~1-2 min on 2 CPU cores
+    python -m benchmarks.lora_example --out ~/.cache/distperp/wt2-lora      # ~1-2 min on 2 CPU cores
     lm_eval --model distperp \\
       --model_args pretrained=../shared/models/wt2-llama-5m,peft=$HOME/.cache/distperp/wt2-lora,reference=pretrained \\
       --tasks distperp_wikitext2 --include_path tasks \\
@@ -18,28 +18,31 @@ import time
 from pathlib import Path
 
 import torch
-from _wikitext import REPO_ROOT, SHARED_MODEL
 
-VALID = REPO_ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+from benchmarks.common import SHARED_MODEL, WIKITEXT_VALID
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path, default=SHARED_MODEL, help="the base model (default wt2-llama-5m)")
+    parser.add_argument("--text", type=Path, default=WIKITEXT_VALID, help="training text (default WikiText-2 valid)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(SHARED_MODEL)
-    ids = torch.tensor(tokenizer.encode(VALID.read_text(encoding="utf-8")), dtype=torch.long)
-    model = AutoModelForCausalLM.from_pretrained(SHARED_MODEL, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ids = torch.tensor(tokenizer.encode(args.text.read_text(encoding="utf-8")), dtype=torch.long)
+    if len(ids) <= args.seq_len + 1:
+        raise SystemExit(f"--text {args.text}: {len(ids)} tokens, need more than --seq-len {args.seq_len} + 1")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     config = LoraConfig(
         r=args.rank,
         lora_alpha=2 * args.rank,

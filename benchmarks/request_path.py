@@ -1,8 +1,8 @@
 """The request path of a ``loglikelihood`` call outside the model's forwards, per request: the CPU proxy of what a
 GPU waits for (tokenizing, planning, gathering, building results).
 
-    python benchmarks/request_path.py                                     # the tiny test model
-    python benchmarks/request_path.py --model ~/.cache/distperp/smollm2-135m-instruct --questions 100
+    python -m benchmarks.request_path                                     # the tiny test model
+    python -m benchmarks.request_path --model ~/.cache/distperp/smollm2-135m-instruct --questions 100
 
 Work: MMLU-Pro-shaped requests (``--shots`` exemplars of ~120 words each shared by every question, a question,
 ``--options`` answers of a few words each), as lm-eval builds them (one ``Instance`` per answer), through the real
@@ -26,14 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+from benchmarks.common import WIKITEXT_TEST, lm_eval_model
 
 
 def _words() -> list[str]:
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
-    if shared.exists():
-        return shared.read_text(encoding="utf-8").split()
+    if WIKITEXT_TEST.exists():
+        return WIKITEXT_TEST.read_text(encoding="utf-8").split()
     from distperp_harness.commands.tiny import sample_text
 
     return sample_text().split() * 8
@@ -69,9 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from lm_eval.api.registry import get_model
-
-    import distperp_harness._hook  # noqa: F401 - registers --model distperp
     from distperp_harness.planning import encoding
     from distperp_harness.tokens import loglikelihood_strings
 
@@ -81,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             from distperp_harness.commands.tiny import TEST_SPEC, build_tiny_model
 
             path = str(build_tiny_model(TEST_SPEC, Path(tmp) / "tiny"))
-        lm = get_model("distperp").create_from_arg_string(
+        lm = lm_eval_model("distperp").create_from_arg_string(
             f"pretrained={path},max_length=2048,device=cpu", {"batch_size": args.batch_size}
         )
     inside = [0.0]
@@ -99,12 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = list(dict.fromkeys(loglikelihood_strings(r.args for r in requests)))
 
     def batched() -> list:
-        lm._encoded = {}
-        try:
+        with lm.one_call():  # the call's memo, as loglikelihood opens it
             lm.pre_encode(keys)
             return [lm.tok_encode(*key) for key in keys]
-        finally:
-            lm._encoded = None
 
     def one_by_one() -> list:
         return [lm.tok_encode(*key) for key in keys]

@@ -1,7 +1,12 @@
 """Start-up per rank at 8 to 1,024 ranks: the project's own records exchange, planning and routing, simulated.
 
-    python benchmarks/scale.py                       # full size, W = 8, 64, 1024 (a few minutes on 2 cores)
-    python benchmarks/scale.py --fraction 0.02 --ranks 8,64   # the small configuration make test runs
+    python -m benchmarks.scale                       # full size, W = 8, 64, 1024 (a few minutes on 2 cores)
+    python -m benchmarks.scale --fraction 0.02 --ranks 8,64   # the small configuration make test runs
+    python -m benchmarks.scale --generate            # generate_until shapes (IFEval, GSM8K CoT, MATH, BBH CoT)
+
+``--generate`` runs the same measurement for ``generate_until`` requests (:mod:`benchmarks._scale_generate`; it was
+``scale_generate.py``): rank 0's records and prompt tokens received against the all-gather of prompts they replaced.
+Without it:
 
 Builds synthetic requests of full size (token counts and sharing structure, random token ids):
 
@@ -12,9 +17,8 @@ Builds synthetic requests of full size (token counts and sharing structure, rand
 
 splits the documents of every subtask as lm-eval does (``docs[rank::W]``), and for each W runs, for the rank with the
 largest share (rank 0 under lm-eval's split), exactly what :func:`distperp_harness.run.scoring.pipeline.score_requests`
-runs
-before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every rank's real
-encoded payload, handed over by a collective that simulates the W ranks), the merge
+runs before scoring: its records (:func:`~distperp_harness.planning.records.local_records`), the exchange (every
+rank's real encoded payload, handed over by a collective that simulates the W ranks), the merge
 (:class:`~distperp_harness.planning.records.GlobalTable`), the plan (rows, batches, owners, helpers) and the routes of
 tokens and results (:func:`~distperp_harness.run.execution.routing.token_routes`,
 :func:`~distperp_harness.run.execution.routing.result_routes`). Printed: input tokens and the tokens the plan computes
@@ -30,15 +34,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
-import tracemalloc
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
+from benchmarks import _scale_generate
+from benchmarks.common import cpu_and_peak
 from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.records import FlatUnits, GlobalTable, decode, encode, local_records
 from distperp_harness.planning.rowplan import batch_shared, plan_from_records
@@ -71,21 +72,6 @@ SHAPES = {
     "mmlupro5": Shape("MMLU-Pro 5-shot", 14, 12032, 1200, 220, 10, 1),
     "hellaswag": Shape("HellaSwag", 1, 10042, 0, 60, 4, 45),
 }
-
-
-def cpu_and_peak(step):
-    """``(CPU seconds: the median of 3 untraced runs, peak traced bytes, result)`` of ``step()``; the traced run
-    that gives the peak and the result is not timed (tracing slows it)."""
-    cpu = []
-    for _ in range(3):
-        t = time.process_time()
-        step()
-        cpu.append(time.process_time() - t)
-    tracemalloc.start()
-    result = step()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return sorted(cpu)[1], peak, result
 
 
 def subtask_docs(shape: Shape) -> list[int]:
@@ -187,10 +173,23 @@ def simulate(shape: Shape, world: int, batch_size: int, local_world: int = 8) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="8,64,1024")
-    parser.add_argument("--shapes", default="mmlu5,mmlupro5,hellaswag")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help=f"default: all of {', '.join(SHAPES)}; with --generate all of {', '.join(_scale_generate.SHAPES)}",
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (scoring shapes)")
     parser.add_argument("--fraction", type=float, default=1.0, help="scale the document counts (for a quick run)")
+    parser.add_argument("--generate", action="store_true", help="the generate_until shapes instead of scoring's")
     args = parser.parse_args(argv)
+    if args.generate:
+        args.shapes = args.shapes or ",".join(_scale_generate.SHAPES)
+        _scale_generate.print_table(args)
+        return 0
+    args.shapes = args.shapes or ",".join(SHAPES)
+    unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes {','.join(unknown)}: use {', '.join(SHAPES)} (or --generate for generation shapes)")
     failed = []
     print(
         f"{'evaluation':16} {'W':>5} {'units':>8} {'Mtok':>7} {'planned':>8} {'batches':>8} "

@@ -1,9 +1,9 @@
 """The sharded-weights check: peak memory of loading and scoring, sharded vs not, and equal bits.
 
-    python benchmarks/shard_check.py                       # every visible GPU, one process each (>= 2 GPUs)
-    python benchmarks/shard_check.py --device cpu          # dry mode: 2 CPU processes, the tiny test model
-    python benchmarks/shard_check.py --processes 1         # one GPU: the mesh of one (also the default there)
-    python benchmarks/shard_check.py --device cpu --processes 1   # its dry mode (gloo, one CPU process)
+    python -m benchmarks.shard_check                       # every visible GPU, one process each (>= 2 GPUs)
+    python -m benchmarks.shard_check --device cpu          # dry mode: 2 CPU processes, the tiny test model
+    python -m benchmarks.shard_check --processes 1         # one GPU: the mesh of one (also the default there)
+    python -m benchmarks.shard_check --device cpu --processes 1   # its dry mode (gloo, one CPU process)
 
 For each run (``--runs``: ``none`` = the model in bfloat16 on GPU / float32 on CPU, ``int4`` =
 ``quantize=int4,reference=base``) two launches of the real ``DistPerpLM`` score the same rolling documents:
@@ -18,7 +18,7 @@ the fingerprint equals the unsharded one (it must), and both peaks against the m
 (``distperp_harness/run/fit.py``; for the mesh of one plus the units FSDP copies while they are in use: the roots of
 model and reference and the largest decoder layer, once each).
 
-Default model: the random Llama-3.2-1B-shaped model of ``gpu_check.py`` (built into ``--work``); ``--model PATH``
+Default model: the random Llama-3.2-1B-shaped model of ``gpu_check`` (built into ``--work``); ``--model PATH``
 uses a local checkpoint. Exits 1 when bits differ, when the sharded run holds more than 0.6x the weights per rank
 (2+ processes), or on CUDA when a scoring peak exceeds its estimate by more than 25 % (:data:`OVER_ESTIMATE`; on
 the CPU the host figures include the Python runtime, so the ratios are shown, not checked).
@@ -28,23 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import torch
 
-# benchmarks/ is this script's folder, hence on sys.path
-from gpu_check import base_parser, build_model, documents, gib, parse
+from benchmarks import common
+from benchmarks._gpu_common import base_parser, build_model, documents, gib, parse
 
 OVER_ESTIMATE = 1.25
 """A CUDA scoring peak above this multiple of the estimate fails the check (the estimate must not under-count)."""
@@ -113,69 +105,22 @@ def copied_units(lm) -> int:
     return int(sum(roots) + max(layers))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: argparse.Namespace, run: str, shard_size: int, out: Path, mesh_of_one: bool = False) -> dict:
     """One run of the worker: ``accelerate launch`` of ``args.processes`` processes, or with one process
     ``torchrun`` (accelerate runs a single process without a process group, which a device mesh needs)."""
     out.mkdir(parents=True, exist_ok=True)
-    if args.processes > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(args.processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(_free_port()),
-        ]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc_per_node",
-            "1",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(_free_port()),
-        ]
-    cmd += [
-        __file__,
-        "--worker",
-        "--worker-run",
-        run,
-        "--shard-size",
-        str(shard_size),
-        "--model",
-        str(args.model),
-        "--device",
-        args.device,
-        "--tokens",
-        str(args.tokens),
-        "--max-length",
-        str(args.max_length),
-        "--batch-size",
-        args.batch_size,
-        "--work",
-        str(out),
-        *(["--mesh-of-one"] if mesh_of_one else []),
-    ]
-    subprocess.run(cmd, check=True, timeout=args.launch_timeout, cwd=REPO)
+    worker_args = ["--worker", "--worker-run", run, "--shard-size", shard_size, "--model", args.model]
+    worker_args += ["--device", args.device, "--tokens", args.tokens, "--max-length", args.max_length]
+    worker_args += ["--batch-size", args.batch_size, "--work", out, *(["--mesh-of-one"] if mesh_of_one else [])]
+    common.launch(
+        "shard_check",
+        worker_args,
+        args.processes,
+        device=args.device,
+        torchrun=args.processes == 1,
+        check=True,
+        timeout=args.launch_timeout,
+    )
     result = json.loads((out / "result.json").read_text())
     load = [
         m["device_peak_bytes"] if m["device_peak_bytes"] is not None else m["host_peak_rss_bytes"]
@@ -246,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--mesh-of-one", action="store_true", help=argparse.SUPPRESS)
     args = parse(parser, argv, tokens=(32768, 1500))
+    common.use_offline_env(args.device)  # on CUDA torchao's kernels load (the int4 runs)
     cuda = args.device == "cuda"
     if args.worker:
         worker(args)

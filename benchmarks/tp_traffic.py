@@ -1,8 +1,8 @@
 """What a model bigger than one device costs: ``shard_size=N`` (FSDP2) against ``tp_size=N`` (tensor parallel),
 counted from the collectives themselves, with a projection to Llama-3.1-70B in bf16 on 8 GPUs.
 
-    python benchmarks/tp_traffic.py --model ~/.cache/distperp/smollm2-135m-instruct --size 3
-    python benchmarks/tp_traffic.py --model ../shared/models/wt2-llama-5m --size 2 --prompts 4 --new 16
+    python -m benchmarks.tp_traffic --model ~/.cache/distperp/smollm2-135m-instruct --size 3
+    python -m benchmarks.tp_traffic --model ../shared/models/wt2-llama-5m --size 2 --prompts 4 --new 16
 
 Three launches of the real ``DistPerpLM`` (``accelerate launch``, gloo on CPU, nccl on GPU): one process holding the
 whole model, ``shard_size=N`` and ``tp_size=N`` on N processes. Each records ``config.distperp.traffic``: the
@@ -23,24 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TQDM_DISABLE": "1",
-    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from benchmarks import common
 
 SEVENTY_B = {"layers": 80, "hidden": 8192, "vocab": 128256, "weight_bytes": 141.1e9, "dtype_bytes": 2, "n": 8}
 NVLINK = 450e9
@@ -99,39 +88,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, config: dict, processes: int, out: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        *(["--multi_gpu"] if processes > 1 else []),
-        "--num_processes",
-        str(processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(29500 + os.getpid() % 1000 + processes),
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--model",
-        str(args.model),
-        "--config",
-        json.dumps(config),
-        "--out",
-        str(out),
-        "--prompts",
-        str(args.prompts),
-        "--new",
-        str(args.new),
-        "--repeats",
-        str(args.repeats),
-        "--dtype",
-        args.dtype,
-    ]
-    done = subprocess.run(command, capture_output=True, text=True)
+    """One layout: this module's worker on ``processes`` processes (``accelerate launch``), its JSON record.
+
+    Raises:
+        SystemExit: the launch failed, with the layout and the tail of its stderr.
+    """
+    worker_args = ["--worker", "--model", args.model, "--config", json.dumps(config), "--out", out]
+    worker_args += ["--prompts", args.prompts, "--new", args.new, "--repeats", args.repeats, "--dtype", args.dtype]
+    done = common.launch("tp_traffic", worker_args, processes, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"launch {config} failed:\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -149,7 +113,7 @@ def fsdp_per_forward(weight_bytes: float, n: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(Path("~/.cache/distperp/smollm2-135m-instruct").expanduser()))
+    parser.add_argument("--model", default=str(common.SMOLLM2))
     parser.add_argument("--size", type=int, default=3, help="N: processes per shard group / TP group")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new", type=int, default=32)

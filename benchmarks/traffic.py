@@ -1,7 +1,7 @@
 """Bytes two processes move to score an MMLU-Pro-shaped task: what distperp's exchange costs on a real launch.
 
-    python benchmarks/traffic.py                      # launches itself under accelerate with 2 processes
-    python benchmarks/traffic.py --questions 300 --model ../shared/models/wt2-llama-5m
+    python -m benchmarks.traffic                      # launches itself under accelerate with 2 processes
+    python -m benchmarks.traffic --questions 300 --model ../shared/models/wt2-llama-5m
 
 Builds ``--questions`` leaderboard MMLU-Pro 5-shot questions (``bench_mc``'s ``mmlupro5`` layout: one few-shot block,
 10 one-token options), scores them with ``--model distperp`` on 2 processes (gloo, loopback), and prints
@@ -17,14 +17,10 @@ Target: at most 4 MB in all for 300 questions (19.6 MB before records replaced t
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+from benchmarks import common
 
 
 def loopback_bytes() -> int:
@@ -45,8 +41,7 @@ def job(args) -> None:
 
     torch.set_num_threads(1)
     start = loopback_bytes()
-    from bench_mc import build_questions, requests_for
-
+    from benchmarks.bench_mc import build_questions, requests_for
     from distperp_harness.lm import DistPerpLM
 
     lm = DistPerpLM(pretrained=args.model, max_length=args.max_length, batch_size=args.batch_size, device="cpu")
@@ -77,8 +72,8 @@ def job(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(HERE.parents[1] / "shared" / "models" / "wt2-llama-5m"))
-    p.add_argument("--text", default=str(HERE.parents[1] / "shared" / "data" / "wikitext-2" / "test.txt"))
+    p.add_argument("--model", default=str(common.SHARED_MODEL))
+    p.add_argument("--text", default=str(common.WIKITEXT_TEST))
     p.add_argument("--questions", type=int, default=300)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--batch-size", default="8")
@@ -87,39 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         job(args)
         return 0
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        __file__,
-        "--job",
-        "--model",
-        args.model,
-        "--text",
-        args.text,
-        "--questions",
-        str(args.questions),
-        "--max-length",
-        str(args.max_length),
-        "--batch-size",
-        args.batch_size,
-    ]
-    return subprocess.run(cmd, env=env).returncode
+    job_args = ["--job", "--model", args.model, "--text", args.text, "--questions", args.questions]
+    job_args += ["--max-length", args.max_length, "--batch-size", args.batch_size]
+    return common.launch("traffic", job_args, 2, extra_env={"OMP_NUM_THREADS": "1"}).returncode
 
 
 if __name__ == "__main__":

@@ -1,95 +1,101 @@
-"""Smoke tests: each benchmark script runs end to end on the tiny test model and the packaged sample (no timing
-assertions — the numbers of a shared test machine mean nothing)."""
+"""Smoke tests: the benchmarks run end to end on the tiny test model and the packaged sample, in a dry-sized
+configuration (no timing assertions — the numbers of a shared test machine mean nothing). Each runs as its users run
+it, ``python -m benchmarks.<name>`` from the repository root, or in this process where that costs nothing more than
+a function call (pure simulations, and runs that leave no global state behind)."""
 
 import sys
 
 from helpers import REPO_ROOT, run_command
 
-BENCHMARKS = REPO_ROOT / "benchmarks"
+
+def bench(module: str, *args, timeout: float = 600, **kwargs):
+    """``python -m benchmarks.<module> args...`` from the repository root (offline); its CompletedProcess."""
+    return run_command([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=REPO_ROOT, timeout=timeout, **kwargs)
 
 
 def test_bench_scoring_runs_end_to_end(tiny_model_dir, sample_text_path, tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "bench_scoring.py",
-            "--models",
-            tiny_model_dir,
-            "--text",
-            sample_text_path,
-            "--scorers",
-            "hf,distperp,bare,int4",
-            "--tokens",
-            "300",
-            "--repeats",
-            "1",
-            "--max-length",
-            "64",
-            "--batch-size",
-            "2",
-            "--memory-tokens",
-            "128",
-            "--memory-scorers",
-            "hf,distperp",
-            "--json",
-            out,
-        ],
-        cwd=REPO_ROOT,
-        timeout=600,
+    proc = bench(
+        "bench_scoring",
+        "--models",
+        tiny_model_dir,
+        "--text",
+        sample_text_path,
+        "--scorers",
+        "hf,distperp,bare,int4",
+        "--tokens",
+        "300",
+        "--repeats",
+        "1",
+        "--max-length",
+        "64",
+        "--batch-size",
+        "2",
+        "--memory-tokens",
+        "128",
+        "--memory-scorers",
+        "hf,distperp",
+        "--json",
+        out,
     )
     table = proc.stdout
     assert "| model | scorer | tokens/s | vs hf | vs bare forward | peak scoring memory | vs hf |" in table
     for label in ("lm-eval hf", "distperp", "bare forward", "distperp int4 (float32 compute)"):
         assert f"| {label} |" in table, table
     assert "MiB" in table and "max |hf - distperp| per document" in table
+    assert "memory of" not in table  # both memory workers (python -m benchmarks.bench_scoring) ran
     assert out.is_file()
 
 
 def test_bench_scoring_profile_mode(tiny_model_dir, sample_text_path):
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "bench_scoring.py",
-            "--profile",
-            "--models",
-            tiny_model_dir,
-            "--text",
-            sample_text_path,
-            "--tokens",
-            "200",
-            "--max-length",
-            "64",
-            "--batch-size",
-            "2",
-        ],
-        cwd=REPO_ROOT,
-        timeout=600,
+    proc = bench(
+        "bench_scoring",
+        "--profile",
+        "--models",
+        tiny_model_dir,
+        "--text",
+        sample_text_path,
+        "--tokens",
+        "200",
+        "--max-length",
+        "64",
+        "--batch-size",
+        "2",
     )
     assert "post-processing" in proc.stdout and "bare forward" in proc.stdout
 
 
+def test_bench_scoring_sweep_mode(tiny_model_dir):
+    """``bench_scoring --sweep`` (what ``batch_sweep.py`` measured): tokens/s of ``score_batch`` per row count."""
+    from benchmarks import bench_scoring
+    from benchmarks._scoring_sweep import sweep_rows
+
+    args = bench_scoring.parse_args(["--sweep", "1,2", "--models", str(tiny_model_dir), "--max-length", "32"])
+    args.tokens = 64
+    assert args.repeats == 3  # the sweep's default rounds
+    args.repeats = 1
+    table = sweep_rows(tiny_model_dir, args)
+    assert "| rows x 32 | tokens per batch | tokens/s | vs fastest |" in table
+    assert "\n| 1 | 32 | " in table and "\n| 2 | 64 | " in table
+
+
 def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "balance.py",
-            "--model",
-            tiny_model_dir,
-            "--text",
-            sample_text_path,
-            "--max-length",
-            "64",
-            "--ranks",
-            "2,4",
-            "--batch-sizes",
-            "1,2",
-            "--sim-ranks",
-            "8",
-            "--sim-tokens",
-            "100000",
-        ],
-        cwd=REPO_ROOT,
+    proc = bench(
+        "balance",
+        "--model",
+        tiny_model_dir,
+        "--text",
+        sample_text_path,
+        "--max-length",
+        "64",
+        "--ranks",
+        "2,4",
+        "--batch-sizes",
+        "1,2",
+        "--sim-ranks",
+        "8",
+        "--sim-tokens",
+        "100000",
         timeout=300,
     )
     out = proc.stdout
@@ -99,24 +105,20 @@ def test_balance_runs_end_to_end(tiny_model_dir, sample_text_path):
 
 
 def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "bench_mc.py",
-            "--model",
-            tiny_model_dir,
-            "--text",
-            sample_text_path,
-            "--questions",
-            "3",
-            "--repeats",
-            "1",
-            "--max-length",
-            "128",
-            "--batch-size",
-            "2",
-        ],
-        cwd=REPO_ROOT,
+    proc = bench(
+        "bench_mc",
+        "--model",
+        tiny_model_dir,
+        "--text",
+        sample_text_path,
+        "--questions",
+        "3",
+        "--repeats",
+        "1",
+        "--max-length",
+        "128",
+        "--batch-size",
+        "2",
         timeout=300,
     )
     out = proc.stdout
@@ -141,8 +143,8 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
 
     out, work = tmp_path / "gpu_all.md", tmp_path / "work"
     proc = run_command(
-        ["bash", BENCHMARKS / "gpu_all.sh", "--device", "cpu", "--out", out],
-        cwd=REPO_ROOT,
+        ["bash", REPO_ROOT / "benchmarks" / "gpu_all.sh", "--device", "cpu", "--out", out],
+        cwd=tmp_path,  # the script runs its steps from the repository root whatever the caller's folder
         timeout=900,
         env={"PYTHON": sys.executable, "DISTPERP_GPU_ALL_WORK": str(work)},
     )
@@ -180,39 +182,29 @@ def test_gpu_all_dry_mode_on_cpu(tmp_path):
 def test_random_shape_llama_1b_is_llama_3_2_1b():
     """``--random-shape llama-1b`` (bench_scoring, bench_mc, gpu_all.sh) has Llama-3.2-1B's parameters: 1,235,814,400
     with the output head tied to the embeddings (built on the meta device: nothing allocated)."""
-    code = (
-        "import sys, torch; sys.path.insert(0, 'benchmarks'); from bench_scoring import RANDOM_SHAPES; "
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "with torch.device('meta'): m = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES['llama-1b']))\n"
-        "print(sum(p.numel() for p in m.parameters()), m.lm_head.weight is m.model.embed_tokens.weight)"
-    )
-    proc = run_command([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=120)
-    assert proc.stdout.split()[-2:] == ["1235814400", "True"]
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks._scoring_common import RANDOM_SHAPES
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES["llama-1b"]))
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_scale_benchmark_small_configuration():
-    """``benchmarks/scale.py`` at 2 % of MMLU 5-shot and HellaSwag for 8 and 64 ranks: it runs, and what a rank
+def test_scale_benchmark_small_configuration(capsys):
+    """``benchmarks.scale`` at 2 % of MMLU 5-shot and HellaSwag for 8 and 64 ranks: it runs, and what a rank
     receives for its tokens shrinks as ranks are added while the records stay a few bytes per unit."""
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "scale.py",
-            "--fraction",
-            "0.02",
-            "--ranks",
-            "8,64",
-            "--shapes",
-            "mmlu5,hellaswag",
-        ],
-        cwd=REPO_ROOT,
-        timeout=600,
-    )
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("MMLU", "HellaSwag"))]
-    assert len(rows) == 4, proc.stdout
-    sys.path.insert(0, str(BENCHMARKS))
-    import scale
+    import dataclasses
 
-    small = scale.dataclasses.replace(scale.SHAPES["hellaswag"], docs=1000)
+    from benchmarks import scale
+
+    assert scale.main(["--fraction", "0.02", "--ranks", "8,64", "--shapes", "mmlu5,hellaswag"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("MMLU", "HellaSwag"))]
+    assert len(rows) == 4, out
+    small = dataclasses.replace(scale.SHAPES["hellaswag"], docs=1000)
     at8, at64 = scale.simulate(small, 8, 8), scale.simulate(small, 64, 8)
     assert at8["batches"] == at64["batches"] > 64
     assert at64["tokens_mb"] < at8["tokens_mb"]
@@ -220,42 +212,40 @@ def test_scale_benchmark_small_configuration():
     assert at64["records_mb"] < 1.3 * at8["records_mb"]  # records do not grow with the number of ranks
 
 
-def test_scale_generate_small_configuration():
-    """``benchmarks/scale_generate.py`` at 5 % of its shapes: rank 0 receives records and the prompts of its lanes,
-    far less than the all-gather of every prompt; records stay a few bytes per job and per 16-token block."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import scale_generate
+def test_scale_generate_small_configuration(capsys):
+    """``benchmarks.scale --generate`` (was ``scale_generate.py``): rank 0 receives records and the prompts of its
+    lanes, far less than the all-gather of every prompt; records stay a few bytes per job and per 16-token block."""
+    import dataclasses
 
-    shape = scale_generate.dataclasses_replace(scale_generate.SHAPES["bbh_cot"], docs=1200)
-    row = scale_generate.simulate(shape, 8)
+    from benchmarks import _scale_generate, scale
+
+    assert scale.main(["--generate", "--fraction", "0.01", "--ranks", "8", "--shapes", "ifeval"]) == 0
+    assert "| IFEval | 8 | " in capsys.readouterr().out
+    shape = dataclasses.replace(_scale_generate.SHAPES["bbh_cot"], docs=1200)
+    row = _scale_generate.simulate(shape, 8)
     assert row["received_mb"] < row["all_gather_mb"] / 2
     assert row["records_mb"] * 1e6 / row["jobs"] < 48 + 40 + 16 + 8 * (800 + 100) / 16 + 64
 
 
 def test_bench_generate_runs_end_to_end(tiny_model_dir):
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "bench_generate.py",
-            "--model",
-            tiny_model_dir,
-            "--prompts",
-            "3",
-            "--repeats",
-            "1",
-            "--instruct-new",
-            "6",
-            "--task-new",
-            "6",
-            "--max-length",
-            "512",
-            "--batch-size",
-            "2",
-            "--shapes",
-            "instruct,gsm8k",
-        ],
-        cwd=REPO_ROOT,
-        timeout=600,
+    proc = bench(
+        "bench_generate",
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        "3",
+        "--repeats",
+        "1",
+        "--instruct-new",
+        "6",
+        "--task-new",
+        "6",
+        "--max-length",
+        "512",
+        "--batch-size",
+        "2",
+        "--shapes",
+        "instruct,gsm8k",
     )
     out = proc.stdout
     assert "| shape | backend | decode positions per useful token |" in out
@@ -267,41 +257,31 @@ def test_bench_generate_runs_end_to_end(tiny_model_dir):
 
 
 def test_decode_host_counts_one_read_per_forward(tiny_model_dir):
-    """``benchmarks/decode_host.py`` (the CPU proxy of a GPU's decode loop): both decode step kinds read the device
+    """``benchmarks.decode_host`` (the CPU proxy of a GPU's decode loop): both decode step kinds read the device
     once per forward, and their greedy texts agree."""
-    proc = run_command(
-        [sys.executable, BENCHMARKS / "decode_host.py", "--model", tiny_model_dir, "--prompts", "5", "--new", "8"]
-        + ["--repeats", "1"],
-        cwd=REPO_ROOT,
-        timeout=600,
-    )
+    proc = bench("decode_host", "--model", tiny_model_dir, "--prompts", "5", "--new", "8", "--repeats", "1")
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| dynamic", "| static"))]
     assert [r[1].strip() for r in rows] == ["dynamic", "static"], proc.stdout
     assert all(r[3].strip() == "1.00" for r in rows) and "texts equal: 5/5" in proc.stdout, proc.stdout
 
 
 def test_tp_traffic_runs_and_its_tp_formula_matches_the_counts(tiny_model_dir):
-    """``benchmarks/tp_traffic.py`` at N=2, the tensor-parallel launch only (the launch tests hold both layouts'
+    """``benchmarks.tp_traffic`` at N=2, the tensor-parallel launch only (the launch tests hold both layouts'
     counts to their formulas): the table, the exact formula check and the 70B projection."""
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "tp_traffic.py",
-            "--model",
-            tiny_model_dir,
-            "--size",
-            "2",
-            "--prompts",
-            "2",
-            "--new",
-            "4",
-            "--repeats",
-            "1",
-            "--layouts",
-            "tp",
-        ],
-        cwd=REPO_ROOT,
-        timeout=600,
+    proc = bench(
+        "tp_traffic",
+        "--model",
+        tiny_model_dir,
+        "--size",
+        "2",
+        "--prompts",
+        "2",
+        "--new",
+        "4",
+        "--repeats",
+        "1",
+        "--layouts",
+        "tp",
     )
     out = proc.stdout
     assert "| tp_size=2 |" in out and "| 2/2 |" in out, out
@@ -309,36 +289,47 @@ def test_tp_traffic_runs_and_its_tp_formula_matches_the_counts(tiny_model_dir):
     assert "Llama-3.1-70B bf16 on 8 GPUs" in out
 
 
+def test_invariance_check_leaderboard_suite_and_cost(tiny_model_dir, tmp_path, capsys):
+    """``invariance_check --suite leaderboard --cost-repeats`` (what ``batch_invariance.py`` measured): lm-eval's
+    leaderboard YAMLs on local data with the chat template, invariant rows the same bits at every batch size, and
+    the cost table of the option. (The test suite runs in ``gpu_all.sh``'s dry mode.)"""
+    from benchmarks import invariance_check
+
+    argv = ["--device", "cpu", "--suite", "leaderboard", "--model", str(tiny_model_dir), "--docs", "1"]
+    argv += ["--wikitext-docs", "1", "--max-gen-toks", "4", "--sizes", "1,auto", "--cost-repeats", "1"]
+    assert invariance_check.main([*argv, "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| mode | batch_size | leaderboard_mmlu_pro | leaderboard_musr_" in out, out
+    assert "| invariant | auto | 1/1 | " in out and "| same bits |" in out and "DIFFER" not in out
+    assert "| batch_size=auto, median of 1 | default s | invariant s | invariant / default |" in out
+    assert "| generation | " in out
+
+
 def test_leaderboard_runs_the_whole_group_end_to_end(tiny_model_dir, tmp_path):
-    """``benchmarks/leaderboard.py`` on the tiny model, 1 document per subtask: lm-eval's ``leaderboard`` group (39
+    """``benchmarks.leaderboard`` on the tiny model, 1 document per subtask: lm-eval's ``leaderboard`` group (39
     tasks on local data in each family's schema, lm-eval's own YAMLs) through ``hf`` and ``distperp``, chat template
     on, one repeat. Every family reaches the table, both backends aggregate the group, answers agree (or differ at a
     near tie only), and the metrics that need absent packages are named, not faked."""
     import re
 
-    proc = run_command(
-        [
-            sys.executable,
-            BENCHMARKS / "leaderboard.py",
-            "--model",
-            tiny_model_dir,
-            "--docs",
-            "1",
-            "--repeats",
-            "1",
-            "--max-gen-toks",
-            "4",
-            "--max-length",
-            "512",
-            "--batch-size",
-            "4",
-            "--families",
-            "gpqa",
-            "--work",
-            tmp_path / "lb",
-        ],
-        cwd=REPO_ROOT,
-        timeout=600,
+    proc = bench(
+        "leaderboard",
+        "--model",
+        tiny_model_dir,
+        "--docs",
+        "1",
+        "--repeats",
+        "1",
+        "--max-gen-toks",
+        "4",
+        "--max-length",
+        "512",
+        "--batch-size",
+        "4",
+        "--families",
+        "gpqa",
+        "--work",
+        tmp_path / "lb",
     )
     out = proc.stdout
     group = re.findall(r"^\| whole group \| 39 \| (\d+) \| (hf|distperp) \|", out, re.M)
@@ -356,12 +347,7 @@ def test_leaderboard_runs_the_whole_group_end_to_end(tiny_model_dir, tmp_path):
 
 
 def test_request_path_runs_and_batched_ids_equal(tiny_model_dir):
-    """``benchmarks/request_path.py`` (the CPU proxy of the request path): the call runs, and batched tokenization
+    """``benchmarks.request_path`` (the CPU proxy of the request path): the call runs, and batched tokenization
     gives the ids of one encode per string (else it says DIFFER and exits 1)."""
-    proc = run_command(
-        [sys.executable, BENCHMARKS / "request_path.py", "--model", tiny_model_dir, "--questions", "3"]
-        + ["--repeats", "1"],
-        cwd=REPO_ROOT,
-        timeout=600,
-    )
+    proc = bench("request_path", "--model", tiny_model_dir, "--questions", "3", "--repeats", "1")
     assert "| outside batches, ms per request |" in proc.stdout and "batched equal to one by one" in proc.stdout

@@ -1,7 +1,8 @@
-"""Generation start-up per rank at 8 to 1,024 ranks: records exchange, lane planning and prompt routing, simulated.
+"""``python -m benchmarks.scale --generate``: generation start-up per rank at 8 to 1,024 ranks (records exchange,
+lane planning and prompt routing, simulated). It was ``benchmarks/scale_generate.py``.
 
-    python benchmarks/scale_generate.py                          # full size, W = 8, 64, 1024
-    python benchmarks/scale_generate.py --fraction 0.05 --ranks 8,64   # quick
+    python -m benchmarks.scale --generate                          # full size, W = 8, 64, 1024
+    python -m benchmarks.scale --generate --fraction 0.05 --ranks 8,64   # quick
 
 Builds synthetic ``generate_until`` requests of full size (token counts and sharing structure, random token ids):
 
@@ -21,17 +22,12 @@ travel back only to the ranks whose requests asked for them (not simulated here)
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from dataclasses import replace as dataclasses_replace
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from scale import cpu_and_peak  # benchmarks/ is this script's folder
-
+from benchmarks.common import cpu_and_peak
 from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.records import FlatUnits, local_records
 from distperp_harness.run.execution.claims import helper_of, helper_step
@@ -153,18 +149,22 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", default="8,64,1024")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--fraction", type=float, default=1.0, help="scale the prompt counts (for a quick run)")
-    args = parser.parse_args(argv)
+def print_table(args: argparse.Namespace) -> None:
+    """The generation table for ``args.shapes`` (of :data:`SHAPES`) at ``args.ranks``, ``args.fraction`` of the prompts.
+
+    Raises:
+        SystemExit: a shape name not in :data:`SHAPES`, naming the ones there are.
+    """
+    names = args.shapes.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes {','.join(unknown)}: with --generate, use {', '.join(SHAPES)}")
     print(
         "| evaluation | W | jobs | prompt Mtok | lanes (rank 0's) | received by rank 0, MB (records / tokens) | "
         "all-gather of prompts, MB | peak MB | CPU s |"
     )
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
-    for name in args.shapes.split(","):
+    for name in names:
         shape = SHAPES[name]
         if args.fraction != 1.0:
             shape = dataclasses_replace(shape, docs=max(shape.subtasks * 2, int(shape.docs * args.fraction)))
@@ -177,8 +177,3 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['cpu_s']:.2f} |",
                 flush=True,
             )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
