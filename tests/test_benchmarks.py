@@ -1,9 +1,10 @@
-"""Smoke tests: the benchmarks run end to end on the tiny test model and the packaged sample, in a dry-sized
+"""Smoke tests: every benchmark runs end to end on the tiny test model and the packaged sample, in a dry-sized
 configuration (no timing assertions — the numbers of a shared test machine mean nothing). Each runs as its users run
 it, ``python -m benchmarks.<name>`` from the repository root, or in this process where that costs nothing more than
 a function call (pure simulations, and runs that leave no global state behind)."""
 
 import sys
+from types import SimpleNamespace
 
 from helpers import REPO_ROOT, run_command
 
@@ -127,6 +128,31 @@ def test_bench_mc_runs_end_to_end(tiny_model_dir, sample_text_path):
         assert f"| {shape} (3 q, " in out, out
         assert f"- {shape}: " in out
     assert "| distperp share_prefix=false |" in out and "DIFFER" not in out
+
+
+def test_bench_compile_dry(tiny_model_dir, sample_text_path):
+    """``bench_compile`` with its cheapest scorers (``hf`` and eager distperp, each a fresh ``--worker`` process) on
+    the hellaswag shape: the table and the hf-vs-eager check (compiling itself is left to the compile tests)."""
+    proc = bench(
+        "bench_compile",
+        "--model",
+        tiny_model_dir,
+        "--work",
+        "mc",
+        "--scorers",
+        "hf,eager",
+        "--questions",
+        "2",
+        "--max-length",
+        "128",
+        "--batch-size",
+        "2",
+        "--mc-text",
+        sample_text_path,
+    )
+    out = proc.stdout
+    assert "| hellaswag shape (2 q, " in out and "| distperp eager |" in out, out
+    assert "- mc: max |hf - eager| per request" in out
 
 
 def test_gpu_all_dry_mode_on_cpu(tmp_path):
@@ -256,6 +282,28 @@ def test_bench_generate_runs_end_to_end(tiny_model_dir):
         )  # the decode step table: CPU decodes on the dynamic cache
 
 
+def test_bench_generate_bare_decode_step_times(tiny_model_dir):
+    """``bench_generate``'s bare decode-step timing (run with ``--backends ...,distperp-compile``) through the step's
+    public faces only, here on the eager fixed-shape step: both medians come back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.bench_generate import step_times
+    from distperp_harness.run.generation.engine.step import StaticStep
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    step = StaticStep(model, torch.device("cpu"), pad_token_id=0)
+    eager_ms, static_ms = step_times(
+        SimpleNamespace(model=model),
+        SimpleNamespace(static_decoding=step, collective=None),
+        rows=2,
+        context=8,
+        steps=2,
+        blocks=1,
+    )
+    assert eager_ms > 0 and static_ms > 0
+
+
 def test_decode_host_counts_one_read_per_forward(tiny_model_dir):
     """``benchmarks.decode_host`` (the CPU proxy of a GPU's decode loop): both decode step kinds read the device
     once per forward, and their greedy texts agree."""
@@ -289,6 +337,15 @@ def test_tp_traffic_runs_and_its_tp_formula_matches_the_counts(tiny_model_dir):
     assert "Llama-3.1-70B bf16 on 8 GPUs" in out
 
 
+def test_traffic_counts_the_exchange_of_two_processes(tiny_model_dir, sample_text_path):
+    """``benchmarks.traffic`` launches itself on 2 processes (``accelerate launch -m``): each rank's payload bytes
+    through distperp's collectives and the loopback total."""
+    proc = bench("traffic", "--model", tiny_model_dir, "--text", sample_text_path, "--questions", "4")
+    out = proc.stdout
+    assert "4 questions x 10 options" in out and "rank 1: received " in out, out
+    assert "collective payloads received in all: " in out and "loopback traffic over the run" in out
+
+
 def test_invariance_check_leaderboard_suite_and_cost(tiny_model_dir, tmp_path, capsys):
     """``invariance_check --suite leaderboard --cost-repeats`` (what ``batch_invariance.py`` measured): lm-eval's
     leaderboard YAMLs on local data with the chat template, invariant rows the same bits at every batch size, and
@@ -303,6 +360,42 @@ def test_invariance_check_leaderboard_suite_and_cost(tiny_model_dir, tmp_path, c
     assert "| invariant | auto | 1/1 | " in out and "| same bits |" in out and "DIFFER" not in out
     assert "| batch_size=auto, median of 1 | default s | invariant s | invariant / default |" in out
     assert "| generation | " in out
+
+
+def test_gpu_quant_check_cpu_dry(tiny_model_dir, capsys):
+    """``benchmarks.gpu_quant_check --device cpu`` on the tiny model: the reference row and an int4 row with its
+    agreement figures."""
+    from benchmarks import gpu_quant_check
+
+    argv = ["--device", "cpu", "--model", str(tiny_model_dir), "--runs", "none:float32,int4:float32"]
+    gpu_quant_check.main([*argv, "--batch", "2", "--seq", "32", "--repeats", "1", "--agree", "1"])
+    out = capsys.readouterr().out
+    assert "| run | torchao config | storage | weights MB |" in out
+    assert "| none:float32 | - | full |" in out and "| int4:float32 | " in out, out
+
+
+def test_docsplit_cost_dry():
+    """``benchmarks.docsplit_cost`` at 48 documents: both builds timed, the split for one rank and the memory."""
+    proc = bench("docsplit_cost", "--docs", "48", "--ranks", "8", "--repeats", "1", "--full-repeats", "1", "--split")
+    out = proc.stdout
+    assert "synthetic MMLU: 48 docs" in out and "1/8 share" in out, out
+    assert "docsplit.build_split, one rank of 8" in out and "instances with their documents" in out
+
+
+def test_lora_example_trains_and_saves_an_adapter(tiny_model_dir, sample_text_path, tmp_path):
+    """``benchmarks.lora_example`` for 2 steps on the tiny model: a PEFT adapter folder."""
+    import torch
+
+    from benchmarks import lora_example
+
+    threads = torch.get_num_threads()
+    try:  # the example trains on one thread
+        argv = ["--model", str(tiny_model_dir), "--text", str(sample_text_path), "--out", str(tmp_path / "lora")]
+        lora_example.main([*argv, "--steps", "2", "--seq-len", "32", "--batch", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "lora" / "adapter_config.json").is_file()
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
 
 
 def test_leaderboard_runs_the_whole_group_end_to_end(tiny_model_dir, tmp_path):
@@ -351,3 +444,25 @@ def test_request_path_runs_and_batched_ids_equal(tiny_model_dir):
     gives the ids of one encode per string (else it says DIFFER and exits 1)."""
     proc = bench("request_path", "--model", tiny_model_dir, "--questions", "3", "--repeats", "1")
     assert "| outside batches, ms per request |" in proc.stdout and "batched equal to one by one" in proc.stdout
+
+
+def test_benchmarks_import_no_private_names_and_edit_no_sys_path():
+    """The package's contract: benchmarks use the public names of ``distperp_harness`` only, and none of them puts
+    a folder on ``sys.path`` (they run as ``python -m benchmarks.<name>`` from the repository root)."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distperp_harness"):
+                names = [node.module, *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("distperp_harness")]
+            else:
+                names = []
+            if any(part.startswith("_") for n in names for part in n.split(".")):
+                offenders.append(f"{path.name}:{node.lineno} imports {names}")
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                offenders.append(f"{path.name}:{node.lineno} uses sys.path")
+    assert not offenders, offenders
