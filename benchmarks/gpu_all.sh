@@ -31,7 +31,9 @@
 #      leaderboard MMLU-Pro 5-shot on 1,000 local questions, rolling over 1M tokens of WikiText-2 articles (none a
 #      copy), and an int4 row (int4_prefill=auto vs kernel) over 262k tokens: wall, request phase, rate, answers
 #      (benchmarks.bench_cli; ~6-9 minutes alone: run it with --only cli when time is short).
-# The CPU dry mode runs every step on tiny models: bench_mc and bench_scoring use a random model of the test
+#  10. check (CUDA, first): the user's self-check, `distperp check --device cuda` (load, bf16 and int4 scoring through
+#      lm-eval, same bits twice, memory released, 1 vs 2 processes with 2+ GPUs); make test runs it on CPU.
+# The CPU dry mode runs every step but check on tiny models: bench_mc and bench_scoring use a random model of the test
 # model's shape instead of the 1B shape (said in the table). Text: ../shared/data/wikitext-2 when present, else
 # copies of the packaged sample. Exits non-zero when any check fails; the table says which.
 set -uo pipefail
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (use --device cuda|cpu, --out FILE," \
-            "--only gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance,generate,cli)" >&2; exit 2 ;;
+            "--only check,gpu_check,shard_check,shard_check_one,bench_mc,tp_traffic,bench_scoring,invariance,generate,cli)" >&2; exit 2 ;;
   esac
 done
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -114,6 +116,7 @@ if [ "$DEVICE" = cpu ]; then
   run cli "$PY" -m benchmarks.bench_cli --device cpu --model "$WORK/models/dry-llama" --questions 4 --tokens 2000 \
     --int4-tokens 1000 --max-length 128 --batch-size 4 --work "$WORK/cli" --json "$WORK/cli.json"
 else
+  run check "$PY" -m distperp_harness check --device cuda --work "$WORK/check" --json "$WORK/check.json"
   run gpu_check "$PY" -m benchmarks.gpu_check --device cuda --work "$WORK/models"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     run shard_check "$PY" -m benchmarks.shard_check --device cuda --work "$WORK/shard"
