@@ -3,10 +3,22 @@ configuration (no timing assertions — the numbers of a shared test machine mea
 it, ``python -m benchmarks.<name>`` from the repository root, or in this process where that costs nothing more than
 a function call (pure simulations, and runs that leave no global state behind)."""
 
+import os
 import sys
 from types import SimpleNamespace
 
+import pytest
 from helpers import REPO_ROOT, run_command
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Importing :mod:`benchmarks` sets its offline and quiet variables in ``os.environ``; the tests after these
+    (and the processes they start) see the environment the session had."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def bench(module: str, *args, timeout: float = 600, **kwargs):

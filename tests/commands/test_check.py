@@ -10,10 +10,10 @@ import weakref
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT, run_command
 
 from distperp_harness.commands import check
 from distperp_harness.commands.check import CheckRow, Evaluation, Outcome
-from tests.helpers import REPO_ROOT, run_command
 
 
 def test_check_passes_on_cpu_with_two_processes(tmp_path: Path) -> None:

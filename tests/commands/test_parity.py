@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import TASKS_DIR
 
 from distperp_harness.commands.cli import main
 from distperp_harness.commands.parity import TOLERANCES, Tolerance, Verdict, compare_task, metrics
-from tests.helpers import TASKS_DIR
 
 TIGHT = Tolerance(*TOLERANCES["float32"])
 
