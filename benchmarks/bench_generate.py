@@ -121,6 +121,7 @@ def task_requests(name: str, count: int, folder: Path):
     )
     config.pop("tag", None)
     task = ConfigurableTask(config=config)
+    task.set_fewshot_seed(seed=1234)  # lm-eval's default few-shot seed: the same prompts in every run
     task.build_all_requests(limit=count, rank=0, world_size=1)
     return [inst for inst in task.instances]
 
