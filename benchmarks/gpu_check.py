@@ -38,7 +38,6 @@ check fails.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -52,6 +51,7 @@ import torch
 from benchmarks import common
 from benchmarks._gpu_common import base_parser, build_model, documents, gib, model_args, parse
 from benchmarks._gpu_tree import tree_case, tree_table
+from distperp_harness.commands.check import cuda_baseline, released
 
 # Dense (no sparsity) bf16 tensor-core peak in FLOP/s, by the exact name torch.cuda.get_device_name() reports
 # (NVIDIA datasheets). Any other name: MFU "unknown", never a guess from a similar name (H100 PCIe and NVL are
@@ -71,8 +71,6 @@ PEAK_BF16 = {
     "NVIDIA A10G": 70.0e12,
     "NVIDIA GeForce RTX 4090": 165.2e12,
 }
-# Allocated CUDA bytes a run may leave behind (the caching allocator's own bookkeeping), for the release check.
-RELEASE_SLACK = 16 << 20
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -151,35 +149,12 @@ def run_one(args: argparse.Namespace, model: Path, scheme: str, docs: list[str],
     return row, model_ref
 
 
-def _drop_cublas_workspaces() -> None:
-    """cuBLAS keeps a workspace per handle in the caching allocator (32 MiB on Hopper by default), made at the
-    process's first matrix product and kept for the process: torch's, not a run's."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-
-
-def cuda_baseline() -> int:
-    """Allocated CUDA bytes before any run, cuBLAS's workspaces left out (see :func:`release`)."""
-    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # the process's first product
-    torch.cuda.synchronize()
-    _drop_cublas_workspaces()
-    return torch.cuda.memory_allocated()
-
-
 def release(row: dict, model_ref: "weakref.ref", baseline: int | None) -> None:
-    """Collect the run (``DistPerpLM`` sits in reference cycles, torchao's bound ``extra_repr`` adds one) and
-    record whether its model is gone and, on CUDA, whether allocated memory is back at ``baseline``, measured as
-    the baseline was: with cuBLAS's per-handle workspaces dropped (the first GPU check found +32 MiB after every
-    run: the size of one Hopper workspace)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        _drop_cublas_workspaces()
-        torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated() - baseline if baseline is not None else None
-    row["left_after_bytes"] = left
-    row["released"] = model_ref() is None and (left is None or left <= RELEASE_SLACK)
+    """Record whether the run's model is gone and, on CUDA, its bytes left above ``baseline``: the package's own
+    release check (:func:`distperp_harness.commands.check.released`, what ``distperp check`` runs)."""
+    left = released(model_ref, baseline)
+    row["left_after_bytes"] = left.left_bytes
+    row["released"] = left.ok
 
 
 def launch(args: argparse.Namespace, model: Path, processes: int, out: Path) -> str:

@@ -136,8 +136,30 @@ def _drop_cublas_workspaces() -> None:
         clear()
 
 
-def released(model_ref: weakref.ref, baseline: int | None) -> tuple[bool, str]:
-    """Collect garbage; whether the run's model is gone and, on CUDA, allocated bytes are back at ``baseline``."""
+@dataclass(frozen=True)
+class Release:
+    """What was left of a dropped run: whether its model was collected, and on CUDA the allocated bytes above the
+    baseline (``None`` without one)."""
+
+    collected: bool
+    left_bytes: int | None
+
+    @property
+    def ok(self) -> bool:
+        return self.collected and (self.left_bytes is None or self.left_bytes <= RELEASE_SLACK)
+
+    @property
+    def detail(self) -> str:
+        text = "model collected" if self.collected else "model still referenced after gc.collect()"
+        if self.left_bytes is not None:
+            text += f"; {self.left_bytes / 2**20:+.1f} MiB allocated vs the baseline"
+        return text
+
+
+def released(model_ref: weakref.ref, baseline: int | None) -> Release:
+    """Collect garbage (``DistPerpLM`` sits in reference cycles; torchao's bound ``extra_repr`` adds one), then
+    whether the run's model is gone and, on CUDA, the allocated bytes against ``baseline``, measured as the baseline
+    was: with cuBLAS's per-handle workspaces dropped (one Hopper workspace is 32 MiB)."""
     import torch
 
     gc.collect()
@@ -147,12 +169,7 @@ def released(model_ref: weakref.ref, baseline: int | None) -> tuple[bool, str]:
         _drop_cublas_workspaces()
         torch.cuda.empty_cache()
         left = int(torch.cuda.memory_allocated()) - baseline
-    collected = model_ref() is None
-    ok = collected and (left is None or left <= RELEASE_SLACK)
-    detail = "model collected" if collected else "model still referenced after gc.collect()"
-    if left is not None:
-        detail += f"; {left / 2**20:+.1f} MiB allocated vs the baseline"
-    return ok, detail
+    return Release(collected=model_ref() is None, left_bytes=left)
 
 
 def run_in_process(
@@ -199,8 +216,8 @@ def run_in_process(
     )
     model_ref = weakref.ref(lm.model)
     del lm
-    ok, detail = released(model_ref, baseline)
-    rows.append(CheckRow(name, "memory released", Outcome.PASS if ok else Outcome.FAIL, detail))
+    release = released(model_ref, baseline)
+    rows.append(CheckRow(name, "memory released", Outcome.PASS if release.ok else Outcome.FAIL, release.detail))
     return rows, first
 
 

@@ -77,12 +77,14 @@ def test_a_model_still_referenced_is_not_released() -> None:
         pass
 
     held = Model()
-    ok, detail = check.released(weakref.ref(held), None)
-    assert not ok and "still referenced" in detail
+    kept = check.released(weakref.ref(held), None)
+    assert not kept.ok and "still referenced" in kept.detail
     gone = Model()
     ref = weakref.ref(gone)
     del gone
-    assert check.released(ref, None) == (True, "model collected")
+    assert check.released(ref, None) == check.Release(collected=True, left_bytes=None)
+    assert check.Release(collected=True, left_bytes=None).ok
+    assert not check.Release(collected=True, left_bytes=check.RELEASE_SLACK + 1).ok
 
 
 def test_a_model_that_does_not_load_fails_its_row_and_the_exit_code(
