@@ -51,7 +51,7 @@ import torch
 from benchmarks import common
 from benchmarks._gpu_common import base_parser, build_model, documents, gib, model_args, parse
 from benchmarks._gpu_tree import tree_case, tree_table
-from distperp_harness.commands.check import cuda_baseline, released
+from distperp_harness.commands.release import cuda_baseline, released
 
 # Dense (no sparsity) bf16 tensor-core peak in FLOP/s, by the exact name torch.cuda.get_device_name() reports
 # (NVIDIA datasheets). Any other name: MFU "unknown", never a guess from a similar name (H100 PCIe and NVL are

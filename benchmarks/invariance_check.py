@@ -38,6 +38,7 @@ from pathlib import Path
 
 from benchmarks.common import TEST_TASKS, WIKITEXT_TEST, lm_eval_model, use_offline_env
 from benchmarks.leaderboard import PLAIN_CHAT_TEMPLATE, Timer  # Timer: seconds inside each request method
+from distperp_harness.commands.samples import responses_by_doc
 
 SUITES = {
     "test": ["dptest_rolling", "dptest_mc", "dptest_fewshot", "dptest_gen"],
@@ -55,7 +56,7 @@ KINDS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 def _per_doc(samples: dict) -> dict[str, dict[int, list]]:
     """``{task: {doc_id: [first response of each request]}}``."""
-    return {task: {r["doc_id"]: [resp[0] for resp in r["resps"]] for r in rows} for task, rows in samples.items()}
+    return {task: responses_by_doc(rows) for task, rows in samples.items()}
 
 
 def _lls(responses: list) -> list[float]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import gc
 import json
 import math
 import subprocess
@@ -32,14 +31,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distperp_harness.commands.release import cuda_baseline, released
+from distperp_harness.commands.samples import logged_samples, newest_results, responses_by_doc
+from distperp_harness.errors import InputError
+
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
     from distperp_harness.lm import DistPerpLM
 
 TASK = "distperp_wikitext2"
-RELEASE_SLACK = 16 << 20
-"""Allocated CUDA bytes a run may leave behind (the caching allocator's own bookkeeping)."""
+OWN_FLAGS = {"pretrained": "--model", "device": "--device", "dtype": "--dtype", "max_length": "--max_length"}
+"""model_args keys the check sets itself (``quantize`` and ``batch_size`` too): the flag that sets each instead."""
 
 
 class Outcome(str, enum.Enum):
@@ -71,13 +74,19 @@ class Evaluation:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a local folder or hub id (default: a small random Llama)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--model", "--pretrained", default=None, help="a local folder or hub id (default: a small random Llama)"
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="bfloat16", help="the unquantized run's dtype (default bfloat16)")
-    parser.add_argument("--processes", type=int, default=2, help="processes of the launched run (default 2; 1: skip)")
+    parser.add_argument(
+        "--processes", type=_at_least_one, default=2, help="processes of the launched run (default 2; 1: skip it)"
+    )
     parser.add_argument("--text", default=None, help="a WikiText-format file (default: the packaged sample)")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N documents")
-    parser.add_argument("--max-length", type=int, default=None, help="window length (default: the model's)")
+    parser.add_argument(
+        "--max_length", "--max-length", type=int, default=None, help="window length (default: the model's)"
+    )
     parser.add_argument(
         "--model_args", default="", help="more model_args for every run, e.g. group_size=64,trust_remote_code=true"
     )
@@ -85,20 +94,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more processes (1 skips the launched run)")
+    return value
+
+
 def device_for(requested: str | None) -> str:
+    """``requested`` checked against this machine (``cpu``, ``cuda``, ``cuda:N``), or the default: cuda if any.
+
+    Raises:
+        InputError: another device, or a CUDA device torch does not see here.
+    """
     import torch
 
     device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r}: distperp check runs on cpu or cuda; pass --device cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here; pass --device cpu or check the driver")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise InputError(f"--device {device!r}: distperp check runs on cpu, cuda or cuda:N; pass one of those")
+    if kind == "cuda" and int(index or 0) >= torch.cuda.device_count():
+        raise InputError(
+            f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s) here; pass --device cpu, "
+            "another index, or check the driver (nvidia-smi)"
+        )
     return device
 
 
-def _per_doc(samples: list[dict]) -> dict[int, str]:
-    """Document id -> the hex bits of its log-likelihood (the first response: lm-eval pads with copies)."""
-    return {int(s["doc_id"]): float(s["resps"][0][0]).hex() for s in samples}
+def model_args_for(args: argparse.Namespace, model: str, device: str) -> dict[str, Any]:
+    """The unquantized run's ``model_args``: the flags, then ``--model_args`` (lm-eval's parsing).
+
+    Raises:
+        InputError: ``--model_args`` sets a key the check sets itself.
+    """
+    from lm_eval.utils import simple_parse_args_string
+
+    extra = simple_parse_args_string(args.model_args)
+    taken = sorted(set(extra) & {*OWN_FLAGS, "quantize", "batch_size"})
+    if taken:
+        flags = ", ".join(f"{key} (use {OWN_FLAGS[key]})" for key in taken if key in OWN_FLAGS)
+        raise InputError(
+            f"--model_args {args.model_args!r} sets {', '.join(taken)}, which distperp check sets itself: "
+            f"{flags or 'quantize and batch_size are the runs themselves (unquantized and int4, batch_size=auto)'}"
+        )
+    base: dict[str, Any] = {"pretrained": model, "device": device, "dtype": args.dtype, "batch_size": "auto"}
+    if args.max_length:
+        base["max_length"] = args.max_length
+    return {**base, **extra}
+
+
+def _bits(samples: list[dict]) -> dict[int, str]:
+    """Document id -> the hex bits of its log-likelihood."""
+    return {doc: float(resps[0]).hex() for doc, resps in responses_by_doc(samples).items()}
 
 
 def _evaluate(lm: DistPerpLM, manager: TaskManager | None, limit: int | None) -> Evaluation:
@@ -107,113 +154,73 @@ def _evaluate(lm: DistPerpLM, manager: TaskManager | None, limit: int | None) ->
     out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=manager, log_samples=True, limit=limit)
     call = lm.stats.calls[-1].to_dict()
     return Evaluation(
-        per_doc=_per_doc(out["samples"][TASK]),
+        per_doc=_bits(out["samples"][TASK]),
         fingerprint=str(out["config"]["distperp"]["fingerprint"]),
         token_perplexity=float(out["results"][TASK]["token_perplexity,none"]),
         tokens_per_s=call["scored_tokens"] / max(call["scoring_seconds"], 1e-9),
     )
 
 
-def cuda_baseline() -> int | None:
-    """Allocated CUDA bytes before any run, cuBLAS's workspaces left out (see :func:`released`); None without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # the process's first product
-    torch.cuda.synchronize()
-    _drop_cublas_workspaces()
-    return int(torch.cuda.memory_allocated())
-
-
-def _drop_cublas_workspaces() -> None:
-    """cuBLAS keeps a workspace per handle in the caching allocator, made at the process's first product and kept
-    for the process (torch's, not a run's): left out of both sides of the release check."""
-    import torch
-
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+def load_row(name: str, load: str, report: Any, quantized_run: bool) -> CheckRow:
+    """The load check: for a quantized run, at least one Linear layer must have been quantized."""
+    if not quantized_run:
+        return CheckRow(name, "load", Outcome.PASS, load)
+    count = len(report.quantized) if report is not None and report.config_name is not None else 0
+    skipped = report.skipped if report is not None else {}
+    load += f"; {count} of {count + len(skipped)} Linear layers quantized"
+    load += f" (kept: {next(iter(skipped.values()))})" if skipped else ""
+    return CheckRow(name, "load", Outcome.PASS if count else Outcome.FAIL, load)
 
 
-@dataclass(frozen=True)
-class Release:
-    """What was left of a dropped run: whether its model was collected, and on CUDA the allocated bytes above the
-    baseline (``None`` without one)."""
+def score_rows(name: str, first: Evaluation, again: Evaluation) -> list[CheckRow]:
+    """The scores check (every document finite) and the same-bits-twice check of two evaluations of one run."""
+    finite = all(math.isfinite(float.fromhex(v)) for v in first.per_doc.values())
+    scores = (
+        f"{len(first.per_doc)} documents, token perplexity {first.token_perplexity:.4g}, "
+        f"{first.tokens_per_s:,.0f} tokens/s" + ("" if finite else "; NOT FINITE")
+    )
+    differ = sum(first.per_doc[d] != again.per_doc.get(d) for d in first.per_doc) + len(
+        set(again.per_doc) - set(first.per_doc)
+    )
+    return [
+        CheckRow(name, "scores", Outcome.PASS if finite and first.per_doc else Outcome.FAIL, scores),
+        CheckRow(
+            name,
+            "same bits twice",
+            Outcome.FAIL if differ else Outcome.PASS,
+            f"{differ} of {len(first.per_doc)} documents differ" if differ else "every document equal",
+        ),
+    ]
 
-    collected: bool
-    left_bytes: int | None
 
-    @property
-    def ok(self) -> bool:
-        return self.collected and (self.left_bytes is None or self.left_bytes <= RELEASE_SLACK)
-
-    @property
-    def detail(self) -> str:
-        text = "model collected" if self.collected else "model still referenced after gc.collect()"
-        if self.left_bytes is not None:
-            text += f"; {self.left_bytes / 2**20:+.1f} MiB allocated vs the baseline"
-        return text
-
-
-def released(model_ref: weakref.ref, baseline: int | None) -> Release:
-    """Collect garbage (``DistPerpLM`` sits in reference cycles; torchao's bound ``extra_repr`` adds one), then
-    whether the run's model is gone and, on CUDA, the allocated bytes against ``baseline``, measured as the baseline
-    was: with cuBLAS's per-handle workspaces dropped (one Hopper workspace is 32 MiB)."""
-    import torch
-
-    gc.collect()
-    left = None
-    if baseline is not None:
-        torch.cuda.synchronize()
-        _drop_cublas_workspaces()
-        torch.cuda.empty_cache()
-        left = int(torch.cuda.memory_allocated()) - baseline
-    return Release(collected=model_ref() is None, left_bytes=left)
+def _failure(error: BaseException) -> str:
+    """One line: the error's type and message, newlines folded (a table cell)."""
+    return f"{type(error).__name__}: " + " / ".join(line for line in str(error).splitlines() if line.strip())
 
 
 def run_in_process(
     name: str, model_args: dict[str, Any], manager: TaskManager | None, limit: int | None, baseline: int | None
 ) -> tuple[list[CheckRow], Evaluation | None]:
-    """Rows of one in-process run, and its first evaluation (``None`` when the model did not load)."""
+    """Rows of one in-process run, and its first evaluation (``None`` when it did not load or score)."""
     from distperp_harness.lm import DistPerpLM
 
-    rows: list[CheckRow] = []
     t0 = time.perf_counter()
     try:
         lm = DistPerpLM(**model_args)
     except Exception as error:  # the check reports any failure to load as a failed row
-        return [CheckRow(name, "load", Outcome.FAIL, f"{type(error).__name__}: {error}")], None
+        return [CheckRow(name, "load", Outcome.FAIL, _failure(error))], None
     load = f"{time.perf_counter() - t0:.1f} s, {lm.weight_bytes / 2**20:.1f} MiB of weights on {lm.device}"
-    report = lm.quant_report
-    if report is not None and report.config_name is not None:
-        count = len(report.quantized)
-        load += f"; {count} of {count + len(report.skipped)} Linear layers quantized"
-        load += f" (kept: {next(iter(report.skipped.values()))})" if report.skipped else ""
-        rows.append(CheckRow(name, "load", Outcome.PASS if count else Outcome.FAIL, load))
-    else:
-        rows.append(CheckRow(name, "load", Outcome.PASS, load))
-    first, again = _evaluate(lm, manager, limit), _evaluate(lm, manager, limit)
-    finite = all(math.isfinite(float.fromhex(v)) for v in first.per_doc.values())
-    rows.append(
-        CheckRow(
-            name,
-            "scores",
-            Outcome.PASS if finite and first.per_doc else Outcome.FAIL,
-            f"{len(first.per_doc)} documents, token perplexity {first.token_perplexity:.4g}, "
-            f"{first.tokens_per_s:,.0f} tokens/s" + ("" if finite else "; NOT FINITE"),
-        )
-    )
-    same = first.per_doc == again.per_doc
-    differ = sum(first.per_doc[d] != again.per_doc.get(d) for d in first.per_doc)
-    rows.append(
-        CheckRow(
-            name,
-            "same bits twice",
-            Outcome.PASS if same else Outcome.FAIL,
-            "every document equal" if same else f"{differ} of {len(first.per_doc)} documents differ",
-        )
-    )
+    rows = [load_row(name, load, lm.quant_report, "quantize" in model_args)]
+    first: Evaluation | None = None
+    try:
+        first, again = _evaluate(lm, manager, limit), _evaluate(lm, manager, limit)
+        rows += score_rows(name, first, again)
+    except Exception as error:  # a failure while scoring fails the row; the release is still checked
+        rows += [
+            CheckRow(name, "scores", Outcome.FAIL, _failure(error)),
+            CheckRow(name, "same bits twice", Outcome.SKIP, "nothing scored"),
+        ]
+        first = None
     model_ref = weakref.ref(lm.model)
     del lm
     release = released(model_ref, baseline)
@@ -221,26 +228,23 @@ def run_in_process(
     return rows, first
 
 
-def launched(processes: int, model_args: dict, metadata: dict, limit: int | None, out: Path) -> Evaluation:
-    """The same evaluation under ``accelerate launch`` with ``processes`` processes (lm-eval's command line)."""
-    from distperp_harness.commands.launching import accelerate_launch_prefix, offline_env
+def launched(processes: int, model_args: dict[str, Any], metadata: dict, limit: int | None, out: Path) -> Evaluation:
+    """The same evaluation under ``accelerate launch`` with ``processes`` processes (lm-eval's command line), its
+    results written into ``out`` (a fresh folder)."""
+    from distperp_harness.commands.launching import lm_eval_command, offline_env
     from distperp_harness.commands.taskdir import tasks_path
 
     args = ",".join(f"{k}={v}" for k, v in model_args.items())
-    cmd = [
-        *accelerate_launch_prefix(processes),
-        "-m", "lm_eval", "--model", "distperp", "--model_args", args, "--tasks", TASK,
-        "--include_path", str(tasks_path()), "--metadata", json.dumps(metadata),
-        "--log_samples", "--output_path", str(out),
-        *(["--limit", str(limit)] if limit is not None else []),
-    ]  # fmt: skip
+    extra = ["--limit", str(limit)] if limit is not None else []
+    cmd = lm_eval_command(
+        processes, args, TASK, output_path=out, include_path=tasks_path(), metadata=metadata, extra=extra
+    )
     proc = subprocess.run(cmd, env=offline_env(keep_set=True), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
-    results = json.loads(max(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime).read_text())
-    samples = [json.loads(line) for p in out.rglob(f"samples_{TASK}_*.jsonl") for line in p.read_text().splitlines()]
+        raise RuntimeError(f"exit {proc.returncode}; its output ends: {(proc.stderr or proc.stdout)[-1500:]}")
+    results = newest_results(out)
     return Evaluation(
-        per_doc=_per_doc([s for s in samples if s]),
+        per_doc=_bits(logged_samples(out, TASK)),
         fingerprint=str(results["config"]["distperp"]["fingerprint"]),
         token_perplexity=float(results["results"][TASK]["token_perplexity,none"]),
         tokens_per_s=0.0,
@@ -250,21 +254,25 @@ def launched(processes: int, model_args: dict, metadata: dict, limit: int | None
 def processes_row(
     args: argparse.Namespace, device: str, model_args: dict[str, Any], metadata: dict, one: Evaluation | None
 ) -> CheckRow:
+    """1 vs ``--processes`` processes: the launched run's per-document bits and fingerprint against ``one``'s."""
     name = f"1 vs {max(args.processes, 2)} processes"
     if args.processes < 2:
         return CheckRow(name, "same bits", Outcome.SKIP, "--processes 1")
     if one is None:
         return CheckRow(name, "same bits", Outcome.SKIP, "the one-process run did not score")
-    if device == "cuda":
+    if device.startswith("cuda"):
         import torch
 
         if torch.cuda.device_count() < args.processes:
             return CheckRow(name, "same bits", Outcome.SKIP, f"{torch.cuda.device_count()} CUDA device(s) here")
-    out = Path(args.work or tempfile.mkdtemp(prefix="distperp-check-")) / f"launch-{args.processes}"
+        model_args = {**model_args, "device": "cuda"}  # each process takes its own device
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f"launch-{args.processes}-", dir=args.work))  # never an earlier run's files
     try:
         many = launched(args.processes, model_args, metadata, args.limit, out)
     except Exception as error:  # a failed launch is a failed check, with its output's tail
-        return CheckRow(name, "same bits", Outcome.FAIL, f"the launched run failed: {error}")
+        return CheckRow(name, "same bits", Outcome.FAIL, f"the launched run failed: {_failure(error)}")
     same = many.per_doc == one.per_doc and many.fingerprint == one.fingerprint
     detail = f"fingerprint {one.fingerprint} / {many.fingerprint}; {len(many.per_doc)} documents"
     return CheckRow(name, "same bits", Outcome.PASS if same else Outcome.FAIL, detail)
@@ -280,20 +288,16 @@ def cached_model() -> str:
 def run_check(args: argparse.Namespace) -> int:
     """Run every check, print the table and the verdict; 0 when nothing failed."""
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import simple_parse_args_string
 
     from distperp_harness.commands.taskdir import tasks_path
     from distperp_harness.commands.tiny import sample_text_path
 
     device = device_for(args.device)
     model = args.model or cached_model()
+    base = model_args_for(args, model, device)
     metadata = {"wikitext_path": str(args.text or sample_text_path())}
     manager = TaskManager(include_path=str(tasks_path()), metadata=metadata)
-    base: dict[str, Any] = {"pretrained": model, "device": device, "dtype": args.dtype, "batch_size": "auto"}
-    if args.max_length:
-        base["max_length"] = args.max_length
-    base.update(simple_parse_args_string(args.model_args))  # lm-eval's own parsing of --model_args
-    baseline = cuda_baseline() if device == "cuda" else None
+    baseline = cuda_baseline() if device.startswith("cuda") else None
     rows, first = run_in_process(args.dtype, base, manager, args.limit, baseline)
     int4_rows, _ = run_in_process("int4", {**base, "quantize": "int4"}, manager, args.limit, baseline)
     rows += int4_rows

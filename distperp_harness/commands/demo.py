@@ -11,41 +11,29 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from distperp_harness.commands.launching import accelerate_launch_prefix, offline_env
+from distperp_harness.commands.launching import lm_eval_command, offline_env
+from distperp_harness.commands.samples import responses_by_doc
 from distperp_harness.commands.taskdir import tasks_path
 
 TASK = "distperp_wikitext2"
 
 
-def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int) -> float:
+def _launch(processes: int, model_args: str, out: Path, sample: Path) -> float:
     """Run lm-eval under ``accelerate launch``; stream its output; return wall seconds."""
-    launch = accelerate_launch_prefix(processes, port)
-    cmd = [
-        *launch,
-        "-m",
-        "lm_eval",
-        "--model",
-        "distperp",
-        "--model_args",
+    cmd = lm_eval_command(
+        processes,
         model_args,
-        "--tasks",
         TASK,
-        "--include_path",
-        str(tasks_path()),
-        "--metadata",
-        json.dumps({"wikitext_path": str(sample)}),
-        "--batch_size",
-        "4",
-        "--log_samples",
-        "--output_path",
-        str(out),
-    ]
+        output_path=out,
+        include_path=tasks_path(),
+        metadata={"wikitext_path": str(sample)},
+        extra=["--batch_size", "4"],
+    )
     print(
         f"\n$ accelerate launch --num_processes {processes} -m lm_eval --model distperp "
         f"--model_args {model_args} --tasks {TASK} ...",
@@ -63,10 +51,8 @@ def _launch(processes: int, model_args: str, out: Path, sample: Path, port: int)
     return wall
 
 
-def _per_doc(samples: Path) -> list:
-    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
-    # lm-eval appends the responses of its padding copies to the same request: compare the first of each.
-    return sorted((r["doc_id"], [resp[0] for resp in r["resps"]]) for r in rows)
+def _per_doc(samples: Path) -> dict[int, list]:
+    return responses_by_doc(json.loads(line) for line in samples.read_text().splitlines() if line.strip())
 
 
 def run_demo(out: str | None = None, processes: int = 2) -> int:
@@ -80,7 +66,6 @@ def run_demo(out: str | None = None, processes: int = 2) -> int:
     sample = sample_text_path()
     print(f"model: {model}\ndata:  {sample} (WikiText-format sample shipped with the package)", flush=True)
     base = f"pretrained={model},max_length=256"
-    port = 29500 + os.getpid() % 1000
     configs = {
         f"fp32, {processes} processes": (processes, base),
         f"int4 vs fp32, {processes} processes": (processes, f"{base},quantize=int4,reference=base"),
@@ -89,7 +74,7 @@ def run_demo(out: str | None = None, processes: int = 2) -> int:
     folders = {}
     for i, (name, (n, args)) in enumerate(configs.items()):
         folders[name] = root / f"run{i}"
-        _launch(n, args, folders[name], sample, port + i)
+        _launch(n, args, folders[name], sample)
 
     from distperp_harness.commands.compare import load_run, markdown_table
 

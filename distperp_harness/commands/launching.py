@@ -2,15 +2,18 @@
 
 Used by the package's commands (``demo``, ``check``), the benchmarks and the tests. ``--multi_gpu`` is passed for
 two or more processes even on CPU: Accelerate's ``--cpu`` flag starts a single process whatever
-``--num_processes`` says; on a CPU-only machine the processes form a gloo group.
+``--num_processes`` says. On a CPU-only machine the processes form a gloo group only if the program creates
+``PartialState(cpu=True)`` (or ``Accelerator(cpu=True)``), as ``DistPerpLM`` does; a bare ``PartialState()`` reports
+world size 1.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 OFFLINE_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
@@ -72,4 +75,25 @@ def accelerate_launch_prefix(
         "--num_processes", str(num_processes), *machines,
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(port if port is not None else free_port()),
+    ]  # fmt: skip
+
+
+def lm_eval_command(
+    processes: int,
+    model_args: str,
+    tasks: str,
+    *,
+    output_path: str | os.PathLike[str],
+    include_path: str | os.PathLike[str] | None = None,
+    metadata: Mapping[str, object] | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``accelerate launch ... -m lm_eval --model distperp`` with ``--log_samples`` into ``output_path``, the command
+    a user types, for ``processes`` local processes; ``extra`` goes last (``--limit``, ``--batch_size``...)."""
+    return [
+        *accelerate_launch_prefix(processes),
+        "-m", "lm_eval", "--model", "distperp", "--model_args", model_args, "--tasks", tasks,
+        *(["--include_path", str(include_path)] if include_path is not None else []),
+        *(["--metadata", json.dumps(dict(metadata))] if metadata else []),
+        "--log_samples", "--output_path", str(output_path), *extra,
     ]  # fmt: skip

@@ -12,7 +12,9 @@ A value agrees when ``|distperp - hf| <= atol + rtol * |hf|``. The defaults foll
 ``atol=1e-3`` nats (``hf``'s float32 log-softmax alone is off by up to 3e-4 nats per answer on a 49k vocabulary),
 ``rtol=1e-5``; bfloat16/float16 ``atol=0.1``, ``rtol=5e-3`` (the two backends batch differently, and low-precision
 kernels round by batch shape). A task **agrees** when every value agrees and every choice and generation is the
-same; the command exits 0 when every task agrees, 1 otherwise. Metrics are printed side by side.
+same; the command exits 0 when every task agrees, 1 otherwise. A chosen answer that flips where ``hf``'s two best
+answers are within the tolerance of each other is a *near tie*: counted apart, it does not fail the task. Metrics are
+printed side by side.
 
 Default task: ``distperp_wikitext2`` on the packaged WikiText-format sample (offline). Any lm-eval task works
 (``--tasks hellaswag,arc_easy --limit 100``) where its data can be loaded.
@@ -28,6 +30,8 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
+
+from distperp_harness.errors import InputError
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -61,6 +65,7 @@ class TaskParity:
     greedy_differ: int = 0
     choices: int = 0
     choices_differ: int = 0
+    near_ties: int = 0
     generations: int = 0
     generations_differ: int = 0
     metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -72,17 +77,26 @@ class TaskParity:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a local folder or hub id (what pretrained= takes)")
+    parser.add_argument(
+        "--model",
+        "--pretrained",
+        required=True,
+        help="the checkpoint: a folder or hub id (pretrained=)",
+    )
     parser.add_argument("--tasks", default="distperp_wikitext2", help="comma-separated lm-eval tasks")
     parser.add_argument("--include_path", default=None, help="a folder of your own task YAMLs")
-    parser.add_argument("--metadata", default=None, help="JSON for the tasks (default: the packaged sample's path)")
+    parser.add_argument(
+        "--metadata", default=None, help="JSON for the tasks, added to the packaged sample's wikitext_path"
+    )
     parser.add_argument("--limit", type=int, default=None, help="the first N documents of each task")
     parser.add_argument("--num_fewshot", type=int, default=None)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES))
-    parser.add_argument("--batch_size", default="8")
+    parser.add_argument("--batch_size", default="8", help="both models' batch size (default 8; lm-eval's is 1)")
     parser.add_argument("--max_length", type=int, default=None)
-    parser.add_argument("--model_args", default="", help="more model_args for both, e.g. trust_remote_code=true")
+    parser.add_argument(
+        "--model_args", default="", help="more model_args for both, e.g. trust_remote_code=true,revision=main"
+    )
     parser.add_argument("--atol", type=float, default=None, help="nats (default: by --dtype)")
     parser.add_argument("--rtol", type=float, default=None, help="relative (default: by --dtype)")
     parser.add_argument("--json", default=None, help="also write the comparison to this JSON file")
@@ -113,19 +127,30 @@ def compare_task(task: str, hf: list[dict], dp: list[dict], tolerance: Tolerance
             x, y = (float(a[0]), float(b[0])) if pair else (float(a), float(b))
             parity.values += 1
             parity.values_outside += not tolerance.agrees(x, y)
-            parity.max_abs_diff = max(parity.max_abs_diff, abs(y - x))
+            diff = abs(y - x)
+            parity.max_abs_diff = max(parity.max_abs_diff, diff if math.isfinite(diff) else math.inf)
             if pair:
                 parity.greedy_differ += bool(a[1]) != bool(b[1])
                 scores["hf"].append(x)
                 scores["dp"].append(y)
         if len(scores["hf"]) > 1:
             parity.choices += 1
-            parity.choices_differ += _argmax(scores["hf"]) != _argmax(scores["dp"])
+            if _argmax(scores["hf"]) != _argmax(scores["dp"]):
+                if _near_tie(scores["hf"], tolerance):
+                    parity.near_ties += 1
+                else:
+                    parity.choices_differ += 1
     return parity
 
 
 def _argmax(values: list[float]) -> int:
     return max(range(len(values)), key=values.__getitem__)
+
+
+def _near_tie(values: list[float], tolerance: Tolerance) -> bool:
+    """Whether the two best answers are within the tolerance of each other: either may win."""
+    best, second = sorted(values, reverse=True)[:2]
+    return best - second <= tolerance.atol + tolerance.rtol * abs(best)
 
 
 def metrics(hf: dict, dp: dict) -> dict[str, tuple[float, float]]:
@@ -135,6 +160,40 @@ def metrics(hf: dict, dp: dict) -> dict[str, tuple[float, float]]:
         for key, value in hf.items()
         if "_stderr" not in key and "," in key and isinstance(value, (int, float)) and key in dp
     }
+
+
+RESERVED = {"pretrained": "--model", "dtype": "--dtype", "max_length": "--max_length", "batch_size": "--batch_size",
+            "device": "--device"}  # fmt: skip
+"""model_args keys both runs take from a flag (the tolerance follows ``--dtype``): the flag to use instead."""
+
+
+def check_model_args(model_args: str) -> None:
+    """Raises :class:`InputError` when ``--model_args`` sets what a flag sets for both runs."""
+    from lm_eval.utils import simple_parse_args_string
+
+    taken = sorted(set(simple_parse_args_string(model_args)) & set(RESERVED))
+    if taken:
+        flags = ", ".join(f"{key} (use {RESERVED[key]})" for key in taken)
+        raise InputError(f"--model_args {model_args!r} sets {flags}: both runs take these from the flags")
+
+
+def task_metadata(given: str | None) -> dict:
+    """``--metadata`` (JSON) over the default: the packaged sample as ``wikitext_path``.
+
+    Raises:
+        InputError: ``given`` is not a JSON object.
+    """
+    from distperp_harness.commands.tiny import sample_text_path
+
+    try:
+        extra = json.loads(given) if given else {}
+    except json.JSONDecodeError as error:
+        raise InputError(
+            f'--metadata {given!r} is not JSON ({error}); e.g. \'{{"wikitext_path": "test.txt"}}\''
+        ) from None
+    if not isinstance(extra, dict):
+        raise InputError(f'--metadata {given!r} must be a JSON object, e.g. \'{{"wikitext_path": "test.txt"}}\'')
+    return {"wikitext_path": str(sample_text_path()), **extra}
 
 
 def _evaluate(model: str, args: argparse.Namespace, device: str, manager: TaskManager) -> dict:
@@ -163,15 +222,15 @@ def _evaluate(model: str, args: argparse.Namespace, device: str, manager: TaskMa
 
 def run_parity(args: argparse.Namespace) -> int:
     """Run both models, print the comparison and the verdict; 0 when every task agrees."""
-    import torch
     from lm_eval.tasks import TaskManager
 
-    from distperp_harness.commands.tiny import sample_text_path
+    from distperp_harness.commands.check import device_for
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_for(args.device)
+    check_model_args(args.model_args)
     atol, rtol = TOLERANCES[args.dtype]
     tolerance = Tolerance(args.atol if args.atol is not None else atol, args.rtol if args.rtol is not None else rtol)
-    metadata = json.loads(args.metadata) if args.metadata else {"wikitext_path": str(sample_text_path())}
+    metadata = task_metadata(args.metadata)
     manager = TaskManager(include_path=args.include_path, metadata=metadata)
     runs = {name: _evaluate(name, args, device, manager) for name in ("hf", "distperp")}
     tasks = sorted(runs["hf"]["samples"])
@@ -184,12 +243,13 @@ def run_parity(args: argparse.Namespace) -> int:
         f"\ndistperp parity: {args.model}, {args.dtype} on {device}; a value agrees when "
         f"|distperp - hf| <= {tolerance.atol:g} + {tolerance.rtol:g} x |hf|\n"
     )
-    print("| task | values outside / all | max abs diff | greedy flags differ | choices differ | generations differ "
-          "| verdict |\n|---|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    print("| task | values outside / all | max abs diff | greedy flags differ | choices differ | near ties "
+          "| generations differ | verdict |\n|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
     for p in report:
         print(
             f"| {p.task} | {p.values_outside}/{p.values} | {p.max_abs_diff:.3g} | {p.greedy_differ} | "
-            f"{p.choices_differ}/{p.choices} | {p.generations_differ}/{p.generations} | {p.verdict.value} |"
+            f"{p.choices_differ}/{p.choices} | {p.near_ties} | {p.generations_differ}/{p.generations} | "
+            f"{p.verdict.value} |"
         )
     print("\n| task | metric | hf | distperp | relative difference |\n|---|---|---:|---:|---:|")
     for p in report:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import REPO_ROOT, run_command
 
 from distperp_harness.commands import check
 from distperp_harness.commands.check import CheckRow, Evaluation, Outcome
+from distperp_harness.errors import InputError
 
 
 def test_check_passes_on_cpu_with_two_processes(tmp_path: Path) -> None:
@@ -39,7 +41,7 @@ def test_check_passes_on_cpu_with_two_processes(tmp_path: Path) -> None:
 def _namespace(**overrides) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     check.add_arguments(parser)
-    return parser.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()])
+    return parser.parse_args([f"--{k}={v}" for k, v in overrides.items()])
 
 
 def _evaluation(bits: dict[int, str], fingerprint: str = "f") -> Evaluation:
@@ -72,21 +74,6 @@ def test_one_process_or_no_scores_skip_the_launch() -> None:
     assert check.processes_row(_namespace(), "cpu", {}, {}, None).outcome is Outcome.SKIP
 
 
-def test_a_model_still_referenced_is_not_released() -> None:
-    class Model:
-        pass
-
-    held = Model()
-    kept = check.released(weakref.ref(held), None)
-    assert not kept.ok and "still referenced" in kept.detail
-    gone = Model()
-    ref = weakref.ref(gone)
-    del gone
-    assert check.released(ref, None) == check.Release(collected=True, left_bytes=None)
-    assert check.Release(collected=True, left_bytes=None).ok
-    assert not check.Release(collected=True, left_bytes=check.RELEASE_SLACK + 1).ok
-
-
 def test_a_model_that_does_not_load_fails_its_row_and_the_exit_code(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -100,5 +87,59 @@ def test_a_model_that_does_not_load_fails_its_row_and_the_exit_code(
 
 
 def test_devices_other_than_cpu_and_cuda_are_refused() -> None:
-    with pytest.raises(ValueError, match="--device 'tpu'"):
-        check.device_for("tpu")
+    for device in ("tpu", "cpu:0", "cuda:x"):
+        with pytest.raises(InputError, match=f"--device '{device}'"):
+            check.device_for(device)
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="torch sees 0 CUDA device"):
+            check.device_for("cuda:0")
+    assert check.device_for("cpu") == "cpu"
+
+
+def test_model_args_add_to_the_runs_but_cannot_replace_what_the_check_sets() -> None:
+    base = check.model_args_for(_namespace(model_args="group_size=64,trust_remote_code=True"), "m", "cpu")
+    assert base == {
+        "pretrained": "m", "device": "cpu", "dtype": "bfloat16", "batch_size": "auto",
+        "group_size": 64, "trust_remote_code": True,
+    }  # fmt: skip
+    assert check.model_args_for(_namespace(max_length=64), "m", "cpu")["max_length"] == 64
+    with pytest.raises(InputError, match=r"sets dtype, quantize.*dtype \(use --dtype\)"):
+        check.model_args_for(_namespace(model_args="quantize=int8,dtype=float16"), "m", "cpu")
+
+
+def test_processes_below_one_are_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit):
+        _namespace(processes=0)
+
+
+class _Report:
+    def __init__(self, quantized: list[str], skipped: dict[str, str], config_name: str | None = "Int4") -> None:
+        self.quantized, self.skipped, self.config_name = quantized, skipped, config_name
+
+
+def test_a_quantized_run_that_quantized_nothing_fails_its_load() -> None:
+    assert check.load_row("bfloat16", "1 s", None, quantized_run=False).outcome is Outcome.PASS
+    row = check.load_row("int4", "1 s", _Report(["a", "b"], {"lm_head": "output embedding kept"}), quantized_run=True)
+    assert row.outcome is Outcome.PASS and "2 of 3 Linear layers quantized (kept: output embedding kept)" in row.detail
+    for report in (None, _Report([], {"a": "in_features=576 is not divisible"}), _Report(["a"], {}, None)):
+        assert check.load_row("int4", "1 s", report, quantized_run=True).outcome is Outcome.FAIL
+
+
+def test_scores_must_be_finite_and_the_same_bits_twice() -> None:
+    first = _evaluation({0: (-1.5).hex(), 1: (-2.5).hex()})
+    assert [r.outcome for r in check.score_rows("bf16", first, first)] == [Outcome.PASS, Outcome.PASS]
+    moved = check.score_rows("bf16", first, _evaluation({0: (-1.5).hex(), 1: (-2.500001).hex()}))
+    assert [r.outcome for r in moved] == [Outcome.PASS, Outcome.FAIL] and "1 of 2 documents differ" in moved[1].detail
+    nan = _evaluation({0: float("nan").hex()})
+    assert check.score_rows("bf16", nan, nan)[0].outcome is Outcome.FAIL
+    assert check.score_rows("bf16", _evaluation({}), _evaluation({}))[0].outcome is Outcome.FAIL
+
+
+def test_a_launch_that_writes_no_results_says_so_on_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(check.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0, stderr="", stdout=""))
+    row = check.processes_row(_namespace(work=tmp_path), "cpu", {}, {}, _evaluation({0: "0x1p+0"}))
+    assert row.outcome is Outcome.FAIL and "no results_*.json under" in row.detail
+    failing = SimpleNamespace(returncode=1, stderr="Traceback\nline two\nValueError: bad", stdout="")
+    monkeypatch.setattr(check.subprocess, "run", lambda *a, **k: failing)
+    row = check.processes_row(_namespace(work=tmp_path), "cpu", {}, {}, _evaluation({0: "0x1p+0"}))
+    assert "exit 1" in row.detail and "\n" not in row.detail and "ValueError: bad" in row.detail

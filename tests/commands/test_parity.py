@@ -9,8 +9,18 @@ from pathlib import Path
 import pytest
 from helpers import TASKS_DIR
 
+from distperp_harness.commands import parity
 from distperp_harness.commands.cli import main
-from distperp_harness.commands.parity import TOLERANCES, Tolerance, Verdict, compare_task, metrics
+from distperp_harness.commands.parity import (
+    TOLERANCES,
+    Tolerance,
+    Verdict,
+    check_model_args,
+    compare_task,
+    metrics,
+    task_metadata,
+)
+from distperp_harness.errors import InputError
 
 TIGHT = Tolerance(*TOLERANCES["float32"])
 
@@ -32,10 +42,20 @@ def test_a_value_outside_tolerance_or_another_choice_differs() -> None:
     hf = [_mc(0, [-1.0, -2.0])]
     outside = compare_task("mc", hf, [_mc(0, [-1.01, -2.0])], TIGHT)
     assert outside.values_outside == 1 and outside.choices_differ == 0 and outside.verdict is Verdict.DIFFER
-    swapped = compare_task("mc", hf, [_mc(0, [-2.0, -1.0])], Tolerance(5.0, 0.0))
-    assert swapped.values_outside == 0 and swapped.choices_differ == 1 and swapped.verdict is Verdict.DIFFER
+    swapped = compare_task("mc", hf, [_mc(0, [-2.0, -1.0])], Tolerance(0.6, 0.0))
+    assert swapped.values_outside == 2 and swapped.choices_differ == 1 and swapped.verdict is Verdict.DIFFER
     greedy = compare_task("mc", hf, [_mc(0, [-1.0, -2.0], greedy=True)], TIGHT)
     assert greedy.greedy_differ == 2 and greedy.verdict is Verdict.DIFFER
+
+
+def test_a_flip_between_answers_within_the_tolerance_is_a_near_tie() -> None:
+    loose = Tolerance(0.1, 0.0)
+    tie = compare_task("mc", [_mc(0, [-1.0, -1.05, -3.0])], [_mc(0, [-1.04, -1.0, -3.0])], loose)
+    assert (tie.choices_differ, tie.near_ties, tie.values_outside, tie.verdict) == (0, 1, 0, Verdict.AGREE)
+    # hf's gap 0.5 is more than the tolerance 0.3: a flip with every value within it still differs
+    apart = compare_task("mc", [_mc(0, [-1.0, -1.5])], [_mc(0, [-1.28, -1.22])], Tolerance(0.3, 0.0))
+    assert (apart.values_outside, apart.choices_differ, apart.near_ties) == (0, 1, 0)
+    assert apart.verdict is Verdict.DIFFER
 
 
 def test_rolling_totals_use_the_relative_part_and_generations_compare_as_text() -> None:
@@ -46,7 +66,7 @@ def test_rolling_totals_use_the_relative_part_and_generations_compare_as_text() 
     not_finite = compare_task(
         "r", [{"doc_id": 0, "resps": [[-1.0]]}], [{"doc_id": 0, "resps": [[float("nan")]]}], TIGHT
     )
-    assert not_finite.verdict is Verdict.DIFFER
+    assert not_finite.verdict is Verdict.DIFFER and not_finite.max_abs_diff == float("inf")
     gen = compare_task(
         "g",
         [{"doc_id": 0, "resps": [["a b"]]}, {"doc_id": 1, "resps": [["c"]]}],
@@ -80,3 +100,30 @@ def test_parity_of_the_tiny_model_agrees_on_three_request_types(
     assert rows["distperp_wikitext2"]["values"] == 3 and rows["dptest_gen"]["generations"] == 3
     assert rows["dptest_mc"]["choices"] == 3 and rows["dptest_mc"]["metrics"]["acc,none"][0] is not None
     assert "AGREE: 3 of 3 tasks agree" in capsys.readouterr().out
+
+
+def test_model_args_cannot_contradict_the_flags_and_metadata_adds_to_the_default() -> None:
+    check_model_args("trust_remote_code=True,revision=main")
+    with pytest.raises(InputError, match=r"dtype \(use --dtype\)"):
+        check_model_args("dtype=bfloat16")
+    with pytest.raises(InputError, match=r"batch_size \(use --batch_size\)"):
+        check_model_args("batch_size=4")
+    merged = task_metadata('{"other": 1}')
+    assert merged["other"] == 1 and merged["wikitext_path"].endswith("sample_wikitext.txt")
+    for bad in ("{oops", "[1]"):
+        with pytest.raises(InputError, match="--metadata"):
+            task_metadata(bad)
+
+
+def test_a_task_that_differs_exits_1_and_says_which(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logged = {"hf": [_mc(0, [-1.0, -2.0])], "distperp": [_mc(0, [-2.0, -1.0])]}
+
+    def evaluate(model, args, device, manager):
+        return {"samples": {"mc": logged[model]}, "results": {"mc": {"acc,none": 1.0 if model == "hf" else 0.0}}}
+
+    monkeypatch.setattr(parity, "_evaluate", evaluate)
+    assert main(["parity", "--model", str(tmp_path), "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFER: mc: 0 of 1 tasks agree" in out and "| mc | acc,none | 1 | 0 |" in out
