@@ -1,5 +1,5 @@
 """``python -m benchmarks.scale --generate``: generation start-up per rank at 8 to 1,024 ranks (records exchange,
-lane planning and prompt routing, simulated). It was ``benchmarks/scale_generate.py``.
+lane planning and prompt routing, simulated).
 
     python -m benchmarks.scale --generate                          # full size, W = 8, 64, 1024
     python -m benchmarks.scale --generate --fraction 0.05 --ranks 8,64   # quick

@@ -1,5 +1,5 @@
 """``python -m benchmarks.bench_scoring --sweep ROWS``: scoring tokens/s per batch size, to see where a larger batch
-stops paying off (the CPU cap of ``batch_size=auto``). It was ``benchmarks/batch_sweep.py``.
+stops paying off (the CPU cap of ``batch_size=auto``).
 
 Scores full-length windows (random token ids: speed does not depend on them) with distperp's ``score_batch`` at each
 row count of ``--sweep``, interleaved over ``--repeats`` rounds (default 3; each round runs every size once, in

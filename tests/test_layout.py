@@ -245,8 +245,7 @@ def test_generation_roles_import_downward():
 def test_rules_sit_below_the_orchestrators():
     """The batching, sharing and scoring rules (``run.rules``) and the policy that chooses them (``run.budget``,
     ``run.runtime``) import neither orchestrator (``run.scoring.pipeline``, ``run.generation.generate``); ``rules``
-    imports
-    nothing of ``run``."""
+    imports nothing of ``run``."""
     orchestrators = {"distperp_harness.run.scoring.pipeline", "distperp_harness.run.generation.generate"}
     edges = {(a, b) for a, b, _ in import_edges()}
     policy = {"distperp_harness.run.rules", "distperp_harness.run.budget", "distperp_harness.run.runtime"}
@@ -269,3 +268,23 @@ def test_tests_share_helpers_only_through_helpers():
                 if (name.startswith("tests.") and name != "tests.helpers") or name.startswith("test_")
             ]
     assert offenders == []
+
+
+def test_benchmarks_import_no_private_names_and_edit_no_sys_path():
+    """The package's contract: benchmarks use the public names of ``distperp_harness`` only, and none of them puts
+    a folder on ``sys.path`` (they run as ``python -m benchmarks.<name>`` from the repository root)."""
+    offenders = []
+    for path in sorted((PACKAGE.parent / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distperp_harness"):
+                names = [node.module, *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("distperp_harness")]
+            else:
+                names = []
+            if any(part.startswith("_") for n in names for part in n.split(".")):
+                offenders.append(f"{path.name}:{node.lineno} imports {names}")
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                offenders.append(f"{path.name}:{node.lineno} uses sys.path")
+    assert not offenders, offenders

@@ -26,8 +26,7 @@ to token sequences directly (a unit's index in ``units`` is its id), the referen
 * rows whose roots share at least :data:`MIN_SHARED_PREFIX` tokens form a *group*: batches never mix groups, and a
   batch of two or more rows computes the prefix its rows share once (:func:`shared_prefix`, the key/value cache of one
   forward reused by every row; :mod:`distperp_harness.run.scoring.engine.forward`). A thousand questions after one
-  700-token
-  few-shot block thus cost their own tokens plus 700 per batch;
+  700-token few-shot block thus cost their own tokens plus 700 per batch;
 * ``mode="inputs"`` (models that cannot take a custom mask): one path per row, input classes still shared;
 * ``mode="off"``: one row per unit.
 

@@ -10,8 +10,8 @@ memory, the requests or the world size — so the plan, and hence the bits, are 
 
 with ``resident weights`` the model's and the reference's stored bytes, the logits chunks
 :func:`~distperp_harness.run.scoring.engine.forward.chunk_bytes`, the activation bytes
-:func:`activation_bytes_per_token` (one
-layer's transients in the compute dtype; eager attention's scores only with eager attention), and
+:func:`activation_bytes_per_token` (one layer's transients in the compute dtype; eager attention's scores only
+with eager attention), and
 ``fraction`` 1/2 on CUDA (the allocator's fragmentation and the CUDA context take part of the rest) and 1/4 on CPU
 (the other processes of the node share the memory). On CPU the budget is also capped at ``_CPU_MAX_TOKENS``:
 beyond that a larger batch no longer computes faster (see :data:`_CPU_MAX_TOKENS`).
@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 # Fraction of (total memory - resident weights) that one batch's activations may take.
 _MEMORY_FRACTION = {"cuda": 0.5, "cpu": 0.25}
 # On CPU, more tokens per batch than this stop paying off: the GEMMs are at full speed already, while larger
-# activations cost fresh pages and memory traffic (benchmarks/batch_sweep.py on wt2-llama-5m, max_length 1024:
-# 4,096 tokens per batch fastest; 8,192 at 0.92x, 16,384 at 0.88x; see benchmarks/README.md).
+# activations cost fresh pages and memory traffic (`python -m benchmarks.bench_scoring --sweep` on wt2-llama-5m,
+# max_length 1024: 4,096 tokens per batch fastest; 8,192 at 0.92x, 16,384 at 0.88x; see benchmarks/README.md).
 _CPU_MAX_TOKENS = 4096
 
 FreeMemory = Callable[[torch.device], int]

@@ -192,8 +192,7 @@ def estimate(  # noqa: PLR0913 - the facts an estimate reads before loading, the
     are released before the reference's forward). Activations: :func:`activation_bytes_per_token` in each model's
     compute dtype and attention implementation, for ``rows`` full-length rows. Logits:
     :func:`~distperp_harness.run.scoring.engine.forward.chunk_bytes`. Communication: :data:`COMM_MARGIN_CUDA` when
-    sharded on
-    CUDA (gloo's buffers on CPU are negligible).
+    sharded on CUDA (gloo's buffers on CPU are negligible).
     """
     from distperp_harness.run.scoring.engine.forward import chunk_bytes
 

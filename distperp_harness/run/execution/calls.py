@@ -167,8 +167,7 @@ class RunStats:
     def fingerprint(self) -> str:
         """16 hex digits of every scoring call's per-unit results, in call order (each call's part:
         :func:`~distperp_harness.run.scoring.pipeline.unit_mark`): equal exactly when the results are, whatever the
-        batch
-        size, batch order or number of processes; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
+        batch size, batch order or number of processes; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
         in another order: its bits compare with runs of the same ``tp_size`` only)."""
         digits = self._digest.hexdigest()[:16]
         return digits if self.tp_size == 1 else f"tp{self.tp_size}:{digits}"

@@ -97,8 +97,8 @@ def decode_lane(
     ``on_done(index, tokens)``: called as each row ends. With a compiled step that does not cover the lane, its
     decode forwards are counted in the step's ``eager_calls``. Raises
     :class:`~distperp_harness.run.scoring.engine.kvcache.CacheNotShareable` (before choosing any token) when the
-    model's cache
-    cannot be edited row by row (:func:`~.engines.choose_engine` sends such lanes to ``model.generate`` first).
+    model's cache cannot be edited row by row (:func:`~.engines.choose_engine` sends such lanes to ``model.generate``
+    first).
     """
     scheduler = Scheduler(lane, rule, decoder.tokenizer.batch_decode, on_done)
     prefiller = Prefiller.for_lane(

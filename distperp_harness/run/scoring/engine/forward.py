@@ -124,8 +124,7 @@ def _features(
     logits. The logits a call returns may be overwritten by the next call (see :class:`ReusedHead`). ``packing``: the
     attention mask and position ids of a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache
     of the batch's shared prefix (:func:`~distperp_harness.run.scoring.engine.kvcache.prefix_cache`), which
-    ``input_ids``
-    follow."""
+    ``input_ids`` follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     plain_head = model_support(model).plain_head
     extra = packing.kwargs(model) if packing is not None else {}
@@ -171,8 +170,7 @@ def score_batch(
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids
     (:mod:`~distperp_harness.run.scoring.engine.masks`; the caller makes sure the model takes them,
     :func:`~distperp_harness.run.scoring.engine.support.packed_rows_unsupported`); a batch of plain rows runs with no
-    mask.
-    ``shared`` > 0
+    mask. ``shared`` > 0
     (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the first ``shared`` tokens, equal in every
     row, are computed once and every row continues from their key/value cache (:func:`forward_calls`: two forward calls,
     model then reference each time); ``between_forwards`` runs between the two (sharded weights re-gather there, so the

@@ -15,7 +15,7 @@ class ModelSupport:
     ``plain_head``: its logits are exactly ``get_output_embeddings()(base_model(...).last_hidden_state)``, so only
     scored positions go through the head (others: soft-capping, logit scaling, ... use full logits).
     ``takes_4d_mask``: it passes a 4D attention mask through unchanged and takes position ids (each checked against
-    unshared rows, with sdpa and eager, in tests/run/scoring/test_forward.py)."""
+    unshared rows, with sdpa and eager, in tests/run/scoring/engine/test_forward.py)."""
 
     plain_head: bool
     takes_4d_mask: bool
@@ -60,9 +60,8 @@ def packed_rows_unsupported(model: torch.nn.Module, max_length: int) -> str | No
     Needs a model type whose :data:`MODEL_TYPES` entry takes a 4D mask, ``sdpa`` or ``eager`` attention (a dense
     mask), or ``flex_attention`` where transformers implements it for the model (``_supports_flex_attn``; a block mask,
     :mod:`distperp_harness.run.scoring.engine.masks`) and not on CUDA (tree rows there disagreed with sdpa's,
-    unresolved) —
-    flash attention takes no custom mask —, no attention-logit soft
-    capping, and no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
+    unresolved) — flash attention takes no custom mask —, no attention-logit soft capping, and
+    no sliding window shorter than ``max_length`` (a custom mask replaces the window; rows are at most
     ``max_length`` tokens, so a longer window never applies).
     """
     config = getattr(model, "config", None)

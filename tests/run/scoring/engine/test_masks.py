@@ -1,6 +1,5 @@
 """The tree mask (:mod:`distperp_harness.run.scoring.engine.masks`): the dense mask against the rule computed by hand,
-and flex
-attention's ``mask_mod`` and ``BlockMask`` against the dense mask, element for element."""
+and flex attention's ``mask_mod`` and ``BlockMask`` against the dense mask, element for element."""
 
 import numpy as np
 import pytest
