@@ -3,7 +3,6 @@
 
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -12,6 +11,7 @@ from helpers import (
     TASKS_DIR,
     DictStore,
     LaunchOutputs,
+    accelerate_launch_prefix,
     distperp_args,
     free_port,
     launch_one_node,
@@ -368,27 +368,7 @@ def test_a_faked_loopback_bind_on_two_nodes_is_refused_at_start(tiny_model_dir, 
     ]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--multi_gpu",
-                "--num_machines",
-                "2",
-                "--machine_rank",
-                str(rank),
-                "--num_processes",
-                "2",
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                str(port),
-                "--mixed_precision",
-                "no",
-                "--dynamo_backend",
-                "no",
-                *args,
-            ],
+            [*accelerate_launch_prefix(2, port, num_machines=2, machine_rank=rank), *args],
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -71,7 +71,7 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
     from pathlib import Path
 
     from distperp_harness.commands.tiny import TinySpec, build_tiny_model
-    from tests.helpers import free_port, offline_env
+    from tests.helpers import accelerate_launch_prefix, free_port, offline_env
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores")
@@ -101,24 +101,7 @@ def test_a_slow_node_does_not_set_the_pace(tmp_path):
                     "taskset",
                     "-c",
                     str(cores[rank]),
-                    sys.executable,
-                    "-m",
-                    "accelerate.commands.launch",
-                    "--multi_gpu",
-                    "--num_machines",
-                    "2",
-                    "--machine_rank",
-                    str(rank),
-                    "--num_processes",
-                    "2",
-                    "--main_process_ip",
-                    "127.0.0.1",
-                    "--main_process_port",
-                    str(port),
-                    "--mixed_precision",
-                    "no",
-                    "--dynamo_backend",
-                    "no",
+                    *accelerate_launch_prefix(2, port, num_machines=2, machine_rank=rank),
                     str(job),
                     str(model),
                     str(out),
