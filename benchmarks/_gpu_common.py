@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from distperp_harness.commands.tiny import TinySpec, build_tiny_model, sample_text
+from distperp_harness.commands.tiny import CHECK_SPEC, TinySpec, build_tiny_model, sample_text
 
 LLAMA_1B = TinySpec(
     vocab_size=128256,
@@ -20,20 +20,9 @@ LLAMA_1B = TinySpec(
     seed=0,
     name="gpu-check-llama-1b",
 )
-# The dry-run model: every Linear input width (hidden 128, heads x head_dim 128, MLP 256) a multiple of the int4
-# group size 128, so quantize=int4 quantizes every Linear layer of the decoder (the test model quantizes 2 of 15).
-DRY_SPEC = TinySpec(
-    vocab_size=512,
-    hidden_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=256,
-    max_position_embeddings=128,
-    seed=0,
-    train_steps=0,
-    name="dry-llama",
-)
+DRY_SPEC = CHECK_SPEC
+"""The dry-run model: ``distperp check``'s own (every Linear int4-quantizable, so quantize=int4 quantizes every Linear
+layer of the decoder; the test model quantizes 2 of 15)."""
 
 
 def build_model(args: argparse.Namespace) -> Path:

@@ -28,19 +28,17 @@ from dataclasses import replace as dataclasses_replace
 import numpy as np
 
 from benchmarks.common import cpu_and_peak
-from distperp_harness.planning.plan import assign_batches
 from distperp_harness.planning.records import FlatUnits, local_records
-from distperp_harness.run.execution.claims import helper_of, helper_step
+from distperp_harness.run.execution.claims import helper_step
 from distperp_harness.run.execution.routing import front_coded, token_routes
 from distperp_harness.run.generation.jobs import (
     JOB,
     JobTable,
+    assign_lanes,
     decode_jobs,
     encode_jobs,
-    ladder_shared,
     lane_destinations,
 )
-from distperp_harness.run.generation.lanes import plan_lanes
 
 TOKEN_BUDGET = 262_144  # KV tokens the slots of a lane may hold (an 8B model on an 80 GB GPU, roughly)
 
@@ -109,19 +107,10 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
     def start_up():
         records = local_records(own)
         table = JobTable.merge([decode_jobs(p) for p in [encode_jobs(records, own_records), *payloads]])
-        jobs = table.jobs
-        lanes = plan_lanes(
-            table.lengths.tolist(),
-            jobs["group"].tolist(),
-            jobs["max_new"].tolist(),
-            rows_for,
-            lambda a, b: ladder_shared(table, a, b, 32),
-        )
-        plan = assign_batches([lane.as_batch() for lane in lanes], world)
-        owner = np.asarray(plan.owner, dtype=np.int64)
-        ranks = np.stack([owner, [helper_of(o, world, step) for o in owner]], 1)
-        lane_of_job = np.repeat(np.arange(len(lanes)), [lane.jobs for lane in lanes]).astype(np.int64)
-        _, expect = token_routes(table.prompts, lane_destinations(table, lane_of_job, ranks), 0, world)
+        assigned = assign_lanes(table, rows_for, 32, world, step)
+        destinations = lane_destinations(table, assigned.lane_of_job, assigned.workers)
+        _, expect = token_routes(table.prompts, destinations, 0, world)
+        lanes, plan = assigned.lanes, assigned.plan
         return table, lanes, plan, expect
 
     cpu, peak, (table, lanes, plan, expect) = cpu_and_peak(start_up)

@@ -113,7 +113,7 @@ if [ "$DEVICE" = cpu ]; then
   run bench_scoring "$PY" -m benchmarks.bench_scoring --random-shape tiny --workdir "$WORK/random" \
     --text "$TEST_TEXT" --scorers hf,distperp,bare --tokens 400 --repeats 1 --max-length 128 --batch-size 4 --no-memory
   run invariance "$PY" -m benchmarks.invariance_check --device cpu --work "$WORK/invariance"
-  run cli "$PY" -m benchmarks.bench_cli --device cpu --model "$WORK/models/dry-llama" --questions 4 --tokens 2000 \
+  run cli "$PY" -m benchmarks.bench_cli --device cpu --model "$WORK/models/check-llama" --questions 4 --tokens 2000 \
     --int4-tokens 1000 --max-length 128 --batch-size 4 --work "$WORK/cli" --json "$WORK/cli.json"
 else
   run check "$PY" -m distperp_harness check --device cuda --work "$WORK/check" --json "$WORK/check.json"

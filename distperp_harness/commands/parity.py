@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from distperp_harness.commands.samples import responses_by_doc
 from distperp_harness.errors import InputError
 
 if TYPE_CHECKING:
@@ -102,18 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the comparison to this JSON file")
 
 
-def _first_per_doc(samples: list[dict]) -> dict[int, list]:
-    """Document id -> its responses, one per request (the first filter's row; the first response of each)."""
-    out: dict[int, list] = {}
-    for sample in samples:
-        out.setdefault(int(sample["doc_id"]), [resp[0] for resp in sample["resps"]])
-    return out
-
-
 def compare_task(task: str, hf: list[dict], dp: list[dict], tolerance: Tolerance) -> TaskParity:
     """Compare the logged samples of one task, request by request (pure: no model, no lm-eval call)."""
     parity = TaskParity(task)
-    hf_docs, dp_docs = _first_per_doc(hf), _first_per_doc(dp)
+    hf_docs, dp_docs = responses_by_doc(hf), responses_by_doc(dp)
     if set(hf_docs) != set(dp_docs):
         raise ValueError(f"{task}: the two runs scored different documents ({len(hf_docs)} vs {len(dp_docs)})")
     for doc, hf_resps in hf_docs.items():

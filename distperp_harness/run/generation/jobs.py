@@ -227,6 +227,43 @@ class GenerationPlan:
     kwargs_of: dict[int, dict]
 
 
+@dataclass(frozen=True)
+class LaneAssignment:
+    """The lanes of a merged job table and who computes them (the same on every rank: pure).
+
+    ``workers``: ``int [lanes, 2]`` each lane's owner and helper worker (helper ``-1`` without helping);
+    ``lane_of_job``: ``int [jobs]`` each job's lane, in the table's job order."""
+
+    lanes: list[LanePlan]
+    plan: Plan
+    workers: np.ndarray
+    lane_of_job: np.ndarray
+
+
+def assign_lanes(
+    table: JobTable, rows_for: Callable[[int], int], min_shared: int, count: int, step: int
+) -> LaneAssignment:
+    """Plan ``table``'s lanes (rows by ``rows_for``, shared prefixes of ``min_shared`` tokens or more) and their
+    owners among ``count`` workers; ``step``: the claiming helper offset (0: no helper)."""
+    jobs = table.jobs
+    lanes = plan_lanes(
+        table.lengths.tolist(),
+        jobs["group"].tolist(),
+        jobs["max_new"].tolist(),
+        rows_for,
+        lambda a, b: ladder_shared(table, a, b, min_shared),
+    )
+    plan = assign_batches([lane.as_batch() for lane in lanes], count)
+    owner = np.asarray(plan.owner, dtype=np.int64)
+    pairs = (
+        np.stack([owner, [helper_of(o, count, step) for o in owner] if step else np.full_like(owner, -1)], 1)
+        if len(owner)
+        else np.zeros((0, 2), np.int64)
+    )
+    lane_of_job = np.repeat(np.arange(len(lanes)), [lane.jobs for lane in lanes]).astype(np.int64)
+    return LaneAssignment(lanes, plan, pairs, lane_of_job)
+
+
 def plan_generation(
     collective,
     local: LocalJobs,
@@ -247,24 +284,10 @@ def plan_generation(
         torch.from_numpy(encode_jobs(records, local.records)), "exchange generation job records"
     )
     table = JobTable.merge([decode_jobs(p.numpy()) for p in parts])
-    jobs = table.jobs
-    lanes = plan_lanes(
-        table.lengths.tolist(),
-        jobs["group"].tolist(),
-        jobs["max_new"].tolist(),
-        rows_for,
-        lambda a, b: ladder_shared(table, a, b, min_shared),
-    )
     workers = workers or Workers(collective.world_size)
-    count = workers.count
-    plan = assign_batches([lane.as_batch() for lane in lanes], count)
-    owner = np.asarray(plan.owner, dtype=np.int64)
-    lane_ranks = workers.ranks(
-        np.stack([owner, [helper_of(o, count, step) for o in owner] if step else np.full_like(owner, -1)], 1)
-        if len(owner)
-        else np.zeros((0, 2), np.int64)
-    )
-    lane_of_job = np.repeat(np.arange(len(lanes)), [lane.jobs for lane in lanes]).astype(np.int64)
+    assigned = assign_lanes(table, rows_for, min_shared, workers.count, step)
+    lane_ranks = workers.ranks(assigned.workers)
+    lanes, plan, lane_of_job = assigned.lanes, assigned.plan, assigned.lane_of_job
     available = move_tokens(
         collective,
         table.prompts,
