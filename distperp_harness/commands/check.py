@@ -23,6 +23,7 @@ import argparse
 import enum
 import json
 import math
+import re
 import subprocess
 import tempfile
 import time
@@ -228,6 +229,13 @@ def run_in_process(
     return rows, first
 
 
+def _launch_failure(output: str) -> str:
+    """What a failed launch said: distperp's own one-line messages (which rank failed, while doing what), else the
+    end of its output."""
+    said = list(dict.fromkeys(re.findall(r"distperp: (?:rank \d+ |error).*", output)))
+    return " / ".join(said[:2]) if said else f"its output ends: {output[-1500:]}"
+
+
 def launched(processes: int, model_args: dict[str, Any], metadata: dict, limit: int | None, out: Path) -> Evaluation:
     """The same evaluation under ``accelerate launch`` with ``processes`` processes (lm-eval's command line), its
     results written into ``out`` (a fresh folder)."""
@@ -241,7 +249,7 @@ def launched(processes: int, model_args: dict[str, Any], metadata: dict, limit: 
     )
     proc = subprocess.run(cmd, env=offline_env(keep_set=True), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}; its output ends: {(proc.stderr or proc.stdout)[-1500:]}")
+        raise RuntimeError(f"exit {proc.returncode}: {_launch_failure(proc.stderr or proc.stdout)}")
     results = newest_results(out)
     return Evaluation(
         per_doc=_bits(logged_samples(out, TASK)),

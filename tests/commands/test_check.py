@@ -38,6 +38,36 @@ def test_check_passes_on_cpu_with_two_processes(tmp_path: Path) -> None:
     assert "OK: 9 passed, 0 failed, 0 skipped" in proc.stdout
 
 
+def test_failures_on_rank_0_and_on_rank_1_are_failed_rows_not_a_hang(tmp_path: Path) -> None:
+    """Real faults: rank 0 (this process) fails the int4 run's first scoring call; rank 1 of the launched run fails
+    at its first forward. Both become failed rows naming the error, the int4 model is still released, and the
+    command exits 1 within its timeout."""
+    out = tmp_path / "rows.json"
+    proc = run_command(
+        [sys.executable, "-m", "distperp_harness", "check", "--device", "cpu", "--limit", "2", "--json", out],
+        cwd=REPO_ROOT,
+        env={
+            "DISTPERP_CACHE": str(tmp_path / "cache"),
+            "DISTPERP_TEST_FAIL_PLANNING": "0:3",  # calls 1 and 2 are the bfloat16 run's two evaluations
+            "DISTPERP_TEST_FAIL": "1:1",  # only the launched run has a rank 1
+        },
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    rows = {(r["run"], r["check"]): r for r in json.loads(out.read_text())}
+    assert {k: r["outcome"] for k, r in rows.items() if r["run"] == "bfloat16"} == dict.fromkeys(
+        [("bfloat16", c) for c in ("load", "scores", "same bits twice", "memory released")], "pass"
+    )
+    assert rows[("int4", "scores")]["outcome"] == "FAIL"
+    assert "injected failure for tests (DISTPERP_TEST_FAIL_PLANNING=0:3)" in rows[("int4", "scores")]["detail"]
+    assert rows[("int4", "same bits twice")]["outcome"] == "skipped"
+    assert rows[("int4", "memory released")]["outcome"] == "pass"
+    launch = rows[("1 vs 2 processes", "same bits")]
+    assert launch["outcome"] == "FAIL" and "distperp: rank 1 (" in launch["detail"], launch
+    assert "failed while scoring" in launch["detail"] and "\n" not in launch["detail"]
+
+
 def _namespace(**overrides) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     check.add_arguments(parser)
