@@ -63,4 +63,5 @@ def run_facts(
         memory_estimate=dataclasses.asdict(placement.estimate) if placement.estimate else None,
         warnings=prepared.warnings,
         document_split=prepared.document_split.to_dict(),
+        paths=prepared.paths,
     )

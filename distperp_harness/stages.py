@@ -52,7 +52,7 @@ from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import one_slot
-from distperp_harness.run.runtime import choose_sharing
+from distperp_harness.run.runtime import choose_sharing, decide_paths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -182,7 +182,8 @@ def load_models(options: Options, placement: Placement, given: Any, extra: InPro
 class PreparedRun:
     """What a call runs with: the batching rule, prefix sharing (and why not, the row budget, the line to say at the
     first loglikelihood call), compiled models, the decode step (and its line), quantization warnings, the call
-    records, the resume store, the executor, the measured traffic, lm-eval's document split and the chat template."""
+    records, the resume store, the executor, the measured traffic, lm-eval's document split, the chat template and
+    the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`)."""
 
     batching: Any
     sharing: Any
@@ -199,6 +200,7 @@ class PreparedRun:
     traffic: Any
     document_split: Any
     chat: ChatTemplate
+    paths: dict[str, dict]
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,10 @@ def prepare(
     collective, device = placement.collective, placement.device
     both = [m for m in (model, reference) if m is not None]
     local = local_world_size(collective.world_size)
+    with stop_together(collective, device, "probing what the model's forwards allow"):
+        decided = decide_paths(collective, list(both), device, pad_token_id, loaded.max_length)
+    for name, paths in zip(("model", "reference"), decided):
+        log.info(f"{name}: {paths.line()}", main_process_only=True)
     batching = agree_on_batching(
         collective,
         options,
@@ -315,6 +321,7 @@ def prepare(
         traffic,
         install_document_split(collective.world_size),  # lm-eval's split as one process's
         chat,
+        {name: paths.to_dict() for name, paths in zip(("model", "reference"), decided)},
     )
 
 

@@ -182,10 +182,12 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from distperp_harness.run.scoring.engine import support
+    from distperp_harness.run.scoring.engine import masks
 
-    unmasked = {t: dataclasses.replace(s, takes_4d_mask=False) for t, s in support.MODEL_TYPES.items()}
-    monkeypatch.setattr(support, "MODEL_TYPES", unmasked)  # as for a model type not known to take the mask
+    def ignored(self, model, layout=None):  # as for a model that builds its own causal mask whatever it is given
+        return {"attention_mask": None, "position_ids": self.position_ids}
+
+    monkeypatch.setattr(masks.Packing, "kwargs", ignored)
     with caplog.at_level(logging.INFO, logger="distperp_harness"):
         logging.getLogger("distperp_harness").addHandler(caplog.handler)
         run = lm_eval.simple_evaluate(
@@ -199,8 +201,11 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
         )
         logging.getLogger("distperp_harness").removeHandler(caplog.handler)
     sharing = run["config"]["distperp"]["sharing"]
-    assert sharing["mode"] == "inputs" and "model type 'llama'" in sharing["fallback_reason"]
+    why = "tree rows gave other log-likelihoods than unshared rows on the probe"
+    assert sharing["mode"] == "inputs" and why in sharing["fallback_reason"]
+    paths = run["config"]["distperp"]["paths"]["model"]
+    assert paths["probed"] and not paths["packed_rows"] and paths["evidence"]["packed_difference"] > 1e-3
     said = [r for r in caplog.records if "shared-prefix rows are off" in r.getMessage()]
-    assert len({id(r) for r in said}) == 1 and "model type 'llama'" in said[0].getMessage()  # once
+    assert len({id(r) for r in said}) == 1 and why in said[0].getMessage()  # once
     call = next(c for c in run["config"]["distperp"]["calls"] if c["kind"] == "loglikelihood")
     assert call["share_mode"] == "inputs" and call["rows"] < call["units"]

@@ -1,5 +1,6 @@
 """Which modules are a model's decoder layers: one rule for sharding (FSDP units), the fit check (one layer's
-unsharded bytes) and compiling (the layer compiled once)."""
+unsharded bytes) and compiling (the layer compiled once); and which parameters every position multiplies through
+(:func:`matmul_params`: the cost model of planning and of the probe)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,23 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if _length(stack) > _length(longest):
             longest = stack
     return list(longest)
+
+
+def matmul_params(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    """``(body params, head params, layers, hidden)``: parameters every input position multiplies through (all but
+    the input and output embeddings), those of the output head alone, and the config's depth and width."""
+    config = getattr(model, "config", None)
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    params = sum(p.numel() for p in model.parameters())
+    embeddings: dict[int, int] = {}  # by object identity: tied input/output weights are one parameter
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):  # quantized (tensor subclass) weights too; numel is the logical size
+            embeddings[id(weight)] = weight.numel()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head_weight = getattr(head, "weight", None)
+    head_params = int(head_weight.numel()) if isinstance(head_weight, torch.Tensor) else 0
+    body = params - sum(embeddings.values())
+    return max(body, 1), head_params, layers, hidden

@@ -11,6 +11,8 @@ from typing import Any, overload
 
 import torch
 
+from distperp_harness.model.attention import AttentionLayout, declared_layout
+
 
 def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     """Bytes of live activations per input token during one forward pass and scoring (no KV cache), in the
@@ -37,7 +39,7 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     if getattr(config, "_attn_implementation", None) == "eager":
         per_layer += heads * max_length * (2 * width + 4)
     scoring = 2 * width * hidden + 64
-    return int(per_layer + scoring + tree_mask_bytes_per_token(max_length))
+    return int(per_layer + scoring + tree_mask_bytes_per_token(max_length) * mask_count(model))
 
 
 def compute_dtype_bytes(model: torch.nn.Module) -> int:
@@ -55,6 +57,14 @@ def compute_dtype_bytes(model: torch.nn.Module) -> int:
 
 MAX_ROW_FACTOR = 4
 """Tree rows hold at most this many times ``max_length`` tokens (:func:`distperp_harness.run.runtime.row_budget`)."""
+
+
+def mask_count(model: torch.nn.Module) -> int:
+    """How many tree masks a forward holds: one per distinct attention rule of the model's layer types (a full and
+    a sliding-window layer type need two, :mod:`distperp_harness.model.attention`)."""
+    config = getattr(model, "config", None)
+    layout = declared_layout(config) if config is not None else None
+    return len(layout.rules) if isinstance(layout, AttentionLayout) else 1
 
 
 def tree_mask_bytes_per_token(max_length: int) -> int:

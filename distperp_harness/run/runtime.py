@@ -7,28 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from distperp_harness.distributed.protocol import Collective
+from distperp_harness.model.layers import matmul_params
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
-
-
-def _matmul_params(model: torch.nn.Module) -> tuple[int, int, int, int]:
-    """``(body params, head params, layers, hidden)``: parameters every input position multiplies through (all but
-    the input and output embeddings), those of the output head alone, and the config's depth and width."""
-    config = getattr(model, "config", None)
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    params = sum(p.numel() for p in model.parameters())
-    embeddings: dict[int, int] = {}  # by object identity: tied input/output weights are one parameter
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, getter, lambda: None)()
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor):  # quantized (tensor subclass) weights too; numel is the logical size
-            embeddings[id(weight)] = weight.numel()
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    head_weight = getattr(head, "weight", None)
-    head_params = int(head_weight.numel()) if isinstance(head_weight, torch.Tensor) else 0
-    body = params - sum(embeddings.values())
-    return max(body, 1), head_params, layers, hidden
+from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
 
 
 def attention_coefficient(model: torch.nn.Module) -> float:
@@ -37,7 +20,7 @@ def attention_coefficient(model: torch.nn.Module) -> float:
     With it, ``padded_tokens * (1 + coef * padded_length)`` is proportional to the multiply-adds of the layers:
     ``body_params`` per position plus ``n_layers * hidden * length`` for the scores and the weighted sum.
     """
-    body, _, layers, hidden = _matmul_params(model)
+    body, _, layers, hidden = matmul_params(model)
     return float(layers * hidden) / float(body)
 
 
@@ -45,7 +28,7 @@ def head_coefficient(model: torch.nn.Module) -> float:
     """``head_params / body_params``: the cost of one *scored* token (output head and log-softmax, which distperp
     computes only at scored positions) relative to one input position through the layers. For
     :func:`distperp_harness.planning.plan.batch_cost`'s ``head_coef``."""
-    body, head, _, _ = _matmul_params(model)
+    body, head, _, _ = matmul_params(model)
     return float(head) / float(body)
 
 
@@ -71,6 +54,27 @@ def row_budget(batching: Batching, max_length: int, attention_coef: float) -> tu
     )
 
 
+def decide_paths(
+    collective: Collective, models: list[torch.nn.Module], device: torch.device, pad_token_id: int, max_length: int
+) -> list[ModelPaths]:
+    """Each model's :class:`~distperp_harness.run.scoring.engine.support.ModelPaths`, probed on its weights by every
+    rank (the same forwards, every rank of a shard group together), merged so that every rank takes the same
+    decision, and recorded for the forwards that follow."""
+    from distperp_harness.model.sharding import gathered
+    from distperp_harness.run.scoring.engine.probe import merge_paths, probe
+    from distperp_harness.run.scoring.engine.support import record_paths
+
+    decided = []
+    for model in models:
+        with gathered(model):
+            mine = probe(model, device, pad_token_id, max_length)
+        everyone = collective.all_gather_object(mine.to_dict(), "agree on the scoring paths")
+        paths = merge_paths(everyone, mine)
+        record_paths(model, paths)
+        decided.append(paths)
+    return decided
+
+
 def choose_sharing(
     share_prefix: bool,
     models: list[torch.nn.Module],
@@ -78,15 +82,15 @@ def choose_sharing(
     max_length: int,
     batch_invariant: bool = False,
 ) -> tuple[Sharing, str | None, str | None, str | None]:
-    """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any): ``(sharing, why
-    tree rows are off when a model cannot take their mask, how the row budget was chosen, the line to log at the
-    first loglikelihood call)``. ``batch_invariant``: rows of at most ``max_length`` tokens whatever the batching,
-    and no prefix shared across a batch's rows (each row is computed alone)."""
-    from distperp_harness.run.scoring.engine.support import cached_prefix_unsupported, packed_rows_unsupported
-
+    """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any, their paths decided
+    by :func:`decide_paths`): ``(sharing, why tree rows are off when a model cannot take their mask, how the row
+    budget was chosen, the line to log at the first loglikelihood call)``. ``batch_invariant``: rows of at most
+    ``max_length`` tokens whatever the batching, and no prefix shared across a batch's rows (each row is computed
+    alone)."""
     if not share_prefix:
         return Sharing(ShareMode.OFF), None, None, None
-    why = next((r for r in (packed_rows_unsupported(m, max_length) for m in models) if r), None)
+    paths = [paths_of(m) for m in models]
+    why = next((p.packed_rows for p in paths if p.packed_rows), None)
     if why is not None:
         line = (
             f"shared-prefix rows are off: {why}; units with the same input still share a row, every other answer "
@@ -97,8 +101,6 @@ def choose_sharing(
         tokens, how = max_length, f"batch_invariant=true: rows of at most max_length={max_length} tokens, each alone"
         return Sharing(ShareMode.PREFIX, tokens, cached_prefix=False), None, how, f"tree rows ({how})"
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
-    cached = not any(cached_prefix_unsupported(m) for m in models)
-    line = f"tree rows of at most {tokens} tokens ({how})" + (
-        "" if cached else "; " + next(r for r in map(cached_prefix_unsupported, models) if r)
-    )
-    return Sharing(ShareMode.PREFIX, tokens, cached), None, how, line
+    uncached = next((p.cached_prefix for p in paths if p.cached_prefix), None)
+    line = f"tree rows of at most {tokens} tokens ({how})" + ("" if uncached is None else f"; {uncached}")
+    return Sharing(ShareMode.PREFIX, tokens, uncached is None), None, how, line

@@ -63,6 +63,7 @@ class RunFacts:
     memory_estimate: dict | None
     warnings: list[str]
     document_split: dict
+    paths: dict
 
 
 def run_record(facts: RunFacts) -> dict:
@@ -72,7 +73,8 @@ def run_record(facts: RunFacts) -> dict:
     ``options.device`` is the device the run used where the value was lm-eval's default and fell back (no CUDA);
     ``options.compile`` is ``false`` or the torch.compile mode; ``sharing`` is what loglikelihood requests use
     (rolling windows are one per row: their calls record ``share_mode: off``), its ``mode`` ``None`` when no
-    loglikelihood call ran."""
+    loglikelihood call ran; ``paths``: what the probe decided for the model (and the reference): packed rows, cached
+    prefix, head only where scored, each with its fallback reason, and what it measured."""
     options = facts.options.to_dict()
     if facts.options.device_from_cli and str(facts.device) != facts.options.device:
         options["device"] = str(facts.device)
@@ -123,5 +125,6 @@ def run_record(facts: RunFacts) -> dict:
             "memory_estimate": facts.memory_estimate,
             "warnings": facts.warnings,
             "document_split": facts.document_split,
+            "paths": facts.paths,
         },
     }

@@ -20,7 +20,7 @@ from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.transfer import to_device
 from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable, cache_argument
 from distperp_harness.run.scoring.engine.masks import embedding_dtype
-from distperp_harness.run.scoring.engine.support import takes_4d_mask
+from distperp_harness.run.scoring.engine.support import DENSE_IMPLEMENTATIONS, paths_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,9 +83,10 @@ def dense_mask(model: PreTrainedModel, allowed: torch.Tensor) -> torch.Tensor:
 
 def takes_dense_mask(model: PreTrainedModel) -> bool:
     """Whether generation's forwards pass ``model`` a 4D mask (:func:`dense_mask`): sdpa or eager attention on a model
-    type known to take one."""
+    the probe found to take its own masks (packed rows), every layer attending fully."""
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return impl in ("sdpa", "eager") and takes_4d_mask(model)
+    paths = paths_of(model)
+    return impl in DENSE_IMPLEMENTATIONS and paths.dense_masks and paths.layout is not None and not paths.layout.span
 
 
 def plain_layers(cache) -> list:

@@ -26,7 +26,7 @@ import torch
 
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
-from distperp_harness.run.scoring.engine.kvcache import cache_argument, prefix_cache
+from distperp_harness.run.scoring.engine.kvcache import body_of, cache_argument, prefix_cache
 from distperp_harness.run.scoring.engine.logprobs import (
     MIN_GEMM_ROWS,
     ReusedHead,
@@ -38,7 +38,7 @@ from distperp_harness.run.scoring.engine.logprobs import (
 )
 from distperp_harness.run.scoring.engine.masks import Packing as _Packing
 from distperp_harness.run.scoring.engine.masks import flex_shapes
-from distperp_harness.run.scoring.engine.support import model_support
+from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -113,34 +113,36 @@ class BatchScores:
 
 def _features(
     model: PreTrainedModel,
+    paths: ModelPaths,
     input_ids: torch.Tensor,
-    rows: torch.Tensor,
-    cols: torch.Tensor,
+    where: tuple[torch.Tensor, torch.Tensor],
     chunk_rows: int,
     packing: "_Packing | None" = None,
     cache=None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Per-position features at ``(rows, cols)`` and the map from a chunk of at most ``chunk_rows`` features to float32+
-    logits. The logits a call returns may be overwritten by the next call (see :class:`ReusedHead`). ``packing``: the
-    attention mask and position ids of a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache
-    of the batch's shared prefix (:func:`~distperp_harness.run.scoring.engine.kvcache.prefix_cache`), which
-    ``input_ids`` follow."""
+    """Per-position features at ``where`` (rows, columns) and the map from a chunk of at most ``chunk_rows`` features
+    to float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`ReusedHead`).
+    ``paths``: what the model allows (:mod:`~distperp_harness.run.scoring.engine.support`): the head only at scored
+    positions, with its output map, or the model's full logits; ``packing``: the attention masks and position ids of
+    a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache of the batch's shared prefix
+    (:func:`~distperp_harness.run.scoring.engine.kvcache.prefix_cache`), which ``input_ids`` follow."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    plain_head = model_support(model).plain_head
-    extra = packing.kwargs(model) if packing is not None else {}
+    extra = packing.kwargs(model, paths.layout) if packing is not None else {}
     if cache is not None:
         extra[cache_argument(model)] = cache
         extra["use_cache"] = True
     else:
         extra["use_cache"] = False
-    if head is not None and plain_head:
-        hidden = model.base_model(input_ids=input_ids, **extra).last_hidden_state
-        feats = hidden[rows, cols]
+    if head is not None and paths.head_only is None:
+        hidden = body_of(model)(input_ids=input_ids, **extra).last_hidden_state
+        feats = hidden[where]
+        mapping = paths.output_map
         if ReusedHead.applies(head, feats):
-            return feats, ReusedHead(head, max(MIN_GEMM_ROWS, min(chunk_rows, feats.shape[0])))
-        return feats, lambda chunk: at_least_float32(head(chunk))
+            reused = ReusedHead(head, max(MIN_GEMM_ROWS, min(chunk_rows, feats.shape[0])))
+            return feats, reused if mapping.identity else (lambda chunk: mapping.apply_(reused(chunk)))
+        return feats, lambda chunk: mapping.apply_(at_least_float32(head(chunk)))
     logits = model(input_ids=input_ids, **extra).logits
-    return logits[rows, cols], at_least_float32
+    return logits[where], at_least_float32
 
 
 def _chunks(n: int, vocab: int, device_type: str = "cpu", with_reference: bool = False) -> list[tuple[int, int]]:
@@ -174,7 +176,8 @@ def score_batch(
     (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the first ``shared`` tokens, equal in every
     row, are computed once and every row continues from their key/value cache (:func:`forward_calls`: two forward calls,
     model then reference each time); ``between_forwards`` runs between the two (sharded weights re-gather there, so the
-    batch makes the gathers of two plain batches).
+    batch makes the gathers of two plain batches). What each model allows is its recorded
+    :class:`~distperp_harness.run.scoring.engine.support.ModelPaths` (:func:`~.support.paths_of`).
 
     Returns:
         ``BatchScores`` over the batch's units in row order, with ``stats[i] = (log-likelihood, greedy 0/1, n scored
@@ -191,6 +194,7 @@ def score_batch(
     chunks = _chunks(n, _vocab_size(model), device.type, reference is not None)
     chunk_rows = max(b - a for a, b in chunks) if chunks else 1
     models = [m for m in (model, reference) if m is not None]
+    model_paths = paths_of(model)
     # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
     # plain forwards, so the sharded weights' gathers match across a shard group.
     with flex_shapes(device, models):
@@ -201,9 +205,11 @@ def score_batch(
         )
         if caches[0] is not None and between_forwards is not None:
             between_forwards()
-        feats, to_logits = _features(model, ids, rows, cols, chunk_rows, packing, caches[0])
+        feats, to_logits = _features(model, model_paths, ids, (rows, cols), chunk_rows, packing, caches[0])
         ref_features = (
-            _features(reference, ids, rows, cols, chunk_rows, packing, caches[1]) if reference is not None else None
+            _features(reference, paths_of(reference), ids, (rows, cols), chunk_rows, packing, caches[1])
+            if reference is not None
+            else None
         )
     del caches
 

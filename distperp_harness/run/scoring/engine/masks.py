@@ -1,10 +1,14 @@
 """The tree attention mask of a batch of rows (:mod:`distperp_harness.planning.rows`), for each attention
-implementation.
+implementation and each layer type.
 
 One rule, three forms. Query ``q`` of row ``b`` sees key ``k`` when ``k <= q`` and ``k``'s run is ``q``'s run or
 one of its ancestors (:meth:`Row.ancestors`); a padding query sees every earlier column of its row (padding comes
 last, so no real position sees it). With a shared prefix of ``p`` tokens (computed once, its key/value cache reused
 by every row) the queries are the columns from ``p`` on and the keys every column: query ``q`` is column ``q + p``.
+A layer type with a sliding window or chunks (:class:`~distperp_harness.model.attention.LayerAttention`) adds its rule
+on the two columns' *positions* (a run continues its parent's positions, so along a root path they are the
+positions an unshared row would give): a model whose layers differ gets one mask per layer type, as a mapping
+(:class:`~distperp_harness.model.attention.AttentionLayout`). Every query still sees at least itself.
 
 * ``sdpa``: a dense boolean ``[rows, 1, length - p, length]`` mask (True: attend); ``eager``: the same as an additive
   float mask (0 or the dtype's minimum). Both cost a mask element per (query, key): the memory estimate counts it
@@ -24,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 
+from distperp_harness.model.attention import FULL, AttentionLayout, LayerAttention
 from distperp_harness.planning.rows import Row
 
 if TYPE_CHECKING:
@@ -44,23 +49,30 @@ class Packing:
     ``run[b, c]``: the batch-wide run id of column ``c`` of row ``b`` (each row's padding is a run of its own, and
     the table continues past the row with that padding run up to a multiple of :data:`FLEX_BLOCK` plus one block, so
     a ``mask_mod`` never indexes out of it); ``ancestors[r, s]``: run ``s`` is ``r`` or one of its ancestors (block
-    diagonal over the rows; a padding run sees all of its row). ``shared``: tokens of the prefix in ``prefix_ids``
-    (``[1, shared]``, or None); ``length``: the padded row length, prefix included.
+    diagonal over the rows; a padding run sees all of its row). ``positions[b, c]``: the position of column ``c``
+    (the same width as ``run``; padding columns take their column index); ``position_ids``: the queries' positions
+    (columns from ``shared`` on). ``shared``: tokens of the prefix in ``prefix_ids`` (``[1, shared]``, or None);
+    ``length``: the padded row length, prefix included.
     """
 
     run: torch.Tensor
     ancestors: torch.Tensor
-    position_ids: torch.Tensor
+    positions: torch.Tensor
     length: int
     shared: int = 0
     prefix_ids: torch.Tensor | None = None
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """``[rows, length - shared]``: the queries' position ids."""
+        return self.positions[:, self.shared : self.length]
 
     @classmethod
     def of(cls, batch_rows: Sequence[Row], padded: int, device: torch.device, shared: int = 0) -> "Packing":
         n = len(batch_rows)
         width = -(-padded // FLEX_BLOCK) * FLEX_BLOCK + FLEX_BLOCK
         run = torch.zeros(n, width, dtype=torch.long)
-        pos = torch.arange(padded).repeat(n, 1)
+        pos = torch.arange(width).repeat(n, 1)
         blocks = []
         base = 0
         for i, row in enumerate(batch_rows):
@@ -76,7 +88,7 @@ class Packing:
         return cls(
             run.to(device),
             torch.block_diag(*blocks).to(device),
-            pos[:, shared:].to(device),
+            pos.to(device),
             padded,
             shared,
             None if prefix is None else torch.tensor([prefix], dtype=torch.long, device=device),
@@ -93,56 +105,89 @@ class Packing:
         return cls(
             run.to(device),
             torch.block_diag(*[block] * rows).to(device),
-            torch.arange(length).repeat(rows, 1).to(device),
+            torch.arange(width).repeat(rows, 1).to(device),
             length,
         )
 
     @functools.cached_property
     def allowed(self) -> torch.Tensor:
-        """Dense ``bool [rows, 1, length - shared, length]``: True where the query sees the key."""
+        """Dense ``bool [rows, 1, length - shared, length]``: True where the query sees the key (full attention)."""
         run = self.run[:, : self.length]
         q = run[:, self.shared :]
         causal = torch.ones(self.length, self.length, dtype=torch.bool, device=run.device).tril()[self.shared :]
         return (self.ancestors[q[:, :, None], run[:, None, :]] & causal)[:, None]
 
-    def mask_mod(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Flex attention's form of :attr:`allowed`: ``mask_mod(b, h, q, k) == allowed[b, 0, q, k]``, from the run
-        and ancestor tables alone."""
-        run, ancestors = self.run, self.ancestors
+    def allowed_under(self, rule: LayerAttention) -> torch.Tensor:
+        """:attr:`allowed` under a layer type's ``rule`` (a window or chunk on the columns' positions)."""
+        pos = self.positions[:, : self.length]
+        extra = rule.allows(pos[:, self.shared :, None], pos[:, None, :])
+        return self.allowed if extra is None else self.allowed & extra[:, None]
+
+    def mask_mod(
+        self, rule: LayerAttention = FULL
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Flex attention's form of :meth:`allowed_under`: ``mask_mod(b, h, q, k) == allowed_under(rule)[b, 0, q,
+        k]``, from the run, ancestor and position tables alone."""
+        run, ancestors, positions = self.run, self.ancestors, self.positions
         # A tensor, not a Python int: a compiled flex kernel then reads it as data (inductor's CPU template, torch
         # 2.13, generates C++ that does not compile when the offset becomes a symbolic int on a recompile).
         shared = torch.tensor(self.shared, device=run.device)
 
         def tree_mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
             column = q + shared
-            return (k <= column) & ancestors[run[b, column], run[b, k]]
+            seen = (k <= column) & ancestors[run[b, column], run[b, k]]
+            extra = rule.allows(positions[b, column], positions[b, k])
+            return seen if extra is None else seen & extra
 
         return tree_mask
 
-    @functools.cached_property
-    def block_mask(self):
+    def block_mask(self, rule: LayerAttention = FULL):
         """The ``BlockMask`` of :meth:`mask_mod` over ``length - shared`` queries and ``length`` keys (through
-        ``torch.compile`` on CUDA, so no dense ``[rows, queries, keys]`` intermediate exists there)."""
-        from torch.nn.attention.flex_attention import create_block_mask
+        ``torch.compile`` on CUDA, so no dense ``[rows, queries, keys]`` intermediate exists there); one per rule."""
+        if rule not in self._block_masks:
+            from torch.nn.attention.flex_attention import create_block_mask
 
-        device = self.run.device
-        build = torch.compile(create_block_mask) if device.type == "cuda" else create_block_mask
-        return build(
-            self.mask_mod(), self.run.shape[0], None, self.length - self.shared, self.length, device, FLEX_BLOCK
-        )
+            device = self.run.device
+            build = torch.compile(create_block_mask) if device.type == "cuda" else create_block_mask
+            self._block_masks[rule] = build(
+                self.mask_mod(rule), self.run.shape[0], None, self.length - self.shared, self.length, device, FLEX_BLOCK
+            )
+        return self._block_masks[rule]
 
-    def kwargs(self, model: PreTrainedModel) -> dict:
-        """``attention_mask`` (in the form ``model``'s attention implementation takes) and ``position_ids``."""
+    @functools.cached_property
+    def _block_masks(self) -> dict[LayerAttention, Any]:
+        return {}
+
+    def kwargs(self, model: PreTrainedModel, layout: AttentionLayout | None = None) -> dict:
+        """``attention_mask`` (in the form ``model``'s attention implementation takes; a mapping from layer type to
+        mask for a keyed ``layout``) and ``position_ids``. ``layout`` None: one full-attention mask."""
         impl = getattr(model.config, "_attn_implementation", None)
-        if impl == "flex_attention":
-            mask = self.block_mask
-        elif impl == "sdpa":
-            mask = self.allowed
+        forms: dict[LayerAttention, Any] = {}
+
+        def form(rule: LayerAttention) -> Any:
+            if rule not in forms:
+                if impl == "flex_attention":
+                    forms[rule] = self.block_mask(rule)
+                else:
+                    forms[rule] = attention_form(model, self.allowed_under(rule))
+            return forms[rule]
+
+        if layout is None:
+            mask: Any = form(FULL)
+        elif layout.keyed:
+            mask = {name: form(rule) for name, rule in layout.kinds}
         else:
-            dtype = embedding_dtype(model)
-            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)
+            mask = form(layout.rules[0])
         return {"attention_mask": mask, "position_ids": self.position_ids}
+
+
+def attention_form(model: PreTrainedModel, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` (``bool [rows, 1, queries, keys]``) as the dense 4D mask ``model``'s attention takes: as is for
+    sdpa, additive (0 or the dtype's minimum, in the embeddings' dtype) for eager and any other dense form."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return allowed
+    dtype = embedding_dtype(model)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def embedding_dtype(model: PreTrainedModel) -> torch.dtype:

@@ -240,44 +240,27 @@ def _tiny_config(model_type):
     )
 
 
-@pytest.mark.parametrize("model_type", sorted(t for t, s in support.MODEL_TYPES.items() if s.takes_4d_mask))
-def test_every_maskable_type_takes_packed_rows(model_type):
-    """Each allowed model type, with sdpa and eager: packed rows give the unshared rows' numbers (to rounding)."""
-    from distperp_harness.planning.requests import UnitTable, continuation_unit
-    from distperp_harness.planning.rows import build_rows
-
-    rng = np.random.default_rng(0)
-    context = [int(t) for t in rng.integers(4, 300, size=20)]
-    units = UnitTable(
-        [continuation_unit(context, [int(t) for t in rng.integers(4, 300, size=k)], 128) for k in (3, 5, 1, 4)]
-    ).units
-    rows = build_rows(units, "prefix")
-    order = [i for r in rows for i in r.unit_ids]
-    for impl in ("sdpa", "eager"):
-        torch.manual_seed(0)
-        tiny = AutoModelForCausalLM.from_config(_tiny_config(model_type), attn_implementation=impl).float().eval()
-        assert support.packed_rows_unsupported(tiny, 128) is None
-        packed = score_batch(tiny, rows, device=torch.device("cpu"), pad_token_id=0).stats
-        alone = score_batch(tiny, [units[i] for i in order], device=torch.device("cpu"), pad_token_id=0).stats
-        np.testing.assert_allclose(packed[:, LL], alone[:, LL], rtol=5e-6, atol=1e-5)
-        # the same rows twice in one batch, their context computed once (key/value cache)
-        twice = score_batch(tiny, rows + rows, device=torch.device("cpu"), pad_token_id=0, shared=19).stats
-        np.testing.assert_allclose(twice[:, LL], np.concatenate([alone[:, LL]] * 2), rtol=5e-6, atol=1e-5)
-
-
-def test_models_that_cannot_take_the_mask_are_named(model):
-    assert support.packed_rows_unsupported(model, 128) is None
+def test_attention_implementations_and_layer_types_that_cannot_take_the_mask_are_named(model):
+    """Refused before any probe: flash attention (no custom mask) and layers that attend by more than a mask
+    (linear attention); a window is a layout rule now, not a refusal."""
+    assert support.implementation_refuses(model) is None
     flash = copy.copy(model.config)
     flash._attn_implementation = "flash_attention_2"
+    holder = torch.nn.Module()
+    holder.config = flash
+    assert "flash_attention_2" in support.implementation_refuses(holder)
+    linear = _tiny_config("qwen3_next")
+    linear.layer_types = ["linear_attention", "full_attention"]
+    linear._attn_implementation = "sdpa"
+    holder.config = linear
+    assert "'linear_attention' layers attend by more than a mask" in support.declared_paths(holder).packed_rows
     windowed = _tiny_config("mistral")
     windowed.sliding_window = 64
     windowed._attn_implementation = "sdpa"
-    cases = {"flash_attention_2": flash, "model type 'gemma2'": _tiny_config("gemma2"), "sliding-window": windowed}
-    for words, config in cases.items():
-        holder = torch.nn.Module()
-        holder.config = config
-        assert words in support.packed_rows_unsupported(holder, 128)
-    assert support.packed_rows_unsupported(holder, 64) is None  # a window as long as every row never applies
+    holder.config = windowed
+    paths = support.declared_paths(holder, 128)
+    assert paths.packed_rows is None and paths.layout.span == 64
+    assert support.declared_paths(holder, 64).layout.span == 0  # a window as long as every path never applies
 
 
 SHARED_MODEL = Path(__file__).resolve().parents[3].parent / "shared" / "models" / "wt2-llama-5m"
@@ -422,21 +405,21 @@ def test_a_batch_with_a_shared_prefix_makes_two_forward_calls_per_model(model):
 def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
     """attn_implementation=flex_attention: the tree mask as a BlockMask; every unit equals the float64 log-softmax of
     its own unshared logits, greedy flags equal sdpa's. The batch's common prefix is computed in each row
-    (cached_prefix_unsupported), so the plan never gives a flex batch a cached prefix."""
+    (implementation_refuses_cache), so the plan never gives a flex batch a cached prefix."""
     from distperp_harness.planning.rows import plan_rows, shared_prefix
 
     models = {
         impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl).eval()
         for impl in ("sdpa", "flex_attention")
     }
-    assert support.packed_rows_unsupported(models["flex_attention"], 128) is None
+    assert support.implementation_refuses(models["flex_attention"]) is None
     units = _few_shot_units(models["sdpa"], seed=4, questions=4)
     rows = plan_rows(units, "prefix", max_row_length=64).rows[:2]
     shared = shared_prefix(rows)
     assert shared >= 40 and all(r.packed for r in rows)
     assert (
-        support.cached_prefix_unsupported(models["flex_attention"])
-        and support.cached_prefix_unsupported(models["sdpa"]) is None
+        support.implementation_refuses_cache(models["flex_attention"])
+        and support.implementation_refuses_cache(models["sdpa"]) is None
     )
     sharing, _, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
     assert sharing.mode == "prefix" and not sharing.cached_prefix
@@ -457,7 +440,7 @@ def test_flex_attention_needs_transformers_support():
     """flex_attention on a model type transformers has no flex kernel for: named, so rows fall back."""
     tiny = AutoModelForCausalLM.from_config(_tiny_config("gpt2"), attn_implementation="sdpa").eval()
     tiny.config._attn_implementation = "flex_attention"
-    assert "no flex_attention for GPT2LMHeadModel" in support.packed_rows_unsupported(tiny, 128)
+    assert "no flex_attention for GPT2LMHeadModel" in support.implementation_refuses(tiny)
 
 
 def test_flex_attention_tree_rows_are_refused_on_cuda():
@@ -470,8 +453,8 @@ def test_flex_attention_tree_rows_are_refused_on_cuda():
         kind: SimpleNamespace(config=config, device=torch.device(kind), _supports_flex_attn=True)
         for kind in ("cpu", "cuda")
     }
-    assert support.packed_rows_unsupported(on["cpu"], 128) is None
-    why = support.packed_rows_unsupported(on["cuda"], 128)
+    assert support.implementation_refuses(on["cpu"]) is None
+    why = support.implementation_refuses(on["cuda"])
     assert "flex_attention on CUDA" in why and "attn_implementation=sdpa" in why
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from distperp_harness.model.attention import FULL, AttentionLayout, LayerAttention
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row
 from distperp_harness.run.scoring.engine.masks import FLEX_BLOCK, Packing
@@ -59,7 +60,7 @@ def test_flex_mask_mod_equals_the_dense_mask(shared):
     packing = Packing.of(rows, max(r.length for r in rows), torch.device("cpu"), shared)
     dense = create_mask(packing.mask_mod(), 3, 1, 17 - shared, 17, device="cpu")
     assert torch.equal(dense, packing.allowed)
-    blocks = packing.block_mask
+    blocks = packing.block_mask()
     assert blocks.shape == (3, 1, 17 - shared, 17) and blocks.BLOCK_SIZE == (FLEX_BLOCK, FLEX_BLOCK)
     assert bool(blocks.to_dense()[:, :, 0, 0].all())  # one 128 x 128 block, kept: it holds visible keys
 
@@ -84,4 +85,59 @@ def test_flex_mask_mod_on_longer_rows_equals_the_dense_mask():
     padded_mask = torch.zeros(3, q_blocks * FLEX_BLOCK, kv_blocks * FLEX_BLOCK, dtype=torch.bool)
     padded_mask[:, : padded - 100, :padded] = packing.allowed[:, 0]
     any_true = padded_mask.view(3, q_blocks, FLEX_BLOCK, kv_blocks, FLEX_BLOCK).any(dim=(2, 4))
-    assert torch.equal(packing.block_mask.to_dense()[:, 0].bool(), any_true)
+    assert torch.equal(packing.block_mask().to_dense()[:, 0].bool(), any_true)
+
+
+def _by_hand_under(rows, shared, window=None, chunk=None):
+    """:func:`_by_hand`, and a key hidden where the layer's window or chunk rule hides it, on the positions the
+    columns take in their rows (a padding column's position is its column)."""
+    out = _by_hand(rows, shared)
+    padded = max(r.length for r in rows)
+    for b, row in enumerate(rows):
+        pos = row.position_ids() + list(range(row.length, padded))
+        for q in range(shared, padded):
+            for k in range(padded):
+                if window is not None and pos[q] - pos[k] >= window:
+                    out[b, q - shared, k] = False
+                if chunk is not None and pos[q] // chunk != pos[k] // chunk:
+                    out[b, q - shared, k] = False
+    return out
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+@pytest.mark.parametrize("rule", [LayerAttention(window=4), LayerAttention(window=9), LayerAttention(chunk=5)])
+def test_windows_and_chunks_apply_on_positions_in_every_form(shared, rule):
+    """A sliding window or chunk hides keys by the distance between *positions* (a branch continues its parent's),
+    the same in the dense mask and flex's mask_mod; every query still sees itself."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    rows = _batch()
+    packing = Packing.of(rows, max(r.length for r in rows), torch.device("cpu"), shared)
+    allowed = packing.allowed_under(rule)
+    np.testing.assert_array_equal(allowed[:, 0].numpy(), _by_hand_under(rows, shared, rule.window, rule.chunk))
+    assert not torch.equal(allowed, packing.allowed)  # the rule hides something here
+    dense = create_mask(packing.mask_mod(rule), 3, 1, 17 - shared, 17, device="cpu")
+    assert torch.equal(dense, allowed)
+    assert bool(allowed[:, 0].any(-1).all())  # no query without a key
+
+
+def test_a_keyed_layout_gets_one_mask_per_layer_type_and_shares_equal_rules():
+    """Layer types with different rules get their own masks (a mapping), types with one rule share one tensor; a
+    layout of one rule is a single mask; sdpa takes booleans, eager an additive float mask."""
+    from types import SimpleNamespace
+
+    rows = _batch()
+    packing = Packing.of(rows, max(r.length for r in rows), torch.device("cpu"))
+    window = LayerAttention(window=4)
+    keyed = AttentionLayout((("full_attention", FULL), ("sliding_attention", window), ("other", FULL)), keyed=True)
+    embed = torch.nn.Embedding(4, 2)
+    sdpa = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"), get_input_embeddings=lambda: embed)
+    masks = packing.kwargs(sdpa, keyed)["attention_mask"]
+    assert set(masks) == {"full_attention", "sliding_attention", "other"} and masks["other"] is masks["full_attention"]
+    assert torch.equal(masks["sliding_attention"], packing.allowed_under(window))
+    assert torch.equal(masks["full_attention"], packing.allowed)
+    single = packing.kwargs(sdpa, AttentionLayout((("sliding_attention", window),), keyed=False))["attention_mask"]
+    assert torch.equal(single, packing.allowed_under(window))
+    eager = SimpleNamespace(config=SimpleNamespace(_attn_implementation="eager"), get_input_embeddings=lambda: embed)
+    additive = packing.kwargs(eager, keyed)["attention_mask"]["sliding_attention"]
+    assert additive.dtype == torch.float32 and torch.equal(additive == 0, packing.allowed_under(window))
