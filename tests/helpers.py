@@ -711,3 +711,142 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert type(sa[key]) is type(sb[key]), key
         la, lb = tensor_leaves(sa[key]), tensor_leaves(sb[key])
         assert len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb)), key
+
+
+FAMILY_VOCAB = 1024
+"""The families' vocabulary (Gemma 3 keeps its real 262,144): above :func:`fewshot_units`' token ids."""
+_WINDOW = 16
+"""Window and chunk of the windowed families: shorter than the few-shot rows, so it hides keys."""
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("llama", "sdpa", {}),
+    "mistral-window": ("mistral", "sdpa", {"sliding_window": _WINDOW}),
+    "qwen3-mixed-window": (
+        "qwen3",
+        "sdpa",
+        {"use_sliding_window": True, "sliding_window": _WINDOW, "max_window_layers": 1, "num_hidden_layers": 3},
+    ),
+    "gemma2-softcaps": (
+        "gemma2",
+        "eager",
+        {
+            "sliding_window": _WINDOW,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 2.0,
+            "query_pre_attn_scalar": 16,
+        },
+    ),  # fmt: skip
+    "gemma3-262k": (
+        "gemma3_text",
+        "sdpa",
+        {
+            "vocab_size": 262144,
+            "sliding_window": _WINDOW,
+            "query_pre_attn_scalar": 16,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        },
+    ),  # fmt: skip
+    "gpt-oss-sinks-moe": (
+        "gpt_oss",
+        "eager",
+        {
+            "sliding_window": _WINDOW,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),  # fmt: skip
+    "granite-scaled": (
+        "granite",
+        "sdpa",
+        {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2},
+    ),
+    "cohere2-window": (
+        "cohere2",
+        "sdpa",
+        {"sliding_window": _WINDOW, "logit_scale": 0.5, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "glm4": ("glm4", "sdpa", {}),
+    "deepseek-v3-mla-moe": (
+        "deepseek_v3",
+        "sdpa",
+        {
+            "head_dim": 8,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+        },
+    ),  # fmt: skip
+    "llama4-chunked-moe": (
+        "llama4_text",
+        "sdpa",
+        {
+            "attention_chunk_size": _WINDOW,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1,
+            "intermediate_size_mlp": 128,
+            "no_rope_layers": [1, 0],
+        },
+    ),  # fmt: skip
+    "qwen3-next-linear": (
+        "qwen3_next",
+        "sdpa",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),  # fmt: skip
+    "falcon-h1-ssm": (
+        "falcon_h1",
+        "sdpa",
+        {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
+    ),
+}
+"""Tiny random models of the families people evaluate, built from transformers' own config classes with their
+features kept at small sizes: windows shorter than the rows (Mistral, Qwen 3 with mixed layers, Gemma 2/3, gpt-oss,
+Cohere 2), soft-caps (Gemma 2), attention sinks and experts (gpt-oss), logit scales (Granite, Cohere 2), MLA
+(DeepSeek-V3), chunked attention (Llama 4), linear attention and state spaces (Qwen3-Next, Falcon-H1); name ->
+(model_type, attention implementation, config keywords)."""
+UNMASKED_FAMILIES = ("qwen3-next-linear", "falcon-h1-ssm")
+"""The families whose layers attend by more than a mask: no packed rows, head only where scored."""
+
+
+def family_model(name: str, dtype: Any = None, seed: int = 0, scale: float = 1.0) -> Any:
+    """:data:`FAMILIES`' ``name`` as a random model in eval mode (float32 unless ``dtype``); ``scale`` multiplies
+    every weight matrix (and expert stack), as :func:`sharpened_model` does: peaked distributions, greedy choices far
+    from ties."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, impl, extra = FAMILIES[name]
+    base = {
+        "vocab_size": FAMILY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    config = AutoConfig.for_model(model_type, **{**base, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    if scale != 1.0:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() >= 2:
+                    parameter.mul_(scale)
+    return model.to(dtype or torch.float32).eval()

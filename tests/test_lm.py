@@ -176,7 +176,6 @@ def test_sampled_generation_is_seeded_by_content(tiny_model_dir, tasks_dir):
 
 
 def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir, monkeypatch, caplog):
-    import dataclasses
     import logging
 
     import lm_eval

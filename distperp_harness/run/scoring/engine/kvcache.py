@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distperp_harness.model.attention import AttentionLayout, declared_layout
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -46,13 +48,17 @@ def whole_cache():
 
 def prefix_cache(model: PreTrainedModel, prefix_ids: torch.Tensor, rows: int):
     """The key/value cache of ``prefix_ids`` (``[1, p]``, positions ``0 .. p-1``) repeated to ``rows`` rows, every
-    layer kept whole (:func:`whole_cache`).
+    layer kept whole (:func:`whole_cache`). Only for models whose every layer attends by a mask
+    (:func:`~distperp_harness.model.attention.declared_layout`).
 
     Runs the base model only (no output head: the prefix's logits are never read).
 
     Raises:
         CacheNotShareable: naming the cache type, when it cannot be repeated or restarted from.
     """
+    layout = declared_layout(getattr(model, "config", None))
+    if not isinstance(layout, AttentionLayout):
+        raise CacheNotShareable(f"cache ({layout.removeprefix('its ')})")  # recurrent state: rows cannot share it
     body = body_of(model)
     out = body(input_ids=prefix_ids, use_cache=True, **{cache_argument(body): whole_cache()})
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
