@@ -32,7 +32,9 @@ _POINTS = {
     "planning": "DISTPERP_TEST_FAIL_PLANNING",
     "generation": "DISTPERP_TEST_FAIL_GENERATION",
     "lane": "DISTPERP_TEST_FAIL_LANE",
+    "probe": "DISTPERP_TEST_FAIL_PROBE",
 }
+_HOLDS = {"lane": "DISTPERP_TEST_HOLD_LANE", "probe": "DISTPERP_TEST_HOLD_PROBE"}
 
 
 def fail_for_tests(rank: int, point: str = "forward") -> None:
@@ -43,16 +45,18 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL_PLANNING`` (``planning``): at the start of a scoring call, before the exchange of units;
     * ``DISTPERP_TEST_FAIL_GENERATION`` (``generation``): at the start of a ``generate_until`` call;
     * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane);
-      ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost).
+      ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost);
+    * ``DISTPERP_TEST_FAIL_PROBE`` (``probe``): before the probe of the n-th model at load (the model, then the
+      reference); ``DISTPERP_TEST_HOLD_PROBE`` stalls there instead.
     """
     actions: dict[str, Callable[[str], None]] = {_POINTS[point]: _raise_injected}
-    if point == "lane":
-        actions["DISTPERP_TEST_HOLD_LANE"] = _hold
+    if point in _HOLDS:
+        actions[_HOLDS[point]] = _hold
     inject(point, rank, actions)
 
 
 def _hold(spec: str) -> None:
-    time.sleep(600)  # a decode step of ten minutes: slow, not lost
+    time.sleep(600)  # a step of ten minutes: slow, not lost
 
 
 def _raise_injected(spec: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from distperp_harness.distributed.protocol import Collective
+from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.model.layers import matmul_params
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
@@ -66,6 +67,7 @@ def decide_paths(
 
     decided = []
     for model in models:
+        fail_for_tests(collective.rank, "probe")
         with gathered(model):
             mine = probe(model, device, pad_token_id, max_length)
         everyone = collective.all_gather_object(mine.to_dict(), "agree on the scoring paths")

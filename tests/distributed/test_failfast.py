@@ -193,6 +193,26 @@ def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named
     assert ended - failed_at < 30  # far below the 600 s any gather or store call would wait
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_failing_in_the_probe_stops_its_shard_group_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing):
+    """The probe at load (the scoring paths) runs forwards that gather sharded weights: a rank that raises before it
+    (rank 0, the store's host, or rank 1) leaves its peer waiting in a gather with ``timeout=600``; failfast ends it
+    within seconds, naming the failing rank and the probe."""
+    out = tmp_path / "out"
+    run = launch_one_node(
+        distperp_args(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600", tasks="dptest_mc"),
+        tmp_path,
+        {"DISTPERP_TEST_FAIL_PROBE": f"{failing}:1"},
+    )
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    assert run.procs[0].returncode != 0
+    _assert_named(run.texts[0], peer=1 - failing, failing=failing, stage="probing what the model's forwards allow")
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30
+
+
 _NAN_DOCS = [
     "Zyzzyva quokka marmoset. Zyzzyva quokka marmoset. Zyzzyva quokka marmoset.",  # its batch: rank 0's
     "The river was high after the rain.",

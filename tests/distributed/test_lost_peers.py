@@ -73,6 +73,27 @@ def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10  # launcher's teardown included
 
 
+def test_node_1_killed_during_the_probe_is_named_gone_by_node_0(tiny_model_dir, tasks_dir, tmp_path):
+    """Two loopback nodes of one process: both stall in the probe at load (a forward of ten minutes), then node 1 is
+    SIGKILLed. Rank 0 names rank 1 gone, both of them in the probe, well within ``timeout=60``."""
+    out = tmp_path / "out"
+    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=60", "dptest_mc")
+    holds = [{"DISTPERP_TEST_HOLD_PROBE": "0:1"}, {"DISTPERP_TEST_HOLD_PROBE": "1:1"}]
+    run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, envs=holds, outputs=[subprocess.PIPE, subprocess.PIPE]))
+    run.wait_for("Loading weights", timeout=240)
+    time.sleep(silence_bound(60) + 2)  # both hold, silent in the main thread, past the bound: nobody is named yet
+    assert "stops because" not in run.texts[0] + run.texts[1], run.texts[0][-3000:]
+    killed_at = time.monotonic()
+    run.kill_node(1)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    probing = "probing what the model's forwards allow"
+    _assert_survivor_named(text, 0, 1, "is gone: no heartbeat for", probing, probing)
+    assert not list(out.rglob("results_*.json"))
+    assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10
+
+
 def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(tiny_model_dir, tasks_dir, tmp_path):
     """Two nodes of one process, no ``shard_size``, ``timeout=600``: rank 0 stalls after its first batch (a long
     batch); rank 1's worker alone is SIGKILLed while scoring (its launcher then exits by itself). Rank 0 names it

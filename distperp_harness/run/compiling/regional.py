@@ -128,14 +128,17 @@ def _warm_up(
 ) -> list[str]:
     """Forwards of ``shapes`` through ``model``'s base model as scoring makes them: plain causal rows, or with ``tree``
     tree rows (a 4D mask and position ids, as :class:`~distperp_harness.run.scoring.engine.masks.Packing` hands
-    them)."""
+    them: one mask per layer type where the model's layout has several)."""
+    from distperp_harness.run.scoring.engine.kvcache import body_of
     from distperp_harness.run.scoring.engine.masks import Packing
+    from distperp_harness.run.scoring.engine.support import paths_of
 
     done = []
+    layout = paths_of(model).layout
     for rows, length in shapes:
         ids = torch.full((rows, length), pad_token_id, dtype=torch.long, device=device)
-        extra = Packing.causal(rows, length, device).kwargs(model) if tree else {}
-        model.base_model(input_ids=ids, use_cache=False, **extra)
+        extra = Packing.causal(rows, length, device).kwargs(model, layout) if tree else {}
+        body_of(model)(input_ids=ids, use_cache=False, **extra)
         done.append(f"{rows}x{length}" + (" tree mask" if tree else ""))
     return done
 

@@ -55,7 +55,7 @@ class ModelPaths:
         """The one log line of the decision."""
         how = "probed on the loaded weights" if self.probed else "from the model's declarations"
         parts = [
-            "packed rows" + (f" ({self.layout.describe()})" if self.layout else "")
+            "packed rows" + (f" ({self.layout.describe()})" if self.layout and self.layout.span else "")
             if self.packed_rows is None
             else f"no packed rows ({self.packed_rows})",
             "cached prefix" if self.cached_prefix is None else f"no cached prefix ({self.cached_prefix})",
