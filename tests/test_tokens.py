@@ -1,12 +1,15 @@
 """Tokenization: lm-eval hf's rules, every string a call needs encoded once, in batches, to the same ids as one
 ``encode`` each (rolling texts, multiple choice with shared and unshared contexts, empty contexts, trailing
-spaces, text starting with the BOS string, chat-templated prompts, generation prompts)."""
+spaces, text starting with the BOS string, chat-templated prompts, generation prompts, a shared few-shot prefix
+ending inside a special token)."""
 
 import pytest
 from helpers import make_lm
 
 import distperp_harness.tokens as tokens_module
 from distperp_harness.planning.encoding import encode_many
+from distperp_harness.planning.tokenizer_cuts import find_cut
+from distperp_harness.tokens import loglikelihood_strings
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +103,17 @@ def test_generation_prompts_are_encoded_in_batches_with_hf_rules(lm):
     for text in texts:  # lm-eval hf's tok_batch_encode rule: no special tokens after a BOS string
         rule = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
         assert batched[text] == lm.tokenizer.encode(text, **rule)
+
+
+def test_a_shared_prefix_ending_inside_a_special_token_keeps_every_id(lm):
+    """Contexts share a few-shot block that ends inside ``</s>``; some complete the token, some do not: ``pre_encode``
+    cuts the block (a proved position, before the token's first character can matter) and ``tok_encode`` reads
+    exactly what one encode per string gives."""
+    block = "Question: what is the river called? Answer: the Velmire. " * 6 + "</"
+    contexts = [block + rest for rest in ("s>", "s> next", "sx", "a", "s>\n", "b c", "s></s>", "x y z")]
+    keys = list(dict.fromkeys(loglikelihood_strings((c, a) for c in contexts for a in (" yes", " no"))))
+    alone = {key: lm.tok_encode(*key) for key in keys}
+    assert find_cut(lm.tokenizer, block, {}).position is not None
+    with lm.one_call():
+        lm.pre_encode(keys)
+        assert {key: lm.tok_encode(*key) for key in keys} == alone

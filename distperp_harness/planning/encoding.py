@@ -6,32 +6,31 @@ request; distperp collects the strings a call will need and encodes them here fi
 generation's ``local_jobs``).
 
 A few-shot block shared by a task's questions is tokenized once (:func:`shared_prefix_groups`,
-:class:`PrefixSplit`): strings sharing a prefix of at least ``MIN_SHARED_CHARS`` characters are cut at a
-pre-token boundary inside it, and each string's ids are the shared head's ids followed by the ids of its own tail,
-encoded alone. That equals encoding the whole string only where tokens never cross pre-tokens and pre-tokens
-depend on nothing before them: byte-level BPE with regex pre-tokenization and no normalizer (GPT-2, Llama 3, Qwen,
-SmolLM), which :func:`local_pipeline` checks in the tokenizer's own configuration; every group is also checked
-on samples against whole encodes, and any difference encodes the group whole.
+:class:`PrefixSplit`): strings sharing a prefix of at least ``MIN_SHARED_CHARS`` characters are cut at the last
+position of that prefix where the tokenizer's own pipeline provably keeps every string's ids the ids of the part
+before the cut followed by those of its own tail encoded alone
+(:func:`~distperp_harness.planning.tokenizer_cuts.find_cut`: a proof from the pipeline's parts, for every string,
+not a sample). A group with no such position, and every string of a tokenizer whose pipeline proves none, is
+encoded whole.
 """
 
 from __future__ import annotations
 
-import json
-import weakref
+import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from distperp_harness.planning.rows import common_prefix_length as _common  # works on strings as on ids
+from distperp_harness.planning.tokenizer_cuts import Cut, CutKind, find_cut, pipeline_of
 
 CHUNK = 1024
 """Strings per tokenizer call (bounds the batch's transient memory)."""
 MIN_SHARED_CHARS = 256
 """The shortest shared prefix worth tokenizing once."""
 MIN_GROUP = 8
-"""The fewest strings sharing a prefix worth it (the check encodes ``CHECKED`` of them whole)."""
-CHECKED = 4
+"""The fewest strings sharing a prefix worth it."""
 
-_LOCAL_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits"}
+log = logging.getLogger(__name__)
 
 
 def encode_many(tokenizer: Any, strings: Sequence[str], **special: Any) -> list[list[int]]:
@@ -42,10 +41,11 @@ def encode_many(tokenizer: Any, strings: Sequence[str], **special: Any) -> list[
     out: list[list[int] | None] = [None] * len(strings)
     if local_pipeline(tokenizer) is None:
         for members, shared in shared_prefix_groups(strings):
-            split = PrefixSplit.find(tokenizer, [strings[i] for i in members], shared, special)
+            group = [strings[i] for i in members]
+            split = PrefixSplit.find(tokenizer, group, shared, special)
             if split is None:
                 continue
-            for i, ids in zip(members, split.encode([strings[i] for i in members])):
+            for i, ids in zip(members, split.encode(group)):
                 out[i] = ids
     rest = [i for i, ids in enumerate(out) if ids is None]
     for i, ids in zip(rest, _batched(tokenizer, [strings[i] for i in rest], **special)):
@@ -60,44 +60,11 @@ def _batched(tokenizer: Any, strings: list[str], **special: Any) -> list[list[in
     return out
 
 
-_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def local_pipeline(tokenizer: Any) -> str | None:
-    """:func:`read_pipeline`, once per tokenizer (its configuration is the whole vocabulary as JSON)."""
-    try:
-        return _VERDICTS[tokenizer]
-    except KeyError:
-        verdict = _VERDICTS[tokenizer] = read_pipeline(tokenizer)
-        return verdict
-    except TypeError:  # not weakly referable
-        return read_pipeline(tokenizer)
-
-
-def read_pipeline(tokenizer: Any) -> str | None:
-    """None when ``tokenizer``'s ids of a string are its pre-tokens' ids, each pre-token found from the text at and
-    after it (byte-level BPE, regex pre-tokenization without look-behind, no normalizer, special tokens only in
-    front); else why not."""
-    try:
-        config = json.loads(tokenizer.backend_tokenizer.to_str())
-    except (AttributeError, ValueError):
-        return "no tokenizers configuration to read"
-    if config.get("normalizer") is not None:
-        return f"a {config['normalizer'].get('type')} normalizer"
-    if (config.get("model") or {}).get("type") != "BPE" or config["model"].get("dropout"):
-        return "not a deterministic BPE model"
-    pre = config.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    for step in steps:
-        if step.get("type") not in _LOCAL_PRE_TOKENIZERS or step.get("add_prefix_space"):
-            return f"a {step.get('type')} pre-tokenizer" + (" adding a prefix space" if step.get("type") else "")
-        if "(?<" in json.dumps(step.get("pattern")):
-            return "a pre-tokenizer pattern with look-behind"
-    post = config.get("post_processor") or {}
-    single = post.get("single") or []
-    if post.get("type") not in (None, "ByteLevel", "TemplateProcessing") or (single and "Sequence" not in single[-1]):
-        return "special tokens after the text"
-    return None
+    """None when ``tokenizer``'s pipeline can prove cuts (:mod:`~distperp_harness.planning.tokenizer_cuts`);
+    else why it cannot (its strings are then encoded whole)."""
+    pipeline = pipeline_of(tokenizer)
+    return pipeline if isinstance(pipeline, str) else None
 
 
 def shared_prefix_groups(
@@ -129,36 +96,38 @@ def shared_prefix_groups(
 
 @dataclass(frozen=True)
 class PrefixSplit:
-    """Strings cut at character ``cut`` (a pre-token boundary of their shared prefix): ``head`` is the ids of
-    what comes before it, special tokens included; a string's ids are ``head`` + its tail's ids encoded alone."""
+    """Strings cut at character ``cut`` of their shared prefix (a position :func:`find_cut` proved): ``head`` is the
+    ids of what comes before it, special tokens included; a string's ids are ``head`` + its tail's ids encoded
+    alone."""
 
     tokenizer: Any
     head: tuple[int, ...]
     cut: int
+    kind: CutKind
 
     @classmethod
-    def find(cls, tokenizer: Any, group: list[str], shared: int, special: dict) -> PrefixSplit | None:
-        """The split of ``group`` (strings sharing ``shared`` characters) before the last two pre-tokens of the
-        shared prefix (those may still grow into the text after it), :meth:`checked`; None when there is none."""
-        pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(group[0][:shared])
-        return None if len(pieces) < 3 else cls.checked(tokenizer, group, pieces[-2][1][0], special)
-
-    @classmethod
-    def checked(cls, tokenizer: Any, group: list[str], cut: int, special: dict) -> PrefixSplit | None:
-        """The split of ``group`` at ``cut``, checked against whole encodes of ``CHECKED`` of its strings (the
-        shortest, the longest and others between); None when any differs."""
-        by_length = sorted(group, key=len)
-        step = max(1, (len(by_length) - 1) // (CHECKED - 1))
-        sample = list(dict.fromkeys([*by_length[::step][: CHECKED - 1], by_length[-1]]))
-        whole = _batched(tokenizer, sample, **special)
-        tails = _batched(tokenizer, [s[cut:] for s in sample], add_special_tokens=False)
-        head = tuple(whole[0][: len(whole[0]) - len(tails[0])])
-        if any(list(head) + tail != ids for tail, ids in zip(tails, whole)):
+    def find(cls, tokenizer: Any, group: list[str], shared: int, special: Mapping[str, Any]) -> PrefixSplit | None:
+        """The split of ``group`` (strings sharing ``shared`` characters) at :func:`find_cut`'s position; None when
+        there is none. Its one check, the shortest string against its whole encode, guards the implementation:
+        exactness comes from the proof."""
+        cut = cls.choose(tokenizer, group[0][:shared], special)
+        if cut.position is None or cut.kind is None:
             return None
-        return cls(tokenizer, head, cut)
+        head = _batched(tokenizer, [group[0][: cut.position]], **special)[0]
+        split = cls(tokenizer, tuple(head), cut.position, cut.kind)
+        shortest = min(group, key=len)
+        if split.encode([shortest]) != _batched(tokenizer, [shortest], **special):
+            log.warning("a proved cut (%s at %d) changed the ids of %r; encoding its group whole", cut.kind.value,
+                        cut.position, shortest[:80])  # fmt: skip
+            return None
+        return split
+
+    @staticmethod
+    def choose(tokenizer: Any, prefix: str, special: Mapping[str, Any]) -> Cut:
+        """:func:`find_cut` (where the split of strings sharing ``prefix`` would cut, or why it would not)."""
+        return find_cut(tokenizer, prefix, special)
 
     def encode(self, strings: list[str]) -> list[list[int]]:
         head = list(self.head)
-        return [
-            head + tail for tail in _batched(self.tokenizer, [s[self.cut :] for s in strings], add_special_tokens=False)
-        ]
+        tails = _batched(self.tokenizer, [s[self.cut :] for s in strings], add_special_tokens=False)
+        return [head + tail for tail in tails]

@@ -1,8 +1,8 @@
 """Tests of :mod:`distperp_harness.planning.encoding`: batched encodes and a shared few-shot prefix tokenized once,
 to the same ids as one ``encode`` per string on every task shape (few-shot multiple choice with shared and unshared
 prefixes, rolling texts, chat-templated prompts, generation prompts, non-ASCII text), with and without a BOS the
-tokenizer adds; tokenizers whose ids are not local (a SentencePiece-style prefix space, a normalizer) are found
-and encoded whole."""
+tokenizer adds, a SentencePiece-style prefix space and a normalizer; a pipeline part no cut can be proved through
+is named and its strings are encoded whole; a cut that would change ids is caught by the one-string check."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from distperp_harness.commands.tiny import sample_text, train_tokenizer
 from distperp_harness.planning import encoding
 from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline, shared_prefix_groups
+from distperp_harness.planning.tokenizer_cuts import Cut, CutKind
 
 WORDS = sample_text().split()
 
@@ -45,7 +46,8 @@ def task_strings(seed: int = 0) -> list[str]:
 @pytest.fixture(scope="module")
 def tokenizers():
     """Byte-level BPE tokenizers trained on the packaged sample: one adding no special tokens, one adding a BOS,
-    one with a SentencePiece-style prefix space (Metaspace), one with a normalizer."""
+    one with a SentencePiece-style prefix space (Metaspace), one with a normalizer, one with a normalizer no cut
+    is proved through (Prepend)."""
     from tokenizers import normalizers, pre_tokenizers, processors
 
     plain = train_tokenizer([sample_text()], 512)
@@ -57,10 +59,12 @@ def tokenizers():
     metaspace.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
     normalized = train_tokenizer([sample_text()], 512)
     normalized.backend_tokenizer.normalizer = normalizers.NFKC()
-    return {"plain": plain, "bos": with_bos, "metaspace": metaspace, "normalized": normalized}
+    prepended = train_tokenizer([sample_text()], 512)
+    prepended.backend_tokenizer.normalizer = normalizers.Prepend("▁")
+    return {"plain": plain, "bos": with_bos, "metaspace": metaspace, "normalized": normalized, "prepended": prepended}
 
 
-@pytest.mark.parametrize("name", ["plain", "bos", "metaspace", "normalized"])
+@pytest.mark.parametrize("name", ["plain", "bos", "metaspace", "normalized", "prepended"])
 @pytest.mark.parametrize("special", [{}, {"add_special_tokens": False}])
 def test_same_ids_as_one_encode_each(tokenizers, name, special):
     tokenizer = tokenizers[name]
@@ -68,10 +72,11 @@ def test_same_ids_as_one_encode_each(tokenizers, name, special):
     assert encode_many(tokenizer, strings, **special) == [tokenizer.encode(s, **special) for s in strings]
 
 
-def test_a_shared_prefix_is_tokenized_once(tokenizers, monkeypatch):
+@pytest.mark.parametrize("name", ["bos", "metaspace", "normalized"])
+def test_a_shared_prefix_is_tokenized_once(tokenizers, name, monkeypatch):
     """The two few-shot blocks are two groups; every member of a group is encoded as the shared head plus its own
-    tail (the whole strings only for the check), and the head carries the BOS."""
-    tokenizer = tokenizers["bos"]
+    tail (one whole string per group for the check), and the head carries the BOS."""
+    tokenizer = tokenizers[name]
     assert local_pipeline(tokenizer) is None
     seen: list[str] = []
     batched = encoding._batched
@@ -84,31 +89,33 @@ def test_a_shared_prefix_is_tokenized_once(tokenizers, monkeypatch):
     groups = shared_prefix_groups(strings)
     assert [len(members) for members, _ in groups] == [50, 50]
     long_ones = {strings[i] for members, _ in groups for i in members}
-    encoded_whole = [s for s in seen if s in long_ones]
-    assert len(encoded_whole) <= 2 * encoding.CHECKED  # only the checked samples, whole
-    assert sum(len(s) for s in seen) < 0.5 * sum(len(s) for s in strings)
-    assert all(ids[i][0] == tokenizer.bos_token_id for members, _ in groups for i in members)
+    assert len([s for s in seen if s in long_ones]) == 2  # the check's string, one per group
+    assert sum(len(s) for s in seen) < 0.3 * sum(len(s) for s in strings)
+    if name == "bos":
+        assert all(ids[i][0] == tokenizer.bos_token_id for members, _ in groups for i in members)
 
 
-def test_what_is_not_local_is_said(tokenizers):
+def test_what_cannot_be_proved_is_said(tokenizers):
     assert local_pipeline(tokenizers["plain"]) is None
-    assert "Metaspace" in local_pipeline(tokenizers["metaspace"])
-    assert "NFKC normalizer" in local_pipeline(tokenizers["normalized"])
+    assert local_pipeline(tokenizers["metaspace"]) is None and local_pipeline(tokenizers["normalized"]) is None
+    assert "Prepend normalizer" in local_pipeline(tokenizers["prepended"])
 
 
-def test_the_check_refuses_a_split_that_changes_ids(tokenizers):
-    """A cut inside a word (not a pre-token boundary): the tails encoded alone differ, the check on whole encodes
-    finds it and the group is encoded whole; the cut ``find`` chooses passes."""
+def test_the_check_refuses_a_split_that_changes_ids(tokenizers, monkeypatch, caplog):
+    """A cut inside a word (no pre-token boundary), forced past the proof: the tails encoded alone differ, the
+    one-string check finds it, says so and the group is encoded whole; the cut the proof chooses passes."""
     tokenizer = tokenizers["bos"]
     strings = task_strings()
     members, shared = shared_prefix_groups(strings)[0]
     group = [strings[i] for i in members]
     inside = group[0].index(" the ") + 2  # between "t" and "he": " the" is one token of this vocabulary
     assert len(tokenizer.encode(" the", add_special_tokens=False)) == 1
-    assert PrefixSplit.checked(tokenizer, group, inside, {}) is None
     split = PrefixSplit.find(tokenizer, group, shared, {})
-    assert split is not None and 0 < split.cut < shared
+    assert split is not None and 0 < split.cut < shared and split.kind is CutKind.PRE_TOKEN
     assert split.encode(group) == [tokenizer.encode(s) for s in group]
+    monkeypatch.setattr(PrefixSplit, "choose", staticmethod(lambda *args: Cut(inside, CutKind.PRE_TOKEN)))
+    assert PrefixSplit.find(tokenizer, group, shared, {}) is None and "changed the ids" in caplog.text
+    assert encode_many(tokenizer, strings) == [tokenizer.encode(s) for s in strings]
 
 
 def test_groups_of_shared_prefixes():

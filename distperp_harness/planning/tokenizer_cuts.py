@@ -1,0 +1,189 @@
+"""Where a fast tokenizer lets a shared prefix be cut: a character position ``c`` of a prefix ``P`` such that, for
+every string ``s`` starting with ``P``, ``encode(s) == encode(s[:c]) + encode(s[c:], add_special_tokens=False)``.
+Proved from the tokenizer's own pipeline (:mod:`~distperp_harness.planning.tokenizer_parts`), never sampled.
+
+Each part must provably not move ``c``, whatever follows ``P`` (``p = len(P)``):
+
+* **Added tokens** (leftmost-longest matching, on the raw text first): no occurrence of any added token's content
+  in ``P`` straddles ``c``, and ``c + longest <= p``, so every occurrence starting before ``c`` lies in ``P``.
+  Then matching ``s`` from the left picks, before ``c``, exactly what matching ``s[:c]`` picks (every candidate
+  starting before ``c`` ends by ``c``), and from ``c`` on exactly what matching ``s[c:]`` picks. A token that takes
+  the whitespace beside it (``lstrip``/``rstrip``) must not reach across ``c``; a ``single_word`` token must not
+  start or end at ``c`` (it looks at the character beyond it). A raw token matched at ``c`` or ending at ``c``
+  makes ``c`` a boundary between the pieces the rest of the pipeline treats apart.
+* **Normalizer**: ``normalize(s) == normalize(s[:c]) + normalize(s[c:])`` (:class:`Normalization`).
+* **Pre-tokenizer**: every step keeps the cut (:mod:`~distperp_harness.planning.pretoken_steps`).
+* **Model**: a cut between pre-tokens is kept by any BPE; one inside a pre-token only where no merge can join its
+  two sides (:meth:`MergeFacts.separable`).
+* **Post-processor**: special tokens only in front of the text, or ``add_special_tokens=False``: the head keeps them.
+
+:func:`find_cut` returns the last such position (the longest shared head), or why there is none.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from distperp_harness.planning.pretoken_steps import Joint, Junction
+from distperp_harness.planning.tokenizer_parts import AddedTokens, Pipeline, read_pipeline
+
+SCAN = 4096
+"""Positions tried, from the end of the shared prefix back, before giving up."""
+
+
+class CutKind(enum.Enum):
+    BEFORE_TOKEN = "before an added token"
+    AFTER_TOKEN = "after an added token"
+    PRE_TOKEN = "between pre-tokens"
+    MERGES = "inside a pre-token no merge crosses"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The position chosen (None: none) and its kind, or why there is none."""
+
+    position: int | None
+    kind: CutKind | None = None
+    reason: str = ""
+
+
+_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pipeline_of(tokenizer: Any) -> Pipeline | str:
+    """:func:`~distperp_harness.planning.tokenizer_parts.read_pipeline`, kept per tokenizer and read again when its
+    size (added tokens included), ``split_special_tokens`` or the repr of its normalizer, pre-tokenizer or
+    post-processor changes (reading parses the whole vocabulary as JSON)."""
+    key = _fingerprint(tokenizer)
+    try:
+        cached = _PIPELINES.get(tokenizer)
+    except TypeError:  # not weakly referable
+        return read_pipeline(tokenizer)
+    if cached is None or cached[0] != key:
+        cached = _PIPELINES[tokenizer] = (key, read_pipeline(tokenizer))
+    return cached[1]
+
+
+def _fingerprint(tokenizer: Any) -> tuple:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return ()
+    parts = (backend.normalizer, backend.pre_tokenizer, backend.post_processor)
+    return (
+        backend.get_vocab_size(with_added_tokens=True),
+        *map(repr, parts),
+        getattr(tokenizer, "split_special_tokens", None),
+    )
+
+
+def find_cut(tokenizer: Any, prefix: str, special: Mapping[str, Any]) -> Cut:
+    """The last position of ``prefix`` where every string starting with it can be cut, for ``tokenizer.encode(s,
+    **special)`` (``special``: at most ``add_special_tokens``), or why there is none."""
+    pipeline = pipeline_of(tokenizer)
+    if isinstance(pipeline, str):
+        return Cut(None, reason=pipeline)
+    if set(special) - {"add_special_tokens"}:
+        return Cut(None, reason=f"encode keywords other than add_special_tokens: {sorted(special)}")
+    return last_cut(pipeline, prefix, bool(special.get("add_special_tokens", True)))
+
+
+def last_cut(pipeline: Pipeline, prefix: str, add_special_tokens: bool) -> Cut:
+    """The last position of ``prefix`` that ``pipeline`` provably keeps (module docstring), among the ``SCAN``
+    last ones."""
+    if pipeline.text_after and add_special_tokens:
+        return Cut(None, reason="the post-processor adds tokens after the text")
+    for position, kind in allowed_cuts(pipeline, prefix, SCAN):
+        return Cut(position, kind)
+    return Cut(None, reason=f"no provable cut in the last {SCAN} positions of the {len(prefix)}-character prefix")
+
+
+def allowed_cuts(pipeline: Pipeline, prefix: str, limit: int | None = None) -> Iterator[tuple[int, CutKind]]:
+    """Every position of ``prefix`` (the last ``limit`` candidates) where ``pipeline`` provably keeps every string
+    that starts with ``prefix``, from the last back, with its kind (the post-processor aside: :func:`last_cut`)."""
+    found = _matches(pipeline.added, prefix)
+    top = len(prefix) - max(pipeline.added.longest, 2)
+    for c in range(top, 0 if limit is None else max(0, top - limit), -1):
+        kind = _kind(pipeline, found, prefix, c)
+        if kind is not None:
+            yield c, kind
+
+
+@dataclass
+class _Matches:
+    """What added-token extraction can find in a prefix, by position."""
+
+    blocked: set[int] = field(default_factory=set)  # an occurrence straddles it, or a single-word one touches it
+    starts: set[int] = field(default_factory=set)  # a raw match chosen by extraction starts here
+    ends: set[int] = field(default_factory=set)  # ... ends here
+    lstrip_starts: set[int] = field(default_factory=set)  # an occurrence of an lstrip token starts here
+    rstrip_ends: set[int] = field(default_factory=set)  # an occurrence of an rstrip token ends here
+
+
+def _matches(added: AddedTokens, prefix: str) -> _Matches:
+    """Every occurrence of every content in ``prefix``, and the raw matches leftmost-longest extraction chooses
+    (it resumes after each match, single-word ones included, which only then are kept or dropped)."""
+    found = _Matches()
+    free = 0
+    for i, ch in enumerate(prefix):
+        here = [t for t in added.by_first.get(ch, ()) if prefix.startswith(t, i)]
+        for content in here:
+            end = i + len(content)
+            found.blocked.update(range(i + 1, end))
+            if content in added.single_word:
+                found.blocked.update((i, end))
+            if content in added.lstrip:
+                found.lstrip_starts.add(i)
+            if content in added.rstrip:
+                found.rstrip_ends.add(end)
+        raw = [t for t in here if t in added.raw]
+        if raw and i >= free:
+            free = i + len(raw[0])
+            if raw[0] not in added.single_word:
+                found.starts.add(i)
+                found.ends.add(free)
+    return found
+
+
+def _strips_kept(added: AddedTokens, found: _Matches, prefix: str, c: int) -> bool:
+    """No ``lstrip`` token after ``c`` takes whitespace before it (one starting anywhere in the run of whitespace
+    that holds ``c - 1`` and ``c``), no ``rstrip`` token before ``c`` takes whitespace after it."""
+    if added.lstrip and prefix[c - 1].isspace():
+        end = c
+        while end < len(prefix) and prefix[end].isspace():
+            end += 1
+        if end + added.longest > len(prefix) or not found.lstrip_starts.isdisjoint(range(c, end + 1)):
+            return False
+    if added.rstrip and prefix[c].isspace():
+        start = c
+        while start > 0 and prefix[start - 1].isspace():
+            start -= 1
+        if not found.rstrip_ends.isdisjoint(range(start, c + 1)):
+            return False
+    return True
+
+
+def _kind(pipeline: Pipeline, found: _Matches, prefix: str, c: int) -> CutKind | None:
+    """How ``prefix`` can be cut at ``c`` (``c + max(longest, 2) <= len(prefix)``), or None."""
+    if c in found.blocked or not _strips_kept(pipeline.added, found, prefix, c):
+        return None
+    norm = pipeline.normalization
+    if c in found.starts:
+        kind, at = CutKind.BEFORE_TOKEN, Junction(Joint.TOKEN, None, None)
+    elif c in found.ends:
+        kind, at = CutKind.AFTER_TOKEN, Junction(Joint.BETWEEN, None, norm.first_char(prefix, c, len(prefix)))
+    elif norm.boundary(prefix, c):
+        right = norm.first_char(prefix, c, len(prefix))
+        kind, at = CutKind.PRE_TOKEN, Junction(Joint.INSIDE, norm.last_char(prefix, c), right)
+    else:
+        return None
+    for step in pipeline.steps:
+        advanced = step.advance(at)
+        if advanced is None:
+            return None
+        at = advanced
+    if at.joint is not Joint.INSIDE:
+        return kind
+    return CutKind.MERGES if pipeline.merges.separable(at.left, at.right) else None
