@@ -208,6 +208,7 @@ ENGINE = [
     "transfer",
     "scheduler",
     "choose",
+    "masks",
     "prefill",
     "kv_batch",
     "static_batch",

@@ -143,22 +143,80 @@ def test_the_lm_reads_lm_evals_torch_seed_and_samples_each_repeat(tiny_model_dir
     assert record.kind == "generate_until" and record.seed == 6 and record.jobs == 2
 
 
-def test_a_cache_that_slots_cannot_edit_runs_generate_batches(peaked_dir, collective, sample_text_path, monkeypatch):
+def test_a_model_slots_do_not_serve_runs_generate_batches(peaked_dir, collective, sample_text_path, monkeypatch):
     from distperp_harness.run.generation.engine import engines
-    from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable
 
     model, tokenizer = _load(peaked_dir)
     args = [(p, dict(GREEDY)) for p in _fewshot_prompts(sample_text_path)]
     calls = []
     expected = generate(_setup(model, tokenizer, collective), args, calls=calls)
     assert calls[0].engines == ["slots"]
-
-    def sliding(cache):
-        raise CacheNotShareable("DynamicSlidingWindowLayer")
-
-    monkeypatch.setattr(engines, "plain_layers", sliding)
+    monkeypatch.setattr(engines, "slots_refused", lambda model: "its LinearAttentionLayer cache cannot be edited")
     assert generate(_setup(model, tokenizer, collective), args, calls=calls) == expected
     assert calls[1].engines == ["generate"] and calls[1].decode_positions >= calls[0].decode_positions
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3-262k", "llama4-chunked-moe", "gpt-oss-sinks-moe"])
+def test_windowed_models_give_lm_evals_hf_texts_in_slots(family, tiny_tokenizer, sample_text_path, tmp_path, name):
+    """Sliding windows, sliding and full layer types, chunks, sinks: ``--model distperp`` (its paths probed at load)
+    decodes the few-shot prompts, all longer than the window, in slots from the shared block's cache, and gives the
+    greedy texts of ``--model hf`` at the same batch size."""
+    from helpers import make_lm
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    family(name, probed=False).save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    prompts = _fewshot_prompts(sample_text_path)
+    kwargs = {"until": ["e"], "max_gen_toks": 12, "do_sample": False}
+    requests = [Instance("generate_until", {}, (p, dict(kwargs)), i) for i, p in enumerate(prompts)]
+    expected = HFLM(pretrained=str(tmp_path), batch_size=3, device="cpu", max_length=128).generate_until(
+        requests, disable_tqdm=True
+    )
+    lm = make_lm(tmp_path, ",max_length=128", {"batch_size": 3})
+    assert lm.generate_until(requests, disable_tqdm=True) == expected and len(set(expected)) > 2
+    call = lm.stats.calls[-1]
+    assert call.engines == ["slots"] and call.shared_lanes == 1
+    assert call.decode_positions == call.generated - len(prompts)
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-linear", "falcon-h1-ssm"])
+def test_recurrent_layers_run_generate_batches_and_say_why(
+    family, tiny_tokenizer, collective, sample_text_path, caplog, monkeypatch, name
+):
+    import logging
+
+    from distperp_harness.run.generation.engine import engines
+
+    monkeypatch.setattr(engines, "_FALLBACKS", set())  # each reason is said once per process
+    model, tokenizer = family(name, probed=False), tiny_tokenizer
+    args = [(p, dict(GREEDY, max_gen_toks=4)) for p in _fewshot_prompts(sample_text_path, 3)]
+    calls = []
+    with caplog.at_level(logging.INFO, logger="distperp_harness"):
+        logging.getLogger("distperp_harness").addHandler(caplog.handler)
+        texts = generate(_setup(model, tokenizer, collective), args, calls=calls)
+        logging.getLogger("distperp_harness").removeHandler(caplog.handler)
+    assert calls[0].engines == ["generate"] and len(texts) == 3
+    assert any(
+        "LinearAttention" in r.getMessage()
+        and "cannot be edited row by row: lanes run as model.generate" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_generate_batches_of_a_windowed_model_are_left_padded(family, tiny_tokenizer, collective, sample_text_path):
+    """``model.generate`` lays windows by column: a windowed model's batches (here: generation arguments slots do
+    not take) are left-padded rows, no pads between a shared block and a row's own tokens, and give the slots'
+    texts."""
+    model = family("mistral-window")
+    args = [(p, dict(GREEDY, until=["e"])) for p in _fewshot_prompts(sample_text_path)]
+    calls = []
+    slots = generate(_setup(model, tiny_tokenizer, collective, rows=3), args, calls=calls)
+    neutral = [(p, dict(kw, repetition_penalty=1.0)) for p, kw in args]  # neutral, but not a slots argument
+    batches = generate(_setup(model, tiny_tokenizer, collective, rows=3), neutral, calls=calls)
+    assert batches == slots and len(set(slots)) > 2
+    assert calls[0].engines == ["slots"] and calls[0].shared_lanes == 1
+    assert calls[1].engines == ["generate"] and calls[1].prefill_positions >= calls[1].prompt_tokens  # no block once
 
 
 def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collective, sample_text_path):

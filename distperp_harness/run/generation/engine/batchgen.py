@@ -4,7 +4,9 @@ serve — generation arguments beyond the sampling warpers (beam search, repetit
 
 A batch's rows are laid out ``[prefix][pad...][own suffix]`` with zeros in the attention mask on the pads;
 ``generate`` derives position ids from the mask's cumulative sum, so each suffix continues its prefix's positions
-exactly as a left-padded row would. The batch runs until every row has stopped (lm-eval's criteria).
+exactly as a left-padded row would. A model with sliding-window or chunked layers, whose windows ``generate`` lays
+by column, and a cache that cannot restart from a prefix get plain left-padded rows ``[pad...][prompt]`` instead
+(lm-eval ``hf``'s layout). The batch runs until every row has stopped (lm-eval's criteria).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from accelerate.logging import get_logger
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from distperp_harness.run.generation.engine.masks import has_windows
 from distperp_harness.run.generation.engine.sampling import SeededDraw, warpers_for
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.thinking import answer, stop_in_answer
@@ -36,8 +39,8 @@ _UNSHAREABLE: list[str] = []
 
 def _prefix_cache(model: PreTrainedModel, prefix: torch.Tensor, rows: int):
     """The KV cache of ``prefix`` (shape ``[1, P]``), repeated to ``rows`` rows; ``None`` (logged once) when the
-    model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, which
-    the ``[prefix][pad...][suffix]`` layout allows as it stands."""
+    model's cache cannot be repeated or restarted from (recurrent layers): the batch is then computed whole, its
+    rows left-padded."""
     try:
         return prefix_cache(model, prefix, rows)
     except CacheNotShareable as exc:
@@ -74,6 +77,10 @@ def generate_batch(
     """Texts of one batch of ``prompts`` whose first ``shared`` tokens are equal (``seeds``: one per row for a
     sampled batch) and its statistics."""
     kwargs, until, max_new, think_end = dict(args.kwargs), args.until, args.max_new, args.think_end
+    shared = 0 if has_windows(model) else shared  # windows by column: pads inside a row would shift them
+    prefix = torch.tensor([list(prompts[0][:shared])], dtype=torch.long, device=device)
+    cache = _prefix_cache(model, prefix, len(prompts)) if shared else None
+    shared = shared if cache is not None else 0
     suffixes = [list(p[shared:]) for p in prompts]
     suffix_width = max(len(s) for s in suffixes)
     width = shared + suffix_width
@@ -95,7 +102,6 @@ def generate_batch(
         extra["logits_processor"] = [SeededDraw(warpers_for(model, kwargs), seeds, device)]
         kwargs["do_sample"] = False  # the draw leaves one finite logit per row: the drawn token
     max_length = kwargs.pop("max_length", width + max_new)
-    cache = _prefix_cache(model, ids[:1, :shared], len(prompts)) if shared else None
     if cache is not None:
         extra[cache_argument(model)] = cache
     out = model.generate(
@@ -112,7 +118,6 @@ def generate_batch(
     )
     new = out[:, width:]
     texts = [answer(tokenizer, row.tolist(), think_end, until) for row in new]
-    shared = shared if cache is not None else 0
     steps = new.shape[1]
     stats = LaneStats(
         prompts=len(prompts),

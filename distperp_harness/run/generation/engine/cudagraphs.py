@@ -115,7 +115,7 @@ class GraphStep(StaticStep):
             _empty(buffers, self.pad)
 
     def forward_over(self, buffers: StaticBuffers) -> torch.Tensor:
-        return self.forward(buffers.cache, buffers.ids, buffers.allowed, buffers.positions)
+        return self.forward(buffers.cache, buffers.ids, buffers.allowed, buffers.positions, buffers.key_positions)
 
     def run(self, buffers: StaticBuffers) -> torch.Tensor:
         replay = self._replays.get(id(buffers))

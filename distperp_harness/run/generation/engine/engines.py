@@ -1,12 +1,14 @@
 """Which engine decodes a lane (:func:`choose_engine`), decided before any forward from the lane's generation
-arguments and the model's cache layers:
+arguments, the model's cache layers and its decided paths:
 
 * :attr:`Engine.SLOTS`: continuous batching (:func:`~.loop.decode_lane`; its :class:`~.loop.Decoder` picks the KV
   batch: fixed-shape buffers and the run's decode step (:func:`decode_step`) where it covers the lane, else
-  ``DynamicCache`` edits);
+  ``DynamicCache`` edits). Sliding-window and chunked layers included: their keys are kept whole and their windows
+  applied in the masks (:mod:`.masks`);
 * :attr:`Engine.GENERATE`: ``model.generate`` batches of ``slots`` rows (:mod:`.batchgen`): generation arguments
-  beyond the sampling warpers, a ``generation_config`` that adds logits processors, or cache layers that cannot be
-  edited row by row (sliding windows, recurrent state). Every row waits for its batch's last; no refill.
+  beyond the sampling warpers, a ``generation_config`` that adds logits processors, recurrent layers (linear
+  attention, state spaces), or windows on a model that does not take distperp's 4D masks or continue a whole cache
+  (:func:`~.masks.slots_refused`). Every row waits for its batch's last; no refill.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ from accelerate.logging import get_logger
 
 from distperp_harness.run.compiling.state import CompileState
 from distperp_harness.run.generation.engine.cudagraphs import GraphStep
-from distperp_harness.run.generation.engine.prefill import plain_layers
+from distperp_harness.run.generation.engine.masks import slots_refused
 from distperp_harness.run.generation.engine.sampling import SAMPLING_KEYS
 from distperp_harness.run.generation.engine.step import CompiledStep, StaticStep, unsupported
-from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,20 +75,10 @@ def arguments_refused(model: torch.nn.Module, kwargs: dict) -> str | None:
     return f"the model's generation_config sets {added}" if added else None
 
 
-def cache_refused(model: PreTrainedModel) -> str | None:
-    """Why the model's ``DynamicCache`` cannot be edited row by row (its layer types; ``None``: it can)."""
-    from transformers import DynamicCache
-
-    try:
-        plain_layers(DynamicCache(config=model.config))
-    except CacheNotShareable as exc:
-        return f"its {exc} cache cannot be edited row by row"
-    return None
-
-
 def choose_engine(model: PreTrainedModel, kwargs: dict) -> tuple[Engine, str | None]:
-    """The engine of a lane with these normalized arguments, and why slots do not serve it (``None`` for slots)."""
-    reason = arguments_refused(model, kwargs) or cache_refused(model)
+    """The engine of a lane with these normalized arguments, and why slots do not serve it (``None`` for slots):
+    the arguments (:func:`arguments_refused`), then the model (:func:`~.masks.slots_refused`)."""
+    reason = arguments_refused(model, kwargs) or slots_refused(model)
     return (Engine.SLOTS, None) if reason is None else (Engine.GENERATE, reason)
 
 

@@ -1,9 +1,10 @@
 """The running rows of a lane and their keys and values: one interface (:class:`KVBatch`), two implementations.
 
-* :class:`DynamicKVBatch` (here): transformers' ``DynamicCache`` with plain ``DynamicLayer``s, edited between
-  forwards. Rows are right-aligned (the cache holds ``[pads][row tokens]`` per row; the attention mask hides the
-  pads; each row keeps its own positions); joining rows left-pads the narrower side, a finished row's KV row is
-  dropped at once, and leading columns no row uses any more are trimmed. The decode forward is eager.
+* :class:`DynamicKVBatch` (here): transformers' ``DynamicCache`` with plain ``DynamicLayer``s (sliding-window and
+  chunked layers kept whole: :mod:`.masks`), edited between forwards. Rows are right-aligned (the cache holds
+  ``[pads][row tokens]`` per row; the attention mask hides the pads, and applies each layer type's window by the
+  row's positions; each row keeps its own positions); joining rows left-pads the narrower side, a finished row's KV
+  row is dropped at once, and leading columns no row uses any more are trimmed. The decode forward is eager.
 * :class:`~.static_batch.StaticKVBatch`: fixed ``[slots, heads, capacity, dim]`` buffers edited in place, the decode
   step compiled (:mod:`.step`).
 
@@ -18,13 +19,8 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from distperp_harness.run.generation.engine.prefill import (
-    PrefillCache,
-    Prefilled,
-    dense_mask,
-    last_logits,
-    takes_dense_mask,
-)
+from distperp_harness.run.generation.engine.masks import mask_layout, row_masks
+from distperp_harness.run.generation.engine.prefill import PrefillCache, Prefilled, last_logits
 from distperp_harness.run.generation.engine.scheduler import GenRow
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.transfer import to_device
@@ -86,7 +82,7 @@ class DynamicKVBatch:
         self.cache: PrefillCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, columns] long
         self._spans: list[int] = []  # per row: the trailing columns from its first used one (host-side)
-        self.dense = takes_dense_mask(model)  # a 4D mask: transformers reads a 2D one back (may it skip it?)
+        self.layout = mask_layout(model)  # 4D masks: transformers reads a 2D one back (may it skip it?)
 
     def free(self) -> int:
         return self.slots - len(self.rows)
@@ -115,7 +111,7 @@ class DynamicKVBatch:
         self.mask = torch.cat([self.mask, torch.ones((len(rows), 1), dtype=self.mask.dtype, device=device)], 1)
         self.stats.peak_cache_positions = max(self.stats.peak_cache_positions, self.mask.numel())
         ids = to_device([[r.tokens[-1]] for r in rows], torch.long, device)
-        mask = dense_mask(self.model, self.mask.bool()[:, None, None, :]) if self.dense else self.mask
+        mask = self.mask if self.layout is None else row_masks(self.model, self.layout, self.mask, 1)
         with self.around():
             logits = last_logits(self.model, self.cache, ids, attention_mask=mask, position_ids=positions)
         self._spans = [span + 1 for span in self._spans]

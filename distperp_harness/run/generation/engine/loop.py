@@ -25,12 +25,14 @@ import torch
 
 from distperp_harness.run.generation.engine.choose import Chooser
 from distperp_harness.run.generation.engine.kv_batch import DynamicKVBatch, KVBatch
+from distperp_harness.run.generation.engine.masks import slots_refused
 from distperp_harness.run.generation.engine.prefill import Prefiller, PrefixCache
 from distperp_harness.run.generation.engine.scheduler import GenRow, Lane, Scheduler, StopRule
 from distperp_harness.run.generation.engine.static_batch import StaticKVBatch
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.step import StaticStep, capacity_for
 from distperp_harness.run.generation.engine.transfer import HostReads
+from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -96,10 +98,13 @@ def decode_lane(
     ``warpers``: the distribution warpers of a sampled lane (``lane.seeds`` given); greedy otherwise.
     ``on_done(index, tokens)``: called as each row ends. With a compiled step that does not cover the lane, its
     decode forwards are counted in the step's ``eager_calls``. Raises
-    :class:`~distperp_harness.run.scoring.engine.kvcache.CacheNotShareable` (before choosing any token) when the
-    model's cache cannot be edited row by row (:func:`~.engines.choose_engine` sends such lanes to ``model.generate``
-    first).
+    :class:`~distperp_harness.run.scoring.engine.kvcache.CacheNotShareable` (before any forward) naming why slots
+    do not serve the model (:func:`~.masks.slots_refused`; :func:`~.engines.choose_engine` sends such lanes to
+    ``model.generate`` first).
     """
+    refused = slots_refused(decoder.model)
+    if refused is not None:
+        raise CacheNotShareable(refused)
     scheduler = Scheduler(lane, rule, decoder.tokenizer.batch_decode, on_done)
     prefiller = Prefiller.for_lane(
         decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes, decoder.around

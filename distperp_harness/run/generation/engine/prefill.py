@@ -11,16 +11,15 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol, Sequence, cast
 
 import torch
 
+from distperp_harness.run.generation.engine.masks import mask_layout, row_masks, row_positions
 from distperp_harness.run.generation.engine.scheduler import GenRow, Lane
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.transfer import to_device
-from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable, cache_argument
-from distperp_harness.run.scoring.engine.masks import embedding_dtype
-from distperp_harness.run.scoring.engine.support import DENSE_IMPLEMENTATIONS, paths_of
+from distperp_harness.run.scoring.engine.kvcache import CacheNotShareable, cache_argument, whole_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,7 +36,8 @@ class CacheLayer(Protocol):
 
 
 class PrefillCache(Protocol):
-    """A ``DynamicCache`` of plain ``DynamicLayer``s (:func:`plain_layers`) that has run a prefill."""
+    """A ``DynamicCache`` of plain ``DynamicLayer``s (:func:`plain_layers`; sliding-window and chunked layers kept
+    whole too: :mod:`.masks`) that has run a prefill."""
 
     @property
     def layers(self) -> Sequence[CacheLayer]: ...
@@ -63,30 +63,12 @@ class Prefilled:
         return [self.group[i] for i in self.keep]
 
 
-def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
     """``[rows, vocab]`` logits of the last position of ``input_ids``, the forward writing its keys and values into
     ``cache`` (every generation forward: prefix, prefill, decode)."""
     return model(
         input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs, **{cache_argument(model): cache}
     ).logits[:, -1, :]
-
-
-def dense_mask(model: PreTrainedModel, allowed: torch.Tensor) -> torch.Tensor:
-    """``allowed`` (``[rows, 1, queries, keys]`` bool) as the 4D mask the model's attention takes: as is for sdpa,
-    additive (0 or the dtype's minimum, in the embeddings' dtype) for eager attention. A 4D mask is used as given,
-    so transformers reads nothing of it back to the host (it does read a 2D mask: whether it may skip it)."""
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        return allowed
-    dtype = embedding_dtype(model)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def takes_dense_mask(model: PreTrainedModel) -> bool:
-    """Whether generation's forwards pass ``model`` a 4D mask (:func:`dense_mask`): sdpa or eager attention on a model
-    the probe found to take its own masks (packed rows), every layer attending fully."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    paths = paths_of(model)
-    return impl in DENSE_IMPLEMENTATIONS and paths.dense_masks and paths.layout is not None and not paths.layout.span
 
 
 def plain_layers(cache) -> list:
@@ -123,11 +105,14 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key], False
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
+        cache = whole_cache()
+        ids = to_device([key], torch.long, device)
+        layout = mask_layout(model)
+        extra = {}  # full attention: the model's own causal mask; windows: slots' masks by position (masks.py)
+        if layout is not None and layout.span:
+            extra["attention_mask"] = row_masks(model, layout, torch.ones_like(ids), len(key))
         with around():  # the root forward (one position of the head), as every other forward of generation
-            last_logits(model, cache, to_device([key], torch.long, device))
+            last_logits(model, cache, ids, **extra)
         self._entries[key] = [(layer.keys, layer.values) for layer in plain_layers(cache)]
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -198,14 +183,12 @@ class Prefiller:
     ) -> tuple[PrefillCache, torch.Tensor, torch.Tensor]:
         """``[prefix][pads][own tokens]`` per row (the prefix from its cache), positions from the mask's cumulative
         sum. Returns the rows' cache, mask ``[rows, shared + width]`` and last logits."""
-        from transformers import DynamicCache
-
         device = self.device
         suffixes = [list(p[shared:]) for p in prompts]
         width = max(len(s) for s in suffixes)
         ids = to_device([[self.pad] * (width - len(s)) + s for s in suffixes], torch.long, device)
         own = to_device([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], torch.long, device)
-        cache = DynamicCache(config=self.model.config)
+        cache = whole_cache()
         if shared:
             mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long, device=device), own], 1)
             for i, (k, v) in enumerate(self.prefix_kv or []):
@@ -214,13 +197,10 @@ class Prefiller:
                 )
         else:
             mask = own
-        positions = (mask.cumsum(1) - 1).clamp_min(0)[:, shared:]
+        positions = row_positions(mask).clamp_min(0)[:, shared:]
         positions = positions.masked_fill(own == 0, 1)  # what generate gives pads; never attended to
-        attention: torch.Tensor = mask
-        if takes_dense_mask(self.model):  # causal over [prefix][pads][own], the pads hidden: no read back
-            keys = torch.arange(shared + width, device=device)
-            causal = keys[None, :] <= (shared + torch.arange(width, device=device))[:, None]
-            attention = dense_mask(self.model, (mask.bool()[:, None, :] & causal[None])[:, None])
+        layout = mask_layout(self.model)  # 4D: causal over [prefix][pads][own], pads hidden, windows by position
+        attention = mask if layout is None else row_masks(self.model, layout, mask, width)
         logits = last_logits(self.model, cache, ids, attention_mask=attention, position_ids=positions)
         plain_layers(cache)
         self.stats.prefill_forwards += 1

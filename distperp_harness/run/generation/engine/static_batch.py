@@ -2,9 +2,11 @@
 compiled step (:class:`~.step.CompiledStep`).
 
 **Buffers** (:class:`StaticBuffers`). A lane of ``S`` slots whose longest prompt plus ``max_new`` is ``n`` tokens
-decodes over transformers' ``StaticCache`` of ``[S, heads, C, head_dim]`` per layer (``StaticLayer``: allocated
-once, ``mark_static_address``: CUDA graphs read them where they are), ``C`` = ``n`` rounded up to a bucket (few
-shapes compile), and a boolean ``[S, C]`` mask of the columns each slot attends to.
+decodes over transformers' ``StaticCache`` of ``[S, heads, C, head_dim]`` per layer (every layer a plain
+``StaticLayer``, sliding-window and chunked ones too: allocated once, ``mark_static_address``: CUDA graphs read them
+where they are), ``C`` = ``n`` rounded up to a bucket (few shapes compile), a boolean ``[S, C]`` mask of the columns
+each slot attends to and, for a model with windows, each column's position in its slot's row (``[S, C]``: the step
+applies each layer type's window or chunk by position, :mod:`.masks`).
 
 **Rows** (:class:`StaticKVBatch`) are right-aligned at one write column ``w`` shared by all slots (like the dynamic
 batch):
@@ -12,11 +14,11 @@ batch):
 * **join**: each kept row's prefill key/value columns (keys rotated with its own positions) and mask are copied
   in place into the lowest free slot's columns ``[w - L, w)`` (``L`` the prefill's width; when ``w < L`` the live
   columns first move right to make room);
-* **step**: one forward of ``[S, 1]`` tokens, per-row position ids, every slot attending to column ``w``, which it
-  writes. A free slot is fed the pad token and sees only its own column: harmless, and counted
-  (``padded_positions``). The step's inputs (tokens and positions) reach the device in one non-blocking copy into
-  fixed tensors (:attr:`StaticBuffers.inputs`), and nothing is read back: the forward can be replayed as a CUDA
-  graph (:mod:`.cudagraphs`);
+* **step**: one forward of ``[S, 1]`` tokens, per-row position ids, every slot attending to column ``w`` (at its
+  row's next position), which it writes. A free slot is fed the pad token and sees only its own column: harmless,
+  and counted (``padded_positions``). The step's inputs (tokens and positions) reach the device in one
+  non-blocking copy into fixed tensors (:attr:`StaticBuffers.inputs`), and nothing is read back: the forward can be
+  replayed as a CUDA graph (:mod:`.cudagraphs`);
 * **full**: when ``w`` reaches ``C``, the live columns move left by the first column any live row uses (rare: a
   row never spans more than ``longest + max_new - 1 < C`` columns, so there is always room after it).
 
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence, 
 
 import torch
 
+from distperp_harness.run.generation.engine.masks import row_positions
 from distperp_harness.run.generation.engine.prefill import Prefilled
 from distperp_harness.run.generation.engine.scheduler import GenRow
 from distperp_harness.run.generation.engine.stats import LaneStats
@@ -49,34 +52,56 @@ class _Allocated(Protocol):
     cumulative_length: torch.Tensor
 
 
+def whole_static_cache(model: PreTrainedModel, capacity: int, layers: int):
+    """transformers' ``StaticCache`` of ``capacity`` columns for ``model`` with its ``layers`` layers all plain
+    ``StaticLayer``s: a sliding-window or chunked layer keeps every column too (the step's masks apply its window).
+
+    Raises:
+        CacheNotShareable: naming transformers' layer types, when a layer holds more than keys and values, or the
+            cache's layers are not the ``layers`` the model's forward wrote.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    kinds = {type(layer) for layer in cache.layers}
+    if len(cache.layers) != layers or kinds - {StaticLayer, StaticSlidingWindowLayer}:
+        raise CacheNotShareable("/".join(sorted(kind.__name__ for kind in kinds)))
+    cache.layers = [StaticLayer(max_cache_len=capacity) for _ in range(layers)]
+    return cache
+
+
 class StaticBuffers:
-    """One bucket's fixed tensors: a ``StaticCache`` of ``slots`` rows and ``capacity`` columns, the mask
-    ``allowed``, the step's ``inputs`` (``[2, slots]``: row 0 the tokens, row 1 the positions; :attr:`ids` and
-    :attr:`positions` are ``[slots, 1]`` views of them) and ``live`` (the slots holding a row); ``length`` is the
-    column the next step writes (every layer's ``cumulative_length``). ``shapes``: ``(kv heads, key dim, value
-    dim, dtype)`` per layer. Every tensor keeps its address for the buffers' life (compiled graphs and CUDA graphs
-    read them where they are)."""
+    """One bucket's fixed tensors: a ``StaticCache`` of ``slots`` rows and ``capacity`` columns
+    (:func:`whole_static_cache`), the mask ``allowed``, each column's position in its slot's row
+    ``key_positions`` (kept up to date only when ``windowed``: a rule of the model's layout needs positions), the
+    step's ``inputs`` (``[2, slots]``: row 0 the tokens, row 1 the positions; :attr:`ids` and :attr:`positions` are
+    ``[slots, 1]`` views of them) and ``live`` (the slots holding a row); ``length`` is the column the next step
+    writes (every layer's ``cumulative_length``). ``shapes``: ``(kv heads, key dim, value dim, dtype)`` per layer.
+    Every tensor keeps its address for the buffers' life (compiled graphs and CUDA graphs read them where they
+    are)."""
 
     def __init__(
-        self, model: PreTrainedModel, slots: int, capacity: int, shapes: Sequence[tuple], device: torch.device
+        self,
+        model: PreTrainedModel,
+        slots: int,
+        capacity: int,
+        shapes: Sequence[tuple],
+        device: torch.device,
+        windowed: bool = False,
     ) -> None:
-        from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
-
-        self.slots, self.capacity = slots, capacity
-        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        static = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
-        if len(self.cache.layers) != len(shapes) or len(static) != len(self.cache.layers):
-            raise CacheNotShareable("/".join(sorted({type(layer).__name__ for layer in self.cache.layers})))
-        for layer, (heads, k_dim, v_dim, dtype) in zip(static, shapes):  # allocates, marks static
+        self.slots, self.capacity, self.windowed = slots, capacity, windowed
+        self.cache = whole_static_cache(model, capacity, len(shapes))
+        for layer, (heads, k_dim, v_dim, dtype) in zip(self.cache.layers, shapes):  # allocates, marks static
             layer.lazy_initialization(
                 torch.empty(slots, heads, 1, k_dim, dtype=dtype, device=device),
                 torch.empty(slots, heads, 1, v_dim, dtype=dtype, device=device),
             )
         self.allowed = torch.zeros(slots, capacity, dtype=torch.bool, device=device)
+        self.key_positions = torch.zeros(slots, capacity, dtype=torch.long, device=device)
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=device)
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)
-        for t in (self.allowed, self.inputs):
+        for t in (self.allowed, self.key_positions, self.inputs):
             torch._dynamo.mark_static_address(t)
         self.length = 0
 
@@ -105,6 +130,7 @@ class StaticBuffers:
             layer.keys.zero_()
             layer.values.zero_()
         self.allowed.zero_()
+        self.key_positions.zero_()
         self.inputs.zero_()
         self.live.zero_()
         self.set_length(0)
@@ -119,14 +145,24 @@ class StaticBuffers:
         self, slot: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], mask_row: torch.Tensor, lo: int
     ) -> None:
         """Slot ``slot`` := one prefilled row: ``kv`` per layer ``([heads, L, dim], [heads, L, dim])`` and its
-        ``[L]`` mask, at columns ``[lo, lo + L)``; every other column of the slot masked."""
+        ``[L]`` mask, at columns ``[lo, lo + L)`` (with their positions: the row's tokens before each); every other
+        column of the slot masked."""
         width = mask_row.shape[0]
         for layer, (k, v) in zip(self.layers, kv):
             layer.keys[slot, :, lo : lo + width] = k
             layer.values[slot, :, lo : lo + width] = v
         self.allowed[slot] = False
         self.allowed[slot, lo : lo + width] = mask_row.bool()
+        if self.windowed:
+            self.key_positions[slot, lo : lo + width] = row_positions(mask_row[None])[0]
         self.live[slot] = True
+
+    def open_column(self, w: int) -> None:
+        """Before a step that writes column ``w``: every slot sees it (a free slot only it), at the position its
+        token is fed at (on the device: nothing is read back)."""
+        self.allowed[:, w] = True
+        if self.windowed:
+            self.key_positions[:, w] = self.inputs[1]
 
     def move(self, lo: int, hi: int, offset: int) -> None:
         """Columns ``[lo, hi)`` of every slot move by ``offset`` (in place); the columns they leave are masked."""
@@ -136,6 +172,7 @@ class StaticBuffers:
             for t in (layer.keys, layer.values):
                 t[:, :, lo + offset : hi + offset] = t[:, :, lo:hi].clone()
         self.allowed[:, lo + offset : hi + offset] = self.allowed[:, lo:hi].clone()
+        self.key_positions[:, lo + offset : hi + offset] = self.key_positions[:, lo:hi].clone()
         if offset < 0:
             self.allowed[:, max(lo, hi + offset) : hi] = False
         else:
@@ -222,7 +259,7 @@ class StaticKVBatch:
             [r.tokens[-1] if r is not None else self.pad for r in self._by_slot],
             [self._position[s] if r is not None else 0 for s, r in enumerate(self._by_slot)],
         )
-        buffers.allowed[:, w] = True  # every slot sees the column it writes; a free slot only that one
+        buffers.open_column(w)  # every slot sees the column it writes; a free slot only that one
         with self.around():
             logits = self.step_fn.run(buffers)
         buffers.allowed[:, w] = buffers.live

@@ -33,12 +33,16 @@ from accelerate.logging import get_logger
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.run.compiling.agreement import fake_compile_failure, first_failure, in_turn
 from distperp_harness.run.compiling.state import CompileState, warming
-from distperp_harness.run.generation.engine.prefill import dense_mask, last_logits, plain_layers, takes_dense_mask
+from distperp_harness.run.generation.engine.masks import implementation, layer_masks, mask_layout, slots_refused
+from distperp_harness.run.generation.engine.prefill import last_logits, plain_layers
 from distperp_harness.run.generation.engine.static_batch import StaticBuffers
-from distperp_harness.run.scoring.engine.kvcache import cache_argument
+from distperp_harness.run.scoring.engine.kvcache import cache_argument, whole_cache
+from distperp_harness.run.scoring.engine.support import DENSE_IMPLEMENTATIONS, paths_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from distperp_harness.model.attention import AttentionLayout
 
 log = get_logger(__name__)
 
@@ -76,22 +80,17 @@ def uses_cudagraphs(mode: str | None, device: torch.device) -> bool:
 
 
 def unsupported(model: PreTrainedModel) -> str | None:
-    """Why ``model`` does not decode with a fixed-shape step (None: it can): the step passes a 4D mask, which sdpa
-    and eager attention take on the model types of
-    :func:`~distperp_harness.run.scoring.engine.support.packed_rows_unsupported`, and its cache layers must all be plain
-    ``StaticLayer``s (no sliding window)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
+    """Why ``model`` does not decode with a fixed-shape step (None: it can): the step passes its own 4D masks (one
+    per layer type's rule, :mod:`.masks`), which sdpa and eager attention take on a model whose decided paths take
+    them (:func:`~distperp_harness.run.scoring.engine.support.paths_of`), and slots must serve the model at all
+    (:func:`~.masks.slots_refused`: no recurrent layers; windows applied by position over whole ``StaticLayer``s)."""
+    impl = implementation(model)
+    if impl not in DENSE_IMPLEMENTATIONS:
         return f"attention implementation {impl!r} (the static decode step takes sdpa or eager)"
-    if not takes_dense_mask(model):
-        return f"model type {getattr(model.config, 'model_type', None)!r} is not known to take a 4D attention mask"
-    layers = StaticCache(config=model.config, max_cache_len=1).layers
-    if any(type(layer) is not StaticLayer for layer in layers):
-        return f"its static cache layers are {sorted({type(layer).__name__ for layer in layers})}"
-    return None
+    if mask_layout(model) is None:
+        paths = paths_of(model)
+        return f"the model does not take distperp's 4D attention masks ({paths.packed_rows or 'no attention layout'})"
+    return slots_refused(model)
 
 
 @dataclass
@@ -132,10 +131,8 @@ class DecodeState:
 def kv_shapes(model: PreTrainedModel, device: torch.device, pad: int, cache=None) -> list[tuple]:
     """``(kv heads, key dim, value dim, dtype)`` per layer, read from ``cache`` (a prefill's ``DynamicCache``) or,
     when none is given, from a one-token forward's."""
-    from transformers import DynamicCache
-
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        cache = whole_cache()
         last_logits(model, cache, torch.tensor([[pad]], device=device))
     return [
         (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1], layer.keys.dtype)
@@ -170,11 +167,12 @@ def packed_gqa():
 class StaticStep:
     """The eager fixed-shape decode step of ``model`` and its bucket's buffers (one bucket alive at a time).
 
-    ``run(buffers)``: ``[slots, vocab]`` logits of one step over ``buffers`` (their ``ids``, ``positions`` and
-    ``allowed``); the forward writes each slot's keys and values at the buffers' write column. ``covers(slots,
-    capacity)``: whether a lane of that bucket decodes over this step. ``state``: counters (padded positions, moves
-    left) and, for the compiled and graph steps, what compiling or capturing did. ``kind``: the name the generation
-    record gives it."""
+    ``run(buffers)``: ``[slots, vocab]`` logits of one step over ``buffers`` (their ``ids``, ``positions``,
+    ``allowed`` and, for a layout with windows, ``key_positions``); the forward writes each slot's keys and values
+    at the buffers' write column. ``covers(slots, capacity)``: whether a lane of that bucket decodes over this step.
+    ``state``: counters (padded positions, moves left) and, for the compiled and graph steps, what compiling or
+    capturing did. ``kind``: the name the generation record gives it. The masks' layout is the model's when the step
+    is made (:func:`~.masks.mask_layout`)."""
 
     kind = "static"
 
@@ -185,6 +183,8 @@ class StaticStep:
         self.model, self.device = model, device
         self.pad = pad_token_id if pad_token_id is not None else 0
         self.state = DecodeState()
+        self._layout = mask_layout(model)
+        self._windowed = bool(self._layout is not None and self._layout.span)
         self._shapes: list[tuple] | None = None
         self._buffers: dict[tuple[int, int], StaticBuffers] = {}  # the bucket used last (one alive: memory)
 
@@ -194,13 +194,30 @@ class StaticStep:
     def prepare(self, collective: Collective, lanes: Sequence[Any]) -> None:
         """Nothing to prepare for the eager step (the compiled step compiles the plan's buckets here)."""
 
-    def forward(self, cache, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The decode step: ``[S, V]`` logits of ``ids`` ``[S, 1]`` (what is compiled or captured)."""
-        mask = dense_mask(self.model, allowed[:, None, None, :])
+    @property
+    def layout(self) -> AttentionLayout:
+        """The layout of the step's masks (:func:`~.masks.mask_layout`, taken when the step was made: a constant of
+        the compiled and captured step).
+
+        Raises:
+            ValueError: naming why, for a model the fixed-shape step does not serve (:func:`unsupported`).
+        """
+        if self._layout is None:
+            raise ValueError(f"the fixed-shape decode step cannot decode this model: {unsupported(self.model)}")
+        return self._layout
+
+    def forward(
+        self, cache, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode step: ``[S, V]`` logits of ``ids`` ``[S, 1]`` at ``positions`` ``[S, 1]``, attending to the
+        columns ``allowed`` (``[S, C]``) within each layer type's window by ``key_positions`` (``[S, C]``, read
+        only where the layout has a window or chunk); what is compiled or captured."""
+        window = (positions, key_positions) if self._windowed else None  # read outside the graph: a constant
+        mask = layer_masks(self.model, self.layout, allowed[:, None, None, :], window)
         return last_logits(self.model, cache, ids, attention_mask=mask, position_ids=positions)
 
     def run(self, buffers: StaticBuffers) -> torch.Tensor:
-        return self.forward(buffers.cache, buffers.ids, buffers.allowed, buffers.positions)
+        return self.forward(buffers.cache, buffers.ids, buffers.allowed, buffers.positions, buffers.key_positions)
 
     def buffers_for(self, slots: int, capacity: int, cache=None) -> StaticBuffers:
         """The bucket's buffers (allocated on first use, their shapes read from ``cache``, a prefill's
@@ -210,7 +227,7 @@ class StaticStep:
             self._buffers.clear()
             if self._shapes is None:
                 self._shapes = kv_shapes(self.model, self.device, self.pad, cache)
-            self._buffers[key] = StaticBuffers(self.model, slots, capacity, self._shapes, self.device)
+            self._buffers[key] = StaticBuffers(self.model, slots, capacity, self._shapes, self.device, self._windowed)
             self.allocated(self._buffers[key])
         return self._buffers[key]
 
@@ -315,11 +332,11 @@ class CompiledStep(StaticStep):
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs may be overwritten now
         if self.compile_state.is_warming:
             with packed_gqa():
-                out = self._step(buffers.cache, ids, buffers.allowed, positions)
+                out = self._step(buffers.cache, ids, buffers.allowed, positions, buffers.key_positions)
         else:
             try:
                 with torch.compiler.set_stance("fail_on_recompile"), packed_gqa():
-                    out = self._step(buffers.cache, ids, buffers.allowed, positions)
+                    out = self._step(buffers.cache, ids, buffers.allowed, positions, buffers.key_positions)
             except RuntimeError as exc:
                 if "fail_on_recompile" not in str(exc):
                     raise
@@ -327,7 +344,7 @@ class CompiledStep(StaticStep):
                 if self.state.not_covered_example is None:
                     self.state.not_covered_example = " ".join(str(exc).split("triggered by")[-1].split())[:400]
                 buffers.set_length(buffers.length)  # the failed call may not have written: same column again
-                return self.forward(buffers.cache, ids, buffers.allowed, positions)
+                return self.forward(buffers.cache, ids, buffers.allowed, positions, buffers.key_positions)
             self.state.compiled_calls += 1
         return out.clone() if self.cudagraphs else out
 

@@ -16,7 +16,7 @@ from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
 from distperp_harness.run.generation.engine.sampling import warpers_for
 from distperp_harness.run.generation.engine.scheduler import Lane, StopRule
-from distperp_harness.run.generation.engine.step import CompiledStep, StaticStep, StepState
+from distperp_harness.run.generation.engine.step import CompiledStep, StaticStep, StepState, unsupported
 from distperp_harness.run.generation.engine.transfer import counting_reads
 
 CPU = torch.device("cpu")
@@ -102,6 +102,29 @@ def test_one_read_of_the_device_per_forward_and_no_other(peaked, prompts, fixed)
         _, stats = _decode(model, tokenizer, lane, rule, step)
     assert stats.decode_forwards > 10
     assert reads.total == stats.host_reads == stats.prefill_forwards + stats.decode_forwards
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3-262k", "llama4-chunked-moe", "gpt-oss-sinks-moe"])
+def test_the_fixed_shape_step_gives_the_dynamic_engines_texts_for_windowed_models(
+    family, tiny_tokenizer, prompts, name
+):
+    """Sliding windows, sliding and full layer types, chunks, sinks over whole ``StaticLayer``s, each column's
+    position kept beside it (also when the full cache moves left): the dynamic cache's texts, one read per forward."""
+    model, tokenizer = family(name), tiny_tokenizer
+    assert unsupported(model) is None
+    rule = StopRule.of(tokenizer, ["e"], [tokenizer.eos_token_id], 20)
+    lane = Lane(prompts[:7], tuple(prompts[0][:20]), 3)
+    dynamic, _ = _decode(model, tokenizer, lane, rule)
+    step = StaticStep(model, CPU, tokenizer.pad_token_id, BUCKET)
+    _decode(model, tokenizer, lane, rule, step)  # buffers allocated: the loop alone is counted
+    with counting_reads() as reads:
+        fixed, stats = _decode(model, tokenizer, lane, rule, step)
+    assert fixed == dynamic and len({len(t) for t in dynamic}) > 2
+    assert reads.total == stats.host_reads == stats.prefill_forwards + stats.decode_forwards
+    full = StopRule.of(tokenizer, [], [], 20)  # every row runs 20 tokens: the columns fill up and move left
+    lane = Lane(prompts[:4] + prompts[:4][::-1], (), 3)
+    assert _decode(model, tokenizer, lane, full, step)[0] == _decode(model, tokenizer, lane, full)[0]
+    assert step.state.shifts > 0
 
 
 class _Capture:

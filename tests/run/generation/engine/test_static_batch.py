@@ -174,3 +174,19 @@ def test_cuda_graph_steps_mark_each_replay_and_clone_the_logits(engine, peaked, 
     marks.clear()
     out, stats = decode_lane(Decoder(engine.model, tokenizer, CPU, static=engine), Lane(prompts, (), 3), rule)
     assert out == expected and len(marks) == stats.decode_forwards > 0
+
+
+def test_the_compiled_step_of_a_windowed_model_gives_the_eager_engines_texts(family, tiny_tokenizer, prompts):
+    """Sliding and full layer types (one mask each, as a mapping), windows by position: compiled once for the
+    bucket, the same texts as the dynamic cache, rows refilled and the full cache moved left. Last in the module: a
+    model class's first forward grows a transformers registry the other compiled steps' guards read (they would
+    run eager from then on)."""
+    model = family("qwen3-mixed-window")
+    engine = CompiledStep(model, CompileState("default", active=True), CPU, tiny_tokenizer.pad_token_id, bucket=BUCKET)
+    lane = Lane(prompts[:4] + prompts[:4][::-1], tuple(prompts[0][:20]), 3)
+    engine.prepare(_One(), [_Plan(3, lane.prompts)])
+    assert engine.active
+    rule = StopRule.of(tiny_tokenizer, [], [], MAX_NEW)  # every row runs MAX_NEW tokens: the columns fill up
+    eager, _, static, _ = _both(engine, lane, rule, tokenizer=tiny_tokenizer)
+    assert static == eager and engine.state.shifts > 0 and engine.state.compiled_calls > 0
+    assert engine.state.eager_calls["not_covered"] == 0
