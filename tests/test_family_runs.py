@@ -1,6 +1,7 @@
 """Every family of :data:`helpers.FAMILIES` through ``--model distperp`` as lm-eval builds it, on 1 and on 2 processes
 (one launch for all families): the probe's decision recorded and equal on every rank, the same bits on 1 and 2
-processes for few-shot questions, rolling windows and greedy generation, and greedy texts equal to lm-eval ``hf``'s.
+processes for few-shot questions, rolling windows and greedy generation (continuous batching for every family whose
+layers attend by a mask, windows included), and greedy texts equal to lm-eval ``hf``'s.
 """
 
 import json
@@ -39,6 +40,7 @@ WORKER = textwrap.dedent(
             "gen": dict(zip(prompts, gen)),
             "paths": lm.prepared.paths,
             "sharing": str(lm.sharing.mode),
+            "engines": [e for c in lm.stats.to_dicts() if c["kind"] == "generate_until" for e in c["engines"]],
         }
         with open(f"{out}/{name}-{lm.rank}.json", "w") as f:
             json.dump(record, f)
@@ -89,7 +91,8 @@ def _merged(out, name, world):
         for key in merged:
             merged[key].update({int(i): v for i, v in record[key].items()})
     assert all(r["paths"] == records[0]["paths"] for r in records)  # the same decision on every rank
-    return {**merged, "paths": records[0]["paths"], "sharing": records[0]["sharing"]}
+    engines = sorted({e for r in records for e in r["engines"]})
+    return {**merged, "paths": records[0]["paths"], "sharing": records[0]["sharing"], "engines": engines}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -104,6 +107,7 @@ def test_each_family_gives_the_same_bits_on_one_and_two_processes(family_runs, n
     assert probed["probed"] and probed["head_only_where_scored"]
     assert probed["packed_rows"] == (name not in UNMASKED_FAMILIES)
     assert one["sharing"] == ("inputs" if name in UNMASKED_FAMILIES else "prefix")
+    assert one["engines"] == two["engines"] == (["generate"] if name in UNMASKED_FAMILIES else ["slots"])
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
