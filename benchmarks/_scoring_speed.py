@@ -28,6 +28,7 @@ from benchmarks._scoring_common import (
     make_runner,
     model_facts,
     padded_tokens,
+    probe_decision,
     requests_for,
     select_documents,
 )
@@ -89,15 +90,22 @@ def _record_repeat(
         result.ratio_bare_end_to_end.append(seconds["bare"] / seconds["distperp"])
 
 
-def bench_model(name: str, path: Path, args: argparse.Namespace) -> ModelResult:
-    """Time every scorer on ``name`` (alternating, ``args.repeats`` times) and measure scoring memory."""
+def bench_model(name: str, path: Path, args: argparse.Namespace, lms: dict[str, Any] | None = None) -> ModelResult:
+    """Time every scorer on ``name`` (alternating, ``args.repeats`` times) and measure scoring memory. ``lms``: the
+    scorers' LM objects already built (``bench_families`` gives ``hf`` and ``distperp`` one shared model); by default
+    each scorer loads ``path`` itself."""
     facts = model_facts(path)
     scorers = [s for s in args.scorers if s in SCORERS]
-    lms, notes, skipped = _build_lms(scorers, path, args)
+    if lms is None:
+        lms, notes, skipped = _build_lms(scorers, path, args)
+    else:
+        lms, notes, skipped = {k: v for k, v in lms.items() if k in scorers}, [], set(scorers) - set(lms) - {"bare"}
     _quiet()  # distperp's LM sets its own log level when it is built
+    notes.append(f"scoring paths {probe_decision(lms['distperp'])}")
     if "bare" in scorers:
         lms["bare"] = lms["distperp"]
-    tokens_limit = args.tokens if args.tokens is not None else DEFAULT_TOKENS[args.quick].get(name)
+    default = DEFAULT_TOKENS[args.quick].get(name, 1_000 if name.startswith("random-") else None)
+    tokens_limit = args.tokens if args.tokens is not None else default
     tokens_limit = tokens_limit or None
     docs, tokens = select_documents(load_articles(Path(args.text)), lms["distperp"].tokenizer, tokens_limit)
     requests = requests_for(docs)

@@ -28,6 +28,11 @@ the eager engine's (a ``DynamicCache``) against the compiled static step's, alte
 bfloat16`` runs both sides there; a second table gives each distperp backend's decode step, reads of the device per
 forward, ms per forward and, with ``--bandwidth`` (GB/s), the fraction of the memory floor (weights and the rows'
 keys and values read once per decode step).
+
+``--random-shape NAME`` generates with a random-init model of ``_scoring_common.RANDOM_SHAPES`` instead of
+``--model`` (e.g. ``gemma3-270m``, ``gpt-oss-scaled``; built once into ``--workdir``); ``--share-model`` loads the
+weights once and gives every backend the same model object. The scoring paths distperp's probe decided are printed
+under the tables.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import lm_eval_model
+from benchmarks._scoring_common import RANDOM_SHAPES, Counter, load_model, make_lm, probe_decision, resolve_model
 
 TOPICS = [
     "the sea",
@@ -126,23 +131,6 @@ def task_requests(name: str, count: int, folder: Path):
     return [inst for inst in task.instances]
 
 
-class Counter:
-    """Positions through the decoder, by kind, and the decode forwards (a forward pre-hook on ``base_model``)."""
-
-    def __init__(self, model) -> None:
-        self.decode = self.prefill = self.decode_forwards = 0
-        model.base_model.register_forward_pre_hook(self._count, with_kwargs=True)
-
-    def _count(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-        shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
-        if shape[1] == 1:
-            self.decode += int(shape[0])
-            self.decode_forwards += 1
-        else:
-            self.prefill += int(shape[0] * shape[1])
-
-
 def first_difference(lm, context: str, a: str, b: str) -> str:
     """Where two texts' tokens first differ and the model's top-2 logit gap after the common part."""
     import torch
@@ -218,6 +206,7 @@ def run_shape(shape: str, lms: dict, counters: dict, args, folder: Path) -> dict
         "shape": shape,
         "requests": len(requests),
         "useful": useful,
+        "seconds": seconds,
         "rows": rows,
         "diffs": diffs,
         "same": {k: len(requests) - len(v) for k, v in diffs.items()},
@@ -268,7 +257,14 @@ VARIANTS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None, help="model folder (or --random-shape)")
+    parser.add_argument(
+        "--random-shape", default=None, choices=tuple(RANDOM_SHAPES), help="a random-init model of this shape"
+    )
+    parser.add_argument("--workdir", default=None, help="where to build the random model (default: a temp folder)")
+    parser.add_argument(
+        "--share-model", action="store_true", help="load the weights once and give every backend the same object"
+    )
     parser.add_argument("--shapes", default="instruct,gsm8k_cot,gsm8k")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--instruct-new", type=int, default=192, help="instruct: max_gen_toks")
@@ -286,10 +282,22 @@ def main(argv: list[str] | None = None) -> int:
         "--bandwidth", type=float, default=None, help="memory GB/s: report each distperp row's fraction of the floor"
     )
     args = parser.parse_args(argv)
-    model_args = f"pretrained={args.model},dtype={args.dtype},max_length={args.max_length},device={args.device}"
+    if args.random_shape:
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_generate_"))
+        args.model = str(resolve_model(f"random-{args.random_shape}", workdir))
+    if not args.model:
+        parser.error("give --model FOLDER or --random-shape NAME")
+    shared = load_model(Path(args.model), args.device, args.dtype) if args.share_model else None
     lms = {
-        name: lm_eval_model(name.split("-")[0]).create_from_arg_string(
-            model_args + VARIANTS.get(name, ""), {"batch_size": args.batch_size}
+        name: make_lm(
+            name,
+            Path(args.model),
+            args.max_length,
+            args.batch_size,
+            VARIANTS.get(name, ""),
+            device=args.device,
+            dtype=args.dtype,
+            model=shared,
         )
         for name in args.backends.split(",")
     }
@@ -316,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['median_s']:.1f} | {first['median_s'] / row['median_s']:.2f}x | {same} |"
             )
     print_steps(results, lms, args.bandwidth)
+    for name, lm in lms.items():
+        if name.startswith("distperp"):
+            print(f"\n{name}: scoring paths {probe_decision(lm)}")
     for r in results:
         print(
             f"\n{r['shape']}: distperp {r['lanes']} lane(s) of {r['slots']} slots, {r['shared_lanes']} from a "

@@ -3,6 +3,7 @@
     python -m benchmarks.bench_mc --threads 1          # wt2-llama-5m, WikiText-2 valid, 3 shapes: ~10 min
     python -m benchmarks.bench_mc --shapes hellaswag --repeats 2 --scorers hf,distperp
     python -m benchmarks.bench_mc --random-shape llama-1b --device cuda --dtype float32 --questions 50 --repeats 1
+    python -m benchmarks.bench_mc --random-shape gemma3-270m --shapes mmlupro5 --batch-size 4 --share-model
 
 Shapes (questions cut from WikiText-2 valid, ``../shared/data/wikitext-2/valid.txt``, read at run time; or the
 shipped sample with ``--text``), as ``loglikelihood`` requests ``(context, continuation)``:
@@ -26,9 +27,16 @@ Each repeat runs every scorer once on the same ``Instance`` objects (in-process,
 gives the best repeat (interference on a shared machine only slows runs down) and the median ratios; it also checks
 that distperp's chosen answers equal ``hf``'s and gives the largest log-likelihood difference.
 
+``hf``'s tokens computed are counted by a forward pre-hook on its model's body (every row of every forward, pads
+included); distperp's come from its call records. The scoring paths distperp's probe decided are listed under the
+table.
+
 ``--device cuda`` / ``--dtype``: every scorer on ``cuda:0`` in that dtype (lm-eval ``hf`` takes both too).
 ``--random-shape NAME``: a random-init model of ``_scoring_common.RANDOM_SHAPES`` (``llama-1b``: Llama-3.2-1B's shape;
-``tiny``: the test model's), built once into ``--workdir``. Exits 1 when a scorer's chosen answers differ from
+``tiny``: the test model's; the families ``gemma3-270m``, ``qwen3-0.6b``, ``granite-3-2b``, ``gpt-oss-scaled`` and
+their ``tiny-*`` variants), built once into ``--workdir``. ``--share-model``: the weights loaded once, the same
+model object given to every scorer (one copy in memory: the 2.5B Granite in float32 fits a 24 GiB machine). Exits 1
+when a scorer's chosen answers differ from
 ``hf``'s in float32 (a failed check); in bfloat16/float16 ``hf`` sums log-probs in that dtype, so near-ties of a
 random model may flip: the count is reported, not checked.
 """
@@ -46,7 +54,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._scoring_common import RANDOM_SHAPES, _quiet, device_name, machine, make_lm, resolve_model
+from benchmarks._scoring_common import (
+    RANDOM_SHAPES,
+    Counter,
+    _quiet,
+    device_name,
+    load_model,
+    machine,
+    make_lm,
+    probe_decision,
+    resolve_model,
+)
 from benchmarks.common import SHARED_MODEL, WIKITEXT_VALID, use_offline_env
 
 SCORERS = {"hf": ("hf", ""), "distperp": ("distperp", ""), "unshared": ("distperp", ",share_prefix=false")}
@@ -159,8 +177,12 @@ def requests_for(questions) -> list[Any]:
     ]
 
 
-def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) -> dict[str, Any]:
-    """Alternating repeats of every scorer on one shape; returns seconds per scorer and the accuracy checks."""
+def run_shape(
+    shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args, counters: dict[str, Counter] | None = None
+) -> dict[str, Any]:
+    """Alternating repeats of every scorer on one shape; returns seconds per scorer and the accuracy checks.
+    ``counters``: a :class:`~benchmarks._scoring_common.Counter` per scorer that has no statistics of its own
+    (``hf``), reset before each of its calls: the positions its last call ran through the model (``positions``)."""
     questions = build_questions(shape, ids, lambda t: tokenizer.decode(t), args.questions or SHAPES[shape])
     requests = requests_for(questions)
     tokens = sum(len(tokenizer.encode(c + x, add_special_tokens=False)) for c, x in (r.args for r in requests))
@@ -168,14 +190,20 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
     results: dict[str, list[float]] = {}
     greedy: dict[str, list[bool]] = {}
     calls: dict[str, dict] = {}
+    positions: dict[str, int] = {}
+    counters = counters or {}
     keys = list(lms)
     for rep in range(args.repeats):
         for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
             gc.collect()
+            if key in counters:
+                counters[key].reset()
             t0 = time.perf_counter()
             with contextlib.redirect_stderr(io.StringIO()):  # hf draws its progress bars
                 out = lms[key].loglikelihood(requests, disable_tqdm=True)
             seconds[key].append(time.perf_counter() - t0)
+            if key in counters:
+                positions[key] = counters[key].positions
             results[key] = [float(ll) for ll, _ in out]
             greedy[key] = [bool(g) for _, g in out]
             if hasattr(lms[key], "stats"):
@@ -195,6 +223,7 @@ def run_shape(shape: str, lms: dict[str, Any], tokenizer, ids: list[int], args) 
             k: {f: c[f] for f in ("units", "rows", "computed_tokens", "tokens_saved", "computed_tokens_per_context")}
             for k, c in calls.items()
         },
+        "positions": positions,
     }
     if "hf" in results:
         for key in (k for k in results if k != "hf"):
@@ -235,8 +264,9 @@ def table(reports: list[dict[str, Any]], args) -> str:
             vs_hf = f"{best['hf'] / s:.2f}×" if "hf" in best and key != "hf" else "—"
             vs_un = f"{best['unshared'] / s:.2f}×" if "unshared" in best and key == "distperp" else "—"
             rows = f"{call['rows']:,} / {call['units']:,}" if call else "—"
-            computed = f"{call['computed_tokens']:,}" if call else "—"
-            per_question = f"{call['computed_tokens'] / r['questions']:,.0f}" if call else "—"
+            counted = call["computed_tokens"] if call else r.get("positions", {}).get(key)
+            computed = f"{counted:,}" if counted is not None else "—"
+            per_question = f"{counted / r['questions']:,.0f}" if counted is not None else "—"
             lines.append(
                 f"| {label} | {LABELS[key]} | {s:.2f} | {r['tokens'] / s:,.0f} | {vs_hf} | {vs_un} | "
                 f"{rows} | {computed} | {per_question} |"
@@ -272,6 +302,8 @@ def table(reports: list[dict[str, Any]], args) -> str:
             if k.startswith("answers_equal_")
         ]
         lines.append(f"- {r['shape']}: " + "; ".join(ratios + checks) + ".")
+    for key, decision in getattr(args, "decisions", {}).items():
+        lines.append(f"- {LABELS[key]}: scoring paths {decision}.")
     return "\n".join(lines)
 
 
@@ -299,6 +331,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a random-init model of this shape instead of --model (built in --workdir)",
     )
     p.add_argument("--workdir", default=None, help="where to build the random model (default: a temp folder)")
+    p.add_argument(
+        "--share-model",
+        action="store_true",
+        help="load the weights once and give the same model object to every scorer (one copy in memory)",
+    )
     return p.parse_args(argv)
 
 
@@ -312,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_shape:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_mc_"))
         args.model = str(resolve_model(f"random-{args.random_shape}", workdir))
+    shared = load_model(Path(args.model), args.device, args.dtype) if args.share_model else None
     lms = {
         key: make_lm(
             SCORERS[key][0],
@@ -321,15 +359,18 @@ def main(argv: list[str] | None = None) -> int:
             SCORERS[key][1],
             device=args.device,
             dtype=args.dtype,
+            model=shared,
         )
         for key in args.scorers.split(",")
     }
     _quiet()
+    args.decisions = {key: probe_decision(lm) for key, lm in lms.items() if key != "hf"}
+    counters = {"hf": Counter(lms["hf"].model)} if "hf" in lms else {}
     tokenizer = next(iter(lms.values())).tokenizer
     ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False)
     reports = []
     for shape in args.shapes.split(","):
-        reports.append(run_shape(shape, lms, tokenizer, ids, args))
+        reports.append(run_shape(shape, lms, tokenizer, ids, args, counters))
     print(table(reports, args))
     failed = args.dtype == "float32" and not all(
         v for r in reports for k, v in r.items() if k.startswith("answers_equal_")

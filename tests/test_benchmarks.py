@@ -406,3 +406,38 @@ def test_request_path_runs_and_batched_ids_equal(tiny_model_dir):
     gives the ids of one encode per string (else it says DIFFER and exits 1)."""
     proc = bench("request_path", "--model", tiny_model_dir, "--questions", "3", "--repeats", "1")
     assert "| outside batches, ms per request |" in proc.stdout and "batched equal to one by one" in proc.stdout
+
+
+def test_bench_families_dry(sample_text_path, tmp_path):
+    """``benchmarks.bench_families --dry``: every family's tiny shape (Gemma 3 windows, Qwen 3, Granite's logit
+    scaling, gpt-oss sinks and experts) through ``hf`` and ``distperp`` sharing one model, on the three workloads:
+    the probe grants each the fast path, answers agree with ``hf``'s, and the tables come out."""
+    import re
+
+    proc = bench(
+        "bench_families",
+        "--dry",
+        "--text",
+        sample_text_path,
+        "--mc-text",
+        sample_text_path,
+        "--workdir",
+        tmp_path,
+    )
+    out = proc.stdout
+    assert "| family | published shape | probe decision | MMLU-Pro 5-shot vs hf |" in out, out
+    for family, attention in (("gemma3-270m", "sdpa"), ("qwen3-0.6b", "sdpa"), ("granite-3-2b", "sdpa")):
+        assert re.search(rf"^\| {family} \([0-9.]+M, {attention}\) \| tiny-", out, re.M), out
+    assert re.search(r"^\| gpt-oss-scaled \([0-9.]+M, eager\) \| tiny-gpt-oss \|", out, re.M), out
+    assert out.count("| probed: packed rows") == 4 and "window 16" in out and "{'divide': 8.0}" in out, out
+    assert out.count("answers equal") == 4 and "DIFFER" not in out, out
+    assert "| family | mmlupro5 ≥ 3× | rolling ≥ 1× | generate ≥ 1× |" in out, out
+
+
+def test_tokenize_families_runs_and_ids_equal():
+    """``benchmarks.tokenize_families`` at dry size: the five family layouts (GPT-2, Llama 3, Qwen2 with NFC, Gemma's
+    ``Replace`` without a pre-tokenizer, Metaspace) each tokenize the shared few-shot block once, with every string's
+    ids equal to its whole encode (else it says which and exits 1)."""
+    proc = bench("tokenize_families", "--questions", "12", "--vocab", "400", "--repeats", "1", "--model", "none")
+    assert "equal to whole encodes everywhere" in proc.stdout and proc.stdout.count("| yes |") == 5, proc.stdout
+    assert "whole:" not in proc.stdout, proc.stdout
