@@ -5,6 +5,8 @@ the longest tree row, and how ``loglikelihood`` units share rows (:func:`choose_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distperp_harness.distributed.protocol import Collective
@@ -61,7 +63,7 @@ def decide_paths(
     """Each model's :class:`~distperp_harness.run.scoring.engine.support.ModelPaths`, probed on its weights by every
     rank (the same forwards, every rank of a shard group together), merged so that every rank takes the same
     decision, and recorded for the forwards that follow."""
-    from distperp_harness.model.sharding import gathered
+    from distperp_harness.model.sharding import gathered, regather
     from distperp_harness.run.scoring.engine.probe import merge_paths, probe
     from distperp_harness.run.scoring.engine.support import record_paths
 
@@ -69,7 +71,7 @@ def decide_paths(
     for model in models:
         fail_for_tests(collective.rank, "probe")
         with gathered(model):
-            mine = probe(model, device, pad_token_id, max_length)
+            mine = probe(model, device, pad_token_id, max_length, functools.partial(regather, model))
         everyone = collective.all_gather_object(mine.to_dict(), "agree on the scoring paths")
         paths = merge_paths(everyone, mine)
         record_paths(model, paths)

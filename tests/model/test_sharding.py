@@ -126,6 +126,9 @@ def test_sharded_runs_give_the_same_bits_as_one_unsharded_process(runs, name, se
     info = other["config"]["distperp"]
     assert info["world_size"] == world and info["sharding"]["shard_size"] == shard
     assert info["sharding"]["groups"] == [list(range(g, g + shard)) for g in range(0, world, shard)]
+    decided = ("packed_rows", "cached_prefix", "head_only_where_scored")
+    assert {k: info["paths"]["model"][k] for k in decided} == {k: True for k in decided}, info["paths"]
+    assert info["paths"] == base["config"]["distperp"]["paths"], "a sharded probe must decide as an unsharded one"
     assert info["fingerprint"] == base["config"]["distperp"]["fingerprint"]
     for task in FAMILY_TASKS[name].split(","):
         assert _per_doc(load_samples(runs[f"1p-{name}"], task)) == _per_doc(load_samples(runs[f"{setup}-{name}"], task))

@@ -18,13 +18,15 @@ engine's own code (:func:`~distperp_harness.run.scoring.engine.forward.score_bat
 The tolerance is rounding, measured: short unshared rows computed in another batch shape (each alone), times
 :data:`NOISE_FACTOR`, and at least :data:`TOLERANCE`'s floor for the dtype. A verdict the probe cannot reach within
 its token budget (:func:`probe_budget`) is a fallback, never a guess. Every rank probes and the verdicts are merged
-(:func:`merge_paths`): the same decision everywhere.
+(:func:`merge_paths`): the same decision everywhere. ``between_forwards`` (sharded weights: gather the root group
+again) runs between the probe's forwards, as the executor runs it between a call's forwards: a whole-model forward of
+an FSDP2 model reshards its root group when it returns, and the next forward of the body alone must find it gathered.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -94,9 +96,14 @@ def probe_budget(model: torch.nn.Module, device: torch.device, tokens: int) -> s
 
 
 @torch.no_grad()
-def probe_head(model: torch.nn.Module, device: torch.device, output_map: OutputMap) -> tuple[str | None, dict]:
+def probe_head(
+    model: torch.nn.Module,
+    device: torch.device,
+    output_map: OutputMap,
+    between_forwards: Callable[[], None] = lambda: None,
+) -> tuple[str | None, dict]:
     """Whether ``model``'s logits are its output head of the last hidden state under ``output_map`` (None) or why
-    not, and the largest relative difference measured, on one short random row."""
+    not, and the largest relative difference measured, on one short random row (``between_forwards``: module doc)."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if head is None:
         return "the model has no output embeddings to apply at scored positions", {}
@@ -104,6 +111,7 @@ def probe_head(model: torch.nn.Module, device: torch.device, output_map: OutputM
     ids = torch.tensor([_tokens(_vocab(model), 24, generator)], device=device)
     try:
         full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0, -8:])
+        between_forwards()
         hidden = body_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0, -8:]
         mine = output_map.apply_(at_least_float32(head(hidden)).clone())
     except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
@@ -170,7 +178,12 @@ def _largest(a: np.ndarray, b: np.ndarray) -> float:
 
 @torch.no_grad()
 def probe_rows(
-    model: torch.nn.Module, device: torch.device, pad_token_id: int, paths: ModelPaths, max_length: int
+    model: torch.nn.Module,
+    device: torch.device,
+    pad_token_id: int,
+    paths: ModelPaths,
+    max_length: int,
+    between_forwards: Callable[[], None] = lambda: None,
 ) -> tuple[str | None, str | None, dict]:
     """``(why no packed rows, why no cached prefix, evidence)`` for ``model`` whose head verdict and declared layout
     ``paths`` carries (each None when allowed; module doc)."""
@@ -191,9 +204,15 @@ def probe_rows(
 
     def score(batch, **kwargs) -> np.ndarray:
         scorer = score_each_row if kwargs.pop("each", False) else score_batch
+        between_forwards()
         with trying_paths(model, kwargs.pop("as_paths", paths)):
             stats = scorer(
-                cast("PreTrainedModel", model), batch, device=device, pad_token_id=pad_token_id, **kwargs
+                cast("PreTrainedModel", model),
+                batch,
+                device=device,
+                pad_token_id=pad_token_id,
+                between_forwards=between_forwards,
+                **kwargs,
             ).stats
         return ProbeRows.by_unit(batch, stats)
 
@@ -242,12 +261,18 @@ def _verdict(what: str, measured: float | str, tolerance: float) -> str | None:
     return None
 
 
-def probe(model: torch.nn.Module, device: torch.device, pad_token_id: int, max_length: int) -> ModelPaths:
+def probe(
+    model: torch.nn.Module,
+    device: torch.device,
+    pad_token_id: int,
+    max_length: int,
+    between_forwards: Callable[[], None] = lambda: None,
+) -> ModelPaths:
     """``model``'s :class:`ModelPaths`, decided by its declarations and the probe's forwards (module doc)."""
     declared = declared_paths(model, max_length)
-    head, head_evidence = probe_head(model, device, declared.output_map)
+    head, head_evidence = probe_head(model, device, declared.output_map, between_forwards)
     decided = dataclasses.replace(declared, head_only=head, probed=True)
-    packed, cached, evidence = probe_rows(model, device, pad_token_id, decided, max_length)
+    packed, cached, evidence = probe_rows(model, device, pad_token_id, decided, max_length, between_forwards)
     return dataclasses.replace(
         decided,
         packed_rows=packed,
