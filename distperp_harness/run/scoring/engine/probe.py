@@ -35,7 +35,7 @@ from distperp_harness.model.attention import OutputMap
 from distperp_harness.model.layers import matmul_params
 from distperp_harness.planning.requests import Unit, continuation_unit
 from distperp_harness.planning.rows import ShareMode, build_rows
-from distperp_harness.run.scoring.engine.forward import LL, score_batch, score_each_row
+from distperp_harness.run.scoring.engine.forward import LL, NonFiniteLogitsError, score_batch, score_each_row
 from distperp_harness.run.scoring.engine.kvcache import body_of
 from distperp_harness.run.scoring.engine.logprobs import at_least_float32
 from distperp_harness.run.scoring.engine.support import ModelPaths, declared_paths, trying_paths
@@ -60,6 +60,9 @@ NOISE_FACTOR = 4.0
 """The tolerance is at least this many times the rounding measured between two batch shapes of the same rows."""
 SENSITIVITY = 2.0
 """A wrong (window-less) mask must differ by more than this many tolerances for the probe to vouch for a window."""
+NON_FINITE = "the model gave NaN/inf logits on the probe's rows (scoring names the text where it does so again)"
+"""The fallback of a model whose unshared rows already give non-finite logits: nothing can be compared, and the
+error belongs to scoring, which names the window."""
 PROBE_BUDGET = {"cpu": 5e12, "cuda": 5e15}
 """Floating-point operations a probe may spend per device kind (input positions times body parameters, doubled):
 about a minute of a 2-core CPU (a 270M-parameter body with 512-token windows probes in a fraction of it), well under
@@ -118,6 +121,8 @@ def probe_head(
         if isinstance(exc, torch.OutOfMemoryError):
             raise
         return f"computing the head alone failed ({type(exc).__name__}: {str(exc)[:120]})", {}
+    if not bool(torch.isfinite(full).all()):
+        return NON_FINITE, {}
     scale = max(1.0, float(full.abs().max()))
     difference = float((full - mine).abs().max()) / scale if full.shape == mine.shape else float("inf")
     evidence = {"head_relative_difference": difference}
@@ -216,9 +221,12 @@ def probe_rows(
             ).stats
         return ProbeRows.by_unit(batch, stats)
 
-    base = score(rows.paths)
-    short_base = score(short.paths) if short is not rows else base
-    noise = _largest(short_base, score(short.paths, each=True))
+    try:
+        base = score(rows.paths)
+        short_base = score(short.paths) if short is not rows else base
+        noise = _largest(short_base, score(short.paths, each=True))
+    except NonFiniteLogitsError:
+        return NON_FINITE, NON_FINITE, {"probe_tokens": tokens}
     tolerance = max(TOLERANCE.get(_dtype(model), TOLERANCE[torch.float32]), NOISE_FACTOR * noise)
     evidence: dict[str, Any] = {"probe_tokens": tokens, "tolerance": tolerance, "noise": noise}
     packed = _attempt(lambda: _largest(score(rows.tree), base))

@@ -92,3 +92,22 @@ def test_recorded_paths_drive_the_engine_and_come_back_after_a_trial(impl):
         assert support.paths_of(model).head_only == "trial"
     assert support.paths_of(model) is verdict
     assert "head only where scored" in verdict.line() and verdict.to_dict()["probed"]
+
+
+def test_a_model_with_nan_logits_is_a_fallback_not_an_error_at_load():
+    """Non-finite logits on the probe's own rows: every path falls back with that reason (nothing can be compared),
+    and the error is left to scoring, which names the text (tests/test_bad_inputs.py)."""
+    model = family_model("llama")
+    with torch.no_grad():
+        model.get_output_embeddings().weight[:, :] = float("nan")
+    verdict = probe(model, CPU, 0, 128)
+    assert verdict.head_only == verdict.packed_rows == verdict.cached_prefix == probing.NON_FINITE
+
+
+def test_between_forwards_runs_between_the_probes_forwards():
+    """The sharded hook (the executor's regather) runs after the whole-model forward of the head check and before
+    every scoring forward of the rows: a root group an FSDP2 forward resharded is gathered again."""
+    model = family_model("mistral-window")
+    calls = []
+    probe(model, CPU, 0, 128, between_forwards=lambda: calls.append(1))
+    assert len(calls) >= 5
