@@ -118,14 +118,14 @@ def add_tasks(manager_module) -> None:
 
 
 def guard_outputs(tracker_module) -> None:
-    """Make lm-eval's ``EvaluationTracker`` check ``--output_path`` when it is made and never lose results at the
-    end (:mod:`distperp_harness.report.outputs`). Idempotent."""
+    """Make lm-eval's ``EvaluationTracker`` check ``--output_path`` when it is made, write its results and samples
+    whole or not at all, and never lose results at the end (:mod:`distperp_harness.report.outputs`). Idempotent."""
     import functools
 
     cls = tracker_module.EvaluationTracker
     if getattr(cls.save_results_aggregated, "_distperp", False):
         return
-    init, save = cls.__init__, cls.save_results_aggregated
+    init, save, save_samples = cls.__init__, cls.save_results_aggregated, cls.save_results_samples
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -140,8 +140,15 @@ def guard_outputs(tracker_module) -> None:
 
         save_or_fall_back(save, self, results, *args, **kwargs)
 
+    @functools.wraps(save_samples)
+    def save_results_samples(self, task_name, *args, **kwargs):
+        from distperp_harness.report.outputs import save_samples_or_fail
+
+        save_samples_or_fail(save_samples, self, task_name, *args, **kwargs)
+
     save_results_aggregated._distperp = True  # type: ignore[attr-defined]
     cls.__init__, cls.save_results_aggregated = __init__, save_results_aggregated
+    cls.save_results_samples = save_results_samples
 
 
 def install() -> None:

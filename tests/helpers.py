@@ -7,7 +7,10 @@ command, the exit code and the tail of stderr and stdout.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import errno
+import io
 import json
 import os
 import re
@@ -850,3 +853,53 @@ def family_model(name: str, dtype: Any = None, seed: int = 0, scale: float = 1.0
                 if parameter.dim() >= 2:
                     parameter.mul_(scale)
     return model.to(dtype or torch.float32).eval()
+
+
+class _FullDiskHandle:
+    def __init__(self, disk: FullDisk, handle: Any) -> None:
+        self._disk, self._handle = disk, handle
+
+    def write(self, data: Any) -> int:
+        size = len(data.encode("utf-8") if isinstance(data, str) else data)
+        if size > self._disk.free:
+            self._handle.write(data[: self._disk.free])
+            self._disk.free = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._disk.free -= size
+        return self._handle.write(data)
+
+    def __enter__(self) -> _FullDiskHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+class FullDisk:
+    """A filesystem with little room left, in-process, where a real small tmpfs cannot be mounted: files opened for
+    writing under ``folder`` share ``free`` bytes; the write that passes them writes what fits and raises
+    ``OSError(ENOSPC)``, as a full disk does (the cut-short file stays unless its writer removes it). Install with
+    ``FullDisk(folder, free).install(monkeypatch)`` (patches ``io.open`` and ``builtins.open``)."""
+
+    def __init__(self, folder: Path, free: int) -> None:
+        self.folder, self.free = folder.resolve(), free
+        self._open = io.open
+
+    def _target(self, file: Any) -> Path:
+        if isinstance(file, int):
+            return Path(os.readlink(f"/proc/self/fd/{file}"))
+        return Path(file).resolve()
+
+    def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = self._open(file, mode, *args, **kwargs)
+        if any(m in mode for m in "wax+") and self._target(file).is_relative_to(self.folder):
+            return _FullDiskHandle(self, handle)
+        return handle
+
+    def install(self, monkeypatch: Any) -> FullDisk:
+        monkeypatch.setattr(io, "open", self.open)
+        monkeypatch.setattr(builtins, "open", self.open)
+        return self

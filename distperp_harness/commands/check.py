@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from distperp_harness.commands.release import cuda_baseline, released
 from distperp_harness.commands.samples import logged_samples, newest_results, responses_by_doc
 from distperp_harness.errors import InputError
+from distperp_harness.report.atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -321,5 +322,5 @@ def run_check(args: argparse.Namespace) -> int:
         f"{sum(row.outcome is Outcome.SKIP for row in rows)} skipped"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps([{**asdict(r), "outcome": r.outcome.value} for r in rows], indent=2))
+        atomic_write_text(args.json, json.dumps([{**asdict(r), "outcome": r.outcome.value} for r in rows], indent=2))
     return 1 if failed else 0

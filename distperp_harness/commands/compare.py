@@ -25,6 +25,7 @@ from distperp_harness.commands.panels import (  # re-exported: what callers read
     run_labels,  # noqa: F401 - re-exported
     value_and_stderr,
 )
+from distperp_harness.errors import InputError
 
 METRICS = (
     "token_perplexity",
@@ -91,10 +92,33 @@ def _model_name(options: dict[str, Any], config: dict[str, Any]) -> str:
     return Path(str(source).rstrip("/")).name or str(source)
 
 
+def read_results(path: Path) -> dict[str, Any]:
+    """The JSON object in the results file ``path``.
+
+    Raises:
+        InputError: the file cannot be read, is not JSON (cut short by a full disk, say) or not a JSON object; the
+            message names the file, what is wrong (``JSONDecodeError at line L col C``) and the fix.
+    """
+    fix = "Fix: rerun the evaluation that wrote it, or leave this file out (a folder compares every results_*.json)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{path}: not a results file (JSONDecodeError at line {exc.lineno} col {exc.colno}: {exc.msg}; "
+            f"{path.stat().st_size} bytes: cut short or not lm-eval's results JSON). {fix}"
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not a results file (cannot be read: {type(exc).__name__}: {exc}). {fix}") from exc
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a results file (a JSON {type(data).__name__}, not an object). {fix}")
+    return data
+
+
 def load_run(path: str | Path) -> Run:
-    """Read one lm-eval results JSON (or the newest under a folder)."""
+    """Read one lm-eval results JSON (or the newest under a folder); :class:`InputError` naming a file that is not
+    one (see :func:`read_results`)."""
     path = _resolve(path)
-    data = json.loads(path.read_text())
+    data = read_results(path)
     config = data.get("config", {})
     info = config.get("distperp") or {}
     options = info.get("options") or {}
@@ -176,7 +200,8 @@ def plot_runs(runs: list[Run], out: str | Path) -> Path:
 
 def run_compare(paths: list[str], plot: str | None = None) -> int:
     """CLI body: print the table of every results file the paths name (a folder: all of them, oldest first); write
-    the plot when asked, and say in one line what it drew. Exit 1 with one line on a missing path or no plot."""
+    the plot when asked, and say in one line what it drew. Exit 1 with one line on a missing path or no plot; a file
+    that is not a results file raises :class:`InputError` (one ``distperp: error`` line from the command line)."""
     try:
         files = [f for p in paths for f in results_files(p)]
     except FileNotFoundError as error:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from distperp_harness.commands.taskdir import tasks_path
 from distperp_harness.errors import InputError, MissingInput
+from distperp_harness.report.atomic import atomic_write_text
 
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
@@ -48,5 +49,5 @@ def write_task(name: str, data: str, out: str = ".") -> Path:
     folder = Path(out).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{name}.yaml"
-    target.write_text(task_yaml(name, path), encoding="utf-8")
+    atomic_write_text(target, task_yaml(name, path))
     return target

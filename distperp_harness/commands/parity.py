@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from distperp_harness.commands.samples import responses_by_doc
 from distperp_harness.errors import InputError
+from distperp_harness.report.atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -254,6 +255,5 @@ def run_parity(args: argparse.Namespace) -> int:
           "tasks agree")  # fmt: skip
     if args.json:
         rows = [{**asdict(p), "verdict": p.verdict.value} for p in report]
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"tolerance": asdict(tolerance), "tasks": rows}, handle, indent=2)
+        atomic_write_text(args.json, json.dumps({"tolerance": asdict(tolerance), "tasks": rows}, indent=2))
     return 1 if differ else 0

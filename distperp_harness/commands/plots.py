@@ -43,6 +43,7 @@ from distperp_harness.commands.panels import (  # make_panel, Panel: re-exported
     ranked,
     run_labels,
 )
+from distperp_harness.report.atomic import atomic_path
 
 MARKERS = "osD^vPX<>"
 DPI = 110
@@ -310,7 +311,8 @@ def _scatter(ax, points, reference: tuple[float, str] | None):
 def _save(fig, path: str | Path, names: list[str], titles: list[str], skipped: list[str]) -> Drawn:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, metadata={"Description": "panels: " + ", ".join(names), "Software": "distperp"})
+    with atomic_path(path) as temp:  # a figure cut short never stands under its name
+        fig.savefig(temp, dpi=DPI, metadata={"Description": "panels: " + ", ".join(names), "Software": "distperp"})
     return Drawn(path, tuple(names), tuple(titles), tuple(skipped))
 
 

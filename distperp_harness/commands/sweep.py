@@ -37,6 +37,7 @@ from distperp_harness.commands.panels import (  # re-exported: the leaderboard's
 )
 from distperp_harness.errors import InputError
 from distperp_harness.options import GROUP_SIZES, QUANT_SCHEMES
+from distperp_harness.report.atomic import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def write_leaderboard(out: Path, runs: list[tuple[str, Any]], plot: str | Path |
 
     out.mkdir(parents=True, exist_ok=True)
     table = leaderboard(runs)
-    (out / "leaderboard.md").write_text(table + "\n")
+    atomic_write_text(out / "leaderboard.md", table + "\n")
     try:
         figure = plot_leaderboard(runs, plot or out / "leaderboard.png").line("sweep")
     except (PlotUnavailable, ValueError) as error:

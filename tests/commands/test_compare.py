@@ -257,3 +257,23 @@ def test_the_legend_lists_the_runs_a_panel_shows_and_names_the_others(tmp_path):
     assert names == ["perplexity"]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == [runs[0].label, runs[1].label]
     assert f"run {runs[2].label} (no value in any panel)" in skips
+
+
+def test_a_cut_short_results_file_is_named_in_one_line_not_a_traceback(tmp_path):
+    from distperp_harness.errors import InputError
+
+    folder = tmp_path / "out" / "model"
+    folder.mkdir(parents=True)
+    cut = folder / "results_2026.json"
+    cut.write_text('{"results": {"task": {"acc,n')  # what a full disk leaves
+    with pytest.raises(InputError, match=r"not a results file \(JSONDecodeError at line 1 col \d+") as info:
+        load_run(tmp_path / "out")
+    assert str(cut) in str(info.value) and "Fix:" in str(info.value)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match="a JSON list, not an object"):
+        load_run(tmp_path / "list.json")
+
+    proc = run_command([sys.executable, "-m", "distperp_harness", "compare", str(cut)], cwd=tmp_path, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("distperp: error")]
+    assert proc.returncode == 1 and len(lines) == 1 and str(cut) in lines[0], proc.stderr[-2000:]
+    assert "JSONDecodeError at line 1" in lines[0] and "Traceback" not in proc.stderr

@@ -185,11 +185,14 @@ class BatchStore:
         self._write_atomic(path, ".npz", "wb", write)
 
     def _write_atomic(self, path: Path, suffix: str, mode: str, write) -> None:
-        """``write(handle)`` into a temporary file, then ``os.replace`` it to ``path``; an ``OSError`` stops saving."""
+        """``write(handle)`` into a temporary file, ``fsync``, then ``os.replace`` it to ``path``; an ``OSError`` stops
+        saving."""
         try:
             fd, self._in_flight = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=suffix)
             with os.fdopen(fd, mode, encoding="utf-8" if "b" not in mode else None) as handle:
                 write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())  # whole on disk before the rename makes it the batch's file
             os.replace(self._in_flight, path)
             self._in_flight = None
         except OSError as exc:
