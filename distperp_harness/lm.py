@@ -19,6 +19,7 @@ from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.groupcalls import GroupCalls
 from distperp_harness.model.given import check_given, split_given
 from distperp_harness.model.identity import checkpoint_identity
+from distperp_harness.model.parts import check_chat_template
 from distperp_harness.options import Options
 from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.planning.rows import ShareMode
@@ -269,6 +270,14 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return self.tokenizer.name_or_path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """lm-eval's choice of template (it asks before evaluating); asked of a tokenizer without one, an
+        :class:`~distperp_harness.errors.InputError` naming the fix (:func:`~distperp_harness.model.parts.
+        check_chat_template`) instead of a traceback at the first prompt."""
+        if chat_template:
+            check_chat_template(self.tokenizer, self.options.tokenizer or self.options.pretrained)
+        return super().chat_template(chat_template)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.chat(self.tokenizer, chat_history, add_generation_prompt)

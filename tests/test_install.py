@@ -3,6 +3,7 @@ then used from an empty folder as the README says (the first command, a bad inpu
 
 import json
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -125,13 +126,30 @@ def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
     typo = [*plain, "--tasks", "distperp_wikitext2", "--metadata", json.dumps({"wikitext_pth": "sample"})]
     mine = [*plain, "--tasks", "mine", "--include_path", "mytasks", "--output_path", "mine/"]
     shipped = [*plain, "--tasks", "distperp_local_docs", "--metadata", json.dumps({"docs_path": "docs"})]
-    blocked, misspelled, _, _ = side_by_side(
+    # broken parts, each one line when it loads (tests/model/test_parts.py has every case): a checkpoint cut short,
+    # a model folder without its tokenizer files; and a misspelled task name, answered from the wheel's task folder
+    damaged, untokenized = Path(shutil.copytree(model, here / "damaged")), Path(shutil.copytree(model, here / "bare"))
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (untokenized / name).unlink()
+    broken = [*lm_eval, "--model", "distperp", *sample, "--model_args"]
+    blocked, misspelled, cut, bare, task, _, _ = side_by_side(
         lambda: _run(unwritable, here, check=False),
         lambda: _run(typo, here, check=False),
+        lambda: _run([*broken, "pretrained=damaged"], here, check=False),
+        lambda: _run([*broken, "pretrained=bare"], here, check=False),
+        lambda: _run([*plain, "--tasks", "distperp_wikitxt2"], here, check=False),
         lambda: _run(mine, here),
         lambda: _run([*shipped, "--output_path", "shipped/"], here),
     )
-    for run, fragment in ((blocked, "--output_path 'blocked/results'"), (misspelled, "Did you mean 'wikitext_path'")):
+    assert task.returncode == 1 and "distperp: did you mean 'distperp_wikitext2'" in task.stderr, task.stderr[-3000:]
+    for run, fragment in (
+        (blocked, "--output_path 'blocked/results'"),
+        (misspelled, "Did you mean 'wikitext_path'"),
+        (cut, f"the weight file {weights.relative_to(here)} is damaged"),
+        (bare, "pretrained='bare': no tokenizer files in bare"),
+    ):
         said = [line for line in run.stderr.splitlines() if line.startswith("distperp: error")]
         assert run.returncode == 1 and len(said) == 1 and fragment in said[0], run.stderr[-3000:]
         assert "Traceback" not in run.stderr and "loglikelihood_rolling" not in run.stderr, run.stderr[-3000:]

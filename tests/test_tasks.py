@@ -202,6 +202,18 @@ def test_hub_is_the_default(monkeypatch):
     assert calls == [{"path": "EleutherAI/wikitext_document_level", "name": "wikitext-103-raw-v1"}]
 
 
+def test_the_hub_offline_names_the_local_option():
+    """Offline (the tests' environment) and not cached: the hub fallback fails in one line that names the local
+    option, not datasets' ``ConnectionError``. A dataset id nobody has cached keeps it independent of the cache."""
+    hub = {"hub_path": "distperp-tests/no_such_dataset", "hub_name": "wikitext-2-raw-v1"}
+    with pytest.raises(InputError) as info:
+        utils.load_wikitext(**hub, split="test", pretrained="x")
+    message = str(info.value)
+    assert "no local WikiText file was given, and distperp-tests/no_such_dataset (wikitext-2-raw-v1)" in message
+    assert '--metadata \'{"wikitext_path": "PATH"}\'' in message and "$DISTPERP_WIKITEXT_PATH" in message
+    assert info.value.same_on_every_rank and "\n" not in message
+
+
 def test_missing_path_names_it(tmp_path):
     missing = tmp_path / "nope" / "wiki.test.raw"
     with pytest.raises(FileNotFoundError, match=f"{missing} \\(from --metadata wikitext_path\\) does not exist"):

@@ -17,6 +17,7 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.errors import InputError
+from distperp_harness.model import parts
 from distperp_harness.model.adapters import AdapterReport, apply_delta, apply_peft
 from distperp_harness.model.checkpoint import check_gguf, refuse_on_stored, source_kwargs, stored_quantization
 from distperp_harness.options import Options
@@ -53,6 +54,10 @@ def load_tokenizer(options: Options):
     if not options.tokenizer:  # a GGUF file holds its tokenizer; a subfolder holds the checkpoint's (as hf)
         check_gguf(options)
         kwargs.update(source_kwargs(options))
+    if options.tokenizer:
+        parts.check_tokenizer_files(source, "tokenizer")
+    elif not options.gguf_file:
+        parts.check_tokenizer_files(source, "pretrained", options.subfolder)
     if options.add_bos_token is not None:
         kwargs["add_bos_token"] = options.add_bos_token
     try:
@@ -113,10 +118,15 @@ def load_model(
 
         check_tp_plan(load_config(options, source, key), int(distributed_config.tp_size), source)
         kwargs["distributed_config"] = distributed_config
+    if not kwargs.get("gguf_file"):  # every weight file's header, before any weight is read
+        parts.check_weight_files(source, key, kwargs.get("subfolder"))
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError) as exc:
         raise InputError(f"could not load a causal LM from {key}={source!r}: {exc}") from exc
+    except Exception as exc:  # a hub checkpoint's cached file cut short (local folders are checked above)
+        parts.refuse_damaged(exc, key, source)
+        raise
     if quantization_config is None:
         _to_device(model, device, source)
     model.eval()
@@ -344,7 +354,9 @@ def _load_all(
         return _load_given(options, device, given, meter)
     tokenizer = load_tokenizer(options)
     asked = torch_dtype(options.dtype)
-    stored = stored_quantization(load_config(options))
+    config = load_config(options)
+    parts.check_positions(options.max_length, config, "pretrained", options.pretrained)  # before any weight is read
+    stored = stored_quantization(config)
     refuse_on_stored(options, stored)
     staging = device if mesh is None else torch.device("cpu")  # FSDP2 moves each unit to the device as it shards
     report = adapter = None
@@ -403,6 +415,7 @@ def _load_all(
             sharding["reference"] = shard_model(reference, mesh, what="reference")
     for shard_report in sharding.values():
         log.info(shard_report.note, main_process_only=True)
+    parts.check_fit(options, tokenizer, model, reference)
     max_length = model_max_length(options, model, tokenizer)
     if options.stride is not None and options.stride > max_length:
         raise InputError(
@@ -435,9 +448,11 @@ def _load_given(options: Options, device: torch.device, given: Any, meter: Any) 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     model = place(given.model, device)
+    parts.check_positions(options.max_length, model.config, "pretrained", options.pretrained)
     reference = None
     if options.reference is not None:
         reference = load_model(options, device, torch_dtype(options.dtype), source=options.reference, key="reference")
+    parts.check_fit(options, tokenizer, model, reference)
     return Loaded(
         device,
         tokenizer,
@@ -451,17 +466,11 @@ def _load_given(options: Options, device: torch.device, given: Any, meter: Any) 
     )
 
 
-def _embedding_rows(model: torch.nn.Module) -> int:
-    """Rows of the model's input embeddings (else its config's ``vocab_size``)."""
-    embeddings = getattr(model, "get_input_embeddings")()  # noqa: B009 - a transformers model's method
-    return int(getattr(embeddings, "num_embeddings", 0) or getattr(model, "config").vocab_size)  # noqa: B009
-
-
 def check_prefix_token(token: int, models: list[torch.nn.Module], given: bool) -> None:
     """``token`` (the prefix token id: ``given`` in ``--model_args``, or the tokenizer's BOS/EOS) must index every
     model's embeddings: else it would load, then fail at the first batch (an ``IndexError``; a device-side assert on
     CUDA). Raises ``ValueError`` naming the fix."""
-    rows = min(_embedding_rows(m) for m in models)
+    rows = min(parts.embedding_rows(m) for m in models)
     if not 0 <= token < rows:
         what = "prefix_token_id" if given else "the tokenizer's BOS/EOS id"
         raise InputError(

@@ -198,6 +198,23 @@ def _check_keys(task_key: str, given: dict[str, Any]) -> None:
         )
 
 
+def _from_hub(hub_path: str, hub_name: str):
+    """The hub dataset (as lm-eval's ``wikitext``); where it cannot be reached (offline, not in the datasets cache)
+    an :class:`InputError` naming the local option instead of datasets' ``ConnectionError``."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(path=hub_path, name=hub_name)
+    except OSError as exc:  # ConnectionError (offline, no network), a dataset not found
+        raise InputError(
+            f"no local WikiText file was given, and {hub_path} ({hub_name}) could not be read from the Hugging Face "
+            f'hub: {exc}. Fix: give a local WikiText file or folder with --metadata \'{{"wikitext_path": "PATH"}}\' '
+            f"or ${WIKITEXT_PATH_ENV}=PATH (wikitext_path=sample: the sample packaged with distperp), or go online "
+            "once so that datasets caches it.",
+            same_on_every_rank=True,
+        ) from exc
+
+
 def load_wikitext(
     *,
     hub_path: str,
@@ -220,9 +237,7 @@ def load_wikitext(
     _check_keys("wikitext_path", _ignored)
     configured = _configured_path("wikitext_path", wikitext_path, WIKITEXT_PATH_ENV)
     if configured is None:
-        import datasets
-
-        return datasets.load_dataset(path=hub_path, name=hub_name)
+        return _from_hub(hub_path, hub_name)
     dataset = "wikitext-103" if "103" in hub_name else "wikitext-2"
     file = _wikitext_file(*configured, dataset=dataset, split=split)
     articles = split_wikitext_articles(read_utf8(file, configured[1]))

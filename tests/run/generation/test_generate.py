@@ -292,16 +292,24 @@ def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sa
     assert again.stats.calls[-1].lanes_computed == 1
 
 
-def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir):
+def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir, tmp_path):
     """``batch_size=auto``: a task asking for 1,280 new tokens gets the slots whose KV caches fit the room the
-    budget was sized for, fewer than a task asking for 16; the cache never held more than that."""
+    budget was sized for, fewer than a task asking for 16; the cache never held more than that. (A copy of the tiny
+    model whose config allows 1,400 positions: a longer max_length than a model's positions is refused.)"""
+    import json
+    import shutil
+    from pathlib import Path
+
     from helpers import make_lm
     from lm_eval.api.instance import Instance
 
     from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
     from distperp_harness.run.budget import generation_rows
 
-    lm = make_lm(tiny_model_dir, ",max_length=1400,max_batch_size=64", {"batch_size": "auto"})
+    longer = Path(shutil.copytree(tiny_model_dir, tmp_path / "longer"))
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1400}))
+    lm = make_lm(longer, ",max_length=1400,max_batch_size=64", {"batch_size": "auto"})
     act, kv = activation_bytes_per_token(lm.model, lm.max_length), kv_cache_bytes_per_token(lm.model)
     prompt = "Once upon a time"
     length = len(lm.tok_encode(prompt)) + 1280
