@@ -10,7 +10,8 @@ Likewise, when ``lm_eval.tasks.manager`` is first imported, its ``TaskManager`` 
 folder next to lm-eval's own (:func:`add_tasks`), so ``--tasks distperp_wikitext2`` needs no ``--include_path``;
 a handful of YAML files more in the index lm-eval builds anyway. And when ``lm_eval.loggers.evaluation_tracker``
 is first imported, ``--output_path`` is checked before any model loads and results are never lost at the end
-(:func:`guard_outputs`).
+(:func:`guard_outputs`). When ``lm_eval.evaluator`` is first imported, ``simple_evaluate`` with ``--model
+distperp`` refuses a ``limit`` of 0 or below before the model loads (:func:`check_limit`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable
 _TARGET_MODULE = "lm_eval.api.registry"
 _TASKS_MODULE = "lm_eval.tasks.manager"
 _TRACKER_MODULE = "lm_eval.loggers.evaluation_tracker"
+_EVALUATOR_MODULE = "lm_eval.evaluator"
 
 
 def register(registry_module) -> None:
@@ -151,12 +153,53 @@ def guard_outputs(tracker_module) -> None:
     cls.save_results_samples = save_results_samples
 
 
+def limit_error(limit) -> str | None:
+    """Why ``limit`` (lm-eval's ``--limit``: documents per task, or a fraction of them below 1) cannot run, or
+    ``None``. 0 or below would select no document, and lm-eval then fails after the model has loaded."""
+    if limit is None or isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit > 0:
+        return None
+    return (
+        f"--limit {limit:g} selects no document: allowed are a number of documents per task (1 or more) or a "
+        "fraction of them (above 0, below 1). Fix: e.g. --limit 10 or --limit 0.1, or no --limit for every document"
+    )
+
+
+def check_limit(evaluator_module) -> None:
+    """Make lm-eval's ``simple_evaluate`` raise :class:`~distperp_harness.errors.InputError` (one line from the
+    command line) for a ``limit`` of 0 or below (:func:`limit_error`) when the model is ``distperp`` (by name or a
+    ``DistPerpLM``), before the model loads; other models are left to lm-eval. Idempotent."""
+    import functools
+    import inspect
+
+    original = evaluator_module.simple_evaluate
+    if getattr(original, "_distperp", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def simple_evaluate(*args, **kwargs):
+        given = signature.bind_partial(*args, **kwargs).arguments
+        model = given.get("model")
+        ours = model == "distperp" or type(model).__module__.startswith("distperp_harness.")
+        message = limit_error(given.get("limit")) if ours else None
+        if message is not None:
+            from distperp_harness.errors import InputError
+
+            raise InputError(message, same_on_every_rank=True)
+        return original(*args, **kwargs)
+
+    simple_evaluate._distperp = True  # type: ignore[attr-defined]
+    evaluator_module.simple_evaluate = simple_evaluate
+
+
 def install() -> None:
-    """Register ``distperp`` once lm-eval's registry is loaded, its tasks once lm-eval's task manager is, and the
-    output checks once its evaluation tracker is (at once where they already are)."""
+    """Register ``distperp`` once lm-eval's registry is loaded, its tasks once lm-eval's task manager is, the
+    output checks once its evaluation tracker is, and the ``limit`` check once its evaluator is (at once where they
+    already are)."""
     after_import(_TARGET_MODULE, register)
     after_import(_TASKS_MODULE, add_tasks)
     after_import(_TRACKER_MODULE, guard_outputs)
+    after_import(_EVALUATOR_MODULE, check_limit)
 
 
 install()

@@ -230,6 +230,8 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
         call = self.stats.calls[-1]
         if isinstance(call, ScoringCall):  # the call just made
             log.info(call.summary(self.world_size, self.stats.fingerprint), main_process_only=True)
+            if self.store is not None:
+                log.info(self.store.reuse_line(kind, call.batches, "batches"), main_process_only=True)
         return results
 
     def _compare(self, requests, scores: list[Score]) -> None:

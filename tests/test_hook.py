@@ -80,3 +80,22 @@ def test_distperp_tasks_resolve_without_include_path():
     named = TaskManager(include_path=str(tasks_path()))
     assert named.include_path == str(tasks_path()) and "distperp_wikitext2" in named.all_tasks
     assert "distperp_wikitext2" not in TaskManager(include_defaults=False).all_tasks
+
+
+def test_a_limit_of_zero_or_below_is_one_error_before_the_model_loads(tmp_path):
+    """``--limit 0`` (or below) selects no document: refused before the model loads (here it does not even exist),
+    from the command line as one line; other models are left to lm-eval."""
+    import lm_eval
+    import pytest
+    from lm_eval.evaluator import simple_evaluate
+
+    from distperp_harness.errors import InputError
+
+    assert lm_eval.simple_evaluate is simple_evaluate  # lm-eval's lazy attribute is the checked function
+    for limit in (0, 0.0, -1):
+        with pytest.raises(InputError, match=f"--limit {limit:g} selects no document.*Fix: e.g. --limit 10"):
+            simple_evaluate(model="distperp", model_args=f"pretrained={tmp_path / 'none'}", tasks=["x"], limit=limit)
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "distperp", "--model_args", f"pretrained={tmp_path / 'none'}"]
+    proc = run_command([*cmd, "--tasks", "distperp_wikitext2", "--limit", "0"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "distperp: error: --limit 0 selects no document" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,10 +1,11 @@
 """``distperp check``: does distperp work on this machine? One command, one table, a verdict and an exit code.
 
-For the unquantized run (``--dtype``, bfloat16 by default) and for ``quantize=int4``, through the real
+For the ``--dtype`` run (bfloat16 by default, weights as loaded) and for ``quantize=int4``, through the real
 ``DistPerpLM`` and lm-eval's ``simple_evaluate`` on the rolling task ``distperp_wikitext2`` (the packaged
 WikiText-format sample, or ``--text``):
 
-- **load**: the model loads on ``--device``; for int4, how many Linear layers were quantized (at least one);
+- **load**: the model loads on ``--device``, in the dtype named in the row (the model's, as it ran); for int4, how
+  many Linear layers were quantized (at least one);
 - **scores**: every document's log-likelihood is finite; tokens/s of the scoring call;
 - **same bits twice**: the same evaluation again in the same process gives the same per-document bits;
 - **memory released**: once the run is dropped its model is collected, and on CUDA the allocated bytes are back
@@ -80,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", "--pretrained", default=None, help="a local folder or hub id (default: a small random Llama)"
     )
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--dtype", default="bfloat16", help="the unquantized run's dtype (default bfloat16)")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="the first run's dtype (default bfloat16); the int4 run computes in it too"
+    )
     parser.add_argument(
         "--processes", type=_at_least_one, default=2, help="processes of the launched run (default 2; 1: skip it)"
     )
@@ -124,7 +127,7 @@ def device_for(requested: str | None) -> str:
 
 
 def model_args_for(args: argparse.Namespace, model: str, device: str) -> dict[str, Any]:
-    """The unquantized run's ``model_args``: the flags, then ``--model_args`` (lm-eval's parsing).
+    """The ``--dtype`` run's ``model_args``: the flags, then ``--model_args`` (lm-eval's parsing).
 
     Raises:
         InputError: ``--model_args`` sets a key the check sets itself.
@@ -137,7 +140,7 @@ def model_args_for(args: argparse.Namespace, model: str, device: str) -> dict[st
         flags = ", ".join(f"{key} (use {OWN_FLAGS[key]})" for key in taken if key in OWN_FLAGS)
         raise InputError(
             f"--model_args {args.model_args!r} sets {', '.join(taken)}, which distperp check sets itself: "
-            f"{flags or 'quantize and batch_size are the runs themselves (unquantized and int4, batch_size=auto)'}"
+            f"{flags or f'quantize and batch_size are the runs themselves ({args.dtype} and int4, batch_size=auto)'}"
         )
     base: dict[str, Any] = {"pretrained": model, "device": device, "dtype": args.dtype, "batch_size": "auto"}
     if args.max_length:
@@ -161,6 +164,16 @@ def _evaluate(lm: DistPerpLM, manager: TaskManager | None, limit: int | None) ->
         token_perplexity=float(out["results"][TASK]["token_perplexity,none"]),
         tokens_per_s=call["scored_tokens"] / max(call["scoring_seconds"], 1e-9),
     )
+
+
+def load_detail(seconds: float, lm: Any) -> str:
+    """The load row's detail: time, weight size, device and the dtype the model ran in (its parameters', e.g.
+    ``bfloat16``: what ``--dtype`` asked for, or with ``auto`` what the checkpoint holds)."""
+    dtype = getattr(lm.model, "dtype", None)  # a transformers model's; else its first parameter's
+    if dtype is None:
+        dtype = next((p.dtype for p in lm.model.parameters()), "unknown")
+    dtype = str(dtype).removeprefix("torch.")
+    return f"{seconds:.1f} s, {lm.weight_bytes / 2**20:.1f} MiB of weights on {lm.device}, dtype {dtype}"
 
 
 def load_row(name: str, load: str, report: Any, quantized_run: bool) -> CheckRow:
@@ -211,7 +224,7 @@ def run_in_process(
         lm = DistPerpLM(**model_args)
     except Exception as error:  # the check reports any failure to load as a failed row
         return [CheckRow(name, "load", Outcome.FAIL, _failure(error))], None
-    load = f"{time.perf_counter() - t0:.1f} s, {lm.weight_bytes / 2**20:.1f} MiB of weights on {lm.device}"
+    load = load_detail(time.perf_counter() - t0, lm)
     rows = [load_row(name, load, lm.quant_report, "quantize" in model_args)]
     first: Evaluation | None = None
     try:

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     new_task.add_argument("name", help="the task's name (what --tasks takes)")
     new_task.add_argument("--data", required=True, help="a folder of .txt/.jsonl documents, or one such file")
     new_task.add_argument("--out", default=".", help="folder to write NAME.yaml in (default: the current one)")
+    new_task.add_argument("--force", action="store_true", help="overwrite an existing NAME.yaml")
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
     compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "new-task":
         from distperp_harness.commands.newtask import write_task
 
-        written = write_task(args.name, args.data, args.out)
+        written = write_task(args.name, args.data, args.out, force=args.force)
         print(
             f"{written}\nrun it: lm_eval --model distperp --model_args pretrained=MODEL --tasks {args.name} "
             f"--include_path {written.parent}"

@@ -13,8 +13,9 @@ A value agrees when ``|distperp - hf| <= atol + rtol * |hf|``. The defaults foll
 ``rtol=1e-5``; bfloat16/float16 ``atol=0.1``, ``rtol=5e-3`` (the two backends batch differently, and low-precision
 kernels round by batch shape). A task **agrees** when every value agrees and every choice and generation is the
 same; the command exits 0 when every task agrees, 1 otherwise. A chosen answer that flips where ``hf``'s two best
-answers are within the tolerance of each other is a *near tie*: counted apart, it does not fail the task. Metrics are
-printed side by side.
+answers are within the tolerance of each other is a *near tie*: counted apart, it does not fail the task. Beside each
+task's largest difference the table prints the tolerance at that value (a whole document's total of -1,500 nats
+allows 7.6 nats in bfloat16, an answer's of -2 nats 0.11). Metrics are printed side by side.
 
 Default task: ``distperp_wikitext2`` on the packaged WikiText-format sample (offline). Any lm-eval task works
 (``--tasks hellaswag,arc_easy --limit 100``) where its data can be loaded.
@@ -52,8 +53,12 @@ class Tolerance:
     atol: float
     rtol: float
 
+    def at(self, hf: float) -> float:
+        """The largest difference allowed beside ``hf``'s value: ``atol + rtol * |hf|`` (nats)."""
+        return self.atol + self.rtol * abs(hf)
+
     def agrees(self, hf: float, dp: float) -> bool:
-        return math.isfinite(dp) and abs(dp - hf) <= self.atol + self.rtol * abs(hf)
+        return math.isfinite(dp) and abs(dp - hf) <= self.at(hf)
 
 
 @dataclass
@@ -64,6 +69,9 @@ class TaskParity:
     values: int = 0
     values_outside: int = 0
     max_abs_diff: float = 0.0
+    max_diff_tolerance: float = 0.0
+    """The tolerance at the value of ``max_abs_diff`` (``atol + rtol * |hf|``): a whole document's log-likelihood is
+    large, so its relative part allows nats where a single answer's allows a fraction of one."""
     greedy_differ: int = 0
     choices: int = 0
     choices_differ: int = 0
@@ -121,8 +129,9 @@ def compare_task(task: str, hf: list[dict], dp: list[dict], tolerance: Tolerance
             x, y = (float(a[0]), float(b[0])) if pair else (float(a), float(b))
             parity.values += 1
             parity.values_outside += not tolerance.agrees(x, y)
-            diff = abs(y - x)
-            parity.max_abs_diff = max(parity.max_abs_diff, diff if math.isfinite(diff) else math.inf)
+            diff = abs(y - x) if math.isfinite(abs(y - x)) else math.inf
+            if parity.values == 1 or diff > parity.max_abs_diff:
+                parity.max_abs_diff, parity.max_diff_tolerance = diff, tolerance.at(x)
             if pair:
                 parity.greedy_differ += bool(a[1]) != bool(b[1])
                 scores["hf"].append(x)
@@ -237,11 +246,12 @@ def run_parity(args: argparse.Namespace) -> int:
         f"\ndistperp parity: {args.model}, {args.dtype} on {device}; a value agrees when "
         f"|distperp - hf| <= {tolerance.atol:g} + {tolerance.rtol:g} x |hf|\n"
     )
-    print("| task | values outside / all | max abs diff | greedy flags differ | choices differ | near ties "
-          "| generations differ | verdict |\n|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    print("| task | values outside / all | max abs diff (tolerance there) | greedy flags differ | choices differ "
+          "| near ties | generations differ | verdict |\n|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
     for p in report:
         print(
-            f"| {p.task} | {p.values_outside}/{p.values} | {p.max_abs_diff:.3g} | {p.greedy_differ} | "
+            f"| {p.task} | {p.values_outside}/{p.values} | {p.max_abs_diff:.3g} ({p.max_diff_tolerance:.3g}) | "
+            f"{p.greedy_differ} | "
             f"{p.choices_differ}/{p.choices} | {p.near_ties} | {p.generations_differ}/{p.generations} | "
             f"{p.verdict.value} |"
         )

@@ -173,3 +173,12 @@ def test_a_launch_that_writes_no_results_says_so_on_one_line(monkeypatch: pytest
     monkeypatch.setattr(check.subprocess, "run", lambda *a, **k: failing)
     row = check.processes_row(_namespace(work=tmp_path), "cpu", {}, {}, _evaluation({0: "0x1p+0"}))
     assert "exit 1" in row.detail and "\n" not in row.detail and "ValueError: bad" in row.detail
+
+
+def test_the_load_row_names_the_dtype_the_model_ran_in() -> None:
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        lm = SimpleNamespace(model=torch.nn.Linear(2, 2, dtype=dtype), weight_bytes=3 * 2**20, device="cpu")
+        assert check.load_detail(1.25, lm) == f"1.2 s, 3.0 MiB of weights on cpu, dtype {name}"
+    help_text = argparse.ArgumentParser()
+    check.add_arguments(help_text)
+    assert "unquantized" not in help_text.format_help()

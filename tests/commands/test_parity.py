@@ -63,6 +63,7 @@ def test_rolling_totals_use_the_relative_part_and_generations_compare_as_text() 
         "r", [{"doc_id": 0, "resps": [[-10_000.0]]}], [{"doc_id": 0, "resps": [[-10_000.05]]}], TIGHT
     )
     assert rolling.values == 1 and rolling.values_outside == 0  # 0.05 <= 1e-3 + 1e-5 x 10,000
+    assert rolling.max_abs_diff == pytest.approx(0.05) and rolling.max_diff_tolerance == pytest.approx(0.101)
     not_finite = compare_task(
         "r", [{"doc_id": 0, "resps": [[-1.0]]}], [{"doc_id": 0, "resps": [[float("nan")]]}], TIGHT
     )
@@ -127,3 +128,4 @@ def test_a_task_that_differs_exits_1_and_says_which(
     assert main(["parity", "--model", str(tmp_path), "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "DIFFER: mc: 0 of 1 tasks agree" in out and "| mc | acc,none | 1 | 0 |" in out
+    assert "| max abs diff (tolerance there) |" in out and "| mc | 2/2 | 1 (0.00101) |" in out  # 1e-3 + 1e-5 x |-1|

@@ -107,6 +107,8 @@ class BatchStore:
         """This process's counts since the store was opened."""
         self.totals = dict(self.counts)
         """Counts summed over ranks at the last :meth:`add_up` (this process's until then)."""
+        self.call_reused = 0
+        """Batches or lanes read back between the last two :meth:`add_up` (one call's), summed over ranks."""
         self.save_error: str | None = None
         """Why saving stopped on this process (reason and path), or ``None``."""
         self._damage_note: str | None = None
@@ -267,7 +269,9 @@ class BatchStore:
         """Sum every rank's :meth:`local_counts` (in rank order; ``None`` for a rank without a store) into
         :attr:`totals`. Rank 0 logs newly recomputed files and save failures not reported yet."""
         present = [c for c in per_rank if c is not None]
+        reused_before = self.totals["reused"]
         self.totals = {name: sum(int(c[name]) for c in present) for name in COUNTS}
+        self.call_reused = self.totals["reused"] - reused_before
         new_corrupt = self.totals["recomputed_corrupt"] - self._logged_corrupt
         self._logged_corrupt = self.totals["recomputed_corrupt"]
         if new_corrupt and self.is_main:
@@ -289,6 +293,15 @@ class BatchStore:
                 "saves nothing more; the evaluation continues and its results are unaffected (a rerun "
                 "recomputes the batches that were not saved)."
             )
+
+    def reuse_line(self, what: str, total: int, unit: str) -> str:
+        """The line a call logs (rank 0): how many of its ``total`` ``unit`` (batches, lanes) it read back from the
+        folder (:attr:`call_reused`, after :meth:`add_up`) and how many it computed."""
+        reused = self.call_reused
+        return (
+            f"resume_dir: {what}: reused {reused} of {total} {unit} saved in {self.folder}, computed "
+            f"{total - reused}" + (" (saved there for a rerun)" if self.save_error is None and total > reused else "")
+        )
 
     def report(self) -> dict:
         """``config.distperp.resume`` of the results: the folder and the counts summed over ranks."""

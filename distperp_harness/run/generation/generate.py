@@ -136,6 +136,8 @@ def generate(
         f"{record.seconds:.1f} s",
         main_process_only=True,
     )
+    if executor.store is not None:
+        log.info(executor.store.reuse_line("generate_until", record.lanes, "lanes"), main_process_only=True)
     if calls is not None:
         calls.append(record)
     return [all_texts[key] for key, _, _ in local_keys]

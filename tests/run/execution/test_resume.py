@@ -57,6 +57,21 @@ def resume_log():
     logger.removeHandler(handler)
 
 
+@pytest.fixture
+def run_log():
+    """Messages of the in-process model's logger (rank 0's call summaries and the resume line)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("distperp_harness.lm")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the rest of the suite may have left the package's logger at WARNING
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
 def _same(a: BatchScores, b: BatchScores) -> bool:
     return a.stats.tobytes() == b.stats.tobytes() and all(x.tobytes() == y.tobytes() for x, y in zip(a.kl, b.kl))
 
@@ -248,7 +263,9 @@ def saved(tiny_model_dir, tmp_path_factory, clean):
 @pytest.mark.parametrize(
     "damage", [_truncate, _garbage, _flip_a_byte, _wrong_numbers], ids=lambda f: f.__name__.strip("_")
 )
-def test_run_with_a_damaged_file_gives_identical_results(tiny_model_dir, saved, clean, tmp_path, damage, resume_log):
+def test_run_with_a_damaged_file_gives_identical_results(
+    tiny_model_dir, saved, clean, tmp_path, damage, resume_log, run_log
+):
     source, n = saved
     folder = tmp_path / "resume"
     shutil.copytree(source, folder)
@@ -257,6 +274,11 @@ def test_run_with_a_damaged_file_gives_identical_results(tiny_model_dir, saved, 
     assert bits == clean
     assert report == {"folder": str(folder), "reused": n - 1, "saved": 1, "recomputed_corrupt": 1, "save_failures": 0}
     assert len(resume_log) == 1 and "1 saved batch file(s)" in resume_log[0]
+    said = [m[m.index("resume_dir:") :] for m in run_log if "resume_dir:" in m]  # after accelerate's "[RANK 0] "
+    assert said == [
+        f"resume_dir: loglikelihood_rolling: reused {n - 1} of {n} batches saved in {folder}, computed 1 "
+        "(saved there for a rerun)"
+    ]
     assert _run(tiny_model_dir, folder)[1]["reused"] == n  # overwritten with a good file
 
 

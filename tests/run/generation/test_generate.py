@@ -6,6 +6,8 @@ for the task's ``max_gen_toks``; lanes that slots cannot serve run as ``model.ge
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers import sharpened_model
@@ -286,10 +288,25 @@ def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sa
     assert len(files) == lanes
     files[0].write_text(files[0].read_text().replace('"texts": ["', '"texts": ["x'))  # changed after saving
     again = make_lm(peaked_dir, args, {"batch_size": 1})
-    assert again.generate_until(requests, disable_tqdm=True) == texts
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("distperp_harness.run.generation.generate")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the rest of the suite may have left the package's logger at WARNING
+    try:
+        assert again.generate_until(requests, disable_tqdm=True) == texts
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     report = again.store.report()
     assert report["reused"] == lanes - 1 and report["recomputed_corrupt"] == 1 and report["saved"] == 1
     assert again.stats.calls[-1].lanes_computed == 1
+    assert [m[m.index("resume_dir:") :] for m in said if "resume_dir:" in m] == [
+        f"resume_dir: generate_until: reused {lanes - 1} of {lanes} lanes saved in {tmp_path}, computed 1 "
+        "(saved there for a rerun)"
+    ]
 
 
 def test_auto_slots_hold_the_kv_cache_of_the_tasks_new_tokens(tiny_model_dir, tmp_path):
