@@ -20,7 +20,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Mapping
 
 _TARGET_MODULE = "lm_eval.api.registry"
 _TASKS_MODULE = "lm_eval.tasks.manager"
@@ -192,10 +192,38 @@ def check_limit(evaluator_module) -> None:
     evaluator_module.simple_evaluate = simple_evaluate
 
 
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
+def launched_distperp_worker(argv: list[str], environ: Mapping[str, str]) -> bool:
+    """True for a rank a launcher started (``accelerate launch``, ``torchrun``: ``TORCHELASTIC_RUN_ID`` or
+    ``LOCAL_RANK`` set) to run lm-eval (``-m lm_eval``, the ``lm_eval``/``lm-eval`` command) with ``--model
+    distperp``; ``argv`` is the interpreter's whole command line (``sys.orig_argv``)."""
+    if "TORCHELASTIC_RUN_ID" not in environ and "LOCAL_RANK" not in environ:
+        return False
+    words = [w.rsplit("/", 1)[-1] for w in argv]
+    runs_lm_eval = "lm_eval" in words or any(w in ("lm_eval", "lm-eval") for w in words[1:2])
+    model = next((argv[i + 1] for i, w in enumerate(argv[:-1]) if w == "--model"), None)
+    model = model or next((w.split("=", 1)[1] for w in argv if w.startswith("--model=")), None)
+    return runs_lm_eval and model == "distperp"
+
+
+def quiet_cpp_warnings() -> None:
+    """In a launched distperp rank (:func:`launched_distperp_worker`), torch's C++ log level defaults to ``ERROR``
+    (``TORCH_CPP_LOG_LEVEL``, read once when torch loads, so only here): when a launcher is killed, every failed
+    store call of c10d would otherwise log a warning with some 20 C++ frames per rank, where distperp prints one
+    line naming the cause. A level the user set is kept (``TORCH_CPP_LOG_LEVEL=WARNING`` shows them)."""
+    import os
+
+    if CPP_LOG_ENV not in os.environ and launched_distperp_worker(list(getattr(sys, "orig_argv", [])), os.environ):
+        os.environ[CPP_LOG_ENV] = "ERROR"
+
+
 def install() -> None:
     """Register ``distperp`` once lm-eval's registry is loaded, its tasks once lm-eval's task manager is, the
     output checks once its evaluation tracker is, and the ``limit`` check once its evaluator is (at once where they
     already are)."""
+    quiet_cpp_warnings()
     after_import(_TARGET_MODULE, register)
     after_import(_TASKS_MODULE, add_tasks)
     after_import(_TRACKER_MODULE, guard_outputs)

@@ -1,8 +1,10 @@
 """Zero-config registration: ``--model distperp`` resolves wherever lm-eval looks, with nothing heavy at start-up."""
 
+import os
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import load_results, run_command, side_by_side
 
 
@@ -99,3 +101,32 @@ def test_a_limit_of_zero_or_below_is_one_error_before_the_model_loads(tmp_path):
     proc = run_command([*cmd, "--tasks", "distperp_wikitext2", "--limit", "0"], cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "distperp: error: --limit 0 selects no document" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, environ, expected",
+    [
+        (["python", "-m", "lm_eval", "--model", "distperp", "--tasks", "x"], {"LOCAL_RANK": "0"}, True),
+        (["/venv/bin/lm_eval", "--model=distperp"], {"TORCHELASTIC_RUN_ID": "r"}, True),
+        (["python", "-m", "lm_eval", "run", "--model", "distperp"], {"LOCAL_RANK": "1"}, True),
+        (["python", "-m", "lm_eval", "--model", "distperp"], {}, False),  # not launched: one process, no store
+        (["python", "-m", "lm_eval", "--model", "hf"], {"LOCAL_RANK": "0"}, False),  # another backend
+        (["python", "train.py", "--model", "distperp"], {"LOCAL_RANK": "0"}, False),  # not lm-eval
+    ],
+)
+def test_only_launched_distperp_ranks_quiet_cpp_warnings(argv, environ, expected, monkeypatch):
+    """torch's C++ warnings (c10d's failed store calls, each with ~20 C++ frames when a launcher is killed) default
+    to ERROR in a launched lm-eval rank of --model distperp, and only there; a level the user set is kept."""
+    from distperp_harness import _hook
+
+    assert _hook.launched_distperp_worker(argv, environ) is expected
+    monkeypatch.setattr(_hook.sys, "orig_argv", argv, raising=False)
+    for key in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", _hook.CPP_LOG_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    _hook.quiet_cpp_warnings()
+    assert os.environ.get(_hook.CPP_LOG_ENV) == ("ERROR" if expected else None)
+    monkeypatch.setenv(_hook.CPP_LOG_ENV, "WARNING")
+    _hook.quiet_cpp_warnings()
+    assert os.environ[_hook.CPP_LOG_ENV] == "WARNING"

@@ -43,7 +43,7 @@ from distperp_harness.distributed.failfast import start_watch, stop_watch
 from distperp_harness.distributed.liveness import describe_ranks
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.store import CollectiveError, default_store, is_distributed_failure, store_gone
-from distperp_harness.errors import install_excepthook
+from distperp_harness.errors import close_progress_bars, install_excepthook, wants_traceback
 
 __all__ = ["AccelerateCollective", "Collective", "CollectiveError", "default_store"]
 
@@ -255,7 +255,12 @@ def _watch_for_failure() -> None:
         global _FAILED, _EXIT_CODE
         _FAILED = True
         _EXIT_CODE = 130 if issubclass(kind, KeyboardInterrupt) else 1  # a shell's code for Ctrl-C
-        previous(kind, value, traceback)
+        line = None if wants_traceback() else failfast.stop_line(value)
+        if line is None:
+            previous(kind, value, traceback)
+        else:  # the store host is gone: one line, not a traceback of torch's store client
+            close_progress_bars()
+            print(line, file=sys.stderr, flush=True)
         failfast.uncaught(value)
 
     hook._distperp = True  # type: ignore[attr-defined]

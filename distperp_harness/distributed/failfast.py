@@ -377,6 +377,9 @@ def stop_together(collective: Collective, device: Any = None, stage: str = "scor
         if store is None:
             raise
         if is_distributed_failure(exc):
+            if not hasattr(exc, "distperp_stage"):  # the innermost stage: what this rank was doing
+                with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
+                    exc.distperp_stage = stage  # type: ignore[attr-defined]
             record = read(store)
             if (
                 record is not None
@@ -389,6 +392,25 @@ def stop_together(collective: Collective, device: Any = None, stage: str = "scor
         raise
     finally:
         pop_stage()
+
+
+def stop_line(exc: BaseException) -> str | None:
+    """The one line an uncaught broken collective or store call prints instead of its traceback when the store host
+    is gone (:func:`~distperp_harness.distributed.store.store_gone`: node 0's launcher or rank 0 killed, its host
+    lost), naming the stage this rank was in; ``None`` for anything else (the traceback then shows it). The failure
+    watch, which would say the same once more, is told to stay quiet."""
+    store = default_store()
+    if store is None or not _WATCH or not is_distributed_failure(exc):
+        return None
+    try:
+        store.check([FAILURE_KEY])
+        return None  # the store answers: not the store host gone
+    except Exception:  # the store host is gone: the line below says so
+        pass
+    for watch in _WATCH:
+        watch.own_failure = True
+    rank = int(_PLACE["rank"])
+    return stop_message(rank, store_gone(rank), getattr(exc, "distperp_stage", None))
 
 
 def uncaught(exc: BaseException) -> None:

@@ -1,6 +1,7 @@
 """A failing rank stops every rank within seconds, named (failfast), and the control plane across nodes
 (controlplane): the rules with fakes, then real ``accelerate launch`` runs on gloo."""
 
+import re
 import socket
 import subprocess
 import threading
@@ -346,7 +347,8 @@ def test_a_rank_failing_in_generation_stops_its_peer_named(
 @pytest.mark.distributed
 def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir, tasks_dir, tmp_path):
     """Node 0's launcher (the store's host) and rank 0 die with SIGKILL while rank 0 scores (it holds after its
-    first batch); rank 1, alone on node 1, must end within ``timeout=20`` saying node 0 / rank 0 is gone."""
+    first batch); rank 1, alone on node 1, must end within ``timeout=20`` saying node 0 / rank 0 is gone, in one
+    line (no traceback, no C++ frames)."""
     out = tmp_path / "out"
     run = LaunchOutputs(
         start_two_nodes(
@@ -365,6 +367,10 @@ def test_node_0_killed_mid_run_ends_node_1_naming_the_store_host(tiny_model_dir,
     assert run.procs[1].returncode != 0, text[-4000:]
     assert "the rendezvous store, served by the launcher of node 0 (with rank 0), at 127.0.0.1:" in text, text[-4000:]
     assert "is unreachable from rank 1: rank 0 or node 0" in text
+    # one line from the rank, not torch's store-client traceback or c10d's warnings with C++ frames (the launcher
+    # of node 1 still prints its own summary of the failed worker)
+    assert text.count("distperp: rank 1 stops because") == 1, text[-4000:]
+    assert not re.search(r"\[rank\d+\]: Traceback", text) and "frame #" not in text, text[-4000:]
     assert not list(out.rglob("results_*.json"))
     assert ended - killed_at < 20 + 5  # within the timeout (the watch sees the store gone in about 2 s)
 
