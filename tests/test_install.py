@@ -121,6 +121,10 @@ def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
     docs.mkdir()
     (docs / "a.txt").write_text(Path(where.strip()).parent.joinpath("data", "sample_wikitext.txt").read_text())
     _run([distperp, "new-task", "mine", "--data", "docs", "--out", "mytasks"], cwd=here)
+    shadow = _run([distperp, "new-task", "hellaswag", "--data", "docs", "--out", "mytasks"], cwd=here, check=False)
+    said = [line for line in shadow.stderr.splitlines() if line.startswith("distperp: error")]
+    assert shadow.returncode == 1 and len(said) == 1 and "already one of lm-eval's tasks" in said[0], shadow.stderr
+    assert not (here / "mytasks" / "hellaswag.yaml").exists()  # lm-eval's hellaswag is not silently replaced
     plain = [*lm_eval, "--model", "distperp", "--model_args", f"pretrained={model}"]
     unwritable = [*plain, *sample, "--output_path", "blocked/results"]
     typo = [*plain, "--tasks", "distperp_wikitext2", "--metadata", json.dumps({"wikitext_pth": "sample"})]

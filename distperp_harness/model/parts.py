@@ -179,10 +179,17 @@ def embedding_rows(model: Any) -> int:
 
 
 def check_vocabulary(tokenizer: Any, tokenizer_source: str, model: Any, key: str, source: str) -> None:
-    """Every id of ``tokenizer`` (``len(tokenizer)``, added tokens included) indexes ``model``'s input embeddings;
-    a tokenizer with fewer ids than embedding rows is normal (padded embeddings) and passes."""
+    """Every id a text can tokenize to indexes ``model``'s input embeddings: the base vocabulary
+    (``tokenizer.vocab_size``) and every added token that is not a special token. Special tokens a conversion
+    appends past the embeddings (GGUF's tokenizers gain a pad token) pass: they reach the model only as their
+    literal in a text. A tokenizer with fewer ids than embedding rows is normal (padded embeddings) and passes."""
     size, rows = len(tokenizer), embedding_rows(model)
     if size <= rows:
+        return
+    base = int(getattr(tokenizer, "vocab_size", size) or size)
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    if base <= rows and all(i < rows or i in special or getattr(t, "special", False) for i, t in added.items()):
         return
     raise InputError(
         f"the tokenizer of {tokenizer_source!r} has {size} tokens (ids 0..{size - 1}), but {key}={source!r} "
