@@ -10,6 +10,8 @@ Data sources (lm-eval passes ``--metadata`` and ``--model_args`` as keyword argu
   ``--metadata '{"wikitext_path": PATH}'`` or ``$DISTPERP_WIKITEXT_PATH`` names a local WikiText file or folder
   (``sample``: the WikiText-format sample packaged with distperp).
 - ``distperp_local_docs``: ``--metadata '{"docs_path": PATH}'`` or ``$DISTPERP_DOCS_PATH``.
+- ``distperp_longdocs``, ``distperp_needle``, ``distperp_needle_gen``: ``docs_path`` or a local ``wikitext_path``
+  (either key, or its environment variable), never the hub; see ``distperp_harness/report/longcontext.py``.
 
 Relative paths resolve from the current directory.
 """
@@ -183,19 +185,27 @@ def _to_dataset_dict(split: str, column: str, texts: list[str], extra: dict[str,
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_keys(task_key: str, given: dict[str, Any]) -> None:
-    """A key of lm-eval's metadata that looks like a misspelling of ``task_key`` is refused in one line (else the
-    task would silently read another source, the hub for WikiText). The rest of the metadata (``--model_args``
-    keys, the task version) is not this loader's."""
+def _check_keys(task_keys: str | tuple[str, ...], given: dict[str, Any]) -> None:
+    """A key of lm-eval's metadata that looks like a misspelling of one of ``task_keys`` is refused in one line
+    (else the task would silently read another source, the hub for WikiText, or use a default). The rest of the
+    metadata (``--model_args`` keys, the task version, the keys of the other distperp tasks: one ``--metadata``
+    serves every task of a run) is not this loader's."""
     import difflib
 
-    close = [k for k in given if k != task_key and difflib.SequenceMatcher(None, k, task_key).ratio() >= 0.75]
-    if close:
-        raise InputError(
-            f"--metadata key {close[0]!r} is not one this task reads; allowed: {task_key!r}. Did you mean "
-            f'{task_key!r}? Fix: --metadata \'{{"{task_key}": "PATH"}}\'',
-            same_on_every_rank=True,
-        )
+    keys = (task_keys,) if isinstance(task_keys, str) else task_keys
+    for key in given:
+        if key in keys or key in _TASK_KEYS:
+            continue
+        ratios = {k: difflib.SequenceMatcher(None, key, k).ratio() for k in keys}
+        meant = max(keys, key=ratios.__getitem__)
+        if ratios[meant] >= 0.75:
+            allowed = ", ".join(repr(k) for k in keys)
+            value = '"PATH"' if meant.endswith("_path") else "VALUE"
+            raise InputError(
+                f"--metadata key {key!r} is not one this task reads; allowed: {allowed}. Did you mean "
+                f"{meant!r}? Fix: --metadata '{{\"{meant}\": {value}}}'",
+                same_on_every_rank=True,
+            )
 
 
 def _from_hub(hub_path: str, hub_name: str):
@@ -311,6 +321,211 @@ def load_local_docs(*, split: str = "test", docs_path: str | None = None, **_ign
     docs = read_local_docs(*configured)
     logger.info(f"distperp: {len(docs)} local documents from {configured[0]}")
     return _to_dataset_dict(split, "text", [t for t, _ in docs], {"source": [o for _, o in docs]})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Long-context tasks: distperp_longdocs, distperp_needle, distperp_needle_gen (local files only)
+# ---------------------------------------------------------------------------------------------------------------
+
+_SOURCE_KEYS = ("docs_path", "wikitext_path")
+LONGDOCS_KEYS = (*_SOURCE_KEYS, "min_chars")
+NEEDLE_KEYS = (*_SOURCE_KEYS, "context_chars", "depths", "docs_per_depth", "seed", "n_choices", "digits")
+_TASK_KEYS = frozenset(LONGDOCS_KEYS + NEEDLE_KEYS)  # every --metadata key a distperp task reads
+
+
+def _long_context_source(task: str, docs_path: Any, wikitext_path: Any) -> tuple[str, Path, str]:
+    """Which local text a long-context task reads: ``("docs" | "wikitext", path, source)``.
+
+    ``--metadata`` keys win over the environment; giving both ``docs_path`` and ``wikitext_path`` at the same level
+    is refused. Nothing given: an :class:`InputError` that names both options (these tasks never go to the hub).
+    """
+    given = [k for k, v in (("docs_path", docs_path), ("wikitext_path", wikitext_path)) if v not in (None, "")]
+    if len(given) == 2:
+        raise InputError(
+            f"{task} reads one source, but --metadata gives both docs_path={docs_path!r} and "
+            f"wikitext_path={wikitext_path!r}. Fix: drop one of them",
+            same_on_every_rank=True,
+        )
+    if not given:
+        given = [
+            k for k, env in (("docs_path", DOCS_PATH_ENV), ("wikitext_path", WIKITEXT_PATH_ENV)) if os.environ.get(env)
+        ]
+        if len(given) == 2:
+            raise InputError(
+                f"{task} reads one source, but both ${DOCS_PATH_ENV} and ${WIKITEXT_PATH_ENV} are set. Fix: unset "
+                'one, or choose with --metadata \'{"docs_path": "PATH"}\' or \'{"wikitext_path": "PATH"}\'',
+                same_on_every_rank=True,
+            )
+    if not given:
+        raise InputError(
+            f'{task} needs local text: pass --metadata \'{{"wikitext_path": "PATH"}}\' (a WikiText file or folder; '
+            f'"sample": the sample packaged with distperp) or \'{{"docs_path": "FOLDER"}}\' (your .txt / .jsonl '
+            f"documents), or set ${WIKITEXT_PATH_ENV} or ${DOCS_PATH_ENV}",
+            same_on_every_rank=True,
+        )
+    if given[0] == "docs_path":
+        configured = _configured_path("docs_path", docs_path, DOCS_PATH_ENV)
+    else:
+        configured = _configured_path("wikitext_path", wikitext_path, WIKITEXT_PATH_ENV)
+    assert configured is not None
+    return given[0].split("_")[0], *configured
+
+
+def read_wikitext_articles(path: Path, source: str, split: str = "test") -> tuple[list[str], Path]:
+    """The raw articles of a local WikiText file (or of the ``split`` file found in a folder: WikiText-2's
+    candidates first, then WikiText-103's; their test and validation sets are the same text) and the file read."""
+    if not path.exists():
+        raise MissingInput(f"{path} (from {source}) does not exist")
+    file = path
+    if path.is_dir():
+        candidates = list(
+            dict.fromkeys(
+                wikitext_candidates(path, "wikitext-2", split) + wikitext_candidates(path, "wikitext-103", split)
+            )
+        )
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            tried = ", ".join(str(c.relative_to(path)) for c in candidates)
+            raise InputError(f"{path} (from {source}) holds no WikiText {split} file; looked for: {tried}")
+        file = found
+    articles = [a for a in split_wikitext_articles(read_utf8(file, source)) if a.strip()]
+    if not articles:
+        raise InputError(f"{file} (from {source}) holds no text")
+    return articles, file
+
+
+def load_longdocs(
+    *,
+    split: str = "test",
+    docs_path: str | None = None,
+    wikitext_path: str | None = None,
+    min_chars: Any = None,
+    **_ignored: Any,
+):
+    """``distperp_longdocs``: ``{split: Dataset}`` of long documents for rolling perplexity.
+
+    ``docs_path`` (or ``$DISTPERP_DOCS_PATH``): your documents, one per ``.txt`` file or ``.jsonl`` line, scored as
+    written (``text`` and ``source`` columns, as ``distperp_local_docs``). ``wikitext_path`` (or
+    ``$DISTPERP_WIKITEXT_PATH``; ``sample``: the packaged sample): the file's articles joined, in order, into
+    documents of at least ``min_chars`` characters (default 131,072; :func:`join_to_length`), in a ``page``
+    column scored through lm-eval's WikiText detokenizer, with ``source`` naming the file and article range.
+    """
+    from distperp_harness.report.longcontext import DEFAULT_MIN_CHARS, join_to_length, positive_int
+
+    _check_keys(LONGDOCS_KEYS, _ignored)
+    min_chars = positive_int("min_chars", DEFAULT_MIN_CHARS if min_chars is None else min_chars)
+    kind, path, source = _long_context_source("distperp_longdocs", docs_path, wikitext_path)
+    if kind == "docs":
+        docs = read_local_docs(path, source)
+        short = sum(len(t) < min_chars for t, _ in docs)
+        logger.info(f"distperp: {len(docs)} long documents from {path} ({short} shorter than min_chars={min_chars})")
+        return _to_dataset_dict(split, "text", [t for t, _ in docs], {"source": [o for _, o in docs]})
+    articles, file = read_wikitext_articles(path, source, split)
+    pages = join_to_length(articles, min_chars)
+    origins, first = [], 0
+    for page in pages:
+        count = len(split_wikitext_articles(page))
+        origins.append(f"{file} articles {first + 1}-{first + count} of {len(articles)}")
+        first += count
+    if len(pages[-1]) < min_chars:
+        logger.warning(
+            f"distperp: {file} holds {len(pages[-1]):,} characters, fewer than min_chars={min_chars:,}: "
+            "distperp_longdocs scores it as one shorter document"
+        )
+    logger.info(f"distperp: {len(pages)} long documents of >= {min_chars:,} characters from {file}")
+    return _to_dataset_dict(split, "page", pages, {"source": origins})
+
+
+def longdoc_text(doc: dict[str, Any]) -> str:
+    """The text the model scores for a long document: lm-eval's WikiText detokenizer on a joined ``page``, a local
+    document's ``text`` unchanged."""
+    return wikitext_detokenizer(doc) if "page" in doc else doc["text"]
+
+
+def needle_settings(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of :func:`~distperp_harness.report.longcontext.needle_docs` from ``--metadata``
+    (``context_chars``, ``depths``, ``docs_per_depth``, ``seed``, ``n_choices``, ``digits``), defaults for the keys
+    not given; a value out of range is an :class:`InputError` naming its key."""
+    from distperp_harness.report import longcontext as lc
+
+    def given(key: str, default: Any) -> Any:
+        value = metadata.get(key)
+        return default if value is None else value
+
+    return {
+        "context_chars": lc.positive_int("context_chars", given("context_chars", lc.DEFAULT_CONTEXT_CHARS)),
+        "depths": lc.depths_percent(given("depths", list(lc.DEFAULT_DEPTHS))),
+        "docs_per_depth": lc.positive_int("docs_per_depth", given("docs_per_depth", lc.DEFAULT_DOCS_PER_DEPTH)),
+        "seed": lc.positive_int("seed", given("seed", lc.DEFAULT_SEED), minimum=0),
+        "n_choices": lc.positive_int("n_choices", given("n_choices", lc.DEFAULT_CHOICES), minimum=2, maximum=20),
+        "digits": lc.positive_int("digits", given("digits", lc.DEFAULT_DIGITS), minimum=4, maximum=18),
+    }
+
+
+def load_needle(
+    *, split: str = "test", docs_path: str | None = None, wikitext_path: str | None = None, **metadata: Any
+):
+    """``distperp_needle`` / ``distperp_needle_gen``: ``{split: Dataset}`` of needle documents
+    (:func:`distperp_harness.report.longcontext.needle_docs`; one row per document, depth-major).
+
+    The filler is ``docs_path``'s documents as written, or ``wikitext_path``'s articles through lm-eval's WikiText
+    detokenizer, joined with blank lines. ``metadata``: the settings of :func:`needle_settings` (defaults:
+    ``context_chars`` 100,000, ``depths`` [0, 25, 50, 75, 100], ``docs_per_depth`` 4, ``seed`` 1234, ``n_choices``
+    4, ``digits`` 7); the rest of lm-eval's metadata is not used.
+    """
+    from distperp_harness.report import longcontext as lc
+
+    _check_keys(NEEDLE_KEYS, metadata)
+    settings = needle_settings(metadata)
+    kind, path, source = _long_context_source("distperp_needle", docs_path, wikitext_path)
+    if kind == "docs":
+        texts = [t for t, _ in read_local_docs(path, source)]
+    else:
+        articles, path = read_wikitext_articles(path, source, split)
+        texts = [wikitext_detokenizer({"page": a}) for a in articles]
+    total = sum(len(t) for t in texts)
+    if total < settings["context_chars"]:
+        logger.warning(
+            f"distperp: {path} holds {total:,} characters, fewer than context_chars={settings['context_chars']:,}: "
+            "the needle's filler repeats it"
+        )
+    docs = lc.needle_docs(texts, **settings)
+    logger.info(
+        f"distperp: {len(docs)} needle documents ({len(settings['depths'])} depths x {settings['docs_per_depth']}) "
+        f"of {settings['context_chars']:,} characters of filler from {path}"
+    )
+    import datasets
+
+    return datasets.DatasetDict({split: datasets.Dataset.from_dict(lc.as_columns(docs))})
+
+
+def needle_prompt(doc: dict[str, Any]) -> str:
+    """The filler with the needle, then the question (ends with ``"Answer:"``)."""
+    return doc["prompt"]
+
+
+def needle_choices(doc: dict[str, Any]) -> list[str]:
+    """The candidate numbers (lm-eval puts its ``target_delimiter``, a space, before each)."""
+    return list(doc["choices"])
+
+
+def needle_mc_results(doc: dict[str, Any], results: list[Any]) -> dict[str, float]:
+    """``acc`` (the right number has the highest log-likelihood; ties go to the first, as lm-eval's ``acc``) and
+    the same value under ``acc_depth_<percent>`` for the document's depth."""
+    from distperp_harness.report.longcontext import depth_label
+
+    lls = [float(r[0]) if isinstance(r, (tuple, list)) else float(r) for r in results]
+    acc = float(max(range(len(lls)), key=lls.__getitem__) == doc["label"])
+    return {"acc": acc, f"acc_depth_{depth_label(doc['depth'])}": acc}
+
+
+def needle_gen_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
+    """``exact_match``: the first number in the generated answer is the needle's number; also under
+    ``exact_match_depth_<percent>`` for the document's depth."""
+    from distperp_harness.report.longcontext import depth_label, first_number
+
+    match = float(first_number(results[0]) == doc["answer"])
+    return {"exact_match": match, f"exact_match_depth_{depth_label(doc['depth'])}": match}
 
 
 # ---------------------------------------------------------------------------------------------------------------

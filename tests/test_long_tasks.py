@@ -1,0 +1,136 @@
+"""The long-context tasks ``distperp_longdocs``, ``distperp_needle`` and ``distperp_needle_gen``: their loaders
+(local files only, one-line errors), results per document, and one end-to-end run of each with the tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from distperp_harness.errors import InputError, MissingInput
+from distperp_harness.report.wikitext import split_wikitext_articles
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
+
+_spec = importlib.util.spec_from_file_location(
+    "distperp_long_task_utils_under_test", TASKS_DIR / "distperp" / "utils.py"
+)
+utils = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(utils)
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(utils.WIKITEXT_PATH_ENV, raising=False)
+    monkeypatch.delenv(utils.DOCS_PATH_ENV, raising=False)
+
+
+def test_longdocs_join_the_wikitext_sample(sample_text_path):
+    rows = utils.load_longdocs(wikitext_path="sample", min_chars=4000, pretrained="x", version=1.0)["test"]
+    articles = [a for a in split_wikitext_articles(sample_text_path.read_text(encoding="utf-8")) if a.strip()]
+    assert len(rows) > 1 and all(len(p) >= 4000 for p in rows["page"])
+    assert "\n".join(rows["page"]) == "\n".join(articles)
+    assert rows["source"][0] == f"{sample_text_path} articles 1-2 of 9" and rows["source"][-1].endswith("-9 of 9")
+    assert utils.longdoc_text(rows[0]) == utils.wikitext_detokenizer(rows[0])
+    # the default (128 Ki characters) is more than the sample: one document, and a warning
+    assert len(utils.load_longdocs(wikitext_path="sample")["test"]) == 1
+
+
+def test_longdocs_score_your_documents_as_written(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("first  long\r\ndocument", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("second", encoding="utf-8")
+    monkeypatch.setenv(utils.DOCS_PATH_ENV, str(tmp_path))
+    rows = utils.load_longdocs(min_chars=10)["test"]
+    assert list(rows["text"]) == ["first  long\r\ndocument", "second"]
+    assert utils.longdoc_text(rows[0]) == "first  long\r\ndocument"
+
+
+@pytest.mark.parametrize("loader", ["load_longdocs", "load_needle"])
+def test_sources_and_their_errors_are_one_line(loader, tmp_path, monkeypatch):
+    load = getattr(utils, loader)
+    with pytest.raises(InputError) as info:
+        load(pretrained="x")
+    message = str(info.value)
+    assert "needs local text" in message and '"wikitext_path"' in message and '"docs_path"' in message
+    assert "\n" not in message and info.value.same_on_every_rank
+    with pytest.raises(InputError, match="gives both docs_path="):
+        load(docs_path="a", wikitext_path="b")
+    with pytest.raises(MissingInput, match=rf"{tmp_path / 'none'} \(from --metadata wikitext_path\) does not exist"):
+        load(wikitext_path=str(tmp_path / "none"))
+    with pytest.raises(InputError, match=rf"{tmp_path} \(from --metadata wikitext_path\) holds no WikiText test file"):
+        load(wikitext_path=str(tmp_path))
+    with pytest.raises(InputError, match="--metadata key 'wikitext_pth' is not one this task reads"):
+        load(wikitext_pth="sample")
+    monkeypatch.setenv(utils.WIKITEXT_PATH_ENV, "sample")
+    assert len(load(min_chars=3000) if loader == "load_longdocs" else load(context_chars=500, docs_per_depth=1))
+    monkeypatch.setenv(utils.DOCS_PATH_ENV, str(tmp_path))
+    with pytest.raises(InputError, match="both \\$DISTPERP_DOCS_PATH and \\$DISTPERP_WIKITEXT_PATH are set"):
+        load()
+
+
+def test_the_other_tasks_keys_are_not_misspellings():
+    """One --metadata serves every task of a run: distperp_longdocs ignores the needle's keys, and the reverse."""
+    assert utils.load_longdocs(wikitext_path="sample", min_chars=3000, context_chars=500, docs_per_depth=1)
+    assert utils.load_needle(wikitext_path="sample", context_chars=500, docs_per_depth=1, min_chars=3000)
+
+
+def test_needle_rows_and_results(sample_text_path):
+    metadata = {"wikitext_path": "sample", "context_chars": 2000, "depths": [0, 50, 100], "docs_per_depth": 2}
+    rows = utils.load_needle(**metadata, seed=3, n_choices=3, digits=5, pretrained="x")["test"]
+    assert len(rows) == 6 and list(rows["depth"]) == [0.0, 0.0, 50.0, 50.0, 100.0, 100.0]
+    doc = rows[2]
+    assert utils.needle_prompt(doc) == doc["prompt"] and utils.needle_choices(doc)[doc["label"]] == doc["answer"]
+    assert "= " in doc["prompt"] and " @-@ " not in doc["prompt"]  # WikiText filler, detokenized
+    assert list(utils.load_needle(**metadata, seed=3, n_choices=3, digits=5)["test"]["prompt"]) == rows["prompt"]
+    wrong = (doc["label"] + 1) % 3
+    lls = [(-5.0, False)] * 3
+    lls[doc["label"]] = (-1.0, True)
+    assert utils.needle_mc_results(doc, lls) == {"acc": 1.0, "acc_depth_50": 1.0}
+    lls[wrong] = (-0.5, False)
+    assert utils.needle_mc_results(doc, lls) == {"acc": 0.0, "acc_depth_50": 0.0}
+    assert utils.needle_gen_results(doc, [f" {doc['answer']}."]) == {"exact_match": 1.0, "exact_match_depth_50": 1.0}
+    assert utils.needle_gen_results(doc, [" 1"]) == {"exact_match": 0.0, "exact_match_depth_50": 0.0}
+
+
+@pytest.fixture(scope="module")
+def longer_model(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny test model with room for 1024 positions (``max_position_embeddings`` 128 -> 1024)."""
+    longer = Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("long") / "model"))
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return longer
+
+
+def test_end_to_end_with_the_tiny_model(longer_model):
+    """Each task, scored by ``--model distperp`` at max_length 1024, on small documents of the packaged sample."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    metadata = {"wikitext_path": "sample", "min_chars": 6000, "context_chars": 1200, "docs_per_depth": 1}
+    tasks = ["distperp_longdocs", "distperp_needle", "distperp_needle_gen"]
+    out = lm_eval.simple_evaluate(
+        model="distperp",
+        model_args=f"pretrained={longer_model},max_length=1024",
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), metadata=metadata),
+        batch_size=4,
+        device="cpu",
+        log_samples=True,
+    )
+    results = out["results"]
+    longdocs = results["distperp_longdocs"]
+    n_docs = len(out["samples"]["distperp_longdocs"])
+    assert n_docs == 3 and longdocs["n_tokens,none"] > 1024 * n_docs  # long enough for several windows each
+    assert longdocs["token_perplexity,none"] > 1 and longdocs["bits_per_byte,none"] > 0
+    assert isinstance(longdocs["word_perplexity_stderr,none"], float)
+    for task, metric in (("distperp_needle", "acc"), ("distperp_needle_gen", "exact_match")):
+        got = results[task]
+        assert len(out["samples"][task]) == 5  # 5 default depths x 1 document
+        assert 0 <= got[f"{metric},none"] <= 1
+        assert {f"{metric}_depth_{d},none" for d in (0, 25, 50, 75, 100)} <= set(got)
+    needle = out["samples"]["distperp_needle"][0]
+    assert len(needle["resps"]) == 4 and needle["doc"]["prompt"].startswith("The secret number of ")
+    json.dumps(results)
