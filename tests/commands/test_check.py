@@ -44,7 +44,13 @@ def test_failures_on_rank_0_and_on_rank_1_are_failed_rows_not_a_hang(tmp_path: P
     command exits 1 within its timeout."""
     out = tmp_path / "rows.json"
     proc = run_command(
-        [sys.executable, "-m", "distperp_harness", "check", "--device", "cpu", "--limit", "2", "--json", out],
+        # 4 documents are two batches of batch_size=auto, one per process, and claim=false keeps each on its own
+        # process: rank 1's injected failure always happens (with one batch, it happened only when rank 1 claimed
+        # rank 0's batch first, a race a loaded machine loses)
+        [
+            *[sys.executable, "-m", "distperp_harness", "check", "--device", "cpu", "--limit", "4", "--json", out],
+            *["--model_args", "claim=false"],
+        ],
         cwd=REPO_ROOT,
         env={
             "DISTPERP_CACHE": str(tmp_path / "cache"),
