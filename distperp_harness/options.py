@@ -56,6 +56,10 @@ TP_SIZES = (
     "an integer >= 1 that divides the processes per node, or 'node' (all processes of a node compute "
     "each forward together)"
 )
+CP_SIZES = (
+    "an integer >= 1 that divides the processes per node, or 'node' (all processes of a node compute each row "
+    "together, each a share of its tokens)"
+)
 # The lm-eval CLI passes device="cuda:0" when the user gave no --device; on a machine without CUDA that default
 # falls back to the CPU (with a log line). Any other CUDA device asked for on such a machine is an error.
 CLI_DEFAULT_DEVICE = "cuda:0"
@@ -109,6 +113,9 @@ class Options:
     # large matrix; tp_plan=auto is lm-eval hf's spelling (= tp_size=node unless tp_size is given)
     tp_size: int | str = 1
     tp_plan: str | None = None
+    # context parallelism: processes that together compute each row, each its share of the row's tokens, gathering
+    # every layer's keys and values (long windows)
+    cp_size: int | str = 1
     # compiled decoder layers: "false" (eager) or a torch.compile mode; compile=true is "default"
     compile: CompileMode = CompileMode.OFF
     # generation on CUDA: the decode step replayed as CUDA graphs (checked against the eager step once per bucket)
@@ -226,6 +233,7 @@ class Options:
                 "shard_size=1 (every process holds all weights) or a divisor of the processes per node",
             )
         self._check_tensor_parallel()
+        self._check_context_parallel()
         _require(
             isinstance(self.claim, bool),
             "claim",
@@ -314,6 +322,37 @@ class Options:
                 f"{key}= only with tp_size=1: it is applied to whole weights after loading, and a "
                 f"tensor-parallel process holds a slice of each",
                 f"save the merged model and load that with tp_size, or use shard_size={self.tensor_parallel}",
+            )
+
+    def _check_context_parallel(self) -> None:
+        """``cp_size``: a divisor of the processes per node or ``node``; with whole weights on every process (not
+        ``shard_size``/``tp_size``), no reference (its forward is not split), rows computed in batches (not
+        ``batch_invariant``) and eager layers (not ``compile``)."""
+        if isinstance(self.cp_size, str):
+            _require(self.cp_size == "node", "cp_size", self.cp_size, CP_SIZES, "e.g. cp_size=node, or cp_size=2")
+        else:
+            _require(
+                isinstance(self.cp_size, int) and self.cp_size >= 1,
+                "cp_size",
+                self.cp_size,
+                CP_SIZES,
+                "cp_size=1 (every process computes its own rows) or a divisor of the processes per node",
+            )
+        if self.cp_size == 1:
+            return
+        for key, value, ok, what in (
+            ("shard_size", self.shard_size, self.shard_size == 1, "whole weights on every member"),
+            ("tp_size", self.tensor_parallel, self.tensor_parallel == 1, "whole weights on every member"),
+            ("reference", self.reference, self.reference is None, "no reference (its forward is not split yet)"),
+            ("batch_invariant", self.batch_invariant, not self.batch_invariant, "rows computed in batches"),
+            ("compile", self.compile, self.compile == "false", "eager layers (the gathers are not compiled)"),
+        ):
+            _require(
+                ok,
+                key,
+                value,
+                f"the default with cp_size={self.cp_size}: context parallelism needs {what}",
+                f"drop {key}= or use cp_size=1",
             )
 
     @property

@@ -55,9 +55,12 @@ def run_facts(
             "tasks": models.comparison.entries(),
             "weight_bytes": models.reference_weight_bytes,
         },
-        sharding=sharding_report(
-            placement.shard_size, loaded.sharding, models.per_rank, collective.world_size, tp_size=placement.tp_size
-        ),
+        sharding={
+            **sharding_report(
+                placement.shard_size, loaded.sharding, models.per_rank, collective.world_size, tp_size=placement.tp_size
+            ),
+            "cp_size": placement.cp.size,
+        },
         traffic=prepared.traffic,
         load_memory_per_rank=[r["load_memory"] for r in models.per_rank],
         memory_estimate=dataclasses.asdict(placement.estimate) if placement.estimate else None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
@@ -22,6 +22,8 @@ from distperp_harness.distributed.failfast import set_device, stop_together
 from distperp_harness.docsplit import install_document_split
 from distperp_harness.errors import InputError
 from distperp_harness.model.chat import ChatTemplate
+from distperp_harness.model.cp_attention import Group, check_attention, make_group
+from distperp_harness.model.cp_attention import use as use_cp_attention
 from distperp_harness.model.devices import (
     device_identity,
     find_disagreement,
@@ -36,6 +38,7 @@ from distperp_harness.model.quantize import weight_bytes
 from distperp_harness.model.sharding import (
     check_groups_within_hosts,
     make_mesh,
+    resolve_group_size,
     resolve_shard_size,
 )
 from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
@@ -88,6 +91,7 @@ class Placement:
     estimate: Any
     mesh: Any
     tp_mesh: Any
+    cp: Group = field(default_factory=lambda: Group(1, 0))
 
 
 def run_identity(options: Options, identity: dict) -> dict:
@@ -122,6 +126,13 @@ def place(options: Options, given: Any, extra: InProcess) -> Placement:
     identity = device_identity(device)
     shard_size = resolve_shard_size(options.shard_size, world, local_world_size(world))
     tp_size = resolve_tp_size(options.tensor_parallel, world, local_world_size(world))
+    cp_size = resolve_group_size(
+        "cp_size",
+        options.cp_size,
+        world,
+        local_world_size(world),
+        "each context-parallel group (gathers at every layer)",
+    )
     everyone = collective.all_gather_object(
         (run_identity(options, identity), physical_device(device)), "compare configurations"
     )
@@ -131,6 +142,7 @@ def place(options: Options, given: Any, extra: InProcess) -> Placement:
     hosts = [where["host"] for _, where in everyone]
     check_groups_within_hosts(hosts, shard_size)
     check_groups_within_hosts(hosts, tp_size, "tp_size")
+    check_groups_within_hosts(hosts, cp_size, "cp_size")
     estimate = (
         None
         if given is not None  # an in-memory model is loaded already
@@ -138,7 +150,8 @@ def place(options: Options, given: Any, extra: InProcess) -> Placement:
     )
     mesh = make_mesh(device, world, shard_size, options.timeout) if shard_size > 1 or extra.mesh_of_one else None
     tp_mesh = make_tp_mesh(device, world, tp_size, options.timeout) if tp_size > 1 else None
-    return Placement(collective, device, identity, shard_size, tp_size, estimate, mesh, tp_mesh)
+    cp = make_group(device, world, collective.rank, cp_size, options.timeout)
+    return Placement(collective, device, identity, shard_size, tp_size, estimate, mesh, tp_mesh, cp)
 
 
 @dataclass
@@ -247,6 +260,10 @@ def prepare(
     sharing, fallback, budget_reason, sharing_line = choose_sharing(
         options.share_prefix, list(both), batching, loaded.max_length, batch_invariant=options.batch_invariant
     )
+    if placement.cp.size > 1:  # every forward of a row split over the group: no prefix computed once for it
+        check_attention(model, placement.cp.size, options.pretrained)
+        use_cp_attention(model)
+        sharing = dataclasses.replace(sharing, cached_prefix=False)
     compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
         options.compile_mode,
         [model, reference],
@@ -290,13 +307,14 @@ def prepare(
             collective,
             placement.tp_size,
             row_at_a_time=options.batch_invariant,
+            cp=placement.cp,
         ),
         device=device,
         store=store,
         claiming=options.claim,
         local_world_size=local,
         shard_size=placement.shard_size,
-        tp_size=placement.tp_size,
+        tp_size=max(placement.tp_size, placement.cp.size),  # a group that computes each forward together
     )
     with stop_together(collective, device, "probing the forwards' collective traffic"):
         traffic = model_traffic(
@@ -315,7 +333,7 @@ def prepare(
         static,
         step_line,
         warnings,
-        RunStats(tp_size=placement.tp_size),
+        RunStats(tp_size=placement.tp_size, cp_size=placement.cp.size),
         store,
         executor,
         traffic,

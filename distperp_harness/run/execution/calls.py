@@ -162,14 +162,18 @@ class RunStats:
     calls: list[Call] = field(default_factory=list)
     _digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     tp_size: int = 1
+    cp_size: int = 1
 
     @property
     def fingerprint(self) -> str:
         """16 hex digits of every scoring call's per-unit results, in call order (each call's part:
         :func:`~distperp_harness.run.scoring.pipeline.unit_mark`): equal exactly when the results are, whatever the
         batch size, batch order or number of processes; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
-        in another order: its bits compare with runs of the same ``tp_size`` only)."""
+        in another order: its bits compare with runs of the same ``tp_size`` only), ``cpN:`` when ``cp_size`` = N > 1
+        (each member's matrix products have a share of the rows' tokens, which a CPU's kernels may round otherwise)."""
         digits = self._digest.hexdigest()[:16]
+        if self.cp_size > 1:
+            return f"cp{self.cp_size}:{digits}"
         return digits if self.tp_size == 1 else f"tp{self.tp_size}:{digits}"
 
     def to_dicts(self) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from distperp_harness.distributed.failfast import stop_together
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.store import default_store
 from distperp_harness.distributed.testfaults import fail_for_tests
+from distperp_harness.model.cp_attention import Group
 from distperp_harness.model.memory import peak_memory_bytes
 from distperp_harness.model.sharding import gathered, regather
 from distperp_harness.planning.requests import Unit
@@ -41,6 +42,7 @@ from distperp_harness.run.execution.calls import RankFacts
 from distperp_harness.run.execution.claims import Claiming, Claims, GroupSteps, helper_step
 from distperp_harness.run.execution.groups import Follow, Workers
 from distperp_harness.run.execution.resume import fault_for_tests
+from distperp_harness.run.scoring.engine.cp_forward import score_batch_cp
 from distperp_harness.run.scoring.engine.forward import (
     BatchScores,
     NonFiniteLogitsError,
@@ -87,17 +89,25 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
     collective: Collective | None = None,
     tp_size: int = 1,
     row_at_a_time: bool = False,
+    cp: Group | None = None,
 ) -> Forwards:
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
     gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
-    rows; with ``row_at_a_time`` every row of a batch is its own forward (``batch_invariant=true``)."""
-    sharded = shard_size > 1 or tp_size > 1
+    rows; with ``row_at_a_time`` every row of a batch is its own forward (``batch_invariant=true``); with ``cp`` (a
+    context-parallel group of more than one) every member computes its share of each row
+    (:func:`~distperp_harness.run.scoring.engine.cp_forward.score_batch_cp`)."""
+    sharded = shard_size > 1 or tp_size > 1 or (cp is not None and cp.size > 1)
 
     def score(rows, shared: int = 0) -> BatchScores:
         try:
             with naming_failures(collective, sharded), gathered(model, reference):
                 if row_at_a_time and shared:
                     raise ValueError("internal error: rows scored one at a time share no cached prefix")
+                if cp is not None and cp.size > 1:
+                    if shared or reference is not None:
+                        raise ValueError("internal error: a context-parallel batch has no cached prefix or reference")
+                    pad = _scoring_pad(pad_token_id)
+                    return score_batch_cp(model, rows, device=device, pad_token_id=pad, group=cp)
                 scorer = score_each_row if row_at_a_time else functools.partial(score_batch, shared=shared)
                 return scorer(
                     model,

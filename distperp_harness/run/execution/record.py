@@ -21,6 +21,7 @@ def bits_depend_on(batch_invariant: bool) -> list[str]:
         "library versions",
         "device kind (device_identity: GPU model or CPU instruction set, numerics flags)",
         "tp_size",
+        "cp_size",
         "compile mode",
     ]
     if not batch_invariant:

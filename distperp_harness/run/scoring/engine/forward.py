@@ -213,12 +213,46 @@ def score_batch(
         )
     del caches
 
+    scores = position_scores(feats, to_logits, ref_features, targets, chunks, chunk_rows, reference, device)
+    if n and not bool(scores.finite.all()):
+        bad = (~scores.finite).nonzero().flatten()
+        raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
+    return unit_table(units, scores)
+
+
+@dataclass
+class PositionScores:
+    """Per scored position (float64 unless said): the log-probability of the target, whether it is the first
+    argmax (bool), whether the logits were finite (bool); with a reference, its log-probability, KL(reference ||
+    model) and top-1 agreement (bool), else None."""
+
+    logprob: torch.Tensor
+    greedy: torch.Tensor
+    finite: torch.Tensor
+    ref_logprob: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    top1: torch.Tensor | None = None
+
+
+def position_scores(  # noqa: PLR0913 - the features of both models and how they are chunked
+    feats: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor],
+    ref_features: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None,
+    targets: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    chunk_rows: int,
+    reference: PreTrainedModel | None,
+    device: torch.device,
+) -> PositionScores:
+    """The scores of every position of ``feats`` (module doc), a chunk of logits at a time."""
+    n = len(targets)
     logprob = torch.empty(n, dtype=torch.float64, device=device)
     greedy = torch.empty(n, dtype=torch.bool, device=device)
     finite = torch.empty(n, dtype=torch.bool, device=device)
     # On CUDA nothing in the loop waits for the GPU: the non-finite check is read once after it, and the greedy
     # check takes a plain argmax (the CPU's shortcut needs a data-dependent index, i.e. a sync per chunk).
     full_argmax = reference is not None or device.type not in _HOST_DEVICE_TYPES
+    ref_logprob = kl = top1 = None
     if reference is not None:
         ref_logprob = torch.empty(n, dtype=torch.float64, device=device)
         kl = torch.empty(n, dtype=torch.float64, device=device)
@@ -239,7 +273,7 @@ def score_batch(
         target_logit = logits.gather(-1, tgt).squeeze(-1)
         argmax = logits.argmax(dim=-1) if full_argmax else None
         greedy[a:b] = is_first_argmax(logits, target_logit, top, targets[a:b], argmax)
-        if ref_features is not None:  # with a reference
+        if ref_features is not None and kl is not None and top1 is not None and ref_logprob is not None:
             ref_feats, ref_to_logits = ref_features
             ref_logits = head_of_chunk(ref_to_logits, ref_feats[a:b])
             kl[a:b] = kl_(ref_logits, logits, work)
@@ -249,22 +283,23 @@ def score_batch(
             ref_target = ref_logits.gather(-1, tgt).squeeze(-1).double()
             ref_logprob[a:b] = ref_target - logsumexp_(ref_logits, ref_logits.amax(dim=-1)).double()
         logprob[a:b] = target_logit.double() - logsumexp_(logits, top).double()
-    if n and not bool(finite.all()):
-        bad = (~finite).nonzero().flatten()
-        raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
+    return PositionScores(logprob, greedy, finite, ref_logprob, kl, top1)
 
+
+def unit_table(units: Sequence[Unit], scores: PositionScores) -> BatchScores:
+    """The units' statistics from their positions' scores (the units' scored positions, in order)."""
     counts = [u.n_score for u in units]
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     stats = np.zeros((len(units), N_COLUMNS), dtype=np.float64)
-    stats[:, LL] = np.add.reduceat(logprob.cpu().numpy(), offsets)
-    greedy_np = greedy.cpu().numpy()
+    stats[:, LL] = np.add.reduceat(scores.logprob.cpu().numpy(), offsets)
+    greedy_np = scores.greedy.cpu().numpy()
     stats[:, GREEDY] = [float(greedy_np[o : o + c].all()) for o, c in zip(offsets, counts)]
     stats[:, N_TOKENS] = counts
     kl_rows = None
-    if reference is not None:
-        stats[:, REF_LL] = np.add.reduceat(ref_logprob.cpu().numpy(), offsets)
-        stats[:, TOP1] = np.add.reduceat(top1.cpu().numpy().astype(np.float64), offsets)
-        kl_np = kl.cpu().numpy()
+    if scores.ref_logprob is not None and scores.top1 is not None and scores.kl is not None:
+        stats[:, REF_LL] = np.add.reduceat(scores.ref_logprob.cpu().numpy(), offsets)
+        stats[:, TOP1] = np.add.reduceat(scores.top1.cpu().numpy().astype(np.float64), offsets)
+        kl_np = scores.kl.cpu().numpy()
         kl_rows = [kl_np[o : o + c].copy() for o, c in zip(offsets, counts)]
     return BatchScores(stats, kl_rows)
 

@@ -1,0 +1,178 @@
+"""Context parallelism's attention (``cp_size=N``): N consecutive ranks compute one row together, each its own
+columns, and every layer all-gathers the group's keys and values.
+
+A row of ``L`` columns (padded to a multiple of ``2N``) is cut in ``2N`` equal chunks; member ``i`` takes chunks
+``i`` and ``2N-1-i`` (:func:`zigzag`), so every member has the same share of causal work. Inside a context-parallel
+forward (:func:`context_parallel`), the attention function registered under :data:`ATTENTION` gathers each layer's
+key and value states from the group (one ``all_gather`` each, in member order), puts them back in the row's order
+and runs transformers' sdpa attention of this member's queries over all keys, with this member's rows of the row's
+4D mask (``[B, 1, L_local, L]``, given to the model as ``attention_mask``). Grouped-query heads, scaling and the
+mask are sdpa's as for any forward; nothing of a model is forked. Outside a context-parallel forward the function
+is transformers' sdpa attention itself, so the same model object also runs plain forwards (the probe, generation).
+
+Models whose attention is not sdpa's (eager soft-caps, sinks; flex; flash) are refused for ``cp_size`` > 1
+(:func:`check_attention`): their attention is more than a mask over gathered keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from distperp_harness.errors import InputError
+
+ATTENTION = "distperp_cp"
+"""The name the context-parallel attention function is registered under in transformers' attention interface."""
+
+
+def padded_length(length: int, cp: int) -> int:
+    """``length`` rounded up to a multiple of ``2 * cp`` (the chunks are equal)."""
+    step = 2 * cp
+    return -(-length // step) * step
+
+
+def zigzag(length: int, cp: int, member: int) -> torch.Tensor:
+    """The columns member ``member`` of a group of ``cp`` computes in a row of ``length`` columns (a multiple of
+    ``2 * cp``): chunks ``member`` and ``2 * cp - 1 - member`` of ``2 * cp`` equal chunks, in row order."""
+    if length % (2 * cp):
+        raise ValueError(f"internal error: a context-parallel row of {length} columns is not cut in {2 * cp} chunks")
+    size = length // (2 * cp)
+    first, second = member, 2 * cp - 1 - member
+    return torch.cat([torch.arange(first * size, (first + 1) * size), torch.arange(second * size, (second + 1) * size)])
+
+
+def natural_order(length: int, cp: int) -> torch.Tensor:
+    """The permutation from the members' columns concatenated in member order to the row's order:
+    ``gathered.index_select(dim, natural_order(...))`` is the row."""
+    owned = torch.cat([zigzag(length, cp, m) for m in range(cp)])
+    return torch.argsort(owned)
+
+
+Gather = Callable[[torch.Tensor], list[torch.Tensor]]
+"""Every member's tensor of this shape, in member order (an ``all_gather`` over the group)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """This rank's context-parallel group: ``size`` members, this rank's ``member`` index, the torch process
+    group (``None`` only for a group of one)."""
+
+    size: int
+    member: int
+    process_group: Any = None
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (the same shape on every member), in member order."""
+        if self.size == 1:
+            return [tensor]
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.process_group)
+        return parts
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The members' ``tensor`` summed, on every member (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, group=self.process_group)
+        return tensor
+
+
+@dataclass(frozen=True)
+class _Forward:
+    gather: Gather
+    order: torch.Tensor
+
+    def whole(self, states: torch.Tensor) -> torch.Tensor:
+        """``[B, H, L_local, D]`` states of every member → ``[B, H, L, D]`` in the row's order."""
+        parts = self.gather(states.contiguous())
+        return torch.cat(parts, dim=2).index_select(2, self.order.to(states.device))
+
+
+_ACTIVE: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("distperp_cp", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(gather: Gather, cp: int, length: int) -> Iterator[None]:
+    """Within the block (this thread), forwards of a model whose attention is :data:`ATTENTION` gather each layer's
+    keys and values through ``gather`` (every member of a group of ``cp`` in the same forward) for rows of
+    ``length`` columns."""
+    token = _ACTIVE.set(_Forward(gather, natural_order(length, cp)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def cp_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' attention-function contract: sdpa over the group's gathered keys and values inside
+    :func:`context_parallel`, plain sdpa outside it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    active = _ACTIVE.get()
+    if active is not None:
+        key, value = active.whole(key), active.whole(value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> None:
+    """Register :func:`cp_attention` under :data:`ATTENTION` (with sdpa's mask form); idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, cp_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+def check_attention(model: Any, cp_size: int, source: str) -> None:
+    """:class:`InputError` unless ``model`` attends through sdpa (what the gathered keys feed), for ``cp_size`` > 1."""
+    if cp_size <= 1:
+        return
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in ("sdpa", ATTENTION):
+        return
+    raise InputError(
+        f"cp_size={cp_size}: {source!r} attends with {impl!r}, and context parallelism gathers keys and values "
+        "into transformers' sdpa attention (eager soft-caps and attention sinks, flex and flash attention are "
+        "more than a mask over the keys). Fix: cp_size=1 (with shard_size or tp_size for a model bigger than "
+        "one device), or a model that runs with attn_implementation='sdpa'.",
+        same_on_every_rank=True,
+    )
+
+
+def use(model: Any) -> None:
+    """Make ``model`` (sdpa, :func:`check_attention`) attend through :func:`cp_attention`."""
+    register()
+    model.set_attn_implementation(ATTENTION)
+
+
+def make_group(device: torch.device, world_size: int, rank: int, cp_size: int, timeout_s: float) -> Group:
+    """This rank's :class:`Group` of ``cp_size`` consecutive ranks: a ``(dp, cp)`` DeviceMesh on the default
+    group's backend, its groups bounded by ``timeout_s``. Every rank must call this together."""
+    if cp_size <= 1:
+        return Group(1, 0)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distperp_harness.model.sharding import mesh_backend
+
+    override = mesh_backend(timeout_s)
+    mesh = init_device_mesh(
+        device.type,
+        (world_size // cp_size, cp_size),
+        mesh_dim_names=("dp", "cp"),
+        backend_override={"dp": override, "cp": override},
+    )
+    return Group(cp_size, rank % cp_size, mesh.get_group("cp"))

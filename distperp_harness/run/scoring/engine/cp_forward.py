@@ -1,0 +1,114 @@
+"""One batch scored by a context-parallel group (``cp_size=N``): every member holds the batch, computes its own
+columns of every row (:func:`~distperp_harness.model.cp_attention.zigzag`) through a forward whose attention
+gathers the group's keys and values, and the log-probabilities of the scored positions it owns; the positions'
+scores are then summed over the group (each position is computed by one member, the others add exact zeros), so
+every member holds every position's score and builds the same unit table as
+:func:`~distperp_harness.run.scoring.engine.forward.score_batch` does from one forward.
+
+Rows are right-padded to a multiple of ``2N`` columns. Every row runs with its tree mask and position ids
+(:class:`~distperp_harness.run.scoring.engine.masks.Packing`; a plain row is a tree of one run), this member's query
+rows of it, one mask per layer type as for any batch. A shared prefix is not computed once here (its cache would be
+split across the group): the caller plans without cached prefixes. No reference model (the KL of a reference needs
+its forward split the same way; refused before loading).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence, cast
+
+import torch
+
+from distperp_harness.model.attention import FULL, AttentionLayout
+from distperp_harness.model.cp_attention import Gather, Group, context_parallel, padded_length, zigzag
+from distperp_harness.planning.requests import Unit
+from distperp_harness.planning.rows import Row, unit_rows
+from distperp_harness.run.scoring.engine.forward import (
+    BatchScores,
+    NonFiniteLogitsError,
+    PositionScores,
+    _are_rows,
+    _chunks,
+    _features,
+    _layout,
+    _vocab_size,
+    position_scores,
+    unit_table,
+)
+from distperp_harness.run.scoring.engine.masks import Packing, attention_form
+from distperp_harness.run.scoring.engine.support import paths_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class MemberRows:
+    """This member's query rows of a batch's masks and position ids (what ``_features`` passes the model)."""
+
+    packing: Packing
+    columns: torch.Tensor
+
+    def kwargs(self, model: PreTrainedModel, layout: AttentionLayout | None = None) -> dict:
+        def form(rule: Any) -> torch.Tensor:
+            return attention_form(model, self.packing.allowed_under(rule)[:, :, self.columns, :])
+
+        if layout is None:
+            mask: Any = form(FULL)
+        elif layout.keyed:
+            mask = {name: form(rule) for name, rule in layout.kinds}
+        else:
+            mask = form(layout.rules[0])
+        return {"attention_mask": mask, "position_ids": self.packing.position_ids[:, self.columns]}
+
+
+@torch.no_grad()
+def score_batch_cp(
+    model: PreTrainedModel,
+    batch: Sequence[Row] | Sequence[Unit],
+    *,
+    device: torch.device,
+    pad_token_id: int,
+    group: Group,
+    gather: Gather | None = None,
+    reduce: Any = None,
+) -> BatchScores:
+    """:func:`~distperp_harness.run.scoring.engine.forward.score_batch`'s result for ``batch``, computed by the
+    members of ``group`` together (module doc); every member calls it with the same batch. ``gather``/``reduce``:
+    the group's all-gather and sum (tests simulate a group in one process); by default ``group``'s own."""
+    gather = gather or group.gather
+    reduce = reduce or group.all_reduce
+    batch_rows = list(batch) if _are_rows(batch) else unit_rows(batch)
+    units = [u for r in batch_rows for u in r.units]
+    ids, rows, cols, targets, _ = _layout(batch_rows, pad_token_id, device, 0)
+    length = padded_length(ids.shape[1], group.size)
+    ids = torch.nn.functional.pad(ids, (0, length - ids.shape[1]), value=pad_token_id)
+    packing = Packing.of(batch_rows, length, device)
+    mine = zigzag(length, group.size, group.member).to(device)
+    local = torch.full((length,), -1, dtype=torch.long, device=device)
+    local[mine] = torch.arange(len(mine), device=device)
+    where = local[cols]
+    owned = (where >= 0).nonzero().flatten()
+    mine_targets = targets[owned]
+    chunks = _chunks(len(owned), _vocab_size(model), device.type)
+    chunk_rows = max((b - a for a, b in chunks), default=1)
+    with context_parallel(gather, group.size, length):
+        feats, to_logits = _features(
+            model,
+            paths_of(model),
+            ids[:, mine],
+            (rows[owned], where[owned]),
+            chunk_rows,
+            cast(Packing, MemberRows(packing, mine)),
+        )
+    scores = position_scores(feats, to_logits, None, mine_targets, chunks, chunk_rows, None, device)
+    table = torch.zeros(3, len(targets), dtype=torch.float64, device=device)
+    table[0, owned] = scores.logprob
+    table[1, owned] = scores.greedy.double()
+    table[2, owned] = scores.finite.double()
+    table = reduce(table)
+    merged = PositionScores(table[0], table[1] > 0.5, table[2] > 0.5)
+    if len(targets) and not bool(merged.finite.all()):
+        bad = (~merged.finite).nonzero().flatten()
+        raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
+    return unit_table(units, merged)

@@ -1,0 +1,210 @@
+"""Context parallelism (``cp_size``): the zigzag split, a group's forward simulated in one process (members as
+threads, the gathers through a barrier) against one forward of the whole batch, the refusals, and real ``accelerate
+launch`` runs (gloo on CPU): ``cp_size=2`` on 2 processes, 4 processes (2 groups) and 2 nodes x 2 give one process's
+bits, and a failing member stops every rank naming it."""
+
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    LaunchOutputs,
+    accelerate_launch_prefix,
+    distperp_args,
+    family_model,
+    load_results,
+    load_samples,
+    offline_env,
+    run_command,
+    run_two_nodes,
+)
+
+from distperp_harness.errors import InputError
+from distperp_harness.model import cp_attention
+from distperp_harness.model.cp_attention import Group, natural_order, padded_length, zigzag
+from distperp_harness.options import Options
+from distperp_harness.planning.requests import continuation_unit
+from distperp_harness.planning.rows import ShareMode, build_rows
+from distperp_harness.run.scoring.engine.cp_forward import score_batch_cp
+from distperp_harness.run.scoring.engine.forward import score_batch
+from distperp_harness.run.scoring.engine.probe import probe
+from distperp_harness.run.scoring.engine.support import record_paths
+
+CPU = torch.device("cpu")
+TASKS = "dptest_rolling,dptest_mc,dptest_fewshot,dptest_gen"
+
+
+def test_zigzag_gives_each_member_chunks_i_and_2n_minus_1_minus_i():
+    assert zigzag(8, 2, 0).tolist() == [0, 1, 6, 7] and zigzag(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([zigzag(16, 4, m) for m in range(4)]).tolist()) == list(range(16))
+    gathered = torch.cat([zigzag(12, 3, m) for m in range(3)])
+    assert gathered[natural_order(12, 3)].tolist() == list(range(12))
+    assert padded_length(13, 2) == 16 and padded_length(16, 2) == 16
+    with pytest.raises(ValueError, match="not cut in 4 chunks"):
+        zigzag(10, 2, 0)
+
+
+def _simulated(model, batch, cp: int) -> list:
+    """``score_batch_cp`` of every member of a group of ``cp``, the members as threads meeting at each gather and
+    sum (in member order, as an all-gather and an all-reduce give them)."""
+    barrier = threading.Barrier(cp)
+    slots: dict = {}
+    lock = threading.Lock()
+    results: list = [None] * cp
+    errors: list = []
+
+    def member(m: int) -> None:
+        step = [0]
+
+        def meet(tensor):
+            key = step[0]
+            step[0] += 1
+            with lock:
+                slots.setdefault(key, [None] * cp)[m] = tensor.clone()
+            barrier.wait()
+            parts = list(slots[key])
+            barrier.wait()
+            return parts
+
+        def total(tensor):
+            parts = meet(tensor)
+            out = parts[0].clone()
+            for part in parts[1:]:
+                out += part
+            return out
+
+        try:
+            results[m] = score_batch_cp(
+                model, batch, device=CPU, pad_token_id=0, group=Group(cp, m), gather=meet, reduce=total
+            )
+        except Exception as exc:  # raised in the test's thread below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _units(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randint(1, vocab, (150,), generator=g).tolist()
+    units = [continuation_unit(context, torch.randint(1, vocab, (4,), generator=g).tolist(), 512) for _ in range(3)]
+    units.append(continuation_unit(torch.randint(1, vocab, (90,), generator=g).tolist(), [5, 6, 7], 512))
+    return units
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-mixed-window", "mistral-window"])
+@pytest.mark.parametrize("mode", [ShareMode.PREFIX, ShareMode.INPUTS])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_groups_forward_is_one_forward_split(family, mode, dtype):
+    """Tree rows and plain rows, full and sliding-window layers: every member of a group of 2 or 4 builds the same
+    unit table (the same bits: any number of groups gives one result), equal to one forward of the whole batch in
+    float64 and within float32 rounding in float32 (a member's matrix products have a share of the tokens)."""
+    model = family_model(family, dtype=dtype)
+    record_paths(model, probe(model, CPU, 0, 512))
+    rows = build_rows(_units(model.config.vocab_size), mode)
+    whole = score_batch(model, rows, device=CPU, pad_token_id=0)
+    cp_attention.use(model)
+    try:
+        for cp in (2, 4):
+            members = _simulated(model, rows, cp)
+            assert all(np.array_equal(m.stats, members[0].stats) for m in members), (family, mode, cp)
+            tolerance = 1e-9 if dtype == torch.float64 else 1e-4
+            assert np.abs(members[0].stats - whole.stats).max() <= tolerance, (family, mode, cp)
+            assert np.array_equal(members[0].stats[:, 1:3], whole.stats[:, 1:3])  # greedy flags, token counts
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_an_attention_that_is_more_than_a_mask_is_refused():
+    model = family_model("gemma2-softcaps")  # eager: soft-capped scores
+    with pytest.raises(InputError, match="cp_size=2: 'x' attends with 'eager'"):
+        cp_attention.check_attention(model, 2, "x")
+    cp_attention.check_attention(model, 1, "x")
+
+
+@pytest.mark.parametrize(
+    "extra, key", [({"shard_size": 2}, "shard_size"), ({"reference": "base", "quantize": "int4"}, "reference")]
+)
+def test_cp_size_with_what_it_cannot_split_is_one_error(extra, key):
+    with pytest.raises(ValueError, match=rf"{key}=.* with cp_size=2: context parallelism needs"):
+        Options(pretrained="x", cp_size=2, **extra)
+
+
+# ------------------------------------------------------------------------------------------ real launches
+@pytest.fixture(scope="module")
+def cp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
+    """One process (no cp), ``cp_size=2`` on 2 processes, 4 processes (2 groups) and 2 nodes x 2 (``node``)."""
+    root = tmp_path_factory.mktemp("cp")
+    out = {name: root / name for name in ("1p", "2p", "4p", "2nodes")}
+
+    def args(name, extra):
+        return [*distperp_args(tiny_model_dir, tasks_dir, out[name], extra, TASKS), "--log_samples"]
+
+    run_command([*accelerate_launch_prefix(1), *args("1p", "")], cwd=root)
+    run_command([*accelerate_launch_prefix(2), *args("2p", ",cp_size=2")], cwd=root)
+    run_command([*accelerate_launch_prefix(4), *args("4p", ",cp_size=2")], cwd=root)
+    run_two_nodes(args("2nodes", ",cp_size=node"), cwd=root, per_node=2)
+    return out
+
+
+def _per_doc(samples):
+    return {r["doc_id"]: [resp[0] for resp in r["resps"]] for r in samples}
+
+
+@pytest.mark.distributed
+def test_a_fixed_cp_size_gives_the_same_bits_on_any_number_of_groups_and_nodes(cp_runs):
+    """cp_size=2: the same fingerprint (marked cp2:) and per-document results on 2 processes, 4 processes (two
+    groups) and 2 nodes x 2; against one process, log-likelihoods within float32 rounding and the same greedy
+    texts (generation runs on each group as one worker)."""
+    base = load_results(cp_runs["1p"])["config"]["distperp"]
+    first = load_results(cp_runs["2p"])["config"]["distperp"]
+    assert first["fingerprint"].startswith("cp2:") and not base["fingerprint"].startswith("cp")
+    for setup, world in (("2p", 2), ("4p", 4), ("2nodes", 4)):
+        info = load_results(cp_runs[setup])["config"]["distperp"]
+        assert info["world_size"] == world and info["sharding"]["cp_size"] == 2, setup
+        assert info["fingerprint"] == first["fingerprint"], setup
+        for task in TASKS.split(","):
+            assert _per_doc(load_samples(cp_runs[setup], task)) == _per_doc(load_samples(cp_runs["2p"], task))
+    for task in TASKS.split(","):
+        one, two = _per_doc(load_samples(cp_runs["1p"], task)), _per_doc(load_samples(cp_runs["2p"], task))
+        assert one.keys() == two.keys()
+        for doc, answers in one.items():
+            for a, b in zip(answers, two[doc]):
+                if isinstance(a, str):
+                    assert a == b, (task, doc)
+                else:
+                    a, b = (a[0], b[0]) if isinstance(a, list) else (a, b)
+                    assert abs(float(a) - float(b)) <= 1e-4 * max(1.0, abs(float(a))), (task, doc)
+
+
+@pytest.mark.distributed
+def test_a_failing_member_of_a_cp_group_stops_every_rank_named(tiny_model_dir, tasks_dir, tmp_path):
+    run = LaunchOutputs(
+        [
+            subprocess.Popen(
+                [
+                    *accelerate_launch_prefix(2),
+                    *distperp_args(tiny_model_dir, tasks_dir, tmp_path / "out", ",cp_size=2,timeout=60"),
+                ],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=offline_env({"DISTPERP_TEST_FAIL": "1:1"}),
+            )
+        ]
+    )
+    run.wait_all(timeout=120)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0, text[-3000:]
+    assert "distperp: rank 1 (" in text and "injected failure for tests" in text, text[-3000:]
+    assert not list((tmp_path / "out").rglob("results_*.json"))
