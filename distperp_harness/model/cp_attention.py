@@ -88,6 +88,10 @@ class Group:
 class _Forward:
     gather: Gather
     order: torch.Tensor
+    chunk: int
+    """Columns per chunk (the row's length over ``2 * cp``)."""
+    chunks: tuple[int, int]
+    """The indices of this member's two chunks, in row order."""
 
     def whole(self, states: torch.Tensor) -> torch.Tensor:
         """``[B, H, L_local, D]`` states of every member → ``[B, H, L, D]`` in the row's order."""
@@ -99,11 +103,11 @@ _ACTIVE: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("distp
 
 
 @contextlib.contextmanager
-def context_parallel(gather: Gather, cp: int, length: int) -> Iterator[None]:
+def context_parallel(gather: Gather, cp: int, length: int, member: int) -> Iterator[None]:
     """Within the block (this thread), forwards of a model whose attention is :data:`ATTENTION` gather each layer's
     keys and values through ``gather`` (every member of a group of ``cp`` in the same forward) for rows of
-    ``length`` columns."""
-    token = _ACTIVE.set(_Forward(gather, natural_order(length, cp)))
+    ``length`` columns, this rank being member ``member``."""
+    token = _ACTIVE.set(_Forward(gather, natural_order(length, cp), length // (2 * cp), (member, 2 * cp - 1 - member)))
     try:
         yield
     finally:
@@ -123,9 +127,19 @@ def cp_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     active = _ACTIVE.get()
-    if active is not None:
-        key, value = active.whole(key), active.whole(value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if active is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    key, value = active.whole(key), active.whole(value)
+    # Each of this member's chunks attends to the keys up to its own end only: a causal row's keys after a chunk
+    # are masked for all of its queries, so the work is that chunk's share of the causal attention, not L_local x L.
+    size, outputs = active.chunk, []
+    for k, c in enumerate(active.chunks):
+        end = (c + 1) * size
+        rows = slice(k * size, (k + 1) * size)
+        mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
+        out, _ = sdpa_attention_forward(module, query[:, :, rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
 
 
 def register() -> None:

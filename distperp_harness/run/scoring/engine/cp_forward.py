@@ -92,7 +92,7 @@ def score_batch_cp(
     mine_targets = targets[owned]
     chunks = _chunks(len(owned), _vocab_size(model), device.type)
     chunk_rows = max((b - a for a, b in chunks), default=1)
-    with context_parallel(gather, group.size, length):
+    with context_parallel(gather, group.size, length, group.member):
         feats, to_logits = _features(
             model,
             paths_of(model),
