@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 
-from distperp_harness.model.attention import FULL, AttentionLayout
+from distperp_harness.model.attention import AttentionLayout
 from distperp_harness.model.cp_attention import Gather, Group, context_parallel, padded_length, zigzag
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
@@ -35,7 +35,7 @@ from distperp_harness.run.scoring.engine.forward import (
     position_scores,
     unit_table,
 )
-from distperp_harness.run.scoring.engine.masks import Packing, attention_form
+from distperp_harness.run.scoring.engine.masks import Packing, attention_form, by_layout
 from distperp_harness.run.scoring.engine.support import paths_of
 
 if TYPE_CHECKING:
@@ -53,12 +53,7 @@ class MemberRows:
         def form(rule: Any) -> torch.Tensor:
             return attention_form(model, self.packing.allowed_under(rule)[:, :, self.columns, :])
 
-        if layout is None:
-            mask: Any = form(FULL)
-        elif layout.keyed:
-            mask = {name: form(rule) for name, rule in layout.kinds}
-        else:
-            mask = form(layout.rules[0])
+        mask = by_layout(layout, form)
         return {"attention_mask": mask, "position_ids": self.packing.position_ids[:, self.columns]}
 
 

@@ -173,13 +173,17 @@ class Packing:
                     forms[rule] = attention_form(model, self.allowed_under(rule))
             return forms[rule]
 
-        if layout is None:
-            mask: Any = form(FULL)
-        elif layout.keyed:
-            mask = {name: form(rule) for name, rule in layout.kinds}
-        else:
-            mask = form(layout.rules[0])
-        return {"attention_mask": mask, "position_ids": self.position_ids}
+        return {"attention_mask": by_layout(layout, form), "position_ids": self.position_ids}
+
+
+def by_layout(layout: AttentionLayout | None, form: Callable[[LayerAttention], Any]) -> Any:
+    """The ``attention_mask`` argument for ``layout``: ``form(rule)`` of its one rule (``None``: full attention), or
+    a mapping from layer type to its rule's form for a keyed layout (as transformers takes it)."""
+    if layout is None:
+        return form(FULL)
+    if layout.keyed:
+        return {name: form(rule) for name, rule in layout.kinds}
+    return form(layout.rules[0])
 
 
 def attention_form(model: PreTrainedModel, allowed: torch.Tensor) -> torch.Tensor:
