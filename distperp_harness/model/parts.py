@@ -10,7 +10,7 @@ the same error (``same_on_every_rank=True``). None reads a weight: a safetensors
   shard named by ``model.safetensors.index.json``) exists and its header parses and covers the file;
   :func:`refuse_damaged` says the same of a damaged file the loader meets (a hub download's cached copy).
 - :func:`check_tokenizer_files`: a local folder the tokenizer is loaded from holds tokenizer files.
-- :func:`check_positions`: a ``max_length`` the user gave is within the model's positions.
+- :func:`check_positions`: a ``max_length`` the user gave beyond the model's positions is warned about once.
 - :func:`check_vocabulary` (:func:`check_fit`: every loaded model): the tokenizer's ids all index the model's
   input embeddings.
 - :func:`check_chat_template`: ``--apply_chat_template`` asks a tokenizer that has a chat template.
@@ -156,20 +156,36 @@ def position_limit(config: Any) -> tuple[str, int] | None:
     return None
 
 
-def check_positions(max_length: int | None, config: Any, key: str, source: str) -> None:
-    """A ``max_length`` the user gave is at most the model's positions (:func:`position_limit`). Beyond them a
-    RoPE model still runs but scores positions it never learned (the results change silently) and a model with
-    learned positions fails while scoring. ``None`` (defaulted: the limit itself) passes."""
+def position_warning(max_length: int | None, config: Any, key: str, source: str) -> str | None:
+    """Why a ``max_length`` the user gave is more than the model's positions (:func:`position_limit`), with the
+    number and the fix; ``None`` when it is within them, defaulted (the limit itself), or the config has no plain
+    limit (rope scaling)."""
     limit = position_limit(config)
     if max_length is None or limit is None or max_length <= limit[1]:
-        return
+        return None
     name, n = limit
-    raise InputError(
+    return (
         f"max_length={max_length} is more than {key}={source!r} has positions for: its config says {name}={n}, "
-        f"and windows longer than that score positions the model never learned. Allowed: max_length <= {n}. "
-        f"Fix: max_length={n} (or leave max_length out: the default is the model's limit).",
-        same_on_every_rank=True,
+        f"so windows longer than that score positions the model never learned (a RoPE model's results change; "
+        f"one with learned positions fails while scoring). Fix: max_length={n} (or leave max_length out: the "
+        f"default is the model's limit)."
     )
+
+
+_WARNED: set[str] = set()
+
+
+def check_positions(max_length: int | None, config: Any, key: str, source: str) -> None:
+    """Warn once (rank 0's log) when a ``max_length`` the user gave is beyond the model's positions
+    (:func:`position_warning`): said, not refused, since a model may be evaluated past its positions on purpose
+    (dry runs on small models, extrapolation studies)."""
+    message = position_warning(max_length, config, key, source)
+    if message is None or message in _WARNED:
+        return
+    _WARNED.add(message)
+    from accelerate.logging import get_logger
+
+    get_logger("distperp").warning(message, main_process_only=True)
 
 
 def embedding_rows(model: Any) -> int:

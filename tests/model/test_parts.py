@@ -15,7 +15,7 @@ import pytest
 from helpers import make_lm, score_rolling
 
 from distperp_harness.errors import InputError, MissingInput
-from distperp_harness.model.parts import check_positions, position_limit
+from distperp_harness.model.parts import position_limit, position_warning
 
 
 @pytest.fixture
@@ -103,14 +103,22 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused_at_start(copy_model, 
     assert score_rolling(make_lm(small), ["a short text"])[0].n_tokens > 0
 
 
-def test_max_length_beyond_the_positions_is_refused_with_the_limit(tiny_model_dir):
-    limit = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    with pytest.raises(InputError) as info:
-        make_lm(tiny_model_dir, f",max_length={limit * 4}")
-    message = _one_line(info.value)
-    assert f"max_length={limit * 4} is more than pretrained='{tiny_model_dir}' has positions for" in message
-    assert f"max_position_embeddings={limit}" in message and f"Fix: max_length={limit}" in message
-    assert make_lm(tiny_model_dir, f",max_length={limit}").max_length == limit
+def test_max_length_beyond_the_positions_is_said_with_the_limit(tiny_model_dir, caplog):
+    """A max_length beyond the model's positions runs (dry runs, extrapolation studies) but is said once in the
+    log with the number and the fix, never silently; the default is the model's limit."""
+    import logging
+
+    from distperp_harness.model import parts
+
+    parts._WARNED.clear()  # once per process: another test of this session may have said it already
+    limit = 128
+    with caplog.at_level(logging.WARNING):
+        lm = make_lm(tiny_model_dir, f",max_length={limit * 4}")
+    assert lm.max_length == limit * 4
+    said = [r.getMessage() for r in caplog.records if "has positions for" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"max_length={limit * 4} is more than pretrained='{tiny_model_dir}' has positions for" in said[0]
+    assert f"max_position_embeddings={limit}" in said[0] and f"Fix: max_length={limit}" in said[0]
     assert make_lm(tiny_model_dir).max_length == limit  # defaulted: the model's limit
 
 
@@ -136,15 +144,14 @@ def test_the_position_limit_trusts_only_plain_positions(config, limit):
     namespace = SimpleNamespace(**config)
     if "text_config" in config:
         assert position_limit(namespace) == ("max_position_embeddings", 4096)  # the text model's, as lm-eval
-        check_positions(4096, namespace, "pretrained", "m")
+        assert position_warning(4096, namespace, "pretrained", "m") is None
         return
     assert position_limit(namespace) == limit
-    check_positions(None, namespace, "pretrained", "m")  # defaulted passes
+    assert position_warning(None, namespace, "pretrained", "m") is None  # defaulted passes
     if limit is None:
-        check_positions(10**6, namespace, "pretrained", "m")  # rope scaling / no positions: never refused
+        assert position_warning(10**6, namespace, "pretrained", "m") is None  # rope scaling / no positions
     else:
-        with pytest.raises(InputError, match=f"Fix: max_length={limit[1]}"):
-            check_positions(limit[1] + 1, namespace, "pretrained", "m")
+        assert f"Fix: max_length={limit[1]}" in position_warning(limit[1] + 1, namespace, "pretrained", "m")
 
 
 def test_a_chat_template_asked_of_a_tokenizer_without_one_is_one_line(tiny_model_dir):
