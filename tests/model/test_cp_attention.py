@@ -187,7 +187,8 @@ def test_a_fixed_cp_size_gives_the_same_bits_on_any_number_of_groups_and_nodes(c
 
 
 @pytest.mark.distributed
-def test_a_failing_member_of_a_cp_group_stops_every_rank_named(tiny_model_dir, tasks_dir, tmp_path):
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failing_member_of_a_cp_group_stops_every_rank_named(tiny_model_dir, tasks_dir, tmp_path, failing):
     run = LaunchOutputs(
         [
             subprocess.Popen(
@@ -199,12 +200,12 @@ def test_a_failing_member_of_a_cp_group_stops_every_rank_named(tiny_model_dir, t
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                env=offline_env({"DISTPERP_TEST_FAIL": "1:1"}),
+                env=offline_env({"DISTPERP_TEST_FAIL": f"{failing}:1"}),
             )
         ]
     )
     run.wait_all(timeout=120)
     text = run.texts[0]
     assert run.procs[0].returncode != 0, text[-3000:]
-    assert "distperp: rank 1 (" in text and "injected failure for tests" in text, text[-3000:]
+    assert f"distperp: rank {failing} (" in text and "injected failure for tests" in text, text[-3000:]
     assert not list((tmp_path / "out").rglob("results_*.json"))
