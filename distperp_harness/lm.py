@@ -92,7 +92,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
         self.sharing_fallback, self.row_budget_reason = ready.sharing_fallback, ready.row_budget_reason
         self._sharing_line, self.decode_step_line = ready.sharing_line, ready.decode_step_line
         self.static_decoding, self.warnings, self.stats = ready.static_decoding, ready.warnings, ready.stats
-        self.store, self.executor, self.traffic = ready.store, ready.executor, ready.traffic
+        self.store, self.executor, self.wide, self.traffic = ready.store, ready.executor, ready.wide, ready.traffic
         self.document_split, self.chat = ready.document_split, ready.chat
         self.load_seconds = time.perf_counter() - t0
         set_base_stage("running lm-eval's code (between distperp's calls)")  # what a lost peer's survivors print
@@ -225,7 +225,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
             fail_for_tests(self.rank, "planning")
             results = score_requests(
                 per_request_units, self.executor, rule, kind=kind, stats=self.stats, log=warn, prepare=prepare,
-                progress=progress,
+                progress=progress, wide=self.wide,
             )  # fmt: skip
         call = self.stats.calls[-1]
         if isinstance(call, ScoringCall):  # the call just made

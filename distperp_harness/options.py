@@ -65,6 +65,12 @@ CP_SIZES = (
 CLI_DEFAULT_DEVICE = "cuda:0"
 
 
+class CpMinTokens(Word):
+    """``cp_min_tokens``'s word (an integer N >= 1 is the other form: rows of at least N tokens go to the groups)."""
+
+    AUTO = "auto"  # model/cp_attention.AUTO_TOKENS_PER_MEMBER tokens per member of the group
+
+
 class Int4Prefill(Word):
     """``int4_prefill``'s words (an integer N >= 1 is the other form: products of at least N rows dequantize)."""
 
@@ -116,6 +122,8 @@ class Options:
     # context parallelism: processes that together compute each row, each its share of the row's tokens, gathering
     # every layer's keys and values (long windows)
     cp_size: int | str = 1
+    # rows of at least this many tokens are computed by a context-parallel group; shorter rows stay data parallel
+    cp_min_tokens: CpMinTokens | int = CpMinTokens.AUTO
     # compiled decoder layers: "false" (eager) or a torch.compile mode; compile=true is "default"
     compile: CompileMode = CompileMode.OFF
     # generation on CUDA: the decode step replayed as CUDA graphs (checked against the eager step once per bucket)
@@ -338,6 +346,14 @@ class Options:
                 CP_SIZES,
                 "cp_size=1 (every process computes its own rows) or a divisor of the processes per node",
             )
+        _require(
+            isinstance(self.cp_min_tokens, CpMinTokens)
+            or (isinstance(self.cp_min_tokens, int) and self.cp_min_tokens >= 1 and self.cp_size != 1),
+            "cp_min_tokens",
+            self.cp_min_tokens,
+            "auto, or with cp_size > 1 an integer N >= 1 (rows of at least N tokens are computed by a group)",
+            "e.g. cp_size=2,cp_min_tokens=8192 (cp_min_tokens has no effect with cp_size=1)",
+        )
         if self.cp_size == 1:
             return
         for key, value, ok, what in (
@@ -609,6 +625,19 @@ def _as_size(key: str, value: Any) -> int | str:
     return text if not text.lstrip("-").isdigit() else _as_int(key, text)
 
 
+def _as_cp_min_tokens(key: str, value: Any) -> CpMinTokens | int | str:
+    """``cp_min_tokens``: ``auto`` or a token count (other text is kept for validation to refuse)."""
+    if isinstance(value, (CpMinTokens, int)) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        return CpMinTokens(text)
+    except ValueError:
+        return text
+
+
 def _as_int4_prefill(key: str, value: Any) -> Int4Prefill | int:
     """``int4_prefill``: ``auto``, ``kernel`` or a row count."""
     if isinstance(value, (Int4Prefill, int)) and not isinstance(value, bool):
@@ -634,6 +663,7 @@ def _as_token(key: str, value: Any) -> int | str:
 
 
 _CASTS: dict[str, Callable[[str, Any], Any]] = {
+    "cp_min_tokens": _as_cp_min_tokens,
     "dtype": _as_dtype,
     "quantize": _enum(QuantScheme, {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}),
     "batch_size": lambda key, value: _as_batch_size(value),
@@ -643,6 +673,7 @@ _CASTS: dict[str, Callable[[str, Any], Any]] = {
     "tp_plan": _as_tp_plan,
     "shard_size": _as_size,
     "tp_size": _as_size,
+    "cp_size": _as_size,
     "think_end_token": _as_token,
     "int4_prefill": _as_int4_prefill,
     "chat_template_args": lambda key, value: _as_json_object(key, value),

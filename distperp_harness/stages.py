@@ -22,7 +22,7 @@ from distperp_harness.distributed.failfast import set_device, stop_together
 from distperp_harness.docsplit import install_document_split
 from distperp_harness.errors import InputError
 from distperp_harness.model.chat import ChatTemplate
-from distperp_harness.model.cp_attention import Group, check_attention, make_group
+from distperp_harness.model.cp_attention import Group, check_attention, make_group, min_tokens
 from distperp_harness.model.cp_attention import use as use_cp_attention
 from distperp_harness.model.devices import (
     device_identity,
@@ -56,6 +56,7 @@ from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import one_slot
 from distperp_harness.run.runtime import choose_sharing, decide_paths
+from distperp_harness.run.scoring.routes import WideRows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -210,6 +211,7 @@ class PreparedRun:
     stats: RunStats
     store: BatchStore | None
     executor: Executor
+    wide: WideRows | None
     traffic: Any
     document_split: Any
     chat: ChatTemplate
@@ -260,10 +262,9 @@ def prepare(
     sharing, fallback, budget_reason, sharing_line = choose_sharing(
         options.share_prefix, list(both), batching, loaded.max_length, batch_invariant=options.batch_invariant
     )
-    if placement.cp.size > 1:  # every forward of a row split over the group: no prefix computed once for it
+    if placement.cp.size > 1:  # plain sdpa outside a group's forward: short rows and generation as with cp_size=1
         check_attention(model, placement.cp.size, options.pretrained)
         use_cp_attention(model)
-        sharing = dataclasses.replace(sharing, cached_prefix=False)
     compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
         options.compile_mode,
         [model, reference],
@@ -295,9 +296,10 @@ def prepare(
             exit_on_sigterm=True,
         )
     )
-    executor = Executor(
-        collective,
-        model_forwards(
+
+    def executor(cp: Group | None) -> Executor:
+        group = max(placement.tp_size, cp.size if cp is not None else 1)  # ranks that compute each forward together
+        forwards = model_forwards(
             model,
             reference,
             device,
@@ -307,14 +309,23 @@ def prepare(
             collective,
             placement.tp_size,
             row_at_a_time=options.batch_invariant,
-            cp=placement.cp,
-        ),
-        device=device,
-        store=store,
-        claiming=options.claim,
-        local_world_size=local,
-        shard_size=placement.shard_size,
-        tp_size=max(placement.tp_size, placement.cp.size),  # a group that computes each forward together
+            cp=cp,
+        )
+        return Executor(
+            collective,
+            forwards,
+            device=device,
+            store=store,
+            claiming=options.claim,
+            local_world_size=local,
+            shard_size=placement.shard_size,
+            tp_size=group,
+        )
+
+    wide = (
+        WideRows(executor(placement.cp), min_tokens(options.cp_min_tokens, placement.cp.size))
+        if placement.cp.size > 1
+        else None
     )
     with stop_together(collective, device, "probing the forwards' collective traffic"):
         traffic = model_traffic(
@@ -335,7 +346,8 @@ def prepare(
         warnings,
         RunStats(tp_size=placement.tp_size, cp_size=placement.cp.size),
         store,
-        executor,
+        executor(None),
+        wide,
         traffic,
         install_document_split(collective.world_size),  # lm-eval's split as one process's
         chat,

@@ -52,6 +52,20 @@ def natural_order(length: int, cp: int) -> torch.Tensor:
     return torch.argsort(owned)
 
 
+AUTO_TOKENS_PER_MEMBER = 2048
+"""``cp_min_tokens=auto``: rows of at least this many tokens per member of the group go to the group. Below it a
+member's matrices get narrow and its two gathers per layer a visible share of its work, while a data-parallel row
+costs nothing extra; from it on each member computes two chunks of at least 1,024 tokens."""
+
+
+def min_tokens(option: Any, cp_size: int) -> int:
+    """The row length from which rows are computed by a group: ``cp_min_tokens`` (an integer, or ``auto``:
+    :data:`AUTO_TOKENS_PER_MEMBER` per member); with ``cp_size`` 1 no row is (a huge number)."""
+    if cp_size <= 1:
+        return 1 << 62
+    return option if isinstance(option, int) else AUTO_TOKENS_PER_MEMBER * cp_size
+
+
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 """Every member's tensor of this shape, in member order (an ``all_gather`` over the group)."""
 

@@ -139,20 +139,44 @@ def test_cp_size_with_what_it_cannot_split_is_one_error(extra, key):
         Options(pretrained="x", cp_size=2, **extra)
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ({"cp_min_tokens": "8192"}, "cp_min_tokens=8192 is not valid"),  # no effect without cp_size
+        ({"cp_size": 2, "cp_min_tokens": "0"}, "cp_min_tokens=0 is not valid"),
+        ({"cp_size": 2, "cp_min_tokens": "long"}, "cp_min_tokens='long' is not valid"),
+    ],
+)
+def test_cp_min_tokens_is_auto_or_a_positive_count_with_cp_size(args, says):
+    with pytest.raises(ValueError, match="Fix: e.g. cp_size=2,cp_min_tokens=8192") as info:
+        Options.from_kwargs(pretrained="x", **args)
+    assert says in str(info.value)
+
+
+def test_auto_sends_rows_of_2048_tokens_per_member_to_the_group():
+    assert Options.from_kwargs(pretrained="x", cp_size="2", cp_min_tokens="8192").cp_min_tokens == 8192
+    auto = Options(pretrained="x", cp_size=2).cp_min_tokens
+    assert cp_attention.min_tokens(auto, 2) == 4096 and cp_attention.min_tokens(auto, 4) == 8192
+    assert cp_attention.min_tokens(512, 2) == 512 and cp_attention.min_tokens(auto, 1) > 10**12
+
+
 # ------------------------------------------------------------------------------------------ real launches
 @pytest.fixture(scope="module")
 def cp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
-    """One process (no cp), ``cp_size=2`` on 2 processes, 4 processes (2 groups) and 2 nodes x 2 (``node``)."""
+    """One process (no cp); every row on the groups (``cp_min_tokens=1``): ``cp_size=2`` on 2 processes, 4
+    processes (2 groups) and 2 nodes x 2 (``node``); and ``cp_size=2`` with its default threshold, above every row of
+    the test tasks (``short``)."""
     root = tmp_path_factory.mktemp("cp")
-    out = {name: root / name for name in ("1p", "2p", "4p", "2nodes")}
+    out = {name: root / name for name in ("1p", "2p", "4p", "2nodes", "short")}
 
     def args(name, extra):
         return [*distperp_args(tiny_model_dir, tasks_dir, out[name], extra, TASKS), "--log_samples"]
 
     run_command([*accelerate_launch_prefix(1), *args("1p", "")], cwd=root)
-    run_command([*accelerate_launch_prefix(2), *args("2p", ",cp_size=2")], cwd=root)
-    run_command([*accelerate_launch_prefix(4), *args("4p", ",cp_size=2")], cwd=root)
-    run_two_nodes(args("2nodes", ",cp_size=node"), cwd=root, per_node=2)
+    run_command([*accelerate_launch_prefix(2), *args("2p", ",cp_size=2,cp_min_tokens=1")], cwd=root)
+    run_command([*accelerate_launch_prefix(4), *args("4p", ",cp_size=2,cp_min_tokens=1")], cwd=root)
+    run_two_nodes(args("2nodes", ",cp_size=node,cp_min_tokens=1"), cwd=root, per_node=2)
+    run_command([*accelerate_launch_prefix(2), *args("short", ",cp_size=2")], cwd=root)
     return out
 
 
@@ -187,6 +211,19 @@ def test_a_fixed_cp_size_gives_the_same_bits_on_any_number_of_groups_and_nodes(c
 
 
 @pytest.mark.distributed
+def test_rows_below_cp_min_tokens_are_computed_as_with_cp_size_1(cp_runs):
+    """cp_size=2 with the default threshold (4,096 tokens) on rows of at most 128: every row stays data parallel,
+    so the fingerprint and every document's results are one process's, and no call counts a group's row."""
+    base, short = (load_results(cp_runs[name]) for name in ("1p", "short"))
+    assert short["config"]["distperp"]["fingerprint"] == base["config"]["distperp"]["fingerprint"]
+    assert not any(call.get("context_parallel_rows") for call in short["config"]["distperp"]["calls"])
+    everywhere = load_results(cp_runs["2p"])["config"]["distperp"]["calls"]
+    assert all(call["context_parallel_rows"] == call["rows"] for call in everywhere if call.get("rows"))
+    for task in TASKS.split(","):
+        assert _per_doc(load_samples(cp_runs["short"], task)) == _per_doc(load_samples(cp_runs["1p"], task)), task
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_failing_member_of_a_cp_group_stops_every_rank_named(tiny_model_dir, tasks_dir, tmp_path, failing):
     run = LaunchOutputs(
@@ -194,7 +231,9 @@ def test_a_failing_member_of_a_cp_group_stops_every_rank_named(tiny_model_dir, t
             subprocess.Popen(
                 [
                     *accelerate_launch_prefix(2),
-                    *distperp_args(tiny_model_dir, tasks_dir, tmp_path / "out", ",cp_size=2,timeout=60"),
+                    *distperp_args(
+                        tiny_model_dir, tasks_dir, tmp_path / "out", ",cp_size=2,cp_min_tokens=1,timeout=60"
+                    ),
                 ],
                 cwd=tmp_path,
                 stdout=subprocess.PIPE,

@@ -46,7 +46,9 @@ class ScoringCall:
     """One scoring call over the global plan. ``computed_tokens``: positions run through the model (shared prefixes
     once); ``tokens_saved``: the units' input tokens minus those; balance figures from
     :func:`distperp_harness.planning.plan.balance_report`; ``*_seconds`` from the call's start on this rank;
-    ``max_batch_rows``: the most rows a batch of the plan holds (the effective batch size under ``auto``)."""
+    ``max_batch_rows``: the most rows a batch of the plan holds (the effective batch size under ``auto``);
+    ``context_parallel_rows``: rows computed by context-parallel groups (``cp_size`` > 1, at least ``cp_min_tokens``
+    tokens)."""
 
     kind: str
     units: int
@@ -71,14 +73,16 @@ class ScoringCall:
     seconds_after_arrival: float
     facts: list[RankFacts] = field(default_factory=list)
     max_batch_rows: int = 0
+    context_parallel_rows: int = 0
 
     def summary(self, world_size: int, fingerprint: str) -> str:
         """The call's one log line: tokens, units, rows, tokens saved, batches, time, speed, balance, fingerprint."""
+        groups = f"; {self.context_parallel_rows} rows by context-parallel groups" if self.context_parallel_rows else ""
         return (
             f"{self.kind}: {self.scored_tokens} tokens in {self.units} units, {self.rows} rows "
             f"({self.tokens_saved} input tokens saved), {self.batches} batches on {world_size} process(es) in "
-            f"{self.total_seconds:.1f} s ({self.scored_tokens / max(self.total_seconds, 1e-9):.0f} tok/s); load "
-            f"max/mean {self.max_over_mean:.3f}; fingerprint {fingerprint}"
+            f"{self.total_seconds:.1f} s ({self.scored_tokens / max(self.total_seconds, 1e-9):.0f} tok/s{groups}); "
+            f"load max/mean {self.max_over_mean:.3f}; fingerprint {fingerprint}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,9 +174,10 @@ class RunStats:
         :func:`~distperp_harness.run.scoring.pipeline.unit_mark`): equal exactly when the results are, whatever the
         batch size, batch order or number of processes; ``tpN:`` first when ``tp_size`` = N > 1 (tensor parallelism sums
         in another order: its bits compare with runs of the same ``tp_size`` only), ``cpN:`` when ``cp_size`` = N > 1
-        (each member's matrix products have a share of the rows' tokens, which a CPU's kernels may round otherwise)."""
+        and a group computed some row (each member's matrix products have a share of the row's tokens, which a
+        CPU's kernels may round otherwise; rows shorter than ``cp_min_tokens`` are computed as with ``cp_size=1``)."""
         digits = self._digest.hexdigest()[:16]
-        if self.cp_size > 1:
+        if self.cp_size > 1 and any(getattr(c, "context_parallel_rows", 0) for c in self.calls):
             return f"cp{self.cp_size}:{digits}"
         return digits if self.tp_size == 1 else f"tp{self.tp_size}:{digits}"
 

@@ -32,17 +32,17 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distperp_harness.planning.plan import Batch, assign_batches, balance_report
+from distperp_harness.planning.plan import Batch, balance_report
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
 from distperp_harness.planning.rows import Row, ShareMode, row_of, shared_prefix, unit_rows
 from distperp_harness.run.execution.calls import RankShare, RunStats, ScoringCall
-from distperp_harness.run.execution.claims import helper_of
 from distperp_harness.run.execution.executor import Executor
 from distperp_harness.run.execution.routing import move_tokens, return_results
 from distperp_harness.run.rules import ScoringRule
 from distperp_harness.run.scoring.engine.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1
+from distperp_harness.run.scoring.routes import Route, WideRows, batch_ranks, planned_here, routes, split
 
 
 def _forward_calls(executor: Executor, batches: Sequence[Batch], b: int) -> int:
@@ -75,6 +75,7 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     progress: Callable[[int], Progress] | None = None,
     log: Callable[[str], None] | None = None,
     prepare: Callable[[bool], None] | None = None,
+    wide: WideRows | None = None,
 ) -> list[RequestResult]:
     """Score this rank's requests as part of the global plan; every rank must call this together.
 
@@ -91,6 +92,8 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
         log: where rank 0's notes about the plan go (idle ranks).
         prepare: called on every rank, together, once the global plan is known, with whether any batch computed
             without a shared prefix cache has a row of several units (tree rows; compiling warms their graph then).
+        wide: with ``cp_size`` > 1, the context-parallel groups' executor and the row length from which a batch is
+            theirs (:mod:`~distperp_harness.run.scoring.routes`); the other batches stay on ``executor``.
 
     Returns:
         One :class:`RequestResult` per local request, identical bits for every world size.
@@ -114,68 +117,46 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     batches = rule.batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
     if sharing.mode == ShareMode.PREFIX and sharing.cached_prefix:
         batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
+    batches, taken = split(batches, planned.lengths, wide)
     if prepare is not None:
         prepare(
             sharing.mode == ShareMode.PREFIX
             and any(len(planned.members[r]) > 1 for b in batches if not b.shared for r in range(b.start, b.stop))
         )
-    workers = executor.workers  # a tensor-parallel group is one worker; without TP a worker is a rank
-    plan = assign_batches(batches, workers.count, rule.attention_coef, rule.head_coef)
-    step = executor.step
-    owner = np.asarray(plan.owner, dtype=np.int64)
-    ranks = workers.ranks(
-        np.stack([owner, [helper_of(o, workers.count, step) for o in owner] if step else np.full_like(owner, -1)], 1)
-        if len(owner)
-        else np.zeros((0, 2), np.int64)
-    )
+    routed = routes(batches, executor, wide, taken, rule.attention_coef, rule.head_coef)
     unit_batch = np.empty(len(table), dtype=np.int64)
     for b, batch in enumerate(batches):
         for r in range(batch.start, batch.stop):
             unit_batch[planned.members[r]] = b
+    ranks = batch_ranks(routed, len(batches))
     available = move_tokens(collective, table, ranks[unit_batch], flat, local_ids)
     t_plan = time.perf_counter() - t0
-    if log is not None and me == 0 and len(batches) < workers.count:
-        log(
-            f"{kind}: {len(batches)} batches for {workers.count} workers: {workers.count - len(batches)} have no "
-            f"batch (batches never depend on the number of processes; batch_size="
-            f"{max(1, len(planned.members) // workers.count)} or smaller would give every worker one)"
-        )
+    if log is not None and me == 0:
+        _say_idle_workers(log, kind, len(batches), len(planned.members), executor.workers.count)
 
     scored = np.bincount(unit_batch, weights=table.units["n_score"], minlength=len(batches)).astype(np.int64)
-    update = progress(int(sum(scored[i] for i in plan.batches_of(executor.worker)))) if progress else None
-    prefix = f"distperp/claims/{collective.sequence}"
-    claims = executor.claims(plan.batches_of, prefix)
-    computed: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = {}
-    done: list[int] = []
-    mark = 0  # the sum of this rank's unit marks (:func:`unit_mark`)
+    update = progress(planned_here(routed, scored)) if progress else None
     local_checks = flat.check_hashes()
     checks = available.check_hashes(local_checks)
-    tokens_here = 0
-    for b in executor.batches(claims, functools.partial(_forward_calls, executor, batches), prefix):
+    mine = _Computed()
+
+    def build(b: int) -> tuple[list[Row], int]:
         batch = batches[b]
         rows = [_build_row(planned, r, available, sharing.mode) for r in range(batch.start, batch.stop)]
         shared = shared_prefix(rows) if batch.shared else 0
         _check_against_plan(planned, batch, rows, shared, sharing.mode)
-        scores = executor.score(rows, shared)
-        if not executor.reports:
-            continue  # a tensor-parallel member: its leader reports the same bits and counts the tokens
-        if scores is None:  # Executor.score: only a member that does not report gets None
-            raise RuntimeError(f"internal error: no scores for batch {b} on a rank that reports them")
-        tokens_here += shared + sum(row.length - shared for row in rows)
-        if update:
-            update(int(scored[b]))  # the tokens the results count (n_tokens), as the bar's total does
-        ids = [uid for row in rows for uid in row.unit_ids]
-        kl = scores.kl_rows() if with_reference else [None] * len(ids)
-        for j, uid in enumerate(ids):
-            computed[uid] = (scores.stats[j], checks[uid], kl[j])
-            mark += unit_mark(uid, scores.stats[j])
-        done.append(b)
+        return rows, shared
+
+    for part in routed:
+        prefix = f"distperp/claims/{collective.sequence}{part.suffix}"
+        mine.compute(part, batches, build, prefix, checks, with_reference, lambda b: update and update(int(scored[b])))
+    done, computed, mark = mine.batches, mine.results, mine.mark
     t_score = time.perf_counter() - t0
-    share = RankShare(me, len(done), claims.taken_from_ward, round(t_score - t_plan, 4), tokens_here)
+    share = RankShare(me, len(done), mine.from_ward, round(t_score - t_plan, 4), mine.tokens)
     everyone = collective.all_gather_object((done, share, mark), "gather which batches each rank computed")
     computer = np.full(len(batches), -1, dtype=np.int64)
-    for rank, (part, _, _) in enumerate(everyone):
-        computer[np.asarray(part, dtype=np.int64)] = rank
+    for rank, (theirs, _, _) in enumerate(everyone):
+        computer[np.asarray(theirs, dtype=np.int64)] = rank
     if (computer < 0).any():
         raise RuntimeError("internal error: some batches of the plan were not computed by any rank")
     results = return_results(
@@ -184,7 +165,7 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     out = [_assemble([results[index_of[u.key()]] for u in units], with_reference) for units in per_request_units]
     if stats is not None:
         stats._digest.update((sum(m for _, _, m in everyone) % (1 << 8 * MARK_BYTES)).to_bytes(MARK_BYTES, "little"))
-        balance = balance_report(plan, rule.attention_coef, rule.head_coef)
+        balance = balance_report(routed[0].plan, rule.attention_coef, rule.head_coef)  # the wide part's, if any
         per_rank = [s for _, s, _ in everyone]
         tokens = sum(s.tokens or 0 for s in per_rank)  # a scoring share always counts its tokens
         input_tokens = int((table.units["length"].astype(np.int64) - 1).sum())
@@ -213,12 +194,66 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
                 seconds_after_arrival=time.perf_counter() - t_met,
                 facts=executor.facts(received_before),
                 max_batch_rows=max((b.stop - b.start for b in batches), default=0),
+                context_parallel_rows=sum(batches[b].stop - batches[b].start for b in taken),
             )
         )
     return out
 
 
 MARK_BYTES = 16
+
+
+@dataclass
+class _Computed:
+    """What this rank computed and reports in a call: each unit's results and check hash, the batches, the sum of
+    the units' marks (:func:`unit_mark`), the tokens computed and the batches taken from its ward."""
+
+    results: dict[int, tuple[np.ndarray, int, np.ndarray | None]] = dataclasses.field(default_factory=dict)
+    batches: list[int] = dataclasses.field(default_factory=list)
+    mark: int = 0
+    tokens: int = 0
+    from_ward: int = 0
+
+    def compute(
+        self,
+        part: Route,
+        batches: Sequence[Batch],
+        build: Callable[[int], tuple[list[Row], int]],
+        prefix: str,
+        checks: dict[int, int],
+        with_reference: bool,
+        scored: Callable[[int], object],
+    ) -> None:
+        """Walk ``part``'s batches this rank takes (claims under ``prefix``); a group's member computes and drops,
+        its leader reports (``scored(b)`` after each reported batch: progress)."""
+        ex = part.executor
+        claims = ex.claims(part.batches_of, prefix)
+        for b in ex.batches(claims, functools.partial(_forward_calls, ex, batches), prefix):
+            rows, shared = build(b)
+            scores = ex.score(rows, shared)
+            if not ex.reports:
+                continue  # a group's member: its leader reports the same bits and counts the tokens
+            if scores is None:  # Executor.score: only a member that does not report gets None
+                raise RuntimeError(f"internal error: no scores for batch {b} on a rank that reports them")
+            self.tokens += shared + sum(row.length - shared for row in rows)
+            scored(b)  # the tokens the results count (n_tokens), as the bar's total does
+            ids = [uid for row in rows for uid in row.unit_ids]
+            kl = scores.kl_rows() if with_reference else [None] * len(ids)
+            for j, uid in enumerate(ids):
+                self.results[uid] = (scores.stats[j], int(checks[uid]), kl[j])
+                self.mark += unit_mark(uid, scores.stats[j])
+            self.batches.append(b)
+        self.from_ward += claims.taken_from_ward
+
+
+def _say_idle_workers(log: Callable[[str], None], kind: str, batches: int, rows: int, workers: int) -> None:
+    """One line when the plan has fewer batches than workers (a tensor-parallel group is one worker)."""
+    if batches < workers:
+        log(
+            f"{kind}: {batches} batches for {workers} workers: {workers - batches} have no batch (batches never "
+            f"depend on the number of processes; batch_size={max(1, rows // workers)} or smaller would give every "
+            "worker one)"
+        )
 
 
 def unit_mark(uid: int, stats: np.ndarray) -> int:

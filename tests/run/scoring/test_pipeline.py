@@ -12,6 +12,7 @@ from distperp_harness.run.execution.executor import Executor, Forwards
 from distperp_harness.run.rules import Batching, ScoringRule, Sharing
 from distperp_harness.run.scoring.engine.forward import N_COLUMNS, BatchScores
 from distperp_harness.run.scoring.pipeline import score_requests
+from distperp_harness.run.scoring.routes import WideRows
 from tests.helpers import ThreadStore as _Store
 from tests.helpers import run_ranks as _run
 
@@ -68,7 +69,10 @@ def _call(
     seen=None,
     batch_terms=True,
     nudge=None,
+    cp_min=None,
 ):
+    """``cp_min``: batches with a row of at least this many tokens go to groups of two ranks (``cp_size=2``), whose
+    forwards mark their results (+0.5) and record what they computed in ``seen`` under ``("cp", key, shared)``."""
     store = _Store()
     shares = [[k for k in range(len(requests)) if k % world == r] for r in range(world)]
 
@@ -86,16 +90,30 @@ def _call(
         def idle():
             forwards[c.rank] += 1
 
-        executor = Executor(
-            c,
-            Forwards(score=counted, idle_score=idle),
-            claiming=claiming,
-            shard_size=shard_size,
-            tp_size=tp_size,
-            local_world_size=world,
-        )
+        def grouped(rows, shared):
+            seen[c.rank].append(("cp", tuple(u.key() for row in rows for u in row.units), shared))
+            scores = score(rows, shared)
+            scores.stats[:, 0] += 0.5
+            return scores
+
+        def executor(forward, group):
+            return Executor(
+                c,
+                Forwards(score=forward, idle_score=idle),
+                claiming=claiming,
+                shard_size=shard_size,
+                tp_size=group,
+                local_world_size=world,
+            )
+
+        wide = None
+        if cp_min is not None:
+            stats.cp_size = 2
+            wide = WideRows(executor(grouped, 2), cp_min)
         rule = ScoringRule(Batching(batch_size), Sharing(mode, 200), attention_coef=1e-4, with_reference=with_reference)
-        out = score_requests([requests[k] for k in shares[c.rank]], executor, rule, stats=stats)
+        out = score_requests(
+            [requests[k] for k in shares[c.rank]], executor(counted, tp_size), rule, stats=stats, wide=wide
+        )
         return out, stats
 
     import distperp_harness.run.execution.executor as executor_module
@@ -194,3 +212,37 @@ def test_a_tensor_parallel_group_is_one_worker_whose_members_make_their_leaders_
     assert call.computed_tokens == stats1[0].calls[-1].computed_tokens  # counted once per group
     if claiming:
         assert call.per_rank[2].from_ward > 0
+
+
+@pytest.mark.parametrize("claiming", [True, False])
+def test_long_rows_go_to_context_parallel_groups_and_short_rows_stay_data_parallel(claiming):
+    """cp_size=2 with a row-length threshold: a batch with a row of at least ``cp_min`` tokens is computed by a group
+    (both members make its forward, with no shared prefix; the leader reports), every other batch by one rank with
+    cp_size=1's bits; 2 ranks (one group) and 4 ranks (two groups) give the same bits; the fingerprint is marked
+    cp2: only when a group computed a row, and a threshold above every row gives cp_size=1's fingerprint."""
+    requests = _requests(4)
+    one, stats1 = _call(1, requests, "prefix", batch_size=2)
+    runs = {}
+    for world in (2, 4):
+        seen = [[] for _ in range(world)]
+        runs[world] = (*_call(world, requests, "prefix", claiming=claiming, batch_size=2, seen=seen, cp_min=80), seen)
+    results, stats, seen = runs[4]
+    wide = {k for rank in seen for entry in rank if entry[0] == "cp" for k in entry[1]}
+    plain = {k for rank in seen for entry in rank if entry[0] != "cp" for k in entry}
+    assert wide and plain and not wide & plain
+    assert all(entry[2] == 0 for rank in seen for entry in rank if entry[0] == "cp")  # no cached prefix in a group
+    for g in (0, 2):  # a group's members make the same forwards
+        assert [e for e in seen[g] if e[0] == "cp"] == [e for e in seen[g + 1] if e[0] == "cp"]
+    for request, a, b in zip(requests, one, results):
+        keys = {u.key() for u in request}
+        if keys and keys <= plain:
+            assert a.loglikelihood == b.loglikelihood  # computed as with cp_size=1
+        elif keys:
+            assert keys <= wide and b.loglikelihood > a.loglikelihood  # the group's mark
+    assert [r.loglikelihood for r in runs[2][0]] == [r.loglikelihood for r in results]
+    assert {s.fingerprint for s in runs[2][1]} == {stats[0].fingerprint} and stats[0].fingerprint.startswith("cp2:")
+    call = stats[0].calls[-1]
+    assert 0 < call.context_parallel_rows < call.rows
+    assert sum(r.units for r in call.per_rank) == call.batches  # each batch computed once, reported once
+    _, above = _call(4, requests, "prefix", claiming=claiming, batch_size=2, seen=[[] for _ in range(4)], cp_min=10**6)
+    assert above[0].fingerprint == stats1[0].fingerprint and above[0].calls[-1].context_parallel_rows == 0
