@@ -329,7 +329,12 @@ def prepare(
     )
     with stop_together(collective, device, "probing the forwards' collective traffic"):
         traffic = model_traffic(
-            model, device, pad_token_id, sharded=placement.shard_size > 1, tensor_parallel=placement.tp_size > 1
+            model,
+            device,
+            pad_token_id,
+            sharded=placement.shard_size > 1,
+            tensor_parallel=placement.tp_size > 1,
+            cp=placement.cp,
         )
     chat = ChatTemplate(
         options.chat_kwargs, options.think_end_token, functools.partial(log.warning, main_process_only=True)

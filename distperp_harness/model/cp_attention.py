@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -64,6 +64,17 @@ def min_tokens(option: Any, cp_size: int) -> int:
     if cp_size <= 1:
         return 1 << 62
     return option if isinstance(option, int) else AUTO_TOKENS_PER_MEMBER * cp_size
+
+
+def received_bytes_per_token(config: Any, cp: int, element_bytes: int) -> float:
+    """Bytes each member of a group of ``cp`` receives per token of a row in one scoring forward: every layer
+    all-gathers the keys and values (``2 * kv_heads * head_dim`` elements of ``element_bytes`` per token; a ring
+    brings each rank ``(cp-1)/cp`` of the gathered tensor), and the row's position scores are summed once
+    (3 float64 per position; a ring all-reduce moves ``2 (cp-1)/cp`` of it)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    share = (cp - 1) / cp
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * element_bytes * share + 2 * share * 3 * 8
 
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
@@ -144,16 +155,51 @@ def cp_attention(
     if active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     key, value = active.whole(key), active.whole(value)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is not None and groups > 1:  # what sdpa's forward does with a mask, once for every block
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    heads = cast(Any, _Heads(getattr(module, "is_causal", True)))
     # Each of this member's chunks attends to the keys up to its own end only: a causal row's keys after a chunk
     # are masked for all of its queries, so the work is that chunk's share of the causal attention, not L_local x L.
+    # Its queries go in blocks (the rows' results do not depend on the block: query-subset invariant on CPU), so
+    # sdpa's float copy of the mask holds at most MASK_BLOCK entries.
     size, outputs = active.chunk, []
     for k, c in enumerate(active.chunks):
         end = (c + 1) * size
-        rows = slice(k * size, (k + 1) * size)
-        mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
-        out, _ = sdpa_attention_forward(module, query[:, :, rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
-        outputs.append(out)
+        keys, values = key[:, :, :end], value[:, :, :end]
+        for block in query_blocks(size, end):
+            rows = slice(k * size + block.start, k * size + block.stop)
+            mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
+            out, _ = sdpa_attention_forward(heads, query[:, :, rows], keys, values, mask, **kwargs)
+            outputs.append(out)
     return torch.cat(outputs, dim=1), None
+
+
+def query_blocks(rows: int, keys: int) -> list[slice]:
+    """The sdpa calls of a chunk of ``rows`` queries over ``keys`` keys: blocks of sizes that differ by at most one
+    (no short remainder), each of at most :data:`MASK_BLOCK` mask entries unless that is under
+    :data:`MIN_QUERY_BLOCK` rows."""
+    most = max(MIN_QUERY_BLOCK, MASK_BLOCK // max(1, keys))
+    count = max(1, -(-rows // most))
+    bounds = [i * rows // count for i in range(count + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+MASK_BLOCK = 1 << 22
+"""Mask entries (query rows x keys) one sdpa call of a context-parallel member takes: 16 MiB as float32."""
+MIN_QUERY_BLOCK = 64
+"""The fewest query rows of such a call (matrix products of fewer rows may round otherwise)."""
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """What transformers' sdpa forward reads of an attention module, once its keys and values have every query
+    head's copy (one key-value group)."""
+
+    is_causal: bool
+    num_key_value_groups: int = 1
 
 
 def register() -> None:

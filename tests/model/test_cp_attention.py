@@ -20,6 +20,7 @@ from helpers import (
     run_command,
     run_two_nodes,
 )
+from transformers.integrations import sdpa_attention
 
 from distperp_harness.errors import InputError
 from distperp_harness.model import cp_attention
@@ -124,6 +125,41 @@ def test_a_groups_forward_is_one_forward_split(family, mode, dtype):
         model.set_attn_implementation("sdpa")
 
 
+def test_query_blocks_are_even_and_bounded():
+    for rows, keys in ((2048, 6144), (100, 8192), (64001, 10**6), (2048, 2048), (1, 5)):
+        blocks = cp_attention.query_blocks(rows, keys)
+        sizes = [b.stop - b.start for b in blocks]
+        assert blocks[0].start == 0 and blocks[-1].stop == rows and max(sizes) - min(sizes) <= 1
+        assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+        assert max(sizes) * keys <= cp_attention.MASK_BLOCK or max(sizes) <= cp_attention.MIN_QUERY_BLOCK
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_a_members_queries_in_blocks_give_the_bits_of_one_call(family, monkeypatch):
+    """A member's queries go to sdpa in blocks bounded by MASK_BLOCK mask entries: blocks of 16 rows give the bits
+    of one call per chunk (float32 on CPU), so the bound costs no exactness."""
+    model = family_model(family, dtype=torch.float32)
+    record_paths(model, probe(model, CPU, 0, 512))
+    rows = build_rows(_units(model.config.vocab_size), ShareMode.PREFIX)
+    cp_attention.use(model)
+    try:
+        whole = _simulated(model, rows, 2)[0]
+        monkeypatch.setattr(cp_attention, "MASK_BLOCK", 1)
+        monkeypatch.setattr(cp_attention, "MIN_QUERY_BLOCK", 16)
+        calls, one_call = [], sdpa_attention.sdpa_attention_forward
+
+        def counted(*args, **kwargs):
+            calls.append(args[1].shape[2])  # the block's query rows
+            return one_call(*args, **kwargs)
+
+        monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", counted)
+        blocked = _simulated(model, rows, 2)[0]
+        assert calls and max(calls) <= 16 and len(calls) > 4 * model.config.num_hidden_layers
+        assert np.array_equal(blocked.stats, whole.stats), family
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def test_an_attention_that_is_more_than_a_mask_is_refused():
     model = family_model("gemma2-softcaps")  # eager: soft-capped scores
     with pytest.raises(InputError, match="cp_size=2: 'x' attends with 'eager'"):
@@ -208,6 +244,17 @@ def test_a_fixed_cp_size_gives_the_same_bits_on_any_number_of_groups_and_nodes(c
                     assert a == b, (task, doc)
                 else:  # log-likelihoods (as logged: numbers or their strings)
                     assert abs(float(a) - float(b)) <= 1e-4 * max(1.0, abs(float(a))), (task, doc, a, b)
+
+
+@pytest.mark.distributed
+def test_a_groups_measured_traffic_is_the_formula(cp_runs, tiny_model_dir):
+    """Bytes each member receives per scored token, counted from the collectives of real forwards at start
+    (``config.distperp.traffic``), equal the formula: every layer's keys and values gathered, the scores summed."""
+    from transformers import AutoConfig
+
+    traffic = load_results(cp_runs["2p"])["config"]["distperp"]["traffic"]["scoring_received_bytes"]
+    formula = cp_attention.received_bytes_per_token(AutoConfig.from_pretrained(tiny_model_dir), 2, 4)
+    assert traffic == {"fixed": 0, "per_token": round(formula)}, (traffic, formula)
 
 
 @pytest.mark.distributed

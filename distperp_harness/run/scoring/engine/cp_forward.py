@@ -51,7 +51,7 @@ class MemberRows:
 
     def kwargs(self, model: PreTrainedModel, layout: AttentionLayout | None = None) -> dict:
         def form(rule: Any) -> torch.Tensor:
-            return attention_form(model, self.packing.allowed_under(rule)[:, :, self.columns, :])
+            return attention_form(model, self.packing.allowed_rows(rule, self.columns))
 
         mask = by_layout(layout, form)
         return {"attention_mask": mask, "position_ids": self.packing.position_ids[:, self.columns]}

@@ -118,6 +118,17 @@ class Packing:
         causal = torch.ones(self.length, self.length, dtype=torch.bool, device=run.device).tril()[self.shared :]
         return (self.ancestors[q[:, :, None], run[:, None, :]] & causal)[:, None]
 
+    def allowed_rows(self, rule: LayerAttention, columns: torch.Tensor) -> torch.Tensor:
+        """``allowed_under(rule)[:, :, columns]`` (no shared prefix), computed for those query columns alone:
+        ``bool [rows, 1, len(columns), length]`` (a context-parallel member's rows, never the whole square)."""
+        if self.shared:
+            raise ValueError("internal error: a member's mask rows are for batches without a shared prefix")
+        run, pos = self.run[:, : self.length], self.positions[:, : self.length]
+        keys = torch.arange(self.length, device=run.device)
+        seen = self.ancestors[run[:, columns][:, :, None], run[:, None, :]] & (keys[None, None, :] <= columns[:, None])
+        extra = rule.allows(pos[:, columns][:, :, None], pos[:, None, :])
+        return (seen if extra is None else seen & extra)[:, None]
+
     def allowed_under(self, rule: LayerAttention) -> torch.Tensor:
         """:attr:`allowed` under a layer type's ``rule`` (a window or chunk on the columns' positions)."""
         pos = self.positions[:, : self.length]
