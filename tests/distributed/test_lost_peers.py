@@ -127,6 +127,32 @@ def test_a_non_zero_rank_killed_while_scoring_without_shard_size_is_named_gone(t
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10
 
 
+def test_node_1_killed_while_its_context_parallel_group_scores_is_named_gone(tiny_model_dir, tasks_dir, tmp_path):
+    """Two loopback nodes of two processes, ``cp_size=2`` (one group a node, every row on the groups): every rank
+    stalls after its group's first batch (a long batch), then node 1 (its launcher and its group) is SIGKILLed.
+    Rank 1 names rank 2 gone and rank 0 stops too, within seconds of ``timeout=60``, no results written."""
+    out = tmp_path / "out"
+    args = distperp_args(
+        tiny_model_dir, tasks_dir, out, ",cp_size=2,cp_min_tokens=1,timeout=60", "dptest_rolling", batch_size=1
+    )
+    holds = [{"DISTPERP_TEST_HOLD": "0:1,1:1"}, {"DISTPERP_TEST_HOLD": "2:1,3:1"}]
+    run = LaunchOutputs(
+        start_two_nodes(args, cwd=tmp_path, per_node=2, envs=holds, outputs=[subprocess.PIPE, subprocess.PIPE])
+    )
+    run.wait_for("distperp loglikelihood_rolling", timeout=240)
+    time.sleep(silence_bound(60) + 2)  # every rank holds, silent in the main thread, past the bound
+    assert "stops because" not in run.texts[0] + run.texts[1], run.texts[0][-3000:]
+    killed_at = time.monotonic()
+    run.kill_node(1)
+    ended = run.wait_all(timeout=60)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0
+    assert f"distperp: rank 1 stops because rank 2 ({HOST}) is gone: no heartbeat for" in text, text[-4000:]
+    assert f"distperp: rank 0 stops because rank 2 ({HOST})" in text, text[-4000:]
+    assert not list(out.rglob("results_*.json"))
+    assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10
+
+
 def test_a_stopped_rank_in_generation_is_named_unresponsive_within_the_bound(tiny_model_dir, tasks_dir, tmp_path):
     """One node of two processes, ``timeout=30`` (bound 10 s): rank 0 stalls in its first lane, rank 1 is stopped
     with SIGSTOP while generating (hung, not dead: its kernel still accepts connections). Rank 0 names it as
