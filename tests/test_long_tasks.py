@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -88,11 +89,14 @@ def test_needle_rows_and_results(sample_text_path):
     wrong = (doc["label"] + 1) % 3
     lls = [(-5.0, False)] * 3
     lls[doc["label"]] = (-1.0, True)
-    assert utils.needle_mc_results(doc, lls) == {"acc": 1.0, "acc_depth_50": 1.0}
+    others = {"acc_depth_0": None, "acc_depth_25": None, "acc_depth_75": None, "acc_depth_100": None}
+    assert utils.needle_mc_results(doc, lls) == {"acc": 1.0, "acc_depth_50": 1.0, **others}
     lls[wrong] = (-0.5, False)
-    assert utils.needle_mc_results(doc, lls) == {"acc": 0.0, "acc_depth_50": 0.0}
-    assert utils.needle_gen_results(doc, [f" {doc['answer']}."]) == {"exact_match": 1.0, "exact_match_depth_50": 1.0}
-    assert utils.needle_gen_results(doc, [" 1"]) == {"exact_match": 0.0, "exact_match_depth_50": 0.0}
+    assert utils.needle_mc_results(doc, lls) == {"acc": 0.0, "acc_depth_50": 0.0, **others}
+    gen = utils.needle_gen_results(doc, [f" {doc['answer']}."])
+    assert gen["exact_match"] == gen["exact_match_depth_50"] == 1.0 and gen["exact_match_depth_0"] is None
+    assert utils.needle_gen_results(doc, [" 1"])["exact_match_depth_50"] == 0.0
+    assert utils.mean_present([None, 1.0, 0.0, None]) == 0.5 and math.isnan(utils.mean_present([None]))
 
 
 @pytest.fixture(scope="module")
@@ -104,22 +108,30 @@ def longer_model(tiny_model_dir, tmp_path_factory) -> Path:
     return longer
 
 
-def test_end_to_end_with_the_tiny_model(longer_model):
-    """Each task, scored by ``--model distperp`` at max_length 1024, on small documents of the packaged sample."""
+METADATA = {"wikitext_path": "sample", "min_chars": 6000, "context_chars": 1200, "docs_per_depth": 1}
+LONG_TASKS = ["distperp_longdocs", "distperp_needle", "distperp_needle_gen"]
+
+
+@pytest.fixture(scope="module")
+def one_process(longer_model):
+    """The three tasks in this process (``--model distperp``, max_length 1024), samples logged."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    metadata = {"wikitext_path": "sample", "min_chars": 6000, "context_chars": 1200, "docs_per_depth": 1}
-    tasks = ["distperp_longdocs", "distperp_needle", "distperp_needle_gen"]
-    out = lm_eval.simple_evaluate(
+    return lm_eval.simple_evaluate(
         model="distperp",
         model_args=f"pretrained={longer_model},max_length=1024",
-        tasks=tasks,
-        task_manager=TaskManager(include_path=str(TASKS_DIR), metadata=metadata),
+        tasks=LONG_TASKS,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), metadata=METADATA),
         batch_size=4,
         device="cpu",
         log_samples=True,
     )
+
+
+def test_end_to_end_with_the_tiny_model(one_process):
+    """Each task, scored by ``--model distperp`` at max_length 1024, on small documents of the packaged sample."""
+    out = one_process
     results = out["results"]
     longdocs = results["distperp_longdocs"]
     n_docs = len(out["samples"]["distperp_longdocs"])
@@ -134,3 +146,53 @@ def test_end_to_end_with_the_tiny_model(longer_model):
     needle = out["samples"]["distperp_needle"][0]
     assert len(needle["resps"]) == 4 and needle["doc"]["prompt"].startswith("The secret number of ")
     json.dumps(results)
+
+
+@pytest.mark.distributed
+def test_the_long_tasks_under_context_parallelism(one_process, longer_model, tmp_path):
+    """The three tasks on 2 processes with ``cp_size=2,cp_min_tokens=1000``: windows of 1,000 tokens and more on the
+    group, shorter rows data parallel; per-document log-likelihoods within float32 rounding of one process's,
+    the same greedy answers, and both kinds of rows in the calls."""
+    from helpers import accelerate_launch_prefix, load_results, load_samples, run_command
+
+    out = tmp_path / "out"
+    run_command(
+        [
+            *accelerate_launch_prefix(2),
+            "-m",
+            "lm_eval",
+            "--model",
+            "distperp",
+            "--model_args",
+            f"pretrained={longer_model},max_length=1024,cp_size=2,cp_min_tokens=1000",
+            "--tasks",
+            ",".join(LONG_TASKS),
+            "--include_path",
+            str(TASKS_DIR),
+            "--metadata",
+            json.dumps(METADATA),
+            "--batch_size",
+            "4",
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ],
+        cwd=tmp_path,
+    )
+    info = load_results(out)["config"]["distperp"]
+    assert info["fingerprint"].startswith("cp2:")
+    calls = [c for c in info["calls"] if c.get("rows")]
+    assert sum(c["context_parallel_rows"] for c in calls) > 0
+    assert sum(c["rows"] - c["context_parallel_rows"] for c in calls) > 0
+    for task in LONG_TASKS:
+        mine = {s["doc_id"]: s["resps"] for s in load_samples(out, task)}
+        theirs = {s["doc_id"]: s["resps"] for s in one_process["samples"][task]}
+        assert mine.keys() == theirs.keys(), task
+        for doc, answers in theirs.items():
+            for a, b in zip(answers, mine[doc]):
+                a, b = a[0], b[0]
+                if task == "distperp_needle_gen":
+                    assert a == b, (task, doc)
+                else:
+                    a, b = (a[0], b[0]) if isinstance(a, (list, tuple)) else (a, b)
+                    assert abs(float(a) - float(b)) <= 1e-4 * max(1.0, abs(float(a))), (task, doc, a, b)

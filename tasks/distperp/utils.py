@@ -509,23 +509,38 @@ def needle_choices(doc: dict[str, Any]) -> list[str]:
     return list(doc["choices"])
 
 
-def needle_mc_results(doc: dict[str, Any], results: list[Any]) -> dict[str, float]:
-    """``acc`` (the right number has the highest log-likelihood; ties go to the first, as lm-eval's ``acc``) and
-    the same value under ``acc_depth_<percent>`` for the document's depth."""
-    from distperp_harness.report.longcontext import depth_label
+def by_depth(name: str, value: float, depth: float) -> dict[str, float | None]:
+    """``<name>_depth_<percent>`` for each default depth (the YAMLs' per-depth metrics): ``value`` at the
+    document's depth, ``None`` (skipped by :func:`mean_present`) at the others. Every document gives every key:
+    lm-eval gathers each rank's values per key and fails on a key one rank lacks. Other depths are in ``name``
+    and in the samples (``doc.depth``)."""
+    from distperp_harness.report.longcontext import DEFAULT_DEPTHS, depth_label
 
+    return {f"{name}_depth_{depth_label(d)}": (value if d == float(depth) else None) for d in DEFAULT_DEPTHS}
+
+
+def mean_present(values: list[float | None]) -> float:
+    """The mean of the values that are not ``None`` (a per-depth metric over that depth's documents); NaN when
+    no document has that depth."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else float("nan")
+
+
+def needle_mc_results(doc: dict[str, Any], results: list[Any]) -> dict[str, float | None]:
+    """``acc`` (the right number has the highest log-likelihood; ties go to the first, as lm-eval's ``acc``) and
+    per default depth (:func:`by_depth`)."""
     lls = [float(r[0]) if isinstance(r, (tuple, list)) else float(r) for r in results]
     acc = float(max(range(len(lls)), key=lls.__getitem__) == doc["label"])
-    return {"acc": acc, f"acc_depth_{depth_label(doc['depth'])}": acc}
+    return {"acc": acc, **by_depth("acc", acc, doc["depth"])}
 
 
-def needle_gen_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
-    """``exact_match``: the first number in the generated answer is the needle's number; also under
-    ``exact_match_depth_<percent>`` for the document's depth."""
-    from distperp_harness.report.longcontext import depth_label, first_number
+def needle_gen_results(doc: dict[str, Any], results: list[str]) -> dict[str, float | None]:
+    """``exact_match``: the first number in the generated answer is the needle's number; and per default depth
+    (:func:`by_depth`)."""
+    from distperp_harness.report.longcontext import first_number
 
     match = float(first_number(results[0]) == doc["answer"])
-    return {"exact_match": match, f"exact_match_depth_{depth_label(doc['depth'])}": match}
+    return {"exact_match": match, **by_depth("exact_match", match, doc["depth"])}
 
 
 # ---------------------------------------------------------------------------------------------------------------
