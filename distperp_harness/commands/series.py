@@ -294,9 +294,9 @@ def _build_tasks(args: argparse.Namespace, first_args: dict[str, Any]) -> Any:
     return BuiltOnce(include_path=include, metadata=metadata)
 
 
-def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collective: Any) -> tuple[str | None, float]:
-    """Evaluate ``checkpoint`` on every rank; rank 0 writes its results folder. Returns the failure's one line
-    (``None``: evaluated) as every rank agrees on it, and the seconds it took."""
+def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collective: Any) -> Row:
+    """Evaluate ``checkpoint`` on every rank; rank 0 writes its results folder. Returns its row: done, or failed with
+    the first failing rank's one line (every rank returns the same status)."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
@@ -305,6 +305,11 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     from distperp_harness.lm import DistPerpLM
 
     t0 = time.perf_counter()
+
+    def row(status: Status, reason: str = "", reused: int = 0, encoded: int = 0) -> Row:
+        seconds = time.perf_counter() - t0
+        return Row(checkpoint.label, str(checkpoint.path), checkpoint.step, status, reason, seconds, reused, encoded)
+
     model_args = series.model_args(checkpoint)
     reference = model_args.get("reference")
     reuse = launch.reference_model if reference == launch.reference_for else None
@@ -317,7 +322,7 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     if failures:
         del lm
         gc.collect()
-        return failures[0], time.perf_counter() - t0
+        return row(Status.FAILED, failures[0])
     lm = cast("DistPerpLM", lm)  # every rank loaded (no failure above)
     memo = launch.memos.setdefault(lm.encoding_key(), {})
     reused = len(memo)
@@ -334,9 +339,10 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     )
     if results is not None and tracker is not None:
         save_results(tracker, results, model_args)
+    encoded = len(memo) - reused
     log.info(
         f"series: {checkpoint.label} (step {checkpoint.step}) evaluated in {time.perf_counter() - t0:.1f} s; "
-        f"{reused} encoded strings reused, {len(memo) - reused} encoded",
+        f"{reused} encoded strings reused, {encoded} encoded",
         main_process_only=True,
     )
     if reference not in (None, "base", "pretrained"):  # a model of its own: the next checkpoint may reuse it
@@ -346,7 +352,7 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     release = released(model_ref, launch.baseline)
     if not release.ok:
         log.warning(f"series: {checkpoint.label}'s model was not released: {release.detail}", main_process_only=True)
-    return None, time.perf_counter() - t0
+    return row(Status.DONE, reused=reused, encoded=encoded)
 
 
 def _write_outputs(series: Series) -> list[str]:
@@ -369,7 +375,9 @@ def _write_outputs(series: Series) -> list[str]:
 def run_series(args: argparse.Namespace) -> int:
     """Evaluate the series (all ranks); rank 0 writes its record, table and figure. Returns the exit code."""
     from distperp_harness.distributed.collective import AccelerateCollective
+    from distperp_harness.run.execution.progress import setup_logging
 
+    setup_logging()  # the series' own lines, said before the first model loads
     common = _common_args(args)
     series = Series(args, Path(args.output_path), common, parse_reference(args.reference))
     cpu = str(common.get("device", "")).strip().lower() == "cpu" or not _cuda()
@@ -422,17 +430,15 @@ def _loop(series: Series, collective: Any, watcher: Watcher | None, plan: list[C
             continue
         checkpoint = cast(Checkpoint, checkpoint)  # RUN always names one
         series.tried.add(checkpoint.label)
-        failure, seconds = evaluate_one(series, launch, checkpoint, collective)
-        if failure is None:
-            series.previous = checkpoint
-        status = Status.DONE if failure is None else Status.FAILED
-        row = Row(checkpoint.label, str(checkpoint.path), checkpoint.step, status, failure or "", seconds)
+        row = evaluate_one(series, launch, checkpoint, collective)
         series.rows = with_row(series.rows, row)
+        if row.status is Status.DONE:
+            series.previous = checkpoint
         if collective.is_main:
-            if failure is None:
+            if row.status is Status.DONE:
                 shutil.rmtree(series.resume_dir(checkpoint), ignore_errors=True)
             else:
-                log.warning(f"series: {checkpoint.label} failed: {failure}; the series goes on", main_process_only=True)
+                log.warning(f"series: {row.label} failed: {row.reason}; the series goes on", main_process_only=True)
             lines = _write_outputs(series)
     if collective.is_main:
         if not lines and series.rows:

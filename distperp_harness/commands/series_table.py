@@ -34,7 +34,8 @@ class Status(Enum):
 @dataclass(frozen=True)
 class Row:
     """One checkpoint of the series as it ended: ``folder`` holds its results (relative to the output path) when
-    ``status`` is done; ``reason`` is the one-line failure when it failed."""
+    ``status`` is done; ``reason`` is the one-line failure when it failed; ``strings_reused`` / ``strings_encoded``:
+    the distinct strings its evaluation read back from an earlier checkpoint with the same tokenizer, and encoded."""
 
     label: str
     path: str
@@ -42,6 +43,8 @@ class Row:
     status: Status
     reason: str = ""
     seconds: float = 0.0
+    strings_reused: int = 0
+    strings_encoded: int = 0
 
     @property
     def folder(self) -> str:
