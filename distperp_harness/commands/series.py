@@ -44,11 +44,12 @@ import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, cast
 
 from accelerate.logging import get_logger
 
-from distperp_harness.commands.checkpoints import Checkpoint, Kind, Snapshot, discover, is_complete, snapshot
+from distperp_harness.commands.checkpoints import Checkpoint, Kind
+from distperp_harness.commands.series_decide import Step, Watcher, decide, found, from_main, stop_files
 from distperp_harness.commands.series_table import (
     STATE_FILE,
     TABLE_FILE,
@@ -63,8 +64,6 @@ from distperp_harness.errors import InputError
 from distperp_harness.report.atomic import atomic_write_text
 
 log = get_logger("distperp_harness.series")
-
-T = TypeVar("T")
 
 OWN_KEYS = ("pretrained", "peft", "delta", "gguf_file", "reference")
 """``--model_args`` keys the series sets per checkpoint."""
@@ -176,80 +175,6 @@ class Series:
         return {
             r.label for r in self.rows if r.status is Status.DONE and any((self.out / r.folder).rglob("results_*.json"))
         }
-
-
-def from_main(collective: Any, make: Callable[[], T], name: str) -> T:
-    """``make()`` computed on rank 0, its result on every rank; an :class:`InputError` it raises is raised on every
-    rank (the others would otherwise wait for rank 0's answer)."""
-    answer: tuple[T | None, InputError | None] = (None, None)
-    if collective.is_main:
-        try:
-            answer = (make(), None)
-        except InputError as raised:
-            answer = (None, raised)
-    value, failure = collective.all_gather_object(answer, f"series: {name}")[0]
-    if failure is not None:
-        raise InputError(str(failure), same_on_every_rank=True)
-    return cast(T, value)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rank 0's decisions
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class Step(Enum):
-    RUN = "run"
-    WAIT = "wait"
-    STOP = "stop"
-
-
-@dataclass
-class Watcher:
-    """Rank 0's view of the folders between polls: each candidate's last snapshot, and the stop signals."""
-
-    stop_files: tuple[Path, ...]
-    snapshots: dict[Path, Snapshot] = field(default_factory=dict)
-    signalled: str | None = None
-
-    def on_signal(self, signum: int, frame: Any) -> None:  # signal handler signature
-        self.signalled = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
-
-    def complete(self, checkpoint: Checkpoint) -> bool:
-        now = snapshot(checkpoint.path)
-        previous = self.snapshots.get(checkpoint.path)
-        self.snapshots[checkpoint.path] = now
-        return is_complete(checkpoint.path, previous, now)
-
-
-def _candidates(series: Series, spec: str, watching: bool) -> list[Checkpoint]:
-    try:
-        found = discover(spec)
-    except InputError:
-        if not watching:
-            raise
-        found = []  # the run has not written its first checkpoint yet
-    skip, out = series.done() | series.tried, series.out.resolve()
-    return [c for c in found if c.label not in skip and not c.path.resolve().is_relative_to(out)]
-
-
-def decide(series: Series, watcher: Watcher | None) -> tuple[Step, Checkpoint | None]:
-    """Rank 0: the next checkpoint to evaluate, or wait (``--watch``: nothing complete yet), or stop."""
-    pending = _candidates(series, series.args.checkpoints, watcher is not None)
-    if watcher is None:
-        return (Step.RUN, pending[0]) if pending else (Step.STOP, None)
-    if watcher.signalled:
-        log.info(f"series: {watcher.signalled} received; the watch stops, the series intact", main_process_only=True)
-        return Step.STOP, None
-    ready = [c for c in pending if watcher.complete(c)]
-    if ready:
-        return Step.RUN, ready[0]
-    stop = next((f for f in watcher.stop_files if f.exists()), None)
-    if stop is not None and not pending:
-        log.info(f"series: {stop} exists; the watch stops", main_process_only=True)
-        return Step.STOP, None
-    return Step.WAIT, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,7 +308,7 @@ def run_series(args: argparse.Namespace) -> int:
     cpu = str(common.get("device", "")).strip().lower() == "cpu" or not _cuda()
     collective = AccelerateCollective(float(common.get("timeout", 1800.0)), cpu=cpu)
     series.rows = from_main(collective, lambda: read_rows(series.out), "read the record")
-    plan = from_main(collective, lambda: discover(args.checkpoints), "find the checkpoints")
+    plan = from_main(collective, lambda: found(args.checkpoints, args.watch), "find the checkpoints")
     if series.reference[0] is Reference.PREVIOUS and any(c.kind is not Kind.MODEL for c in plan):
         raise InputError(
             "--reference previous compares model folders with the one before; this series has adapters, delta= or "
@@ -405,15 +330,6 @@ def run_series(args: argparse.Namespace) -> int:
             signal.signal(signum, handler)
 
 
-def stop_files(args: argparse.Namespace) -> tuple[Path, ...]:
-    """What ends a watch when it exists: ``--stop-file``, else ``STOP`` in the output folder or in a watched
-    folder."""
-    if args.stop_file:
-        return (Path(args.stop_file),)
-    folders = [Path(p.strip()) for p in args.checkpoints.split(",") if p.strip() and Path(p.strip()).is_dir()]
-    return (Path(args.output_path) / "STOP", *(f / "STOP" for f in folders))
-
-
 def _loop(series: Series, collective: Any, watcher: Watcher | None, plan: list[Checkpoint], common: dict) -> int:
     """Evaluate checkpoints until rank 0 says stop (see :func:`decide`); rank 0 prints the table at the end."""
     from distperp_harness.commands.release import cuda_baseline
@@ -430,6 +346,7 @@ def _loop(series: Series, collective: Any, watcher: Watcher | None, plan: list[C
             continue
         checkpoint = cast(Checkpoint, checkpoint)  # RUN always names one
         series.tried.add(checkpoint.label)
+        series.first = series.first or checkpoint  # a watch that started before the run wrote any
         row = evaluate_one(series, launch, checkpoint, collective)
         series.rows = with_row(series.rows, row)
         if row.status is Status.DONE:
