@@ -9,6 +9,8 @@ batches first (:func:`~distperp_harness.planning.encoding.encode_many`): ``tok_e
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from typing import Any, Iterable, Iterator
 
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
@@ -22,6 +24,7 @@ class Tokenization:
     """``tok_encode`` / ``tok_decode`` / ``eot_token_id`` / ``prefix_token_id`` for lm-eval's ``TemplateLM``."""
 
     _encoded: dict | None = None
+    _kept: dict | None = None
     tokenizer: Any  # a Hugging Face tokenizer, set by the class that mixes this in
     options: Options
 
@@ -51,12 +54,41 @@ class Tokenization:
 
     @contextlib.contextmanager
     def one_call(self) -> Iterator[None]:
-        """The memo of one request call: every string encoded once (:meth:`pre_encode`), nothing kept after."""
-        self._encoded = {}
+        """The memo of one request call: every string encoded once (:meth:`pre_encode`), nothing kept after (unless
+        :meth:`keep_encodings` gave a memo to keep)."""
+        self._encoded = self._kept if self._kept is not None else {}
         try:
             yield
         finally:
             self._encoded = None
+
+    def keep_encodings(self, memo: dict) -> None:
+        """Use ``memo`` as every request call's memo, kept across calls and across models (in-process callers that
+        evaluate several models, ``series``): a string encoded for one model is read back for the next. Share a
+        memo only between models whose :meth:`encoding_key` is equal: the ids are then the ones an encode gives."""
+        self._kept = memo
+
+    def encoding_key(self) -> str:
+        """A content hash of everything :meth:`tok_encode` depends on: the tokenizer's class and pipeline (a fast
+        tokenizer's whole JSON; a slow one's vocabulary, sentencepiece model and settings), its special tokens,
+        ``add_bos_token`` (the tokenizer's and the option) and the prefix token. Names and paths are not in it:
+        two folders with the same tokenizer files have the same key."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None:
+            body = backend.to_str()
+        else:
+            proto = getattr(getattr(tok, "sp_model", None), "serialized_model_proto", None)
+            body = json.dumps(sorted(tok.get_vocab().items())) + (proto().hex() if proto is not None else "")
+            body += json.dumps(getattr(tok, "init_kwargs", {}), sort_keys=True, default=str)
+        parts = [
+            type(tok).__name__,
+            body,
+            json.dumps(tok.special_tokens_map, sort_keys=True, default=str),
+            repr((getattr(tok, "add_bos_token", None), getattr(tok, "add_eos_token", None))),
+            repr((self.options.add_bos_token, self.prefix_token_id)),
+        ]
+        return hashlib.sha256("\x00".join(parts).encode("utf-8")).hexdigest()
 
     def pre_encode(self, keys: Iterable[tuple[str, bool | None]]) -> None:
         """Encode each distinct ``(string, add_special_tokens)`` into the call's memo, a batch per special-token

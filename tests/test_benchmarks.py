@@ -441,3 +441,14 @@ def test_tokenize_families_runs_and_ids_equal():
     proc = bench("tokenize_families", "--questions", "12", "--vocab", "400", "--repeats", "1", "--model", "none")
     assert "equal to whole encodes everywhere" in proc.stdout and proc.stdout.count("| yes |") == 5, proc.stdout
     assert "whole:" not in proc.stdout, proc.stdout
+
+
+def test_bench_series_dry(tiny_model_dir):
+    """``benchmarks.bench_series`` at dry size (one stage: the series launch and one ``lm_eval`` run): its table and
+    the fingerprint check."""
+    proc = bench(
+        "bench_series", "--model", tiny_model_dir, "--checkpoints", "1", "--limit", "2", "--max-length", "128",
+        timeout=300,
+    )  # fmt: skip
+    assert "| series of 1 | 1 |" in proc.stdout and "| lm_eval step_1000 | 1 |" in proc.stdout
+    assert "fingerprints equal: step_1000 yes" in proc.stdout

@@ -1,4 +1,4 @@
-"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,compare,sweep,check,parity}``
+"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,compare,sweep,series,check,parity}``
 (also ``distperp``)."""
 
 from __future__ import annotations
@@ -44,6 +44,16 @@ def main(argv: list[str] | None = None) -> int:
             "sweep",
             help="quantization leaderboard: several schemes against one reference "
             "on lm-eval tasks (works under accelerate launch)",
+        )
+    )
+
+    from distperp_harness.commands.series import add_arguments as series_arguments
+
+    series_arguments(
+        sub.add_parser(
+            "series",
+            help="a training run's checkpoints in one launch: a results folder, a table row and curve points per "
+            "checkpoint (works under accelerate launch; --watch evaluates them as the run writes them)",
         )
     )
 
@@ -102,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from distperp_harness.commands.sweep import run_sweep
 
         return run_sweep(args)
+    if args.command == "series":
+        from distperp_harness.commands.series import run_series
+
+        return run_series(args)
     if args.command == "check":
         from distperp_harness.commands.check import run_check
 

@@ -81,7 +81,7 @@ def require_matplotlib() -> None:
         ) from error
 
 
-def _figure(**kwargs: Any):
+def new_figure(**kwargs: Any):
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -308,7 +308,7 @@ def _scatter(ax, points, reference: tuple[float, str] | None):
     return obstacles
 
 
-def _save(fig, path: str | Path, names: list[str], titles: list[str], skipped: list[str]) -> Drawn:
+def save_figure(fig, path: str | Path, names: list[str], titles: list[str], skipped: list[str]) -> Drawn:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as temp:  # a figure cut short never stands under its name
@@ -328,7 +328,7 @@ def leaderboard_figure(runs: list[tuple[str, Any]]):
     n_series = max((len(p.series) for p in panels), default=1)
     heights = ([4.2] if points else []) + ([1.7 + len(rows) * max(0.3, 0.11 * n_series)] if panels else [])
     width = max(10.0, 3.4 * len(panels))
-    fig = _figure(figsize=(width, sum(heights) + 0.5), layout="constrained")
+    fig = new_figure(figsize=(width, sum(heights) + 0.5), layout="constrained")
     spec = fig.add_gridspec(len(heights), max(len(panels), 1), height_ratios=heights)
     obstacles = _scatter(fig.add_subplot(spec[0, :]), points, _reference(runs)) if points else None
     tasks = sorted({s for p in panels for s in p.series})
@@ -367,7 +367,7 @@ def plot_leaderboard(runs: list[tuple[str, Any]], out: str | Path) -> Drawn:
     fig, names = leaderboard_figure(runs)
     titles = {"kl_vs_weight_bytes": "KL vs weight bytes", "delta_ppl": "Δppl %", "flips": "flips", "delta_acc": "Δacc"}
     skipped = [] if "kl_vs_weight_bytes" in names else ["KL vs weight bytes (no weight bytes or KL)"]
-    return _save(fig, out, names, [titles[n] for n in names], skipped)
+    return save_figure(fig, out, names, [titles[n] for n in names], skipped)
 
 
 def compare_figure(runs: list[Any]):
@@ -394,7 +394,7 @@ def compare_figure(runs: list[Any]):
     ]
     from matplotlib.ticker import MaxNLocator
 
-    fig = _figure(figsize=(6.2 * ncols, sum(heights) + 0.6), layout="constrained")
+    fig = new_figure(figsize=(6.2 * ncols, sum(heights) + 0.6), layout="constrained")
     spec = fig.add_gridspec(len(grid), ncols, height_ratios=heights)
     drawn: set[str] = set()  # the runs with a point or bar somewhere: the legend lists those only
     for i, row in enumerate(grid):
@@ -449,7 +449,7 @@ def plot_compare(runs: list[Any], out: str | Path) -> Drawn:
         "kl_per_document": "KL per document",
     }
     titles = [short[n.split(":")[0]] + (f" ({n.split(':', 1)[1]})" if ":" in n else "") for n in names]
-    return _save(fig, out, names, titles, skipped)
+    return save_figure(fig, out, names, titles, skipped)
 
 
 def text_overlaps(fig) -> list[tuple[str, str]]:

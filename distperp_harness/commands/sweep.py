@@ -161,15 +161,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             evaluation_tracker=tracker,
         )
         if results is not None and tracker is not None:
-            # lm-eval names an in-process model object by its class and a random folder: say what ran, and write
-            # straight into <output_path>/<scheme>/
-            results["config"].update(model="distperp", model_args={**kwargs, **scheme.model_args()})
-            tracker.general_config_tracker.model_name = str(args.pretrained)
-            tracker.general_config_tracker.model_name_sanitized = ""
-            samples = results.pop("samples", None)
-            tracker.save_results_aggregated(results=results, samples=samples)
-            for task in results["configs"] if samples else ():
-                tracker.save_results_samples(task_name=task, samples=samples[task])
+            save_results(tracker, results, {**kwargs, **scheme.model_args()})
             folders.append((scheme.label, out / scheme.folder))
         reference = lm.reference
         del lm
@@ -184,6 +176,19 @@ def run_sweep(args: argparse.Namespace) -> int:
             f"results in {out}/<scheme>/"
         )
     return 0
+
+
+def save_results(tracker: Any, results: dict[str, Any], model_args: dict[str, Any]) -> None:
+    """Write an in-process evaluation's results (and samples, when logged) with lm-eval's ``EvaluationTracker``
+    straight into the tracker's ``output_path``, saying what ran (``model: distperp`` and its ``model_args``): lm-eval
+    names an in-process model object by its class and writes under a folder named after it otherwise."""
+    results["config"].update(model="distperp", model_args=model_args)
+    tracker.general_config_tracker.model_name = str(model_args["pretrained"])
+    tracker.general_config_tracker.model_name_sanitized = ""
+    samples = results.pop("samples", None)
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in results["configs"] if samples else ():
+        tracker.save_results_samples(task_name=task, samples=samples[task])
 
 
 def write_leaderboard(out: Path, runs: list[tuple[str, Any]], plot: str | Path | None = None) -> list[str]:

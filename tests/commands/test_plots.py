@@ -24,7 +24,7 @@ def test_make_panel_keeps_rows_and_series_with_values():
 
 
 def test_text_overlaps_finds_overlapping_texts():
-    fig = plots._figure(figsize=(4, 3))
+    fig = plots.new_figure(figsize=(4, 3))
     ax = fig.add_subplot()
     ax.text(0.5, 0.5, "first label")
     ax.text(0.52, 0.5, "second label")
@@ -42,7 +42,7 @@ def test_labels_of_crowded_points_meet_nothing():
     on no marker."""
     from matplotlib.text import Text
 
-    fig = plots._figure(figsize=(6, 4))
+    fig = plots.new_figure(figsize=(6, 4))
     ax = fig.add_subplot()
     points = (
         [(1.0 + 0.01 * i, 0.01 * 1.1**i) for i in range(5)]

@@ -1,0 +1,159 @@
+"""A series of checkpoints in one launch against one ``lm_eval --model distperp`` process per checkpoint.
+
+    python -m benchmarks.bench_series                         # wt2-llama-5m, 5 stages, WikiText-2 + few-shot MC
+    python -m benchmarks.bench_series --processes 2
+    python -m benchmarks.bench_series --model TINY --checkpoints 2 --limit 2 --max-length 128   # dry (make test)
+
+The stages: ``--model``'s weights, each matrix multiplied by ``1 + 0.05·k`` plus seeded noise of ``0.01·k`` of its
+spread (stage k = 0..N-1), saved as ``step_{1000·(k+1)}`` in a temporary run folder: N checkpoints of one
+architecture and one tokenizer, as a training run writes them. Work per checkpoint: ``distperp_wikitext2`` (the
+local WikiText-2 test file, ``--limit`` articles) and ``dptest_fewshot`` (2-shot multiple choice, multi-token
+answers). Timed: the ``series`` launch, then each separate ``lm_eval`` run (wall seconds of each process, start-up
+included: what a user waits for), after one untimed process that imports both (files read cold slow the first).
+Printed: a table, the ratio series / sum of separate runs, and whether each checkpoint's fingerprint
+(``config.distperp.fingerprint``) equals its separate run's. Exits 1 when one differs or a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import SHARED_MODEL, TEST_TASKS, WIKITEXT_TEST, environment
+from distperp_harness.commands.launching import accelerate_launch_prefix
+
+TASKS = "distperp_wikitext2,dptest_fewshot"
+
+
+def write_stages(model: Path, run: Path, count: int) -> list[Path]:
+    """``count`` perturbed copies of ``model`` (see the module docstring), ``run/step_<1000·(k+1)>``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out = []
+    for k in range(count):
+        weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for parameter in weights.parameters():
+                if parameter.dim() == 2:
+                    noise = torch.randn(parameter.shape, generator=generator) * parameter.std() * 0.01 * k
+                    parameter.mul_(1 + 0.05 * k).add_(noise)
+        folder = run / f"step_{1000 * (k + 1)}"
+        weights.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        out.append(folder)
+    return out
+
+
+def _prefix(processes: int) -> list[str]:
+    return accelerate_launch_prefix(processes) if processes > 1 else [sys.executable]
+
+
+def _timed(cmd: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"bench_series: exit code {proc.returncode}: {' '.join(cmd)}")
+    return time.perf_counter() - t0
+
+
+def _fingerprint(folder: Path) -> str:
+    newest = max(glob.glob(f"{folder}/**/results_*.json", recursive=True))
+    return json.loads(Path(newest).read_text())["config"]["distperp"]["fingerprint"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_series", description=__doc__)
+    parser.add_argument("--model", type=Path, default=SHARED_MODEL, help="the model the stages perturb")
+    parser.add_argument("--checkpoints", type=int, default=5, help="stages (default 5)")
+    parser.add_argument("--limit", type=int, default=20, help="documents per task (default 20)")
+    parser.add_argument("--processes", type=int, default=1, help="processes of every launch (default 1)")
+    parser.add_argument("--max-length", type=int, default=512, help="max_length= (default 512)")
+    parser.add_argument("--batch-size", default="8", help="batch_size= (default 8)")
+    args = parser.parse_args(argv)
+    wikitext = str(WIKITEXT_TEST) if WIKITEXT_TEST.is_file() else "sample"
+    env = environment({"DISTPERP_WIKITEXT_PATH": wikitext})
+    include = str(TEST_TASKS)  # distperp_wikitext2 is found without it (distperp adds its own tasks)
+    model_args = f"max_length={args.max_length}"
+    with tempfile.TemporaryDirectory(prefix="bench_series_") as tmp:
+        root = Path(tmp)
+        stages = write_stages(args.model, root / "run", args.checkpoints)
+        warm = "import lm_eval.evaluator, distperp_harness.lm"  # untimed: the first process reads cold files
+        subprocess.run([sys.executable, "-c", warm], env=env, capture_output=True, check=False)
+        series = _timed(
+            [
+                *_prefix(args.processes),
+                "-m",
+                "distperp_harness",
+                "series",
+                "--checkpoints",
+                str(root / "run"),
+                "--tasks",
+                TASKS,
+                "--include_path",
+                include,
+                "--model_args",
+                model_args,
+                "--batch_size",
+                args.batch_size,
+                "--limit",
+                str(args.limit),
+                "--output_path",
+                str(root / "series"),
+            ],  # fmt: skip
+            env,
+        )
+        separate = []
+        for stage in stages:
+            separate.append(
+                _timed(
+                    [
+                        *_prefix(args.processes),
+                        "-m",
+                        "lm_eval",
+                        "--model",
+                        "distperp",
+                        "--model_args",
+                        f"pretrained={stage},{model_args}",
+                        "--tasks",
+                        TASKS,
+                        "--include_path",
+                        include,
+                        "--batch_size",
+                        args.batch_size,
+                        "--limit",
+                        str(args.limit),
+                        "--output_path",
+                        str(root / "separate" / stage.name),
+                    ],  # fmt: skip
+                    env,
+                )
+            )
+        same = {
+            s.name: _fingerprint(root / "series" / s.name) == _fingerprint(root / "separate" / s.name) for s in stages
+        }
+    print(
+        f"| work | processes | wall s |\n|---|---|---|\n| series of {len(stages)} | {args.processes} | {series:.1f} |"
+    )
+    for stage, seconds in zip(stages, separate):
+        print(f"| lm_eval {stage.name} | {args.processes} | {seconds:.1f} |")
+    print(f"| lm_eval, all {len(stages)} | {args.processes} | {sum(separate):.1f} |")
+    print(
+        f"\nseries / separate: {series / sum(separate):.2f}x ({args.model.name}, {TASKS}, --limit {args.limit}, "
+        f"max_length={args.max_length}); fingerprints equal: "
+        + ", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in same.items())
+    )
+    return 0 if all(same.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

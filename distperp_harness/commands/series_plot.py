@@ -1,0 +1,51 @@
+"""The series figure (``series.png``): each task metric against step, the standard error as a band; with a
+reference, KL, top-1 agreement and flips against step. One panel per :class:`~.series_table.Column` that has a
+value at some step, at most :data:`MAX_PANELS` (metrics first, the reference's next); each ``Axes`` carries its
+column title as its ``gid`` and the PNG's ``Description`` lists them (:func:`~.plots.save_figure`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from distperp_harness.commands.plots import Drawn, new_figure, save_figure
+from distperp_harness.commands.series_table import Column, Row, columns, points
+
+MAX_PANELS = 12
+NCOLS = 3
+
+
+def series_panels(rows: list[Row], runs: dict[str, Any]) -> list[tuple[Column, list]]:
+    """The panels the figure draws: ``(column, points)`` for each column with a value (see the module docstring);
+    pure, so tests check them without pixels."""
+    drawn = [(c, points(rows, runs, c)) for c in columns(list(runs.values()))]
+    return [(c, p) for c, p in drawn if p][:MAX_PANELS]
+
+
+def plot_series(rows: list[Row], runs: dict[str, Any], out: str | Path) -> Drawn:
+    """Write the figure to ``out``; ``ValueError`` when no checkpoint has a value to draw,
+    :class:`~.plots.PlotUnavailable` without matplotlib."""
+    panels = series_panels(rows, runs)
+    if not panels:
+        raise ValueError("no checkpoint of the series has results to draw yet")
+    ncols = min(NCOLS, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = new_figure(figsize=(4.2 * ncols, 3.0 * nrows + 0.3), layout="constrained")
+    for i, (column, pts) in enumerate(panels):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        ax.set_gid(column.title)
+        steps = [p[0] for p in pts]
+        values = [p[1] for p in pts]
+        color = "tab:red" if column.reference else "tab:blue"
+        ax.plot(steps, values, marker="o", markersize=3, color=color)
+        if all(p[2] is not None for p in pts):
+            low = [v - (p[2] or 0.0) for v, p in zip(values, pts)]
+            high = [v + (p[2] or 0.0) for v, p in zip(values, pts)]
+            ax.fill_between(steps, low, high, alpha=0.25, color=color, linewidth=0)
+        ax.set_title(column.title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    titles = [c.title for c, _ in panels]
+    return save_figure(fig, out, titles, titles, [])

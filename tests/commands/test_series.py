@@ -1,0 +1,271 @@
+"""series: checkpoints found and ordered by step; the table and the figure from fixed runs; one watched series of tiny
+checkpoints (one with another tokenizer, one that fails to load, one written while the series runs) whose results
+have the fingerprints of separate evaluations, then a second watch that evaluates nothing and a 2-process launch
+that resumes a stopped series with the same fingerprints."""
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import accelerate_launch_prefix, load_results, run_command, sharpened_model
+
+from distperp_harness.commands.checkpoints import Checkpoint, Kind, discover, is_complete, snapshot, step_of
+from distperp_harness.commands.cli import main
+from distperp_harness.commands.compare import Run
+from distperp_harness.commands.series_table import Column, Row, Status, columns, read_rows, series_table
+from distperp_harness.errors import InputError
+
+TASKS = "dptest_mc,dptest_rolling"
+
+# --- finding checkpoints (pure) ------------------------------------------------------------------------------------
+
+
+def _folder(path: Path, *files: str) -> Path:
+    path.mkdir(parents=True)
+    for name in files:
+        (path / name).write_text("{}")
+    return path
+
+
+def test_a_run_folder_gives_its_checkpoints_by_step(tmp_path):
+    run = tmp_path / "run"
+    _folder(run / "checkpoint-1000", "config.json")
+    _folder(run / "checkpoint-500", "config.json")
+    _folder(run / "global_step3000")  # named as a checkpoint, files missing: kept, to fail as a row
+    _folder(run / "lora_a", "adapter_config.json", "trainer_state.json")
+    (run / "lora_a" / "trainer_state.json").write_text(json.dumps({"global_step": 2000}))
+    (run / "final.gguf").write_bytes(b"GGUF")
+    _folder(run / "logs")  # neither
+    (run / "notes.txt").write_text("")
+    found = discover(str(run))
+    assert [(c.label, c.step, c.kind) for c in found] == [
+        ("checkpoint-500", 500, Kind.MODEL),
+        ("checkpoint-1000", 1000, Kind.MODEL),
+        ("lora_a", 2000, Kind.ADAPTER),
+        ("global_step3000", 3000, Kind.MODEL),
+        ("final", None, Kind.GGUF),
+    ]
+    assert found[4].model_args(None) == {"pretrained": str(run), "gguf_file": "final.gguf"}
+    assert found[2].model_args("base/model") == {"pretrained": "base/model", "peft": str(run / "lora_a")}
+    with pytest.raises(InputError, match="no base model was given. Fix: add --base"):
+        found[2].model_args(None)
+
+
+def test_lists_globs_and_kinds_given(tmp_path):
+    for name in ("a/step_20", "b/step_20", "c/step_10"):
+        _folder(tmp_path / name, "config.json")
+    _folder(tmp_path / "d" / "merged", "config.json")
+    found = discover(f"{tmp_path}/*/step_20, delta={tmp_path / 'd' / 'merged'},{tmp_path / 'c' / 'step_10'}")
+    assert [(c.label, c.step, c.kind) for c in found] == [
+        ("step_10", 10, Kind.MODEL),
+        ("a-step_20", 20, Kind.MODEL),
+        ("b-step_20", 20, Kind.MODEL),
+        ("merged", None, Kind.DELTA),
+    ]
+    assert found[3].model_args("base") == {"pretrained": "base", "delta": str(tmp_path / "d" / "merged")}
+    assert step_of(Path("runs/iter-0042")) == 42 and step_of(Path("model-v7.gguf")) == 7
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [("missing", "no such file or folder"), ("nothing*", "matches nothing"), ("empty", "no checkpoint in it")],
+)
+def test_what_names_no_checkpoint_says_so(spec, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match=says):
+        discover(spec)
+
+
+def test_complete_by_marker_or_by_files_unchanged_over_a_poll(tmp_path):
+    ckpt = _folder(tmp_path / "checkpoint-1", "config.json")
+    first = snapshot(ckpt)
+    assert not is_complete(ckpt, None, first) and is_complete(ckpt, first, snapshot(ckpt))
+    (ckpt / "model.safetensors").write_bytes(b"x" * 10)  # still being written
+    assert not is_complete(ckpt, first, snapshot(ckpt))
+    (ckpt / "trainer_state.json").write_text("{}")  # the Trainer's last file
+    assert is_complete(ckpt, None, snapshot(ckpt))
+    assert not is_complete(tmp_path / "gone", (), snapshot(tmp_path / "gone"))
+
+
+# --- the table (pure: fixed runs) ----------------------------------------------------------------------------------
+
+
+def _run(acc, ppl, kl=None):
+    tasks = {"mc": {"acc,none": acc, "acc_stderr,none": 0.1, "alias": "mc"}, "wiki": {"word_perplexity,none": ppl}}
+    reference = {"wiki": {"kl_divergence": kl, "kl_divergence_stderr": kl / 10}} if kl is not None else {}
+    return Run(Path("r"), "m", "none", 1, tasks, None, None, "f", reference=reference)
+
+
+def test_table_has_a_row_per_checkpoint_by_step_and_the_failure(tmp_path):
+    rows = [
+        Row("checkpoint-200", "p2", 200, Status.DONE),
+        Row("checkpoint-100", "p1", 100, Status.DONE),
+        Row("broken", "p3", 150, Status.FAILED, "OSError: no | weights"),
+    ]
+    runs = {"checkpoint-100": _run(0.25, 30.0), "checkpoint-200": _run(0.5, 20.0, kl=0.02)}
+    assert columns(list(runs.values())) == [
+        Column("mc", "acc,none"),
+        Column("wiki", "word_perplexity,none"),
+        Column("wiki", "kl_divergence", reference=True),
+    ]
+    lines = series_table(rows, runs).splitlines()
+    assert lines[0] == "| step | checkpoint | status | seconds | mc acc | wiki word_perplexity | wiki KL |"
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[0] for c in cells] == ["100", "150", "200"]
+    assert cells[0][4:] == ["0.25 ± 0.1", "30", "–"] and cells[2][4:] == ["0.5 ± 0.1", "20", "0.02 ± 0.002"]
+    assert cells[1][2] == "failed: OSError: no / weights" and cells[1][4:] == ["–", "–", "–"]
+
+
+def test_figure_draws_each_metric_against_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from distperp_harness.commands.series_plot import plot_series, series_panels
+
+    rows = [Row(f"s{i}", "p", 100 * i, Status.DONE) for i in (1, 2, 3)]
+    runs = {f"s{i}": _run(0.2 * i, 40.0 / i, kl=0.01 * i) for i in (1, 2, 3)}
+    panels = series_panels(rows, runs)
+    assert [c.title for c, _ in panels] == ["mc acc", "wiki word_perplexity", "wiki KL"]
+    assert panels[0][1] == [(100.0, 0.2, 0.1), (200.0, 0.4, 0.1), (300.0, pytest.approx(0.6), 0.1)]
+    drawn = plot_series(rows, runs, tmp_path / "series.png")
+    with Image.open(drawn.path) as image:
+        assert image.text["Description"] == "panels: mc acc, wiki word_perplexity, wiki KL"
+
+
+# --- one watched series, a second watch, a 2-process resume ------------------------------------------------------
+
+
+def _other_tokenizer(model_dir: Path, out: Path) -> Path:
+    """The model with a tokenizer that lower-cases its input: the same vocabulary, other ids for some strings."""
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.backend_tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _series_args(watched, out, *more):
+    return [
+        "series", "--checkpoints", str(watched), "--tasks", TASKS, "--include_path", str(TASKS_DIR),
+        "--model_args", "max_length=128", "--batch_size", "4", "--output_path", str(out), *more,
+    ]  # fmt: skip
+
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
+
+
+def _write_when(condition, action, deadline_s=120):
+    def body():
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and not condition():
+            time.sleep(0.1)
+        action()
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+def _rows(out):
+    return {r.label: r for r in read_rows(out)} if (out / "series.json").exists() else {}
+
+
+@pytest.fixture(scope="module")
+def watched(tiny_model_dir, tmp_path_factory):
+    """A watched run folder: step 100 (the test model, sharpened), 150 (cannot load), 200 (another tokenizer);
+    step 300 is written once the first result is in, then ``STOP``. One in-process watch, one intra-op thread (as
+    each process of a 2-process CPU launch has)."""
+    import torch
+
+    root = tmp_path_factory.mktemp("series")
+    run, out = root / "run", root / "out"
+    sharpened_model(tiny_model_dir, run / "checkpoint-100", scale=4.0)
+    (run / "checkpoint-150").mkdir()
+    (run / "checkpoint-150" / "config.json").write_text("{cut short")
+    _other_tokenizer(run / "checkpoint-100", run / "checkpoint-200")
+    later = sharpened_model(tiny_model_dir, root / "later", scale=2.0)
+    writer = _write_when(lambda: "checkpoint-100" in _rows(out), lambda: shutil.copytree(later, run / "checkpoint-300"))
+    stopper = _write_when(lambda: "checkpoint-300" in _rows(out), lambda: (run / "STOP").write_text(""))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(_series_args(run, out, "--watch", "--poll", "0.3")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    writer.join(1), stopper.join(1)
+    return {"run": run, "out": out, "root": root}
+
+
+def _fingerprint(folder):
+    return load_results(folder)["config"]["distperp"]["fingerprint"]
+
+
+def test_watch_evaluates_each_checkpoint_once_and_the_failed_one_as_a_row(watched):
+    rows = _rows(watched["out"])
+    assert sorted(rows) == ["checkpoint-100", "checkpoint-150", "checkpoint-200", "checkpoint-300"]
+    assert rows["checkpoint-150"].status is Status.FAILED and "config" in rows["checkpoint-150"].reason
+    assert all(rows[k].status is Status.DONE for k in ("checkpoint-100", "checkpoint-200", "checkpoint-300"))
+    table = (watched["out"] / "series.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["100", "150", "200", "300"]
+    assert "failed: " in table[3] and not (watched["out"] / ".resume" / "checkpoint-100").exists()
+    # the encodings of step 100 are read back for step 300 (same tokenizer), never for step 200's tokenizer
+    assert rows["checkpoint-200"].strings_reused == 0 and rows["checkpoint-200"].strings_encoded > 0
+    assert rows["checkpoint-300"].strings_reused > 0 and rows["checkpoint-300"].strings_encoded == 0
+
+
+def test_each_checkpoint_has_the_fingerprint_of_its_separate_evaluation(watched):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    for label in ("checkpoint-100", "checkpoint-200", "checkpoint-300"):
+        results = lm_eval.simple_evaluate(
+            model="distperp",
+            model_args=f"pretrained={watched['run'] / label},max_length=128,batch_size=4",
+            tasks=TASKS.split(","),
+            task_manager=TaskManager(include_path=str(TASKS_DIR)),
+        )
+        ours = load_results(watched["out"] / label)
+        assert ours["config"]["distperp"]["fingerprint"] == results["config"]["distperp"]["fingerprint"], label
+        assert ours["results"] == json.loads(json.dumps(results["results"])), label
+
+
+def test_a_second_watch_evaluates_nothing_again(watched, capsys):
+    stamps = {p: p.stat().st_mtime_ns for p in watched["out"].rglob("results_*.json")}
+    assert main(_series_args(watched["run"], watched["out"], "--watch", "--poll", "0.1")) == 0
+    said = capsys.readouterr()
+    assert "1 evaluated in this launch" in said.out  # the failed checkpoint, tried again
+    assert {p: p.stat().st_mtime_ns for p in watched["out"].rglob("results_*.json")} == stamps
+
+
+@pytest.mark.distributed
+def test_two_processes_resume_a_stopped_series_with_the_same_fingerprints(watched, tmp_path):
+    """A series stopped after its first checkpoint (its record and results folder, as the 1-process watch left
+    them), resumed by a 2-process launch: the first is skipped, the others get the 1-process fingerprints."""
+    out = tmp_path / "out2"
+    shutil.copytree(watched["out"] / "checkpoint-100", out / "checkpoint-100")
+    first = read_rows(watched["out"])[0]
+    (out / "series.json").write_text(json.dumps({"rows": [first.to_dict()]}))
+    cmd = [*accelerate_launch_prefix(2), "-m", "distperp_harness", *_series_args(watched["run"], out)]
+    proc = run_command(cmd, cwd=tmp_path)
+    assert "done already, skipped: checkpoint-100" in proc.stderr + proc.stdout
+    rows = _rows(out)
+    assert rows["checkpoint-150"].status is Status.FAILED
+    for label in ("checkpoint-200", "checkpoint-300"):
+        two = load_results(out / label)["config"]["distperp"]
+        assert two["world_size"] == 2 and two["fingerprint"] == _fingerprint(watched["out"] / label), label
+
+
+def test_checkpoint_labels_are_the_results_folders(watched):
+    assert Checkpoint(watched["run"], Kind.MODEL, 1, "x").model_args(None) == {"pretrained": str(watched["run"])}
+    assert sorted(p.name for p in watched["out"].iterdir() if p.is_dir() and not p.name.startswith(".")) == [
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
+    ]
