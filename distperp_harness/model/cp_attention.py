@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -109,6 +109,12 @@ class Group:
         return tensor
 
 
+Masks = Callable[[torch.nn.Module, slice, int, torch.dtype], "torch.Tensor | None"]
+"""``masks(attention module, member rows, keys, dtype)``: the additive mask (0 where a query sees a key, -inf
+elsewhere) of this member's query rows ``rows`` (a slice of its own columns) over the row's first ``keys`` keys,
+``[B, 1, rows, keys]`` in ``dtype``, for that module's layer type; ``None``: plain causal rows need none."""
+
+
 @dataclass(frozen=True)
 class _Forward:
     gather: Gather
@@ -117,6 +123,7 @@ class _Forward:
     """Columns per chunk (the row's length over ``2 * cp``)."""
     chunks: tuple[int, int]
     """The indices of this member's two chunks, in row order."""
+    masks: Masks
 
     def whole(self, states: torch.Tensor) -> torch.Tensor:
         """``[B, H, L_local, D]`` states of every member → ``[B, H, L, D]`` in the row's order."""
@@ -128,11 +135,13 @@ _ACTIVE: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("distp
 
 
 @contextlib.contextmanager
-def context_parallel(gather: Gather, cp: int, length: int, member: int) -> Iterator[None]:
+def context_parallel(gather: Gather, cp: int, length: int, member: int, masks: Masks) -> Iterator[None]:
     """Within the block (this thread), forwards of a model whose attention is :data:`ATTENTION` gather each layer's
     keys and values through ``gather`` (every member of a group of ``cp`` in the same forward) for rows of
-    ``length`` columns, this rank being member ``member``."""
-    token = _ACTIVE.set(_Forward(gather, natural_order(length, cp), length // (2 * cp), (member, 2 * cp - 1 - member)))
+    ``length`` columns, this rank being member ``member``, each block of queries masked by ``masks`` (the model
+    makes no mask of its own there: :func:`register`)."""
+    chunks = (member, 2 * cp - 1 - member)
+    token = _ACTIVE.set(_Forward(gather, natural_order(length, cp), length // (2 * cp), chunks, masks))
     try:
         yield
     finally:
@@ -154,27 +163,34 @@ def cp_attention(
     active = _ACTIVE.get()
     if active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None:
+        raise ValueError("internal error: a context-parallel forward was given a mask; its masks come by block")
     key, value = active.whole(key), active.whole(value)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is not None and groups > 1:  # what sdpa's forward does with a mask, once for every block
-        from transformers.integrations.sdpa_attention import repeat_kv
-
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    heads = cast(Any, _Heads(getattr(module, "is_causal", True)))
+    groups = query.shape[1] // key.shape[1]
+    scale = kwargs.get("scaling")
     # Each of this member's chunks attends to the keys up to its own end only: a causal row's keys after a chunk
     # are masked for all of its queries, so the work is that chunk's share of the causal attention, not L_local x L.
-    # Its queries go in blocks (the rows' results do not depend on the block: query-subset invariant on CPU), so
-    # sdpa's float copy of the mask holds at most MASK_BLOCK entries.
+    # Its queries go in blocks, each with its own mask, and each key-value head with its query heads: a query row's
+    # result depends on neither (query-subset and head invariant on CPU, tested), so no L_local x L mask and no
+    # copy of the keys per query head is ever whole.
     size, outputs = active.chunk, []
     for k, c in enumerate(active.chunks):
         end = (c + 1) * size
-        keys, values = key[:, :, :end], value[:, :, :end]
         for block in query_blocks(size, end):
             rows = slice(k * size + block.start, k * size + block.stop)
-            mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
-            out, _ = sdpa_attention_forward(heads, query[:, :, rows], keys, values, mask, **kwargs)
-            outputs.append(out)
-    return torch.cat(outputs, dim=1), None
+            mask = active.masks(module, rows, end, query.dtype)
+            heads = [
+                torch.nn.functional.scaled_dot_product_attention(
+                    query[:, h * groups : (h + 1) * groups, rows],
+                    key[:, h : h + 1, :end].expand(-1, groups, -1, -1),
+                    value[:, h : h + 1, :end].expand(-1, groups, -1, -1),
+                    attn_mask=mask,
+                    scale=scale,
+                )
+                for h in range(key.shape[1])
+            ]
+            outputs.append(torch.cat(heads, dim=1))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def query_blocks(rows: int, keys: int) -> list[slice]:
@@ -193,22 +209,21 @@ MIN_QUERY_BLOCK = 64
 """The fewest query rows of such a call (matrix products of fewer rows may round otherwise)."""
 
 
-@dataclass(frozen=True)
-class _Heads:
-    """What transformers' sdpa forward reads of an attention module, once its keys and values have every query
-    head's copy (one key-value group)."""
-
-    is_causal: bool
-    num_key_value_groups: int = 1
-
-
 def register() -> None:
-    """Register :func:`cp_attention` under :data:`ATTENTION` (with sdpa's mask form); idempotent."""
+    """Register :func:`cp_attention` under :data:`ATTENTION`, with sdpa's mask form outside a context-parallel
+    forward and none inside it (its masks come by block); idempotent."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION, cp_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, _mask)
+
+
+def _mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' mask-function contract: sdpa's mask, or ``None`` inside a context-parallel forward."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _ACTIVE.get() is not None else sdpa_mask(*args, **kwargs)
 
 
 def check_attention(model: Any, cp_size: int, source: str) -> None:

@@ -140,8 +140,7 @@ def test_node_1_killed_while_its_context_parallel_group_scores_is_named_gone(tin
         start_two_nodes(args, cwd=tmp_path, per_node=2, envs=holds, outputs=[subprocess.PIPE, subprocess.PIPE])
     )
     run.wait_for("distperp loglikelihood_rolling", timeout=240)
-    time.sleep(silence_bound(60) + 2)  # every rank holds, silent in the main thread, past the bound
-    assert "stops because" not in run.texts[0] + run.texts[1], run.texts[0][-3000:]
+    time.sleep(2.0)  # every rank reaches its hold (holding past the bound names nobody: the generation test above)
     killed_at = time.monotonic()
     run.kill_node(1)
     ended = run.wait_all(timeout=60)

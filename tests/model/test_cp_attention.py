@@ -20,7 +20,6 @@ from helpers import (
     run_command,
     run_two_nodes,
 )
-from transformers.integrations import sdpa_attention
 
 from distperp_harness.errors import InputError
 from distperp_harness.model import cp_attention
@@ -136,8 +135,8 @@ def test_query_blocks_are_even_and_bounded():
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
 def test_a_members_queries_in_blocks_give_the_bits_of_one_call(family, monkeypatch):
-    """A member's queries go to sdpa in blocks bounded by MASK_BLOCK mask entries: blocks of 16 rows give the bits
-    of one call per chunk (float32 on CPU), so the bound costs no exactness."""
+    """A member's queries go to sdpa in blocks bounded by MASK_BLOCK mask entries, one call per key-value head:
+    blocks of 16 rows give the bits of blocks of a whole chunk (float32 on CPU), so the bound costs no exactness."""
     model = family_model(family, dtype=torch.float32)
     record_paths(model, probe(model, CPU, 0, 512))
     rows = build_rows(_units(model.config.vocab_size), ShareMode.PREFIX)
@@ -146,13 +145,13 @@ def test_a_members_queries_in_blocks_give_the_bits_of_one_call(family, monkeypat
         whole = _simulated(model, rows, 2)[0]
         monkeypatch.setattr(cp_attention, "MASK_BLOCK", 1)
         monkeypatch.setattr(cp_attention, "MIN_QUERY_BLOCK", 16)
-        calls, one_call = [], sdpa_attention.sdpa_attention_forward
+        calls, one_call = [], torch.nn.functional.scaled_dot_product_attention
 
-        def counted(*args, **kwargs):
-            calls.append(args[1].shape[2])  # the block's query rows
-            return one_call(*args, **kwargs)
+        def counted(query, *args, **kwargs):
+            calls.append(query.shape[2])  # the block's query rows
+            return one_call(query, *args, **kwargs)
 
-        monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", counted)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
         blocked = _simulated(model, rows, 2)[0]
         assert calls and max(calls) <= 16 and len(calls) > 4 * model.config.num_hidden_layers
         assert np.array_equal(blocked.stats, whole.stats), family

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 
-from distperp_harness.model.attention import AttentionLayout
+from distperp_harness.model.attention import FULL, AttentionLayout, LayerAttention
 from distperp_harness.model.cp_attention import Gather, Group, context_parallel, padded_length, zigzag
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
@@ -35,7 +35,7 @@ from distperp_harness.run.scoring.engine.forward import (
     position_scores,
     unit_table,
 )
-from distperp_harness.run.scoring.engine.masks import Packing, attention_form, by_layout
+from distperp_harness.run.scoring.engine.masks import Packing
 from distperp_harness.run.scoring.engine.support import paths_of
 
 if TYPE_CHECKING:
@@ -44,17 +44,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MemberRows:
-    """This member's query rows of a batch's masks and position ids (what ``_features`` passes the model)."""
+    """This member's query columns of a batch: its position ids (what ``_features`` passes the model; no mask, the
+    attention asks :meth:`masks` for each block of its queries)."""
 
     packing: Packing
     columns: torch.Tensor
+    layout: AttentionLayout | None
+    layer_types: Sequence[str] | None
 
     def kwargs(self, model: PreTrainedModel, layout: AttentionLayout | None = None) -> dict:
-        def form(rule: Any) -> torch.Tensor:
-            return attention_form(model, self.packing.allowed_rows(rule, self.columns))
+        return {"position_ids": self.packing.position_ids[:, self.columns]}
 
-        mask = by_layout(layout, form)
-        return {"attention_mask": mask, "position_ids": self.packing.position_ids[:, self.columns]}
+    def masks(self, module: torch.nn.Module, rows: slice, keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """:data:`~distperp_harness.model.cp_attention.Masks` of the batch's tree rows under the module's layer
+        type's rule (window or chunk), additive in ``dtype``."""
+        allowed = self.packing.allowed_block(self.rule(module), self.columns[rows], keys)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+    def rule(self, module: torch.nn.Module) -> LayerAttention:
+        if self.layout is None:
+            return FULL
+        if not self.layout.keyed:
+            return self.layout.rules[0]
+        index = getattr(module, "layer_idx", None)
+        if self.layer_types is None or index is None:
+            raise ValueError("internal error: a keyed attention layout without the layers' types")
+        return dict(self.layout.kinds)[self.layer_types[int(index)]]
 
 
 @torch.no_grad()
@@ -87,14 +102,11 @@ def score_batch_cp(
     mine_targets = targets[owned]
     chunks = _chunks(len(owned), _vocab_size(model), device.type)
     chunk_rows = max((b - a for a, b in chunks), default=1)
-    with context_parallel(gather, group.size, length, group.member):
+    paths = paths_of(model)
+    member = MemberRows(packing, mine, paths.layout, getattr(model.config, "layer_types", None))
+    with context_parallel(gather, group.size, length, group.member, member.masks):
         feats, to_logits = _features(
-            model,
-            paths_of(model),
-            ids[:, mine],
-            (rows[owned], where[owned]),
-            chunk_rows,
-            cast(Packing, MemberRows(packing, mine)),
+            model, paths, ids[:, mine], (rows[owned], where[owned]), chunk_rows, cast(Packing, member)
         )
     scores = position_scores(feats, to_logits, None, mine_targets, chunks, chunk_rows, None, device)
     table = torch.zeros(3, len(targets), dtype=torch.float64, device=device)

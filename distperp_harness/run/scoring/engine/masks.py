@@ -118,15 +118,16 @@ class Packing:
         causal = torch.ones(self.length, self.length, dtype=torch.bool, device=run.device).tril()[self.shared :]
         return (self.ancestors[q[:, :, None], run[:, None, :]] & causal)[:, None]
 
-    def allowed_rows(self, rule: LayerAttention, columns: torch.Tensor) -> torch.Tensor:
-        """``allowed_under(rule)[:, :, columns]`` (no shared prefix), computed for those query columns alone:
-        ``bool [rows, 1, len(columns), length]`` (a context-parallel member's rows, never the whole square)."""
+    def allowed_block(self, rule: LayerAttention, columns: torch.Tensor, keys: int) -> torch.Tensor:
+        """``allowed_under(rule)[:, :, columns, :keys]`` (no shared prefix), computed for those query columns and
+        keys alone: ``bool [rows, 1, len(columns), keys]`` (a block of a context-parallel member's queries)."""
         if self.shared:
-            raise ValueError("internal error: a member's mask rows are for batches without a shared prefix")
-        run, pos = self.run[:, : self.length], self.positions[:, : self.length]
-        keys = torch.arange(self.length, device=run.device)
-        seen = self.ancestors[run[:, columns][:, :, None], run[:, None, :]] & (keys[None, None, :] <= columns[:, None])
-        extra = rule.allows(pos[:, columns][:, :, None], pos[:, None, :])
+            raise ValueError("internal error: a member's mask blocks are for batches without a shared prefix")
+        run, pos = self.run[:, :keys], self.positions[:, :keys]
+        at = torch.arange(keys, device=run.device)
+        queries = self.run[:, columns]
+        seen = self.ancestors[queries[:, :, None], run[:, None, :]] & (at[None, None, :] <= columns[:, None])
+        extra = rule.allows(self.positions[:, columns][:, :, None], pos[:, None, :])
         return (seen if extra is None else seen & extra)[:, None]
 
     def allowed_under(self, rule: LayerAttention) -> torch.Tensor:
