@@ -118,7 +118,6 @@ elsewhere) of this member's query rows ``rows`` (a slice of its own columns) ove
 @dataclass(frozen=True)
 class _Forward:
     gather: Gather
-    order: torch.Tensor
     chunk: int
     """Columns per chunk (the row's length over ``2 * cp``)."""
     chunks: tuple[int, int]
@@ -126,9 +125,15 @@ class _Forward:
     masks: Masks
 
     def whole(self, states: torch.Tensor) -> torch.Tensor:
-        """``[B, H, L_local, D]`` states of every member → ``[B, H, L, D]`` in the row's order."""
+        """``[B, H, L_local, D]`` states of every member → ``[B, H, L, D]`` in the row's order (each member's two
+        chunks copied to their places: one copy of the row, none of the concatenation)."""
         parts = self.gather(states.contiguous())
-        return torch.cat(parts, dim=2).index_select(2, self.order.to(states.device))
+        size, last = self.chunk, 2 * len(parts) - 1
+        out = states.new_empty((*states.shape[:2], 2 * len(parts) * size, states.shape[3]))
+        for j, part in enumerate(parts):
+            out[:, :, j * size : (j + 1) * size] = part[:, :, :size]
+            out[:, :, (last - j) * size : (last - j + 1) * size] = part[:, :, size:]
+        return out
 
 
 _ACTIVE: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("distperp_cp", default=None)
@@ -141,7 +146,7 @@ def context_parallel(gather: Gather, cp: int, length: int, member: int, masks: M
     ``length`` columns, this rank being member ``member``, each block of queries masked by ``masks`` (the model
     makes no mask of its own there: :func:`register`)."""
     chunks = (member, 2 * cp - 1 - member)
-    token = _ACTIVE.set(_Forward(gather, natural_order(length, cp), length // (2 * cp), chunks, masks))
+    token = _ACTIVE.set(_Forward(gather, length // (2 * cp), chunks, masks))
     try:
         yield
     finally:
