@@ -23,6 +23,15 @@ _MODE = 0o666
 
 
 def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (``/proc/self/status``); elsewhere set
+    and restored (which another thread creating a file at that instant would see as 0)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

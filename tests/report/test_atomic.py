@@ -52,3 +52,17 @@ def test_a_writer_that_wants_a_path_gets_one_with_the_same_suffix_and_a_failure_
     assert os.listdir(tmp_path) == ["fig.png"]
     with pytest.raises(ValueError, match="allowed"), atomic_open(target, "r+"):
         pass
+
+
+def test_a_written_file_takes_the_process_umask_read_without_changing_it(tmp_path, monkeypatch):
+    from distperp_harness.report import atomic
+
+    calls = []
+    before = os.umask(0o027)
+    try:
+        monkeypatch.setattr(atomic.os, "umask", lambda mask: calls.append(mask) or 0o027)
+        atomic.atomic_write_text(tmp_path / "a.txt", "x")
+        assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o640
+        assert calls == [] or not os.path.exists("/proc/self/status")  # read from /proc where Linux has it
+    finally:
+        os.umask(before)
