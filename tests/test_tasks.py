@@ -271,7 +271,7 @@ def test_local_docs_errors(tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n', encoding="utf-8")
     monkeypatch.setenv(utils.DOCS_PATH_ENV, str(bad))
-    with pytest.raises(ValueError, match=rf'{bad}:2 \(from \$DISTPERP_DOCS_PATH\) needs a string field "text"'):
+    with pytest.raises(ValueError, match=rf'{bad}:2 \(from \$DISTPERP_DOCS_PATH\) has no string field "text"'):
         utils.load_local_docs()
 
 

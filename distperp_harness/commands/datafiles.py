@@ -8,10 +8,10 @@ The first bad file is named with its line, in one :class:`~distperp_harness.erro
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from distperp_harness.errors import InputError
+from distperp_harness.report.jsonl import jsonl_documents
 
 SUFFIXES = (".txt", ".jsonl")
 
@@ -57,17 +57,7 @@ def check_file(file: Path) -> None:
         ) from None
     if file.suffix != ".jsonl":
         return
-    for number, line_text in enumerate(text.split("\n"), start=1):
-        if not line_text.strip():
-            continue
-        try:
-            record = json.loads(line_text)
-        except json.JSONDecodeError as e:
-            raise InputError(f"--data: {file}:{number} is not valid JSON ({e.msg}); one JSON object per line") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise InputError(
-                f'--data: {file}:{number} has no string field "text"; each line is one document, e.g. {{"text": "..."}}'
-            )
+    jsonl_documents(text, lambda number: f"--data: {file}:{number}")
 
 
 def check_data(path: Path) -> int:

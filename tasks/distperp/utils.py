@@ -18,7 +18,6 @@ Relative paths resolve from the current directory.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -258,18 +257,10 @@ def load_wikitext(
 
 
 def _docs_from_jsonl(path: Path, source: str) -> list[tuple[str, str]]:
-    docs = []
-    for number, line in enumerate(read_utf8(path, source).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number} (from {source}) is not valid JSON: {e.msg}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise InputError(f'{path}:{number} (from {source}) needs a string field "text"')
-        docs.append((record["text"], f"{path}:{number}"))
-    return docs
+    from distperp_harness.report.jsonl import jsonl_documents
+
+    text = read_utf8(path, source)
+    return [(doc, f"{path}:{n}") for doc, n in jsonl_documents(text, lambda n: f"{path}:{n} (from {source})")]
 
 
 def read_local_docs(path: Path, source: str) -> list[tuple[str, str]]:
