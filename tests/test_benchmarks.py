@@ -452,3 +452,8 @@ def test_bench_series_dry(tiny_model_dir):
     )  # fmt: skip
     assert "| series of 1 | 1 |" in proc.stdout and "| lm_eval step_1000 | 1 |" in proc.stdout
     assert "fingerprints equal: step_1000 yes" in proc.stdout
+
+
+def test_bench_cp_runs_a_group_on_the_tiny_shape():
+    proc = bench("bench_cp", "--shape", "tiny", "--tokens", "128", "--sizes", "2", "--repeats", "1", "--no-memory")
+    assert "| cp_size | seconds |" in proc.stdout and "| 2 | " in proc.stdout, proc.stdout
