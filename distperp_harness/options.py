@@ -334,7 +334,7 @@ class Options:
 
     def _check_context_parallel(self) -> None:
         """``cp_size``: a divisor of the processes per node or ``node``; with whole weights on every process (not
-        ``shard_size``/``tp_size``), no reference (its forward is not split), rows computed in batches (not
+        ``shard_size``/``tp_size``), rows computed in batches (not
         ``batch_invariant``) and eager layers (not ``compile``)."""
         if isinstance(self.cp_size, str):
             _require(self.cp_size == "node", "cp_size", self.cp_size, CP_SIZES, "e.g. cp_size=node, or cp_size=2")
@@ -359,7 +359,6 @@ class Options:
         for key, value, ok, what in (
             ("shard_size", self.shard_size, self.shard_size == 1, "whole weights on every member"),
             ("tp_size", self.tensor_parallel, self.tensor_parallel == 1, "whole weights on every member"),
-            ("reference", self.reference, self.reference is None, "no reference (its forward is not split yet)"),
             ("batch_invariant", self.batch_invariant, not self.batch_invariant, "rows computed in batches"),
             ("compile", self.compile, self.compile == "false", "eager layers (the gathers are not compiled)"),
         ):

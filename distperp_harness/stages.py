@@ -263,8 +263,10 @@ def prepare(
         options.share_prefix, list(both), batching, loaded.max_length, batch_invariant=options.batch_invariant
     )
     if placement.cp.size > 1:  # plain sdpa outside a group's forward: short rows and generation as with cp_size=1
-        check_attention(model, placement.cp.size, options.pretrained)
-        use_cp_attention(model)
+        for which, source in ((model, options.pretrained), (reference, f"reference={options.reference}")):
+            if which is not None:
+                check_attention(which, placement.cp.size, source)
+                use_cp_attention(which)
     compiled = compile_models(  # after loading, quantization and the batching rule (its warm-up shapes)
         options.compile_mode,
         [model, reference],

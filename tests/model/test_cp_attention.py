@@ -46,7 +46,7 @@ def test_zigzag_gives_each_member_chunks_i_and_2n_minus_1_minus_i():
         zigzag(10, 2, 0)
 
 
-def _simulated(model, batch, cp: int) -> list:
+def _simulated(model, batch, cp: int, reference=None) -> list:
     """``score_batch_cp`` of every member of a group of ``cp``, the members as threads meeting at each gather and
     sum (in member order, as an all-gather and an all-reduce give them)."""
     barrier = threading.Barrier(cp)
@@ -77,7 +77,14 @@ def _simulated(model, batch, cp: int) -> list:
 
         try:
             results[m] = score_batch_cp(
-                model, batch, device=CPU, pad_token_id=0, group=Group(cp, m), gather=meet, reduce=total
+                model,
+                batch,
+                device=CPU,
+                pad_token_id=0,
+                group=Group(cp, m),
+                reference=reference,
+                gather=meet,
+                reduce=total,
             )
         except Exception as exc:  # raised in the test's thread below
             errors.append(exc)
@@ -124,6 +131,30 @@ def test_a_groups_forward_is_one_forward_split(family, mode, dtype):
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3-mixed-window"])
+def test_a_reference_is_split_the_same_way(family):
+    """With a reference (another random model of the family), every member's unit table (log-likelihoods of both,
+    top-1 agreements, per-token KL) equals one forward of each model over the whole batch, in float64."""
+    model = family_model(family, dtype=torch.float64)
+    reference = family_model(family, dtype=torch.float64, seed=1)
+    for m in (model, reference):
+        record_paths(m, probe(m, CPU, 0, 512))
+    rows = build_rows(_units(model.config.vocab_size), ShareMode.PREFIX)
+    whole = score_batch(model, rows, device=CPU, pad_token_id=0, reference=reference)
+    for m in (model, reference):
+        cp_attention.use(m)
+    try:
+        members = _simulated(model, rows, 2, reference)
+        for member in members:
+            assert np.abs(member.stats - whole.stats).max() <= 1e-9, family
+            assert np.array_equal(member.stats[:, 1:3], whole.stats[:, 1:3])
+            assert all(np.abs(a - b).max() <= 1e-9 for a, b in zip(member.kl_rows(), whole.kl_rows()))
+        assert whole.stats[:, 3].any() and any(k.any() for k in whole.kl_rows())  # the reference was scored
+    finally:
+        for m in (model, reference):
+            m.set_attn_implementation("sdpa")
+
+
 def test_query_blocks_are_even_and_bounded():
     for rows, keys in ((2048, 6144), (100, 8192), (64001, 10**6), (2048, 2048), (1, 5)):
         blocks = cp_attention.query_blocks(rows, keys)
@@ -167,7 +198,7 @@ def test_an_attention_that_is_more_than_a_mask_is_refused():
 
 
 @pytest.mark.parametrize(
-    "extra, key", [({"shard_size": 2}, "shard_size"), ({"reference": "base", "quantize": "int4"}, "reference")]
+    "extra, key", [({"shard_size": 2}, "shard_size"), ({"batch_invariant": True}, "batch_invariant")]
 )
 def test_cp_size_with_what_it_cannot_split_is_one_error(extra, key):
     with pytest.raises(ValueError, match=rf"{key}=.* with cp_size=2: context parallelism needs"):
@@ -198,9 +229,9 @@ def test_auto_sends_rows_of_2048_tokens_per_member_to_the_group():
 # ------------------------------------------------------------------------------------------ real launches
 @pytest.fixture(scope="module")
 def cp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
-    """One process (no cp); every row on the groups (``cp_min_tokens=1``): ``cp_size=2`` on 2 processes, 4
-    processes (2 groups) and 2 nodes x 2 (``node``); and ``cp_size=2`` with its default threshold, above every row of
-    the test tasks (``short``)."""
+    """One process (no cp); every row on the groups (``cp_min_tokens=1``) with a reference (the same checkpoint, split
+    the same way): ``cp_size=2`` on 2 processes, 4 processes (2 groups) and 2 nodes x 2 (``node``); and ``cp_size=2``
+    with its default threshold, above every row of the test tasks (``short``)."""
     root = tmp_path_factory.mktemp("cp")
     out = {name: root / name for name in ("1p", "2p", "4p", "2nodes", "short")}
 
@@ -208,9 +239,10 @@ def cp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
         return [*distperp_args(tiny_model_dir, tasks_dir, out[name], extra, TASKS), "--log_samples"]
 
     run_command([*accelerate_launch_prefix(1), *args("1p", "")], cwd=root)
-    run_command([*accelerate_launch_prefix(2), *args("2p", ",cp_size=2,cp_min_tokens=1")], cwd=root)
-    run_command([*accelerate_launch_prefix(4), *args("4p", ",cp_size=2,cp_min_tokens=1")], cwd=root)
-    run_two_nodes(args("2nodes", ",cp_size=node,cp_min_tokens=1"), cwd=root, per_node=2)
+    grouped = f",cp_min_tokens=1,reference={tiny_model_dir}"  # every row on the groups; a reference split likewise
+    run_command([*accelerate_launch_prefix(2), *args("2p", ",cp_size=2" + grouped)], cwd=root)
+    run_command([*accelerate_launch_prefix(4), *args("4p", ",cp_size=2" + grouped)], cwd=root)
+    run_two_nodes(args("2nodes", ",cp_size=node" + grouped), cwd=root, per_node=2)
     run_command([*accelerate_launch_prefix(2), *args("short", ",cp_size=2")], cwd=root)
     return out
 
@@ -231,6 +263,7 @@ def test_a_fixed_cp_size_gives_the_same_bits_on_any_number_of_groups_and_nodes(c
         info = load_results(cp_runs[setup])["config"]["distperp"]
         assert info["world_size"] == world and info["sharding"]["cp_size"] == 2, setup
         assert info["fingerprint"] == first["fingerprint"], setup
+        assert {"dptest_rolling", "dptest_mc", "dptest_fewshot"} <= set(info["reference"]["tasks"]), setup
         for task in TASKS.split(","):
             assert _per_doc(load_samples(cp_runs[setup], task)) == _per_doc(load_samples(cp_runs["2p"], task))
     for task in TASKS.split(","):

@@ -104,10 +104,10 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
                 if row_at_a_time and shared:
                     raise ValueError("internal error: rows scored one at a time share no cached prefix")
                 if cp is not None and cp.size > 1:
-                    if shared or reference is not None:
-                        raise ValueError("internal error: a context-parallel batch has no cached prefix or reference")
+                    if shared:
+                        raise ValueError("internal error: a context-parallel batch has no cached prefix")
                     pad = _scoring_pad(pad_token_id)
-                    return score_batch_cp(model, rows, device=device, pad_token_id=pad, group=cp)
+                    return score_batch_cp(model, rows, device=device, pad_token_id=pad, group=cp, reference=reference)
                 scorer = score_each_row if row_at_a_time else functools.partial(score_batch, shared=shared)
                 return scorer(
                     model,

@@ -5,11 +5,12 @@ scores are then summed over the group (each position is computed by one member, 
 every member holds every position's score and builds the same unit table as
 :func:`~distperp_harness.run.scoring.engine.forward.score_batch` does from one forward.
 
-Rows are right-padded to a multiple of ``2N`` columns. Every row runs with its tree mask and position ids
-(:class:`~distperp_harness.run.scoring.engine.masks.Packing`; a plain row is a tree of one run), this member's query
-rows of it, one mask per layer type as for any batch. A shared prefix is not computed once here (its cache would be
-split across the group): the caller plans without cached prefixes. No reference model (the KL of a reference needs
-its forward split the same way; refused before loading).
+Rows are right-padded to a multiple of ``2N`` columns. Every row runs with its tree tables and position ids
+(:class:`~distperp_harness.run.scoring.engine.masks.Packing`; a plain row is a tree of one run): the attention asks
+for the mask of each block of this member's queries under its layer type's rule. A shared prefix is not computed
+once here (its cache would be split across the group): the caller gives batches without one. A reference model runs
+the same split forward after the model's, and its log-probabilities, KL and top-1 agreement are summed like the
+model's.
 """
 
 from __future__ import annotations
@@ -73,19 +74,21 @@ class MemberRows:
 
 
 @torch.no_grad()
-def score_batch_cp(
+def score_batch_cp(  # noqa: PLR0913 - score_batch's keywords, the group and its two collectives
     model: PreTrainedModel,
     batch: Sequence[Row] | Sequence[Unit],
     *,
     device: torch.device,
     pad_token_id: int,
     group: Group,
+    reference: PreTrainedModel | None = None,
     gather: Gather | None = None,
     reduce: Any = None,
 ) -> BatchScores:
     """:func:`~distperp_harness.run.scoring.engine.forward.score_batch`'s result for ``batch``, computed by the
-    members of ``group`` together (module doc); every member calls it with the same batch. ``gather``/``reduce``:
-    the group's all-gather and sum (tests simulate a group in one process); by default ``group``'s own."""
+    members of ``group`` together (module doc); every member calls it with the same batch. ``reference``: split the
+    same way (its own forward, after the model's; KL and top-1 at the member's positions). ``gather``/``reduce``: the
+    group's all-gather and sum (tests simulate a group in one process); by default ``group``'s own."""
     gather = gather or group.gather
     reduce = reduce or group.all_reduce
     batch_rows = list(batch) if _are_rows(batch) else unit_rows(batch)
@@ -100,22 +103,35 @@ def score_batch_cp(
     where = local[cols]
     owned = (where >= 0).nonzero().flatten()
     mine_targets = targets[owned]
-    chunks = _chunks(len(owned), _vocab_size(model), device.type)
+    chunks = _chunks(len(owned), _vocab_size(model), device.type, reference is not None)
     chunk_rows = max((b - a for a, b in chunks), default=1)
-    paths = paths_of(model)
-    member = MemberRows(packing, mine, paths.layout, getattr(model.config, "layer_types", None))
-    with context_parallel(gather, group.size, length, group.member, member.masks):
-        feats, to_logits = _features(
-            model, paths, ids[:, mine], (rows[owned], where[owned]), chunk_rows, cast(Packing, member)
-        )
-    scores = position_scores(feats, to_logits, None, mine_targets, chunks, chunk_rows, None, device)
-    table = torch.zeros(3, len(targets), dtype=torch.float64, device=device)
-    table[0, owned] = scores.logprob
-    table[1, owned] = scores.greedy.double()
-    table[2, owned] = scores.finite.double()
-    table = reduce(table)
-    merged = PositionScores(table[0], table[1] > 0.5, table[2] > 0.5)
+
+    def features(which: PreTrainedModel) -> tuple[torch.Tensor, Any]:
+        paths = paths_of(which)
+        member = MemberRows(packing, mine, paths.layout, getattr(which.config, "layer_types", None))
+        with context_parallel(gather, group.size, length, group.member, member.masks):
+            return _features(which, paths, ids[:, mine], (rows[owned], where[owned]), chunk_rows, cast(Packing, member))
+
+    feats, to_logits = features(model)
+    ref_features = features(reference) if reference is not None else None
+    scores = position_scores(feats, to_logits, ref_features, mine_targets, chunks, chunk_rows, reference, device)
+    merged = _summed(scores, owned, len(targets), reduce, device)
     if len(targets) and not bool(merged.finite.all()):
         bad = (~merged.finite).nonzero().flatten()
         raise NonFiniteLogitsError(sorted({int(r) for r in rows[bad].tolist()}))
     return unit_table(units, merged)
+
+
+def _summed(scores: PositionScores, owned: torch.Tensor, n: int, reduce: Any, device: torch.device) -> PositionScores:
+    """Every position's scores on every member: each member's own positions in one float64 table (zeros
+    elsewhere), summed over the group (each position is computed by one member: the sum is its value exactly)."""
+    columns = [scores.logprob, scores.greedy, scores.finite]
+    if scores.ref_logprob is not None and scores.kl is not None and scores.top1 is not None:
+        columns += [scores.ref_logprob, scores.kl, scores.top1]
+    table = torch.zeros(len(columns), n, dtype=torch.float64, device=device)
+    for i, column in enumerate(columns):
+        table[i, owned] = column.double()
+    table = reduce(table)
+    if len(columns) == 3:
+        return PositionScores(table[0], table[1] > 0.5, table[2] > 0.5)
+    return PositionScores(table[0], table[1] > 0.5, table[2] > 0.5, table[3], table[4], table[5] > 0.5)
