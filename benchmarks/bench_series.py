@@ -8,9 +8,10 @@ The stages: ``--model``'s weights, each matrix multiplied by ``1 + 0.05·k`` plu
 spread (stage k = 0..N-1), saved as ``step_{1000·(k+1)}`` in a temporary run folder: N checkpoints of one
 architecture and one tokenizer, as a training run writes them. Work per checkpoint: ``distperp_wikitext2`` (the
 local WikiText-2 test file, ``--limit`` articles) and ``dptest_fewshot`` (2-shot multiple choice, multi-token
-answers). Timed: the ``series`` launch, then each separate ``lm_eval`` run (wall seconds of each process, start-up
-included: what a user waits for), after one untimed process that imports both (files read cold slow the first).
-Printed: a table, the ratio series / sum of separate runs, and whether each checkpoint's fingerprint
+answers). Timed: the ``series`` launch, then each separate ``lm_eval`` run (wall seconds of each command, start-up
+included: what a user waits for; and the CPU seconds of its processes, which another user's load on a shared
+machine changes far less), after one untimed process that imports both (files read cold slow the first).
+Printed: a table, the ratios series / sum of separate runs, and whether each checkpoint's fingerprint
 (``config.distperp.fingerprint``) equals its separate run's. Exits 1 when one differs or a run fails.
 """
 
@@ -19,10 +20,12 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import SHARED_MODEL, TEST_TASKS, WIKITEXT_TEST, environment
@@ -57,13 +60,28 @@ def _prefix(processes: int) -> list[str]:
     return accelerate_launch_prefix(processes) if processes > 1 else [sys.executable]
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> float:
-    t0 = time.perf_counter()
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process's waited-for descendants (every rank of a launch included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One command's wall seconds and its processes' CPU seconds: on a shared machine the wall time of a command
+    also holds the other users' load, the CPU time mostly does not."""
+
+    wall: float
+    cpu: float
+
+
+def _timed(cmd: list[str], env: dict[str, str]) -> Timed:
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-3000:])
         raise SystemExit(f"bench_series: exit code {proc.returncode}: {' '.join(cmd)}")
-    return time.perf_counter() - t0
+    return Timed(time.perf_counter() - t0, _cpu_seconds() - c0)
 
 
 def _fingerprint(folder: Path) -> str:
@@ -141,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         same = {
             s.name: _fingerprint(root / "series" / s.name) == _fingerprint(root / "separate" / s.name) for s in stages
         }
+    wall, cpu = sum(t.wall for t in separate), sum(t.cpu for t in separate)
+    print("| work | processes | wall s | CPU s |\n|---|---|---|---|")
+    print(f"| series of {len(stages)} | {args.processes} | {series.wall:.1f} | {series.cpu:.1f} |")
+    for stage, timed in zip(stages, separate):
+        print(f"| lm_eval {stage.name} | {args.processes} | {timed.wall:.1f} | {timed.cpu:.1f} |")
+    print(f"| lm_eval, all {len(stages)} | {args.processes} | {wall:.1f} | {cpu:.1f} |")
     print(
-        f"| work | processes | wall s |\n|---|---|---|\n| series of {len(stages)} | {args.processes} | {series:.1f} |"
-    )
-    for stage, seconds in zip(stages, separate):
-        print(f"| lm_eval {stage.name} | {args.processes} | {seconds:.1f} |")
-    print(f"| lm_eval, all {len(stages)} | {args.processes} | {sum(separate):.1f} |")
-    print(
-        f"\nseries / separate: {series / sum(separate):.2f}x ({args.model.name}, {TASKS}, --limit {args.limit}, "
-        f"max_length={args.max_length}); fingerprints equal: "
+        f"\nseries / separate: {series.wall / wall:.2f}x wall, {series.cpu / cpu:.2f}x CPU ({args.model.name}, "
+        f"{TASKS}, --limit {args.limit}, max_length={args.max_length}); fingerprints equal: "
         + ", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in same.items())
     )
     return 0 if all(same.values()) else 1
