@@ -35,6 +35,8 @@ failed) is rank 0's, sent to all (:meth:`AccelerateCollective.all_gather_object`
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import gc
 import json
 import shutil
@@ -44,7 +46,7 @@ import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 from accelerate.logging import get_logger
 
@@ -141,7 +143,8 @@ def _common_args(args: argparse.Namespace) -> dict[str, Any]:
 
 @dataclass
 class Series:
-    """What one launch knows: the checkpoints' model_args rule, the record so far, what this launch tried."""
+    """What one launch knows: the checkpoints' model_args rule, the record so far, what this launch tried, and the
+    results read back for the table (``runs``, by label)."""
 
     args: argparse.Namespace
     out: Path
@@ -151,6 +154,7 @@ class Series:
     tried: set[str] = field(default_factory=set)
     previous: Checkpoint | None = None
     first: Checkpoint | None = None
+    runs: dict[str, Any] = field(default_factory=dict)
 
     def model_args(self, checkpoint: Checkpoint) -> dict[str, Any]:
         """The ``--model_args`` that evaluate ``checkpoint`` alone (``resume_dir`` aside)."""
@@ -244,6 +248,29 @@ def _own_index_suffices(manager: Any, names: list[str]) -> bool:
     return bool(names) and all(n in index and index[n].kind in (IndexKind.TASK, IndexKind.PY_TASK) for n in names)
 
 
+@contextlib.contextmanager
+def env_info_once() -> Iterator[None]:
+    """lm-eval's ``add_env_info`` (torch's ``collect_env``, which runs subprocesses: ~0.3 s a call on a 2-core CPU)
+    computed for the first checkpoint and copied into each later checkpoint's results: one process has one
+    environment. It only adds keys (``pretty_env_info``, versions, the git hash), so the results are what each
+    call would write."""
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.add_env_info
+    first: dict[str, Any] = {}
+
+    def once(storage: dict[str, Any]) -> None:
+        if not first:
+            original(first)
+        storage.update(copy.deepcopy(first))
+
+    evaluator.add_env_info = once
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
+
+
 def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collective: Any) -> Row:
     """Evaluate ``checkpoint`` on every rank; rank 0 writes its results folder. Returns its row: done, or failed with
     the first failing rank's one line (every rank returns the same status)."""
@@ -318,7 +345,11 @@ def _write_outputs(series: Series, draw: bool = True) -> list[str]:
     from distperp_harness.commands.series_plot import plot_series
 
     write_rows(series.out, series.rows)
-    runs = {r.label: load_run(series.out / r.folder) for r in series.rows if r.label in series.done()}
+    done = series.done()
+    for row in series.rows:  # a done checkpoint's results do not change: each folder is read once
+        if row.label in done and row.label not in series.runs:
+            series.runs[row.label] = load_run(series.out / row.folder)
+    runs = {label: run for label, run in series.runs.items() if label in done}
     table = series_table(series.rows, runs)
     atomic_write_text(series.out / TABLE_FILE, table + "\n")
     if not draw:
@@ -369,7 +400,7 @@ def _loop(series: Series, collective: Any, watcher: Watcher | None, plan: list[C
     from distperp_harness.model.kept_base import keeping_base
 
     launch = Launch(_build_tasks(series.args, series.model_args(plan[0]) if plan else common), baseline=cuda_baseline())
-    with keeping_base() as launch.keeper:
+    with keeping_base() as launch.keeper, env_info_once():
         return _checkpoints(series, collective, watcher, launch)
 
 
