@@ -3,10 +3,13 @@
     python -m benchmarks.bench_series                         # wt2-llama-5m, 5 stages, WikiText-2 + few-shot MC
     python -m benchmarks.bench_series --processes 2
     python -m benchmarks.bench_series --model TINY --checkpoints 2 --limit 2 --max-length 128   # dry (make test)
+    python -m benchmarks.bench_series --model ~/.cache/distperp/smollm2-135m-instruct --adapters --checkpoints 4 \
+        --limit 2 --max-length 256                            # 4 LoRA adapters of SmolLM2-135M: the base read once
 
 The stages: ``--model``'s weights, each matrix multiplied by ``1 + 0.05·k`` plus seeded noise of ``0.01·k`` of its
 spread (stage k = 0..N-1), saved as ``step_{1000·(k+1)}`` in a temporary run folder: N checkpoints of one
-architecture and one tokenizer, as a training run writes them. Work per checkpoint: ``distperp_wikitext2`` (the
+architecture and one tokenizer, as a training run writes them (``--adapters``: N random LoRA adapters of ``--model``
+instead, :func:`write_adapters`, the series given ``--base``). Work per checkpoint: ``distperp_wikitext2`` (the
 local WikiText-2 test file, ``--limit`` articles) and ``dptest_fewshot`` (2-shot multiple choice, multi-token
 answers). Timed: the ``series`` launch, then each separate ``lm_eval`` run (wall seconds of each command, start-up
 included: what a user waits for; and the CPU seconds of its processes, which another user's load on a shared
@@ -56,6 +59,31 @@ def write_stages(model: Path, run: Path, count: int) -> list[Path]:
     return out
 
 
+def write_adapters(model: Path, run: Path, count: int, rank: int = 8) -> list[Path]:
+    """``count`` LoRA adapters of ``model`` (rank ``rank`` on every attention and MLP projection, ``A`` and ``B``
+    seeded random, 0.02 of unit spread: PEFT's own initialisation zeroes ``B``, which would change nothing), saved
+    as ``run/adapter_{1000·(k+1)}``: the adapters of a sweep over one base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for k in range(count):
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        adapted = get_peft_model(base, config)
+        generator = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for name, parameter in adapted.named_parameters():
+                if "lora_" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+        folder = run / f"adapter_{1000 * (k + 1)}"
+        adapted.save_pretrained(str(folder))
+        out.append(folder)
+    return out
+
+
 def _prefix(processes: int) -> list[str]:
     return accelerate_launch_prefix(processes) if processes > 1 else [sys.executable]
 
@@ -97,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=1, help="processes of every launch (default 1)")
     parser.add_argument("--max-length", type=int, default=512, help="max_length= (default 512)")
     parser.add_argument("--batch-size", default="8", help="batch_size= (default 8)")
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help="the checkpoints are LoRA adapters of --model (write_adapters), evaluated as pretrained=MODEL,peft=...",
+    )
     args = parser.parse_args(argv)
     wikitext = str(WIKITEXT_TEST) if WIKITEXT_TEST.is_file() else "sample"
     env = environment({"DISTPERP_WIKITEXT_PATH": wikitext})
@@ -104,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     model_args = f"max_length={args.max_length}"
     with tempfile.TemporaryDirectory(prefix="bench_series_") as tmp:
         root = Path(tmp)
-        stages = write_stages(args.model, root / "run", args.checkpoints)
+        write = write_adapters if args.adapters else write_stages
+        stages = write(args.model, root / "run", args.checkpoints)
+        base = ["--base", str(args.model)] if args.adapters else []
+
+        def own(stage: Path) -> str:
+            return f"pretrained={args.model},peft={stage}" if args.adapters else f"pretrained={stage}"
+
         warm = "import lm_eval.evaluator, distperp_harness.lm"  # untimed: the first process reads cold files
         subprocess.run([sys.executable, "-c", warm], env=env, capture_output=True, check=False)
         series = _timed(
@@ -127,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.limit),
                 "--output_path",
                 str(root / "series"),
+                *base,
             ],  # fmt: skip
             env,
         )
@@ -141,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--model",
                         "distperp",
                         "--model_args",
-                        f"pretrained={stage},{model_args}",
+                        f"{own(stage)},{model_args}",
                         "--tasks",
                         TASKS,
                         "--include_path",
