@@ -12,10 +12,11 @@ architecture and one tokenizer, as a training run writes them (``--adapters``: N
 instead, :func:`write_adapters`, the series given ``--base``). Work per checkpoint: ``distperp_wikitext2`` (the
 local WikiText-2 test file, ``--limit`` articles) and ``dptest_fewshot`` (2-shot multiple choice, multi-token
 answers). Timed: the ``series`` launch, then each separate ``lm_eval`` run (wall seconds of each command, start-up
-included: what a user waits for; and the CPU seconds of its processes, which another user's load on a shared
-machine changes far less), after one untimed process that imports both (files read cold slow the first).
-Printed: a table, the ratios series / sum of separate runs, and whether each checkpoint's fingerprint
-(``config.distperp.fingerprint``) equals its separate run's. Exits 1 when one differs or a run fails.
+included: what a user waits for; and the CPU seconds of its processes), after one untimed process that imports both
+(files read cold slow the first). With ``--repeats N`` both are timed N times, alternating which goes first, and
+each timing is the fastest of its N: on a shared machine another user's load only adds time (to both: threads that
+wait for a core spin). Printed: a table, the ratios series / sum of separate runs, and whether each checkpoint's
+fingerprint (``config.distperp.fingerprint``) equals its separate run's. Exits 1 when one differs or a run fails.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the checkpoints are LoRA adapters of --model (write_adapters), evaluated as pretrained=MODEL,peft=...",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of both (each timing the fastest of them; default 1)"
+    )
     args = parser.parse_args(argv)
     wikitext = str(WIKITEXT_TEST) if WIKITEXT_TEST.is_file() else "sample"
     env = environment({"DISTPERP_WIKITEXT_PATH": wikitext})
@@ -146,65 +150,81 @@ def main(argv: list[str] | None = None) -> int:
 
         warm = "import lm_eval.evaluator, distperp_harness.lm"  # untimed: the first process reads cold files
         subprocess.run([sys.executable, "-c", warm], env=env, capture_output=True, check=False)
-        series = _timed(
-            [
-                *_prefix(args.processes),
-                "-m",
-                "distperp_harness",
-                "series",
-                "--checkpoints",
-                str(root / "run"),
-                "--tasks",
-                TASKS,
-                "--include_path",
-                include,
-                "--model_args",
-                model_args,
-                "--batch_size",
-                args.batch_size,
-                "--limit",
-                str(args.limit),
-                "--output_path",
-                str(root / "series"),
-                *base,
-            ],  # fmt: skip
-            env,
-        )
-        separate = []
-        for stage in stages:
-            separate.append(
-                _timed(
-                    [
-                        *_prefix(args.processes),
-                        "-m",
-                        "lm_eval",
-                        "--model",
-                        "distperp",
-                        "--model_args",
-                        f"{own(stage)},{model_args}",
-                        "--tasks",
-                        TASKS,
-                        "--include_path",
-                        include,
-                        "--batch_size",
-                        args.batch_size,
-                        "--limit",
-                        str(args.limit),
-                        "--output_path",
-                        str(root / "separate" / stage.name),
-                    ],  # fmt: skip
-                    env,
-                )
+
+        def run_series(out: Path) -> Timed:
+            return _timed(
+                [
+                    *_prefix(args.processes),
+                    "-m",
+                    "distperp_harness",
+                    "series",
+                    "--checkpoints",
+                    str(root / "run"),
+                    "--tasks",
+                    TASKS,
+                    "--include_path",
+                    include,
+                    "--model_args",
+                    model_args,
+                    "--batch_size",
+                    args.batch_size,
+                    "--limit",
+                    str(args.limit),
+                    "--output_path",
+                    str(out),
+                    *base,
+                ],  # fmt: skip
+                env,
             )
-        same = {
-            s.name: _fingerprint(root / "series" / s.name) == _fingerprint(root / "separate" / s.name) for s in stages
-        }
+
+        def run_separate(stage: Path, out: Path) -> Timed:
+            return _timed(
+                [
+                    *_prefix(args.processes),
+                    "-m",
+                    "lm_eval",
+                    "--model",
+                    "distperp",
+                    "--model_args",
+                    f"{own(stage)},{model_args}",
+                    "--tasks",
+                    TASKS,
+                    "--include_path",
+                    include,
+                    "--batch_size",
+                    args.batch_size,
+                    "--limit",
+                    str(args.limit),
+                    "--output_path",
+                    str(out),
+                ],  # fmt: skip
+                env,
+            )
+
+        rounds: list[tuple[Timed, list[Timed]]] = []
+        same: dict[str, bool] = {}
+        for r in range(args.repeats):  # odd rounds run the separate runs first: a load that drifts hits both alike
+            out = root / f"round{r}"
+            series = run_series(out / "series") if r % 2 == 0 else None
+            separate = [run_separate(stage, out / "separate" / stage.name) for stage in stages]
+            series = series or run_series(out / "series")
+            rounds.append((series, separate))
+            for stage in stages:
+                equal = _fingerprint(out / "series" / stage.name) == _fingerprint(out / "separate" / stage.name)
+                same[stage.name] = same.get(stage.name, True) and equal
+    series = Timed(min(t.wall for t, _ in rounds), min(t.cpu for t, _ in rounds))
+    separate = [
+        Timed(min(sep[i].wall for _, sep in rounds), min(sep[i].cpu for _, sep in rounds)) for i in range(len(stages))
+    ]
     wall, cpu = sum(t.wall for t in separate), sum(t.cpu for t in separate)
-    print("| work | processes | wall s | CPU s |\n|---|---|---|---|")
+    of = f" (fastest of {args.repeats})" if args.repeats > 1 else ""
+    print(f"| work{of} | processes | wall s | CPU s |\n|---|---|---|---|")
     print(f"| series of {len(stages)} | {args.processes} | {series.wall:.1f} | {series.cpu:.1f} |")
     for stage, timed in zip(stages, separate):
         print(f"| lm_eval {stage.name} | {args.processes} | {timed.wall:.1f} | {timed.cpu:.1f} |")
     print(f"| lm_eval, all {len(stages)} | {args.processes} | {wall:.1f} | {cpu:.1f} |")
+    for r, (one, sep) in enumerate(rounds if args.repeats > 1 else []):
+        print(f"round {r}: series {one.wall:.1f} s, separate {sum(t.wall for t in sep):.1f} s (wall)")
     print(
         f"\nseries / separate: {series.wall / wall:.2f}x wall, {series.cpu / cpu:.2f}x CPU ({args.model.name}, "
         f"{TASKS}, --limit {args.limit}, max_length={args.max_length}); fingerprints equal: "
