@@ -1,7 +1,8 @@
 """series: checkpoints found and ordered by step; the table and the figure from fixed runs; one watched series of tiny
 checkpoints (one with another tokenizer, one that fails to load, one written while the series runs) whose results
 have the fingerprints of separate evaluations, then a second watch that evaluates nothing and a 2-process launch
-that resumes a stopped series with the same fingerprints."""
+that resumes a stopped series with the same fingerprints (one checkpoint failing to load on rank 1 only); two LoRA
+adapters over one base read once, each with the bits of its separate evaluation."""
 
 import json
 import shutil
