@@ -17,8 +17,10 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness import __version__
+from distperp_harness.distributed.agreement import agreed
 from distperp_harness.distributed.collective import AccelerateCollective
 from distperp_harness.distributed.failfast import set_device, stop_together
+from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.docsplit import install_document_split
 from distperp_harness.errors import InputError
 from distperp_harness.model.chat import ChatTemplate
@@ -174,7 +176,9 @@ def load_models(options: Options, placement: Placement, given: Any, extra: InPro
     if reference_model is not None and (placement.mesh is not None or placement.tp_mesh is not None):
         reference_model = None  # a sharded reference lives on its own run's mesh: load it again
     to_load = options if reference_model is None else dataclasses.replace(options, reference=None)
-    loaded = load_all(to_load, placement.device, placement.mesh, given=given, tp_mesh=placement.tp_mesh)
+    with agreed(placement.collective, "loading the model"):  # one rank's failed load fails every rank alike
+        fail_for_tests(placement.collective.rank, "load")
+        loaded = load_all(to_load, placement.device, placement.mesh, given=given, tp_mesh=placement.tp_mesh)
     reference = cast("PreTrainedModel | None", loaded.reference)
     reference_bytes = loaded.reference_weight_bytes
     if reference_model is not None:

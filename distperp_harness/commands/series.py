@@ -35,6 +35,8 @@ failed) is rank 0's, sent to all (:meth:`AccelerateCollective.all_gather_object`
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import gc
 import json
 import shutil
@@ -44,7 +46,7 @@ import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 from accelerate.logging import get_logger
 
@@ -141,7 +143,8 @@ def _common_args(args: argparse.Namespace) -> dict[str, Any]:
 
 @dataclass
 class Series:
-    """What one launch knows: the checkpoints' model_args rule, the record so far, what this launch tried."""
+    """What one launch knows: the checkpoints' model_args rule, the record so far, what this launch tried, and the
+    results read back for the table (``runs``, by label)."""
 
     args: argparse.Namespace
     out: Path
@@ -151,6 +154,7 @@ class Series:
     tried: set[str] = field(default_factory=set)
     previous: Checkpoint | None = None
     first: Checkpoint | None = None
+    runs: dict[str, Any] = field(default_factory=dict)
 
     def model_args(self, checkpoint: Checkpoint) -> dict[str, Any]:
         """The ``--model_args`` that evaluate ``checkpoint`` alone (``resume_dir`` aside)."""
@@ -190,18 +194,27 @@ def _one_line(error: BaseException) -> str:
 @dataclass
 class Launch:
     """What one launch keeps across checkpoints: the built tasks, the encoding memos per tokenizer, the last
-    reference model loaded and the ``reference=`` it was loaded for (reused while the same is asked)."""
+    reference model loaded and the ``reference=`` it was loaded for (reused while the same is asked), and the
+    :class:`~distperp_harness.model.kept_base.BaseKeeper` holding the base of PEFT adapters (read once)."""
 
     tasks: Any
     memos: dict[str, dict] = field(default_factory=dict)
     reference_model: Any = None
     reference_for: str | None = None
     baseline: int | None = None
+    keeper: Any = None
 
 
 def _build_tasks(args: argparse.Namespace, first_args: dict[str, Any]) -> Any:
     """lm-eval's ``TaskManager`` whose ``load`` builds the tasks the first time and gives the same Task objects
-    every time after, with the metadata lm-eval's CLI gives them (the model_args, then ``--metadata``)."""
+    every time after, with the metadata lm-eval's CLI gives them (the model_args, then ``--metadata``).
+
+    Its index: lm-eval indexes every YAML it ships (14,000 files, ~13 s of a 2-core CPU) and then distperp's and
+    ``--include_path``'s folders, each later folder replacing an earlier folder's entry of the same name. When every
+    asked name is a single task (not a group or tag, which may gather members from lm-eval's folders) in distperp's
+    and ``--include_path``'s folders alone, the full index would give that same entry (theirs come last), so those
+    folders alone are indexed (:func:`_own_index_suffices`); otherwise the full index is built, as lm-eval's CLI
+    does."""
     from lm_eval.tasks import TaskManager
 
     from distperp_harness.commands.taskdir import tasks_path
@@ -216,7 +229,46 @@ def _build_tasks(args: argparse.Namespace, first_args: dict[str, Any]) -> Any:
 
     include = [str(tasks_path()), *(p for p in (args.include_path or "").split(",") if p)]
     metadata = {**first_args, **(json.loads(args.metadata) if args.metadata else {})}
+    own = BuiltOnce(include_path=include, include_defaults=False, metadata=metadata)
+    if _own_index_suffices(own, task_names(args)):
+        return own
     return BuiltOnce(include_path=include, metadata=metadata)
+
+
+def task_names(args: argparse.Namespace) -> list[str]:
+    """``--tasks`` as the list ``simple_evaluate`` is given."""
+    return [t.strip() for t in args.tasks.split(",") if t.strip()]
+
+
+def _own_index_suffices(manager: Any, names: list[str]) -> bool:
+    """Whether every name is a single task (YAML or Python) of ``manager``'s index (see :func:`_build_tasks`)."""
+    from lm_eval.tasks._index import Kind as IndexKind
+
+    index = manager.task_index
+    return bool(names) and all(n in index and index[n].kind in (IndexKind.TASK, IndexKind.PY_TASK) for n in names)
+
+
+@contextlib.contextmanager
+def env_info_once() -> Iterator[None]:
+    """lm-eval's ``add_env_info`` (torch's ``collect_env``, which runs subprocesses: ~0.3 s a call on a 2-core CPU)
+    computed for the first checkpoint and copied into each later checkpoint's results: one process has one
+    environment. It only adds keys (``pretty_env_info``, versions, the git hash), so the results are what each
+    call would write."""
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.add_env_info
+    first: dict[str, Any] = {}
+
+    def once(storage: dict[str, Any]) -> None:
+        if not first:
+            original(first)
+        storage.update(copy.deepcopy(first))
+
+    evaluator.add_env_info = once
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
 
 
 def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collective: Any) -> Row:
@@ -255,7 +307,7 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     tracker = EvaluationTracker(output_path=str(series.out / checkpoint.label)) if lm.rank == 0 else None
     results = lm_eval.simple_evaluate(
         model=lm,
-        tasks=[t.strip() for t in series.args.tasks.split(",") if t.strip()],
+        tasks=task_names(series.args),
         task_manager=launch.tasks,
         num_fewshot=series.args.num_fewshot,
         limit=series.args.limit,
@@ -272,24 +324,36 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     )
     if reference not in (None, "base", "pretrained"):  # a model of its own: the next checkpoint may reuse it
         launch.reference_model, launch.reference_for = lm.reference, reference
+    kept = launch.keeper is not None and launch.keeper.holds(lm.model)  # the base of the next adapter: not released
     model_ref = weakref.ref(lm.model)
     del lm, results
     release = released(model_ref, launch.baseline)
-    if not release.ok:
+    if not release.ok and not kept:
         log.warning(f"series: {checkpoint.label}'s model was not released: {release.detail}", main_process_only=True)
     return row(Status.DONE, reused=reused, encoded=encoded)
 
 
-def _write_outputs(series: Series) -> list[str]:
-    """Rank 0: ``series.json``, ``series.md``, the figure; the lines to print."""
+FIGURE_EVERY_S = 60.0
+"""The figure is redrawn after a checkpoint once its last drawing (or the launch's start) is this old, and always at
+the end: drawing it costs about a second of a 2-core CPU, which checkpoints of seconds would pay each time."""
+
+
+def _write_outputs(series: Series, draw: bool = True) -> list[str]:
+    """Rank 0: ``series.json``, ``series.md`` and, with ``draw``, the figure; the lines to print."""
     from distperp_harness.commands.compare import load_run
     from distperp_harness.commands.plots import PlotUnavailable
     from distperp_harness.commands.series_plot import plot_series
 
     write_rows(series.out, series.rows)
-    runs = {r.label: load_run(series.out / r.folder) for r in series.rows if r.label in series.done()}
+    done = series.done()
+    for row in series.rows:  # a done checkpoint's results do not change: each folder is read once
+        if row.label in done and row.label not in series.runs:
+            series.runs[row.label] = load_run(series.out / row.folder)
+    runs = {label: run for label, run in series.runs.items() if label in done}
     table = series_table(series.rows, runs)
     atomic_write_text(series.out / TABLE_FILE, table + "\n")
+    if not draw:
+        return [table, "", f"series: table in {series.out / TABLE_FILE}"]
     try:
         figure = plot_series(series.rows, runs, series.args.plot or series.out / "series.png").line("series")
     except (PlotUnavailable, ValueError) as error:
@@ -333,10 +397,18 @@ def run_series(args: argparse.Namespace) -> int:
 def _loop(series: Series, collective: Any, watcher: Watcher | None, plan: list[Checkpoint], common: dict) -> int:
     """Evaluate checkpoints until rank 0 says stop (see :func:`decide`); rank 0 prints the table at the end."""
     from distperp_harness.commands.release import cuda_baseline
+    from distperp_harness.model.kept_base import keeping_base
 
+    launch = Launch(_build_tasks(series.args, series.model_args(plan[0]) if plan else common), baseline=cuda_baseline())
+    with keeping_base() as launch.keeper, env_info_once():
+        return _checkpoints(series, collective, watcher, launch)
+
+
+def _checkpoints(series: Series, collective: Any, watcher: Watcher | None, launch: Launch) -> int:
+    """The loop of :func:`_loop`, with the launch's kept state."""
     args = series.args
-    launch = Launch(_build_tasks(args, series.model_args(plan[0]) if plan else common), baseline=cuda_baseline())
-    t0, lines = time.perf_counter(), []
+    t0, lines, drawn = time.perf_counter(), [], False
+    last_figure = t0
     while True:
         step, checkpoint = from_main(collective, lambda: decide(series, watcher), "decide what next")
         if step is Step.STOP:
@@ -356,9 +428,11 @@ def _loop(series: Series, collective: Any, watcher: Watcher | None, plan: list[C
                 shutil.rmtree(series.resume_dir(checkpoint), ignore_errors=True)
             else:
                 log.warning(f"series: {row.label} failed: {row.reason}; the series goes on", main_process_only=True)
-            lines = _write_outputs(series)
+            drawn = time.perf_counter() - last_figure >= FIGURE_EVERY_S
+            lines = _write_outputs(series, draw=drawn)
+            last_figure = time.perf_counter() if drawn else last_figure
     if collective.is_main:
-        if not lines and series.rows:
+        if not drawn and series.rows:
             lines = _write_outputs(series)
         print("\n".join(lines))
         failed = sum(r.status is Status.FAILED for r in series.rows)

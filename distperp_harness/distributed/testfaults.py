@@ -33,6 +33,7 @@ _POINTS = {
     "generation": "DISTPERP_TEST_FAIL_GENERATION",
     "lane": "DISTPERP_TEST_FAIL_LANE",
     "probe": "DISTPERP_TEST_FAIL_PROBE",
+    "load": "DISTPERP_TEST_FAIL_LOAD",
 }
 _HOLDS = {"lane": "DISTPERP_TEST_HOLD_LANE", "probe": "DISTPERP_TEST_HOLD_PROBE"}
 
@@ -47,7 +48,9 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL_LANE`` (``lane``): before a generation lane this rank computes (its n-th lane);
       ``DISTPERP_TEST_HOLD_LANE`` stalls there instead (a decode step of ten minutes: slow, not lost);
     * ``DISTPERP_TEST_FAIL_PROBE`` (``probe``): before the probe of the n-th model at load (the model, then the
-      reference); ``DISTPERP_TEST_HOLD_PROBE`` stalls there instead.
+      reference); ``DISTPERP_TEST_HOLD_PROBE`` stalls there instead;
+    * ``DISTPERP_TEST_FAIL_LOAD`` (``load``): while loading the n-th model of the process (its n-th
+      :class:`~distperp_harness.lm.DistPerpLM`; a checkpoint of ``series``), as a file this rank cannot read would.
     """
     actions: dict[str, Callable[[str], None]] = {_POINTS[point]: _raise_injected}
     if point in _HOLDS:

@@ -30,6 +30,7 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.errors import InputError
+from distperp_harness.model.kept_base import BaseKeeper, adapter_keepable
 from distperp_harness.options import Options
 
 log = get_logger(__name__)
@@ -66,16 +67,23 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(getattr(text, "vocab_size", None) or config.vocab_size)
 
 
-def apply_peft(model: torch.nn.Module, options: Options, tokenizer: Any) -> tuple[torch.nn.Module, AdapterReport]:
+def apply_peft(
+    model: torch.nn.Module, options: Options, tokenizer: Any, keeper: BaseKeeper | None = None
+) -> tuple[torch.nn.Module, AdapterReport]:
     """The base with the PEFT adapter ``options.peft`` (at ``options.revision``), merged unless
-    ``options.merge_adapter`` is false (module doc)."""
+    ``options.merge_adapter`` is false (module doc). ``keeper``: ``model`` is its kept base
+    (:mod:`~distperp_harness.model.kept_base`), told how to undo this adapter, or dropped where it cannot be."""
     _require_peft()
     from peft import PeftModel
 
     source = options.peft
     if source is None:
         raise InputError("apply_peft needs peft=<adapter folder or hub id>; none was given.")
+    kept = keeper.kept if keeper is not None and keeper.holds(model) else None
     if tokenizer is not None and _vocab_size(model) != len(tokenizer):
+        if keeper is not None:
+            keeper.drop()  # resized embeddings are not the base's: the next adapter loads its own
+            kept = None
         log.info(
             f"distperp: the model's vocabulary ({_vocab_size(model)}) differs from the tokenizer's "
             f"({len(tokenizer)}): resizing the embeddings before applying the adapter (as lm-eval hf)",
@@ -88,6 +96,8 @@ def apply_peft(model: torch.nn.Module, options: Options, tokenizer: Any) -> tupl
             model, os.path.expanduser(source), revision=options.revision, torch_device=str(device), is_trainable=False
         )
     except (OSError, ValueError) as exc:
+        if keeper is not None:
+            keeper.drop()  # PEFT may have injected layers before failing
         raise InputError(
             f"could not load a PEFT adapter from peft={source!r}: {exc}. Fix: give the folder (or hub "
             "id) holding adapter_config.json and adapter_model.safetensors."
@@ -101,12 +111,24 @@ def apply_peft(model: torch.nn.Module, options: Options, tokenizer: Any) -> tupl
         rank=getattr(config, "r", None),
         target_modules=sorted(targets) if targets else None,
     )
+    if kept is not None and keeper is not None:
+        why = adapter_keepable(config)
+        if why is not None:
+            log.info(f"distperp: the base is not kept across adapters: {source} has {why}", main_process_only=True)
+            keeper.drop()
+            kept = None
     if not options.merge_adapter:  # the transformers model, its Linears replaced by PEFT's LoRA layers in place
         peft_model.eval()
+        if kept is not None:
+            kept.unmerged(peft_model)
         return cast(torch.nn.Module, peft_model.base_model.model), AdapterReport(
             **common, merged=False, note=f"PEFT adapter {source} applied unmerged (merge_adapter=false)."
         )
+    if kept is not None:
+        kept.before_merge(peft_model)
     merged = peft_model.merge_and_unload()
+    if kept is not None and keeper is not None and merged is not kept.model:
+        keeper.drop()  # PEFT returned another object: nothing to restore into
     when = f" before quantize={options.quantize}" if options.quantize != "none" else ""
     return merged, AdapterReport(
         **common,

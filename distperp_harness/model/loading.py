@@ -20,6 +20,7 @@ from distperp_harness.errors import InputError
 from distperp_harness.model import parts
 from distperp_harness.model.adapters import AdapterReport, apply_delta, apply_peft
 from distperp_harness.model.checkpoint import check_gguf, refuse_on_stored, source_kwargs, stored_quantization
+from distperp_harness.model.kept_base import kept_base
 from distperp_harness.options import Options
 
 log = get_logger(__name__)
@@ -286,14 +287,25 @@ class Loaded:
 
 
 def load_adapted(
-    options: Options, device: torch.device, dtype: torch.dtype | str, tokenizer: Any, distributed_config: Any = None
+    options: Options,
+    device: torch.device,
+    dtype: torch.dtype | str,
+    tokenizer: Any,
+    distributed_config: Any = None,
+    keep: bool = False,
 ) -> tuple[torch.nn.Module, AdapterReport | None]:
     """``pretrained`` unquantized on ``device`` in ``dtype``, with its ``peft=`` adapter or ``delta=`` weights applied
     (:mod:`~distperp_harness.model.adapters`); without either, :func:`load_model` (tensor-parallel with
-    ``distributed_config``; options refuse adapters then)."""
-    model = load_model(options, device, dtype, distributed_config=distributed_config)
+    ``distributed_config``; options refuse adapters then). ``keep``: a ``peft=`` base may come from (and stay in)
+    the enclosing :func:`~distperp_harness.model.kept_base.keeping_base` (the model loaded plainly: the caller's
+    say)."""
+    keeper = kept_base() if keep and options.peft and distributed_config is None else None
+    if keeper is not None:
+        model = keeper.base(options, device, dtype, lambda: load_model(options, device, dtype)).model
+    else:
+        model = load_model(options, device, dtype, distributed_config=distributed_config)
     if options.peft:
-        model, report = apply_peft(model, options, tokenizer)
+        model, report = apply_peft(model, options, tokenizer, keeper)
         model.requires_grad_(False)
         return model, report
     if options.delta:
@@ -379,7 +391,8 @@ def _load_all(
             model, report = load_quantized(options, device, dtype, distributed_config)
         log.info(report.summary(), main_process_only=True)
     else:
-        model, adapter = load_adapted(options, staging, asked, tokenizer, distributed_config)
+        keep = mesh is None and distributed_config is None  # a kept base stays as loaded: never sharded here
+        model, adapter = load_adapted(options, staging, asked, tokenizer, distributed_config, keep=keep)
     if adapter is not None:
         log.info(f"distperp: {adapter.note}", main_process_only=True)
     if stored is not None:

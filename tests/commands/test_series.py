@@ -1,7 +1,8 @@
 """series: checkpoints found and ordered by step; the table and the figure from fixed runs; one watched series of tiny
 checkpoints (one with another tokenizer, one that fails to load, one written while the series runs) whose results
 have the fingerprints of separate evaluations, then a second watch that evaluates nothing and a 2-process launch
-that resumes a stopped series with the same fingerprints."""
+that resumes a stopped series with the same fingerprints (one checkpoint failing to load on rank 1 only); two LoRA
+adapters over one base read once, each with the bits of its separate evaluation."""
 
 import json
 import shutil
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import accelerate_launch_prefix, load_results, run_command, sharpened_model
+from helpers import accelerate_launch_prefix, load_results, lora_adapter, run_command, sharpened_model
 
 from distperp_harness.commands.checkpoints import Checkpoint, Kind, discover, is_complete, snapshot, step_of
 from distperp_harness.commands.cli import main
@@ -247,19 +248,23 @@ def test_a_second_watch_evaluates_nothing_again(watched, capsys):
 @pytest.mark.distributed
 def test_two_processes_resume_a_stopped_series_with_the_same_fingerprints(watched, tmp_path):
     """A series stopped after its first checkpoint (its record and results folder, as the 1-process watch left
-    them), resumed by a 2-process launch: the first is skipped, the others get the 1-process fingerprints."""
+    them), resumed by a 2-process launch: the first is skipped; step 200 fails to load on rank 1 only (an injected
+    fault, as a file missing on one node), which is one failed row on every rank, and step 300 after it gets the
+    1-process fingerprint (the ranks' collectives still pair up)."""
     out = tmp_path / "out2"
     shutil.copytree(watched["out"] / "checkpoint-100", out / "checkpoint-100")
     first = read_rows(watched["out"])[0]
     (out / "series.json").write_text(json.dumps({"rows": [first.to_dict()]}))
     cmd = [*accelerate_launch_prefix(2), "-m", "distperp_harness", *_series_args(watched["run"], out)]
-    proc = run_command(cmd, cwd=tmp_path)
+    proc = run_command(cmd, cwd=tmp_path, env={"DISTPERP_TEST_FAIL_LOAD": "1:1"})  # rank 1's first load: step 200
     assert "done already, skipped: checkpoint-100" in proc.stderr + proc.stdout
     rows = _rows(out)
     assert rows["checkpoint-150"].status is Status.FAILED
-    for label in ("checkpoint-200", "checkpoint-300"):
-        two = load_results(out / label)["config"]["distperp"]
-        assert two["world_size"] == 2 and two["fingerprint"] == _fingerprint(watched["out"] / label), label
+    assert rows["checkpoint-200"].status is Status.FAILED
+    assert "rank 1" in rows["checkpoint-200"].reason and "injected failure" in rows["checkpoint-200"].reason
+    assert not (out / "checkpoint-200").exists()
+    two = load_results(out / "checkpoint-300")["config"]["distperp"]
+    assert two["world_size"] == 2 and two["fingerprint"] == _fingerprint(watched["out"] / "checkpoint-300")
 
 
 def test_checkpoint_labels_are_the_results_folders(watched):
@@ -269,3 +274,60 @@ def test_checkpoint_labels_are_the_results_folders(watched):
         "checkpoint-200",
         "checkpoint-300",
     ]
+
+
+# --- PEFT adapters of one base: the base read once ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """Two random LoRA adapters of the test model, as a sweep's outputs (``step_100``, ``step_200``)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return [lora_adapter(tiny_model_dir, root / f"step_{100 * seed}", seed=seed) for seed in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def task_manager():
+    """lm-eval's task index of distperp's and the test tasks' folders alone (the same YAML entries as the full
+    index: those folders come last in it; a second faster)."""
+    from lm_eval.tasks import TaskManager
+
+    from distperp_harness.commands.taskdir import tasks_path
+
+    return TaskManager(include_path=[str(tasks_path()), str(TASKS_DIR)], include_defaults=False)
+
+
+@pytest.mark.parametrize("merge", ["true", "false"])
+def test_adapters_of_one_base_read_it_once_with_the_bits_of_separate_runs(
+    merge, adapters, task_manager, tiny_model_dir, tmp_path
+):
+    """Both adapters applied to one base read once (merged into it and restored, or unmerged and unloaded), each
+    with the per-document results of ``pretrained=BASE,peft=ADAPTER`` evaluated alone."""
+    import lm_eval
+
+    from distperp_harness.model import loading
+
+    read = []
+    original = loading.load_model
+
+    def counted(options, device, dtype, source=None, key="pretrained", **kwargs):
+        read.append(source or options.pretrained)
+        return original(options, device, dtype, source, key, **kwargs)
+
+    out = tmp_path / "out"
+    args = _series_args(",".join(map(str, adapters)), out, "--base", str(tiny_model_dir))
+    args[args.index("max_length=128")] = f"max_length=128,merge_adapter={merge}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "load_model", counted)
+        assert main(args) == 0
+    assert read == [str(tiny_model_dir)]  # one base for both adapters
+    for adapter in adapters:
+        alone = lm_eval.simple_evaluate(
+            model="distperp",
+            model_args=f"pretrained={tiny_model_dir},peft={adapter},merge_adapter={merge},max_length=128,batch_size=4",
+            tasks=TASKS.split(","),
+            task_manager=task_manager,
+        )
+        ours = load_results(out / adapter.name)
+        assert ours["config"]["distperp"]["fingerprint"] == alone["config"]["distperp"]["fingerprint"], adapter.name
+        assert ours["results"] == json.loads(json.dumps(alone["results"])), adapter.name
