@@ -8,15 +8,24 @@ import signal
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
+from typing import Any, Callable, Protocol, TypeVar, cast
 
 from accelerate.logging import get_logger
 
 from distperp_harness.commands.checkpoints import Checkpoint, Snapshot, discover, is_complete, snapshot
 from distperp_harness.errors import InputError
 
-if TYPE_CHECKING:
-    from distperp_harness.commands.series import Series
+
+class Series(Protocol):
+    """What the decisions read of the series (:class:`~.series.Series`; a protocol, so that this module stays below
+    the loop that imports it)."""
+
+    args: argparse.Namespace
+    out: Path
+    tried: set[str]
+
+    def done(self) -> set[str]: ...
+
 
 log = get_logger("distperp_harness.series")
 
