@@ -111,6 +111,16 @@ class Packing:
         )
 
     @functools.cached_property
+    def causal_only(self) -> bool:
+        """Whether every row is one run at positions 0, 1, ... (plain rows: the tree mask is the causal one, and
+        each column's position is its index)."""
+        n = self.run.shape[1]
+        return bool(
+            (self.run == self.run[:, :1]).logical_or(self.run == self.run[:, -1:]).all()
+            and torch.equal(self.positions, torch.arange(n, device=self.positions.device).expand_as(self.positions))
+        )
+
+    @functools.cached_property
     def allowed(self) -> torch.Tensor:
         """Dense ``bool [rows, 1, length - shared, length]``: True where the query sees the key (full attention)."""
         run = self.run[:, : self.length]
@@ -120,11 +130,16 @@ class Packing:
 
     def allowed_block(self, rule: LayerAttention, columns: torch.Tensor, keys: int) -> torch.Tensor:
         """``allowed_under(rule)[:, :, columns, :keys]`` (no shared prefix), computed for those query columns and
-        keys alone: ``bool [rows, 1, len(columns), keys]`` (a block of a context-parallel member's queries)."""
+        keys alone: ``bool [rows, 1, len(columns), keys]`` (a block of a context-parallel member's queries), or
+        ``[1, 1, len(columns), keys]`` when it is the same for every row (:attr:`causal_only`)."""
         if self.shared:
             raise ValueError("internal error: a member's mask blocks are for batches without a shared prefix")
         run, pos = self.run[:, :keys], self.positions[:, :keys]
         at = torch.arange(keys, device=run.device)
+        if self.causal_only:  # every row one run from position 0: the mask is causal, the same for every row
+            causal = at[None, :] <= columns[:, None]
+            window = rule.allows(columns[:, None], at[None, :])
+            return (causal if window is None else causal & window)[None, None]
         queries = self.run[:, columns]
         seen = self.ancestors[queries[:, :, None], run[:, None, :]] & (at[None, None, :] <= columns[:, None])
         extra = rule.allows(self.positions[:, columns][:, :, None], pos[:, None, :])
