@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from benchmarks._scoring_common import RANDOM_SHAPES
+
 SHAPES = {
     "smollm2": dict(
         vocab_size=49152,
@@ -38,32 +40,37 @@ SHAPES = {
         num_attention_heads=9,
         num_key_value_heads=3,
     ),
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
+    "tiny": RANDOM_SHAPES["tiny"],  # bench_scoring's dry-run shape
 }
 
 
-def _model(shape: str, tokens: int):
+def _model(shape: str, tokens: int, path: str | None = None):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if path:  # a real checkpoint (its own weights and shapes), float32, sdpa
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(tokens, 128), tie_word_embeddings=True)
+    config = LlamaConfig(**{**SHAPES[shape], "max_position_embeddings": max(tokens, 128), "tie_word_embeddings": True})
     model = LlamaForCausalLM(config).eval()
     model.set_attn_implementation("sdpa")
     return model
 
 
-def _window(vocab: int, tokens: int):
+def _window(vocab: int, tokens: int, path: str | None = None, text: str | None = None):
     import torch
 
     from distperp_harness.planning.requests import Unit
+
+    if path and text:  # the checkpoint's tokens of a real text
+        from transformers import AutoTokenizer
+
+        with open(text, encoding="utf-8") as f:
+            ids = AutoTokenizer.from_pretrained(path)(f.read())["input_ids"][: tokens + 1]
+        if len(ids) < tokens + 1:
+            raise SystemExit(f"{text} has {len(ids)} tokens, fewer than --tokens {tokens} + 1")
+        return [Unit(tuple(ids), tokens)]
 
     ids = torch.randint(1, vocab, (tokens + 1,), generator=torch.Generator().manual_seed(1)).tolist()
     return [Unit(tuple(ids), tokens)]
@@ -101,9 +108,9 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
     from distperp_harness.run.scoring.engine.forward import score_batch
     from distperp_harness.run.scoring.engine.support import declared_paths, record_paths
 
-    model = _model(args.shape, args.tokens)
+    model = _model(args.shape, args.tokens, args.model)
     record_paths(model, declared_paths(model, args.tokens))
-    window, cpu = _window(model.config.vocab_size, args.tokens), torch.device("cpu")
+    window, cpu = _window(model.config.vocab_size, args.tokens, args.model, args.text), torch.device("cpu")
     if size > 1:
         import torch.distributed as dist
 
@@ -173,13 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per size (default: %(default)s)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="model shape (default: smollm2)")
     parser.add_argument("--no-memory", action="store_true", help="time only (no memory run)")
+    parser.add_argument("--model", default=None, help="a real checkpoint instead of --shape's random weights")
+    parser.add_argument("--text", default=None, help="with --model: score the first --tokens tokens of this file")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    from transformers import LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
 
     from distperp_harness.model.cp_attention import received_bytes_per_token
 
-    config = LlamaConfig(**SHAPES[args.shape])
+    config = AutoConfig.from_pretrained(args.model) if args.model else LlamaConfig(**SHAPES[args.shape])
     rows = []
     for size in sizes:
         timed = _run(size, args, memory=False)
@@ -190,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((size, seconds, memory, timed[0][3], layer))
     base = rows[0]
     cores = os.cpu_count() or 1
-    print(f"One {args.tokens:,}-token window, {args.shape} shape, float32, one thread per rank ({cores} cores)\n")
+    what = args.model or f"{args.shape} shape"
+    print(f"One {args.tokens:,}-token window, {what}, float32, one thread per rank ({cores} cores)\n")
     print("| cp_size | seconds | vs first | peak activation MiB | vs first | log-likelihood | bits | MiB per layer |")
     print("|---:|---:|---:|---:|---:|---:|---|---:|")
     for size, seconds, memory, ll, layer in rows:

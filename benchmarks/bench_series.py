@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment({"DISTPERP_WIKITEXT_PATH": wikitext})
     include = str(TEST_TASKS)  # distperp_wikitext2 is found without it (distperp adds its own tasks)
     model_args = f"max_length={args.max_length}"
+    # the same tasks, batch size and documents on both sides
+    work = ["--tasks", TASKS, "--include_path", include, "--batch_size", args.batch_size, "--limit", str(args.limit)]
     with tempfile.TemporaryDirectory(prefix="bench_series_") as tmp:
         root = Path(tmp)
         write = write_adapters if args.adapters else write_stages
@@ -160,16 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                     "series",
                     "--checkpoints",
                     str(root / "run"),
-                    "--tasks",
-                    TASKS,
-                    "--include_path",
-                    include,
                     "--model_args",
                     model_args,
-                    "--batch_size",
-                    args.batch_size,
-                    "--limit",
-                    str(args.limit),
+                    *work,
                     "--output_path",
                     str(out),
                     *base,
@@ -187,14 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     "distperp",
                     "--model_args",
                     f"{own(stage)},{model_args}",
-                    "--tasks",
-                    TASKS,
-                    "--include_path",
-                    include,
-                    "--batch_size",
-                    args.batch_size,
-                    "--limit",
-                    str(args.limit),
+                    *work,
                     "--output_path",
                     str(out),
                 ],  # fmt: skip
