@@ -432,3 +432,26 @@ def test_stopping_the_watch_waits_for_its_thread():
     failfast._WATCH.append(watch)
     failfast.stop_watch(wait_s=5)
     assert not watch._thread.is_alive()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_failing_to_load_stops_every_rank_named(tiny_model_dir, tasks_dir, tmp_path, failing):
+    """The load is followed by an agreement (every rank's outcome gathered): a rank whose load fails (rank 0, the
+    store's host, or rank 1) raises its own error and the other stops naming it, within seconds of ``timeout=600``,
+    no results written."""
+    out = tmp_path / "out"
+    run = launch_one_node(
+        distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
+        tmp_path,
+        {"DISTPERP_TEST_FAIL_LOAD": f"{failing}:1"},
+    )
+    started = time.monotonic()
+    ended = run.wait_all(timeout=240)
+    text = run.texts[0]
+    assert run.procs[0].returncode != 0, text[-3000:]
+    peer = 1 - failing
+    assert f"distperp: rank {peer} (" in text and f"StepFailed: rank {failing} (" in text, text[-3000:]
+    assert "failed while loading the model: RuntimeError: injected failure for tests" in text, text[-3000:]
+    assert not list(out.rglob("results_*.json"))
+    assert ended - started < 120  # far below the 600 s a gather would wait
