@@ -22,7 +22,6 @@ from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.parts import check_chat_template
 from distperp_harness.options import Options
 from distperp_harness.planning.requests import continuation_unit, window_units
-from distperp_harness.planning.rows import ShareMode
 from distperp_harness.report.quantcost import evaluator_tasks
 from distperp_harness.report.results import Score
 from distperp_harness.run.execution.calls import ScoringCall
@@ -46,9 +45,6 @@ from distperp_harness.stages import (
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
 
 log = get_logger(__name__)
-
-ROW_PER_UNIT = Sharing(ShareMode.OFF)
-"""Rolling windows' sharing: one unit per row (windows never share a prefix)."""
 
 # torchao's wheel prints load failures for its CUDA-only kernels on CPU machines; they are not needed there.
 if not torch.cuda.is_available():
@@ -159,7 +155,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
                     window_units(self.tok_encode(text), self.prefix_token_id, self.max_length, self.options.stride)
                     for (text,) in (req.args for req in requests)
                 ]
-            results = self._score(units, "loglikelihood_rolling", disable_tqdm)
+            results = self._score(units, "loglikelihood_rolling", disable_tqdm, self.prepared.rolling)
             out = []
             for req, r in zip(requests, results):
                 score = Score.of(r)
@@ -212,7 +208,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
             for ctx, cont in pairs
         ]
 
-    def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing = ROW_PER_UNIT):
+    def _score(self, per_request_units, kind: str, disable_tqdm: bool, sharing: Sharing):
         """The global plan's scores, inside the failure channel: an error while exchanging, planning, routing or
         returning results stops every rank at once, naming this one (a forward's error is named as scoring)."""
         model, warn = self._model, functools.partial(log.warning, main_process_only=True)

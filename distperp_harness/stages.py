@@ -34,6 +34,7 @@ from distperp_harness.model.devices import (
     physical_device,
     resolve_device,
 )
+from distperp_harness.model.lengths import fresh_rope_each_forward
 from distperp_harness.model.loading import Loaded, check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
 from distperp_harness.model.quantize import weight_bytes
@@ -56,7 +57,7 @@ from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
-from distperp_harness.run.rules import one_slot
+from distperp_harness.run.rules import Sharing, one_slot
 from distperp_harness.run.runtime import choose_sharing, decide_paths
 from distperp_harness.run.scoring.routes import WideRows
 
@@ -201,7 +202,8 @@ class PreparedRun:
     """What a call runs with: the batching rule, prefix sharing (and why not, the row budget, the line to say at the
     first loglikelihood call), compiled models, the decode step (and its line), quantization warnings, the call
     records, the resume store, the executor, the measured traffic, lm-eval's document split, the chat template and
-    the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`)."""
+    the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`) and the rolling
+    windows' sharing (one unit per row, under the models' length rule)."""
 
     batching: Any
     sharing: Any
@@ -220,6 +222,7 @@ class PreparedRun:
     document_split: Any
     chat: ChatTemplate
     paths: dict[str, dict]
+    rolling: Sharing
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,8 @@ def prepare(
     collective, device = placement.collective, placement.device
     both = [m for m in (model, reference) if m is not None]
     local = local_world_size(collective.world_size)
+    for each in both:
+        fresh_rope_each_forward(each)  # dynamic RoPE: each forward from the configured frequencies
     with stop_together(collective, device, "probing what the model's forwards allow"):
         decided = decide_paths(collective, list(both), device, pad_token_id, loaded.max_length)
     for name, paths in zip(("model", "reference"), decided):
@@ -363,6 +368,7 @@ def prepare(
         install_document_split(collective.world_size),  # lm-eval's split as one process's
         chat,
         {name: paths.to_dict() for name, paths in zip(("model", "reference"), decided)},
+        Sharing(ShareMode.OFF, lengths=sharing.lengths),
     )
 
 

@@ -12,6 +12,10 @@ The same rules as :func:`distperp_harness.planning.rows.plan_rows`, applied to t
   after the context of multi-token answers) reads along that longer row;
 * ``mode="off"``: one row per unit.
 
+With ``keys`` (one per unit, from the model's length rule: ``distperp_harness.model.lengths``), units of different
+keys never share a row, a batch or a cached prefix: each key's units are planned on their own and their rows follow
+each other as groups; a negative key means one unit per row (``mode="off"``) for its units.
+
 Estimates are upper bounds on row lengths and lower bounds on shared prefixes; the rank that computes a row builds
 its exact tree from the tokens (:func:`distperp_harness.planning.rows.row_of`), a pure function of the row's units. So
 rows, batches and bits depend only on the set of units, never on the world size. Pure numpy.
@@ -20,6 +24,7 @@ rows, batches and bits depend only on the set of units, never on the world size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
@@ -43,14 +48,44 @@ class PlannedRows:
     first_scored: np.ndarray
 
 
+@dataclass(frozen=True)
+class TablePart:
+    """The units ``ids`` of a :class:`~distperp_harness.planning.records.GlobalTable` and their inputs, with the
+    attributes the planner reads (unit ``i`` here is unit ``ids[i]`` there)."""
+
+    units: np.ndarray
+    inputs: np.ndarray
+    unit_input: np.ndarray
+    ladder: np.ndarray
+    ladder_ptr: np.ndarray
+
+    @classmethod
+    def of(cls, table: Table, ids: np.ndarray) -> TablePart:
+        used, unit_input = np.unique(table.unit_input[ids], return_inverse=True)
+        blocks = table.inputs["blocks"][used].astype(np.int64)
+        ptr = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
+        take = np.repeat(table.ladder_ptr[used], blocks) + (np.arange(int(ptr[-1])) - np.repeat(ptr[:-1], blocks))
+        return cls(table.units[ids], table.inputs[used], unit_input.astype(np.int64), table.ladder[take], ptr)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+
+Table = Union[GlobalTable, TablePart]
+
+
 def plan_from_records(
-    table: GlobalTable,
+    table: Table,
     mode: ShareMode | str = ShareMode.PREFIX,
     max_row_length: int | None = None,
     attention_coef: float = 0.0,
+    keys: np.ndarray | None = None,
 ) -> PlannedRows:
-    """Rows for every unit of ``table`` (module docstring); the result depends only on the table."""
+    """Rows for every unit of ``table`` (module docstring); the result depends only on the table (and ``keys``, one
+    per unit: units of different keys never share a row or a batch; negative keys: one unit per row)."""
     mode = share_mode(mode)
+    if keys is not None and len(keys) and (keys.min() < 0 or keys.min() != keys.max()):
+        return _by_keys(table, mode, max_row_length, attention_coef, np.asarray(keys, dtype=np.int64))
     units = table.units
     n = len(units)
     n_score = units["n_score"].astype(np.int64)
@@ -111,7 +146,38 @@ def plan_from_records(
     )
 
 
-def _trie_order(table: GlobalTable) -> tuple[np.ndarray, np.ndarray]:
+def _by_keys(table: Table, mode: ShareMode, max_row_length: int | None, coef: float, keys: np.ndarray) -> PlannedRows:
+    """Each key's units planned alone (non-negative keys first, ascending; then negative ones, longest first) and
+    their rows concatenated, each part starting a group."""
+    parts: list[tuple[np.ndarray, PlannedRows]] = []
+    for key in sorted(np.unique(keys).tolist(), key=lambda k: (k < 0, abs(k))):
+        ids = np.flatnonzero(keys == key)
+        part_mode = mode if key >= 0 else ShareMode.OFF
+        parts.append((ids, plan_from_records(TablePart.of(table, ids), part_mode, max_row_length, coef)))
+    members: list[np.ndarray] = []
+    starts: list[int] = []
+    spans: list[np.ndarray] = []
+    lcps: list[np.ndarray] = []
+    rows = offset = 0
+    for ids, part in parts:
+        members.extend(ids[m] for m in part.members)
+        starts.extend(sorted({rows, *(rows + s for s in part.group_starts)}) if len(part.members) else [])
+        spans.append(part.span + offset)
+        lcps.append(part.lcp)
+        rows += len(part.members)
+        offset += len(part.lcp)
+    return PlannedRows(
+        members,
+        np.concatenate([p.lengths for _, p in parts]),
+        np.concatenate([p.scored for _, p in parts]),
+        tuple(starts),
+        np.concatenate(spans).astype(np.int64).reshape(-1, 2),
+        np.concatenate(lcps).astype(np.int64),
+        np.concatenate([p.first_scored for _, p in parts]),
+    )
+
+
+def _trie_order(table: Table) -> tuple[np.ndarray, np.ndarray]:
     """Distinct inputs in trie order and the tokens each shares with the one before it (``lcp[0] = 0``).
 
     An input's sort key is its ladder with its *context* inserted after the blocks the context covers: ``[h(B), ..,
@@ -151,7 +217,7 @@ def _trie_order(table: GlobalTable) -> tuple[np.ndarray, np.ndarray]:
     return order, lcp
 
 
-def _context_hosts(table: GlobalTable) -> np.ndarray:
+def _context_hosts(table: Table) -> np.ndarray:
     """Per input: the input whose row it joins (itself, or the longest input whose units have it as context)."""
     units = table.units
     longer = units["n_score"] > 1  # their input extends their context

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
+from distperp_harness.model.lengths import LengthRule
 from distperp_harness.planning.plan import Batch, make_batches
 from distperp_harness.planning.rows import ShareMode
 
@@ -45,12 +48,23 @@ class Batching:
 @dataclass(frozen=True)
 class Sharing:
     """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`), the longest packed row,
-    and whether a batch's rows may start from the key/value cache of their common prefix, computed once
-    (``cached_prefix``; off, each row computes it)."""
+    whether a batch's rows may start from the key/value cache of their common prefix, computed once
+    (``cached_prefix``; off, each row computes it), and which input lengths may share a forward at all
+    (``lengths``, :class:`~distperp_harness.model.lengths.LengthRule`; None: every length)."""
 
     mode: ShareMode = ShareMode.OFF
     max_row_length: int | None = None
     cached_prefix: bool = True
+    lengths: LengthRule | None = None
+
+    def keys(self, input_lengths: np.ndarray) -> np.ndarray | None:
+        """Each unit's length key (:meth:`LengthRule.keys`), or None when every length shares."""
+        return None if self.lengths is None or self.lengths.uniform else self.lengths.keys(input_lengths)
+
+    def prefix_allowed(self, shared: int, key: int | None) -> bool:
+        """Whether rows of length key ``key`` may continue a cached prefix of ``shared`` tokens: its forward keys
+        alike (its longest path is ``shared``)."""
+        return key is None or self.lengths is None or self.lengths.key(shared) == key
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import torch
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.model.layers import matmul_params
+from distperp_harness.model.lengths import LengthRule
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
 from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
@@ -91,8 +92,9 @@ def choose_sharing(
     budget was chosen, the line to log at the first loglikelihood call)``. ``batch_invariant``: rows of at most
     ``max_length`` tokens whatever the batching, and no prefix shared across a batch's rows (each row is computed
     alone)."""
+    lengths = length_rule(models)
     if not share_prefix:
-        return Sharing(ShareMode.OFF), None, None, None
+        return Sharing(ShareMode.OFF, lengths=lengths), None, None, None
     paths = [paths_of(m) for m in models]
     why = next((p.packed_rows for p in paths if p.packed_rows), None)
     if why is not None:
@@ -100,11 +102,20 @@ def choose_sharing(
             f"shared-prefix rows are off: {why}; units with the same input still share a row, every other answer "
             "gets a row of its own"
         )
-        return Sharing(ShareMode.INPUTS, max_length), why, None, line
+        return Sharing(ShareMode.INPUTS, max_length, lengths=lengths), why, None, line
     if batch_invariant:
         tokens, how = max_length, f"batch_invariant=true: rows of at most max_length={max_length} tokens, each alone"
-        return Sharing(ShareMode.PREFIX, tokens, cached_prefix=False), None, how, f"tree rows ({how})"
+        return Sharing(ShareMode.PREFIX, tokens, False, lengths), None, how, f"tree rows ({how})"
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
     uncached = next((p.cached_prefix for p in paths if p.cached_prefix), None)
     line = f"tree rows of at most {tokens} tokens ({how})" + ("" if uncached is None else f"; {uncached}")
-    return Sharing(ShareMode.PREFIX, tokens, uncached is None), None, how, line
+    return Sharing(ShareMode.PREFIX, tokens, uncached is None, lengths), None, how, line
+
+
+def length_rule(models: list[torch.nn.Module]) -> LengthRule:
+    """The :class:`~distperp_harness.model.lengths.LengthRule` every forward of ``models`` keeps (their decided
+    paths' rules merged): a call's rows, batches and cached prefixes follow it, rolling windows included."""
+    rule = LengthRule()
+    for model in models:
+        rule = rule.merged(paths_of(model).lengths)
+    return rule

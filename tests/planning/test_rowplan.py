@@ -99,3 +99,42 @@ def test_an_input_that_is_the_context_of_a_longer_one_reads_along_it_without_mas
     rows, canonical, _ = _built(table, planned, units, "inputs")
     assert not rows[0].packed
     _check_reads(rows, canonical)
+
+
+def _keyed(lengths, threshold=40, exact_above=None):
+    keys = np.searchsorted([threshold], lengths, side="left").astype(np.int64)
+    return keys if exact_above is None else np.where(lengths > exact_above, -lengths, keys)
+
+
+@pytest.mark.parametrize("mode", ["off", "inputs", "prefix"])
+@pytest.mark.parametrize("exact_above", [None, 60])
+def test_units_of_different_length_keys_never_share_a_row_or_a_batch(mode, exact_above):
+    """Keys by each unit's input length (a side of 40 tokens, and above 60 each length alone): every row and batch
+    holds one key, negative keys one unit per row, every unit still reads its input, and batches of equal keys
+    still share where the mode allows."""
+    units = _fewshot(questions=12) + _rolling()
+    table = _table([units])
+    keys = _keyed(table.units["length"].astype(np.int64) - 1, exact_above=exact_above)
+    assert len(set(keys.tolist())) > 1
+    planned = plan_from_records(table, mode, max_row_length=512, attention_coef=1e-4, keys=keys)
+    assert sorted(np.concatenate(planned.members).tolist()) == list(range(len(table)))
+    for members in planned.members:
+        assert len(set(keys[members].tolist())) == 1
+        assert keys[members[0]] >= 0 or len(members) == 1
+    for batch in make_batches(planned.lengths.tolist(), batch_size=4, group_starts=planned.group_starts):
+        assert len({int(keys[planned.members[r][0]]) for r in range(batch.start, batch.stop)}) == 1
+        if batch_shared(planned, batch.start, batch.stop):
+            assert keys[planned.members[batch.start][0]] >= 0
+    rows, canonical, _ = _built(table, planned, units, mode)
+    _check_reads(rows, canonical)
+    if mode == "prefix":
+        assert any(row.packed for row in rows)
+
+
+def test_one_key_plans_as_without_keys():
+    units = _fewshot(questions=8)
+    table = _table([units])
+    plain = plan_from_records(table, "prefix", 512, 1e-4)
+    keyed = plan_from_records(table, "prefix", 512, 1e-4, keys=np.zeros(len(table), np.int64))
+    assert [m.tolist() for m in plain.members] == [m.tolist() for m in keyed.members]
+    assert plain.group_starts == keyed.group_starts

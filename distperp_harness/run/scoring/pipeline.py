@@ -40,7 +40,7 @@ from distperp_harness.planning.rows import Row, ShareMode, row_of, shared_prefix
 from distperp_harness.run.execution.calls import RankShare, RunStats, ScoringCall
 from distperp_harness.run.execution.executor import Executor
 from distperp_harness.run.execution.routing import move_tokens, return_results
-from distperp_harness.run.rules import ScoringRule
+from distperp_harness.run.rules import ScoringRule, Sharing
 from distperp_harness.run.scoring.engine.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1
 from distperp_harness.run.scoring.routes import Route, WideRows, batch_ranks, planned_here, routes, split
 
@@ -113,10 +113,11 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     local_ids = table.ids(records[0]["key"])
     index_of = {u.key(): int(i) for u, i in zip(local, local_ids)}
 
-    planned = plan_from_records(table, sharing.mode, sharing.max_row_length, rule.attention_coef)
+    keys = sharing.keys(table.units["length"].astype(np.int64) - 1)  # by each unit's input length
+    planned = plan_from_records(table, sharing.mode, sharing.max_row_length, rule.attention_coef, keys)
     batches = rule.batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
     if sharing.mode == ShareMode.PREFIX and sharing.cached_prefix:
-        batches = [dataclasses.replace(b, shared=batch_shared(planned, b.start, b.stop)) for b in batches]
+        batches = [dataclasses.replace(b, shared=_cached(planned, b, sharing, keys)) for b in batches]
     batches, taken = split(batches, planned.lengths, wide)
     if prepare is not None:
         prepare(
@@ -266,6 +267,14 @@ def unit_mark(uid: int, stats: np.ndarray) -> int:
         ).digest(),
         "little",
     )
+
+
+def _cached(planned: PlannedRows, batch: Batch, sharing: Sharing, keys: np.ndarray | None) -> int:
+    """The prefix ``batch`` computes once (:func:`batch_shared`), or 0 where a forward of that prefix alone would
+    take another length choice than the batch's rows (:meth:`Sharing.prefix_allowed`)."""
+    shared = batch_shared(planned, batch.start, batch.stop)
+    key = None if keys is None or not shared else int(keys[planned.members[batch.start][0]])
+    return shared if sharing.prefix_allowed(shared, key) else 0
 
 
 def _check_against_plan(planned: PlannedRows, batch: Batch, rows: Sequence[Row], shared: int, mode: ShareMode) -> None:

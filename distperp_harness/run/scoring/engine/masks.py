@@ -51,8 +51,10 @@ class Packing:
     the table continues past the row with that padding run up to a multiple of :data:`FLEX_BLOCK` plus one block, so
     a ``mask_mod`` never indexes out of it); ``ancestors[r, s]``: run ``s`` is ``r`` or one of its ancestors (block
     diagonal over the rows; a padding run sees all of its row). ``positions[b, c]``: the position of column ``c``
-    (the same width as ``run``; padding columns take their column index); ``position_ids``: the queries' positions
-    (columns from ``shared`` on). ``shared``: tokens of the prefix in ``prefix_ids`` (``[1, shared]``, or None);
+    (the same width as ``run``); a padding column takes position 0, so that no padding shows the model a position
+    its row does not reach (a learned position table ends at the model's context, and RoPE variants that pick their
+    factor from the largest position id would read the batch's padded width); ``position_ids``: the queries'
+    positions (columns from ``shared`` on). ``shared``: tokens of the prefix in ``prefix_ids`` (``[1, shared]``, or None);
     ``length``: the padded row length, prefix included.
     """
 
@@ -73,7 +75,7 @@ class Packing:
         n = len(batch_rows)
         width = -(-padded // FLEX_BLOCK) * FLEX_BLOCK + FLEX_BLOCK
         run = torch.zeros(n, width, dtype=torch.long)
-        pos = torch.arange(width).repeat(n, 1)
+        pos = torch.zeros(n, width, dtype=torch.long)
         blocks = []
         base = 0
         for i, row in enumerate(batch_rows):
@@ -103,22 +105,18 @@ class Packing:
         run = (2 * torch.arange(rows)).repeat_interleave(width).view(rows, width)
         run[:, length:] += 1  # each row's padding run
         block = torch.ones(2, 2, dtype=torch.bool).tril()
-        return cls(
-            run.to(device),
-            torch.block_diag(*[block] * rows).to(device),
-            torch.arange(width).repeat(rows, 1).to(device),
-            length,
-        )
+        positions = torch.arange(width).repeat(rows, 1)
+        positions[:, length:] = 0  # padding, as in :meth:`of`
+        return cls(run.to(device), torch.block_diag(*[block] * rows).to(device), positions.to(device), length)
 
     @functools.cached_property
     def causal_only(self) -> bool:
-        """Whether every row is one run at positions 0, 1, ... (plain rows: the tree mask is the causal one, and
-        each column's position is its index)."""
+        """Whether every row is one run at positions 0, 1, ... followed by its padding (plain rows: the tree mask is
+        the causal one, and each real column's position is its index)."""
         n = self.run.shape[1]
-        return bool(
-            (self.run == self.run[:, :1]).logical_or(self.run == self.run[:, -1:]).all()
-            and torch.equal(self.positions, torch.arange(n, device=self.positions.device).expand_as(self.positions))
-        )
+        real = self.run == self.run[:, :1]
+        columns = torch.arange(n, device=self.positions.device).expand_as(self.positions)
+        return bool(real.logical_or(self.run == self.run[:, -1:]).all() and (self.positions == columns)[real].all())
 
     @functools.cached_property
     def allowed(self) -> torch.Tensor:

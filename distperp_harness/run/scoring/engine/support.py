@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from distperp_harness.model.attention import AttentionLayout, OutputMap, declared_layout, declared_output_map
+from distperp_harness.model.lengths import LengthRule, declared_lengths
 
 DENSE_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations that take a dense 4D mask (flex attention takes a block mask; flash attention none)."""
@@ -35,14 +36,16 @@ DENSE_IMPLEMENTATIONS = ("sdpa", "eager")
 class ModelPaths:
     """What the engine may do with one model (module doc). ``layout``: the masks its layers take (None when no
     layer takes a tree mask); ``packed_rows``, ``cached_prefix``, ``head_only``: None when allowed, else why not;
-    ``output_map``: the map from head to logits; ``probed``: decided by a probe (False: declarations only);
-    ``evidence``: what the probe measured (largest differences, in nats), for the record."""
+    ``output_map``: the map from head to logits; ``lengths``: which input lengths may share a forward
+    (:class:`~distperp_harness.model.lengths.LengthRule`); ``probed``: decided by a probe (False: declarations
+    only); ``evidence``: what the probe measured (largest differences, in nats), for the record."""
 
     layout: AttentionLayout | None
     packed_rows: str | None
     cached_prefix: str | None
     head_only: str | None
     output_map: OutputMap = OutputMap()
+    lengths: LengthRule = LengthRule()
     probed: bool = False
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -63,6 +66,8 @@ class ModelPaths:
             if self.head_only is None
             else f"full logits ({self.head_only})",
         ]
+        if not self.lengths.uniform:
+            parts.append(self.lengths.describe())
         return f"scoring paths, {how}: " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,6 +81,7 @@ class ModelPaths:
             "head_only_where_scored": self.head_only is None,
             "head_fallback": self.head_only,
             "output_map": self.output_map.to_dict(),
+            "lengths": self.lengths.to_dict(),
             "evidence": self.evidence,
         }
 
@@ -126,6 +132,7 @@ def declared_paths(model: torch.nn.Module, max_length: int | None = None) -> Mod
         cached_prefix=implementation_refuses_cache(model) or packed,
         head_only=None if has_head else "the model has no output embeddings to apply at scored positions",
         output_map=declared_output_map(config) if config is not None else OutputMap(),
+        lengths=declared_lengths(config) if config is not None else LengthRule(),
     )
 
 
