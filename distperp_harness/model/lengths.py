@@ -78,6 +78,12 @@ class LengthRule:
     def to_dict(self) -> dict[str, Any]:
         return {"sides": list(self.sides), "exact_above": self.exact_above, "why": list(self.why)}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LengthRule:
+        """The rule :meth:`to_dict` gave (an empty dict: every length shares)."""
+        exact = data.get("exact_above")
+        return cls(tuple(data.get("sides", ())), None if exact is None else int(exact), tuple(data.get("why", ())))
+
 
 def _rope_dicts(config: Any) -> list[dict]:
     """The rotary settings of ``config``: one dict, or one per layer type (transformers 5 ``rope_parameters``;
@@ -105,8 +111,8 @@ def declared_lengths(config: Any) -> LengthRule:
             if original and int(original) not in sides:
                 sides.add(int(original))
                 why.append(
-                    f"longrope: rows up to {int(original)} tokens (the original context) and longer rows never share a "
-                    "forward"
+                    f"longrope: rows of up to {int(original)} tokens (the original context) never share a forward with "
+                    "longer rows"
                 )
         elif "dynamic" in kind:
             context = int(getattr(config, "max_position_embeddings", 0) or 0)

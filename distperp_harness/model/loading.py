@@ -152,13 +152,22 @@ def _to_device(model: torch.nn.Module, device: torch.device, source: str) -> Non
         raise
 
 
+TABLE_KEYS = ("max_seq_len", "seq_length", "max_sequence_length")
+"""Config keys of a position table lm-eval's ``resolve_max_length`` does not read (MPT's ALiBi table is
+``max_seq_len``): a defaulted ``max_length`` never plans a row past it."""
+
+
 def model_max_length(options: Options, model, tokenizer) -> int:
-    """``options.max_length`` or the model's context length, resolved as lm-eval's ``hf`` model does."""
+    """``options.max_length`` or the model's context length, resolved as lm-eval's ``hf`` model does, but never
+    past a position table the config declares under :data:`TABLE_KEYS` (a row past it fails in the model)."""
     if options.max_length:
         return options.max_length
     from lm_eval.models.utils import DEFAULT_MAX_LENGTH, resolve_max_length
 
-    return resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)
+    resolved = resolve_max_length(model.config, tokenizer, default=DEFAULT_MAX_LENGTH)
+    config = getattr(model.config, "text_config", None) or model.config
+    tables = [getattr(config, key, None) for key in TABLE_KEYS]
+    return min([resolved, *(t for t in tables if isinstance(t, int) and not isinstance(t, bool) and t > 0)])
 
 
 def load_config(options: Options, source: str | None = None, key: str = "pretrained"):

@@ -5,8 +5,6 @@ the longest tree row, and how ``loglikelihood`` units share rows (:func:`choose_
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from distperp_harness.distributed.protocol import Collective
@@ -15,6 +13,7 @@ from distperp_harness.model.layers import matmul_params
 from distperp_harness.model.lengths import LengthRule
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
+from distperp_harness.run.scoring.engine.probe_cases import Target
 from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
 
 
@@ -58,13 +57,26 @@ def row_budget(batching: Batching, max_length: int, attention_coef: float) -> tu
     )
 
 
+def probe_target(
+    models: list[torch.nn.Module], batching: Batching, max_length: int, share_prefix: bool, batch_invariant: bool
+) -> Target:
+    """What a run's forwards will do (:class:`~distperp_harness.run.scoring.engine.probe_cases.Target`): its tree
+    rows as wide as the row budget allows (:func:`row_budget`; none without ``share_prefix``), several rows per
+    batch unless ``batch_size=1``, cached prefixes unless each row goes alone (``batch_invariant``)."""
+    tree = 0
+    if share_prefix:
+        tree = max_length if batch_invariant else row_budget(batching, max_length, attention_coefficient(models[0]))[0]
+    batched = batching.token_budget is not None or (batching.batch_size or 1) > 1
+    return Target(max_length, tree, batched and not batch_invariant, share_prefix and not batch_invariant)
+
+
 def decide_paths(
-    collective: Collective, models: list[torch.nn.Module], device: torch.device, pad_token_id: int, max_length: int
+    collective: Collective, models: list[torch.nn.Module], device: torch.device, pad_token_id: int, target: Target
 ) -> list[ModelPaths]:
-    """Each model's :class:`~distperp_harness.run.scoring.engine.support.ModelPaths`, probed on its weights by every
-    rank (the same forwards, every rank of a shard group together), merged so that every rank takes the same
-    decision, and recorded for the forwards that follow."""
-    from distperp_harness.model.sharding import gathered, regather
+    """Each model's :class:`~distperp_harness.run.scoring.engine.support.ModelPaths` for a run doing ``target``,
+    probed by every rank (a miniature of the model; on its real weights one short forward, every rank of a shard
+    group together), merged so that every rank takes the same decision, and recorded for the forwards that follow."""
+    from distperp_harness.model.sharding import gathered
     from distperp_harness.run.scoring.engine.probe import merge_paths, probe
     from distperp_harness.run.scoring.engine.support import record_paths
 
@@ -72,7 +84,7 @@ def decide_paths(
     for model in models:
         fail_for_tests(collective.rank, "probe")
         with gathered(model):
-            mine = probe(model, device, pad_token_id, max_length, functools.partial(regather, model))
+            mine = probe(model, device, pad_token_id, target)
         everyone = collective.all_gather_object(mine.to_dict(), "agree on the scoring paths")
         paths = merge_paths(everyone, mine)
         record_paths(model, paths)
@@ -96,6 +108,7 @@ def choose_sharing(
     if not share_prefix:
         return Sharing(ShareMode.OFF, lengths=lengths), None, None, None
     paths = [paths_of(m) for m in models]
+    widest = min((p.tree_tokens for p in paths if p.tree_tokens), default=None)
     why = next((p.packed_rows for p in paths if p.packed_rows), None)
     if why is not None:
         line = (
@@ -104,9 +117,12 @@ def choose_sharing(
         )
         return Sharing(ShareMode.INPUTS, max_length, lengths=lengths), why, None, line
     if batch_invariant:
-        tokens, how = max_length, f"batch_invariant=true: rows of at most max_length={max_length} tokens, each alone"
+        tokens = min(max_length, widest or max_length)
+        how = f"batch_invariant=true: rows of at most {tokens} tokens (max_length={max_length}), each alone"
         return Sharing(ShareMode.PREFIX, tokens, False, lengths), None, how, f"tree rows ({how})"
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
+    if widest is not None and widest < tokens:
+        tokens, how = widest, f"{how}; at most {widest} tokens, the widest tree row the probe vouched for"
     uncached = next((p.cached_prefix for p in paths if p.cached_prefix), None)
     line = f"tree rows of at most {tokens} tokens ({how})" + ("" if uncached is None else f"; {uncached}")
     return Sharing(ShareMode.PREFIX, tokens, uncached is None, lengths), None, how, line

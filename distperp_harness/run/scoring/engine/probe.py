@@ -1,31 +1,28 @@
-"""The probe: a few short forwards on the loaded weights decide what scoring may do with a model
-(:class:`~distperp_harness.run.scoring.engine.support.ModelPaths`), instead of a list of model types.
+"""The probe: what scoring may do with a model (:class:`~distperp_harness.run.scoring.engine.support.ModelPaths`),
+decided on a float64 miniature of its architecture at the run's own shapes, instead of a list of model types.
 
-transformers' declarations (:mod:`distperp_harness.model.attention`: layer types, windows, chunks, the final logit
-map; the attention implementation) say what to try; the probe confirms each on the user's weights through the
-engine's own code (:func:`~distperp_harness.run.scoring.engine.forward.score_batch` on rows the planner builds):
+Whether tree rows, padded batches, a cached prefix and the head only where scored give a unit the numbers of its
+unshared row is a property of the model's code and configuration (how it reads positions, columns, lengths and
+masks), not of its weights. So the probe builds the miniature
+(:func:`~distperp_harness.model.miniature.build_miniature`: the same classes, every positional and attention setting
+kept, widths shrunk, sharp random weights, float64) with the run's attention implementation on the run's device,
+and runs the cases of :mod:`~distperp_harness.run.scoring.engine.probe_cases` through the engine's own
+:func:`~distperp_harness.run.scoring.engine.forward.score_batch`: every unit against its unshared row (one forward of
+its input alone), with float64's tolerance (:data:`TOLERANCE`). The cases are as long as the run's rows up to
+:data:`PLAIN_CAP` tokens and its tree rows up to :data:`TREE_CAP` columns; the decision keeps the run within what was
+probed (longer rows share a forward only with rows as long; tree rows no wider). The real weights then only confirm
+the output head's map on one short row (:func:`head_map`).
 
-* **head**: the model's logits against the output head of its last hidden state under the declared map, on a short
-  row (:func:`probe_head`);
-* **packed rows**: units after one shared root on two branches, as one tree row against the two unshared rows
-  (:func:`probe_rows`). The paths are just longer than the longest window or chunk that applies within
-  ``max_length`` (every layer type attends over a span where its rule hides keys), and the scored positions lie past
-  it. Where a window applies, the probe also computes the tree row *without* the windows: that wrong mask must
-  differ from the unshared rows by well over the tolerance, or the probe cannot tell a wrong mask from rounding on
-  these weights and refuses packed rows;
-* **cached prefix**: the two rows continuing their root from a key/value cache computed once.
-
-The tolerance is rounding, measured: short unshared rows computed in another batch shape (each alone), times
-:data:`NOISE_FACTOR`, and at least :data:`TOLERANCE`'s floor for the dtype. A verdict the probe cannot reach within
-its token budget (:func:`probe_budget`) is a fallback, never a guess. Every rank probes and the verdicts are merged
-(:func:`merge_paths`): the same decision everywhere. ``between_forwards`` (sharded weights: gather the root group
-again) runs between the probe's forwards, as the executor runs it between a call's forwards: a whole-model forward of
-an FSDP2 model reshards its root group when it returns, and the next forward of the body alone must find it gathered.
+A model no miniature can be built for is probed on its own weights, in float32 or wider, within
+:data:`PROBE_BUDGET`, with a tolerance of :data:`NOISE_FACTOR` times the rounding measured between two batch shapes;
+a model in a narrower dtype, or over the budget, shares nothing (never a tolerance that could hide a wrong mask).
+Every rank probes and the verdicts are merged (:func:`merge_paths`): the same decision everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
@@ -33,274 +30,321 @@ import torch
 
 from distperp_harness.model.attention import OutputMap
 from distperp_harness.model.layers import matmul_params
-from distperp_harness.planning.requests import Unit, continuation_unit
-from distperp_harness.planning.rows import ShareMode, build_rows
-from distperp_harness.run.scoring.engine.forward import LL, NonFiniteLogitsError, score_batch, score_each_row
+from distperp_harness.model.lengths import fresh_rope_each_forward
+from distperp_harness.planning.requests import Unit
+from distperp_harness.run.scoring.engine.forward import LL, NonFiniteLogitsError, score_batch
 from distperp_harness.run.scoring.engine.kvcache import body_of
 from distperp_harness.run.scoring.engine.logprobs import at_least_float32
+from distperp_harness.run.scoring.engine.probe_cases import Case, Target, cases
 from distperp_harness.run.scoring.engine.support import ModelPaths, declared_paths, trying_paths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-PROBE_SEED = 1234
-"""Seed of the probe's token ids (the same rows on every rank and every run)."""
-SCORED = 6
-"""Positions scored on each branch (the last ones, past every window)."""
-MARGIN = 8
-"""Positions each probe path runs past the longest window or chunk."""
-SHORT_ROOT = 16
-"""The shared root of a model without windows (the tree mask alone is probed)."""
-TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-4, torch.bfloat16: 0.5, torch.float16: 0.1}
-"""Smallest tolerance on a log-probability (nats) per compute dtype: the kernels' rounding between a masked and an
-unmasked forward of the same rows (measured on SmolLM2-135M: up to 2e-5 in float32, 0.19 in bfloat16)."""
+PLAIN_CAP = 4096
+"""Longest row the miniature is probed on (plain rows and padded batches; longer rows share a forward only with
+rows of their own length)."""
+TREE_CAP = 1024
+"""Widest tree row the miniature is probed on (tree rows of the run are no wider)."""
+TOLERANCE = 1e-6
+"""Largest difference (nats) between a unit's shared and unshared scores on the float64 miniature: float64 rounding
+is ~1e-13, the float32 tables some models keep (MPT's ALiBi slopes) round to ~1e-8; a wrong mask or position moves a
+score of the sharp miniature by ~1e-2 or more. Never more than the measured sensitivity over :data:`SENSITIVITY`."""
+FLOOR = 1e-9
+"""The smallest tolerance (float64 rounding with margin): a probe that would need less cannot tell a wrong mask from
+rounding, and nothing is shared."""
+SENSITIVITY = 1e3
+"""One key shown or hidden must move a unit's score by at least this many tolerances (measured on the probe's own
+units: the token four positions before a scored one changed)."""
 HEAD_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-"""Largest difference between the model's logits and the head's, relative to the largest logit, per dtype."""
-NOISE_FACTOR = 4.0
-"""The tolerance is at least this many times the rounding measured between two batch shapes of the same rows."""
-SENSITIVITY = 2.0
-"""A wrong (window-less) mask must differ by more than this many tolerances for the probe to vouch for a window."""
-NON_FINITE = "the model gave NaN/inf logits on the probe's rows (scoring names the text where it does so again)"
-"""The fallback of a model whose unshared rows already give non-finite logits: nothing can be compared, and the
-error belongs to scoring, which names the window."""
+"""Largest difference between the model's logits and its head's output under the map, relative to the largest
+logit, per dtype (the real weights' check)."""
+NOISE_FACTOR = 100.0
+"""Without a miniature: the tolerance is this many times the rounding measured between two batch shapes."""
 PROBE_BUDGET = {"cpu": 5e12, "cuda": 5e15}
-"""Floating-point operations a probe may spend per device kind (input positions times body parameters, doubled):
-about a minute of a 2-core CPU (a 270M-parameter body with 512-token windows probes in a fraction of it), well under
-a second of a GPU."""
+"""Without a miniature: multiply-adds a probe of the real weights may spend per device kind."""
+NON_FINITE = "the model gave NaN/inf logits on the probe's rows (scoring names the text where it does so again)"
 
 
-def _tokens(vocab: int, n: int, generator: torch.Generator) -> list[int]:
-    low = min(3, max(0, vocab - 1))
-    return torch.randint(low, max(low + 1, vocab), (n,), generator=generator).tolist()
+def unshared_scores(model: torch.nn.Module, units: Sequence[Unit], device: torch.device) -> np.ndarray:
+    """Each unit's log-likelihood from its unshared row: one forward of its input alone (no mask, no padding, no
+    cache), the model's full logits, a float64 log-softmax and ``math.fsum``: independent of the engine."""
+    out = np.empty(len(units))
+    for i, unit in enumerate(units):
+        logits = model(input_ids=torch.tensor([unit.tokens[:-1]], device=device), use_cache=False).logits[0]
+        logp = torch.log_softmax(logits[-unit.n_score :].double(), -1)
+        targets = torch.tensor(unit.tokens[-unit.n_score :], device=device)
+        out[i] = math.fsum(logp.gather(-1, targets[:, None])[:, 0].tolist())
+    return out
 
 
-def _vocab(model: torch.nn.Module) -> int:
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[0])
-    return int(getattr(getattr(model, "config", None), "vocab_size", 256) or 256)
-
-
-def _dtype(model: torch.nn.Module) -> torch.dtype:
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    weight = getattr(embeddings, "weight", None)
-    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
-
-
-def probe_budget(model: torch.nn.Module, device: torch.device, tokens: int) -> str | None:
-    """Why a probe of ``tokens`` input positions costs too much on ``device`` (None: it does not): each position
-    multiplies through the body's parameters (:func:`~distperp_harness.model.layers.matmul_params`)."""
-    cost = 2.0 * tokens * matmul_params(model)[0]
-    limit = PROBE_BUDGET.get(device.type, PROBE_BUDGET["cpu"])
-    if cost > limit:
-        return f"a probe of {tokens} tokens would cost {cost:.2g} multiply-adds (over {limit:.2g} on {device.type})"
-    return None
-
-
-@torch.no_grad()
-def probe_head(
-    model: torch.nn.Module,
-    device: torch.device,
-    output_map: OutputMap,
-    between_forwards: Callable[[], None] = lambda: None,
-) -> tuple[str | None, dict]:
-    """Whether ``model``'s logits are its output head of the last hidden state under ``output_map`` (None) or why
-    not, and the largest relative difference measured, on one short random row (``between_forwards``: module doc)."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if head is None:
-        return "the model has no output embeddings to apply at scored positions", {}
-    generator = torch.Generator().manual_seed(PROBE_SEED)
-    ids = torch.tensor([_tokens(_vocab(model), 24, generator)], device=device)
-    try:
-        full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0, -8:])
-        between_forwards()
-        hidden = body_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0, -8:]
-        mine = output_map.apply_(at_least_float32(head(hidden)).clone())
-    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
-        if isinstance(exc, torch.OutOfMemoryError):
-            raise
-        return f"computing the head alone failed ({type(exc).__name__}: {str(exc)[:120]})", {}
-    if not bool(torch.isfinite(full).all()):
-        return NON_FINITE, {}
-    scale = max(1.0, float(full.abs().max()))
-    difference = float((full - mine).abs().max()) / scale if full.shape == mine.shape else float("inf")
-    evidence = {"head_relative_difference": difference}
-    limit = HEAD_TOLERANCE.get(_dtype(model), HEAD_TOLERANCE[torch.float32])
-    if not difference <= limit:
-        mapped = f" under {output_map.to_dict()}" if not output_map.identity else ""
-        return (
-            f"its logits are not the output head of the last hidden state{mapped} (relative difference "
-            f"{difference:.3g} > {limit:g} on the probe)"
-        ), evidence
-    return None, evidence
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeRows:
-    """The probe's units and their rows: ``tree`` (one tree row: the root and two branches), ``paths`` (the two
-    unshared rows), ``root`` (the tokens the rows share, never scored)."""
-
-    units: list[Unit]
-    tree: list
-    paths: list
-    root: int
-
-    @classmethod
-    def build(cls, vocab: int, span: int, max_length: int) -> ProbeRows:
-        """A random root of a little more than ``span`` tokens, then two branches that copy the root's start after
-        a token of their own, each path at most ``max_length`` inputs; the last :data:`SCORED` tokens of each branch
-        are scored, one unit each. A trained model predicts a copy confidently where it sees the original and not
-        where a window hides it, so a mask that gets a window wrong moves the scores far."""
-        generator = torch.Generator().manual_seed(PROBE_SEED + 1)
-        lengths = (SCORED + MARGIN // 2, SCORED + MARGIN)
-        root = max(2, min(max_length - lengths[1] - 1, max(SHORT_ROOT, span + 2)))
-        shared = _tokens(vocab, root, generator)
-        heads = _tokens(vocab, 8, generator)
-        first = [t for t in heads if t != shared[0]][:2] or heads[:2]
-        branches = [[lead] + (shared * (1 + n // root))[: n - 1] for lead, n in zip(first, lengths)]
-        units = [
-            continuation_unit(shared + branch[:j], [branch[j]], max_length)
-            for branch in branches
-            for j in range(max(1, len(branch) - SCORED), len(branch))
-        ]
-        return cls(units, build_rows(units, ShareMode.PREFIX), build_rows(units, ShareMode.INPUTS), root)
-
-    @staticmethod
-    def by_unit(rows: Sequence, stats: np.ndarray) -> np.ndarray:
-        """``stats[:, LL]`` reordered by unit id (rows list their units in row order)."""
-        ids = [i for row in rows for i in row.unit_ids]
-        out = np.empty(len(ids))
-        out[ids] = stats[:, LL]
-        return out
+def case_scores(model: torch.nn.Module, case: Case, device: torch.device, pad: int, paths: ModelPaths) -> np.ndarray:
+    """The units of ``case`` as the engine scores them under ``paths`` (its batches, in unit order)."""
+    parts = []
+    with trying_paths(model, paths):
+        for rows, shared in case.batches:
+            stats = score_batch(
+                cast("PreTrainedModel", model), list(rows), device=device, pad_token_id=pad, shared=shared
+            ).stats
+            parts.append(stats[:, LL])
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def _largest(a: np.ndarray, b: np.ndarray) -> float:
     with np.errstate(invalid="ignore"):
         difference = np.abs(a - b)
-    return float(np.nanmax(difference)) if np.isfinite(difference).all() else float("inf")
+    return float(difference.max(initial=0.0)) if np.isfinite(difference).all() else float("inf")
+
+
+def sensitivity(model: torch.nn.Module, units: Sequence[Unit], device: torch.device) -> float:
+    """How far one key moves a score: the smallest, over up to three of ``units``, of the difference between the
+    unit's unshared score and the same with the token four positions before its first target changed."""
+    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 0) or model.config.vocab_size)
+    chosen = [u for u in units if u.input_length >= 8][:3]
+    changed = []
+    for unit in chosen:
+        tokens = list(unit.tokens)
+        at = len(tokens) - unit.n_score - 4
+        tokens[at] = 3 + (tokens[at] - 2) % max(1, vocab - 3)
+        changed.append(Unit(tuple(tokens), unit.n_score))
+    if not chosen:
+        return 0.0
+    moved = np.abs(unshared_scores(model, chosen, device) - unshared_scores(model, changed, device))
+    return float(moved.min())
+
+
+def run_cases(  # noqa: PLR0913 - the model, what to probe, and the tolerance with its margin
+    model: torch.nn.Module,
+    target: Target,
+    device: torch.device,
+    pad: int,
+    paths: ModelPaths,
+    tolerance: float,
+    factor: float | None = None,
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(why each kind of case fails, evidence)``: every case of ``target`` on ``model`` against its unshared rows;
+    a kind fails at its first case whose units differ by more than the tolerance (``tolerance``, or less where one
+    key moves scores by less than ``factor`` times it, by default :data:`SENSITIVITY`; below :data:`FLOOR`, every kind
+    fails) or raises."""
+    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 0) or model.config.vocab_size)
+    failed: dict[str, str] = {}
+    largest: dict[str, float] = {}
+    every = cases(target, vocab)
+    moved = sensitivity(model, [case.units[i] for case in every for i in case.compared], device)
+    tolerance = min(tolerance, moved / (factor or SENSITIVITY))
+    if not tolerance >= FLOOR:
+        why = f"one key moved a score by {moved:.3g} nats: the probe cannot tell a wrong mask from rounding"
+        return {case.kind: why for case in every}, {"sensitivity": moved, "tolerance": tolerance}
+    for case in every:
+        if case.kind in failed:
+            continue
+        try:
+            shared = case_scores(model, case, device, pad, paths)[case.compared]
+            difference = _largest(shared, unshared_scores(model, [case.units[i] for i in case.compared], device))
+        except NonFiniteLogitsError:
+            failed[case.kind] = NON_FINITE
+            continue
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            failed[case.kind] = f"{case.what} failed ({type(exc).__name__}: {first})"
+            continue
+        largest[case.kind] = max(largest.get(case.kind, 0.0), difference)
+        if not difference <= tolerance:
+            failed[case.kind] = f"{case.what} gave {difference:.3g} nats from the unshared rows (tolerance {tolerance:.3g})"
+    return failed, {"largest_difference": largest, "tolerance": tolerance, "sensitivity": moved}
 
 
 @torch.no_grad()
-def probe_rows(
-    model: torch.nn.Module,
-    device: torch.device,
-    pad_token_id: int,
-    paths: ModelPaths,
-    max_length: int,
-    between_forwards: Callable[[], None] = lambda: None,
-) -> tuple[str | None, str | None, dict]:
-    """``(why no packed rows, why no cached prefix, evidence)`` for ``model`` whose head verdict and declared layout
-    ``paths`` carries (each None when allowed; module doc)."""
-    layout = paths.layout
-    if paths.packed_rows is not None or layout is None:
-        why = paths.packed_rows or "no attention layout"
-        return why, why, {}
-    span = layout.span
-    if span and span + 2 > max_length:
-        return None, None, {"note": "no window applies within max_length"}
-    rows = ProbeRows.build(_vocab(model), span, max_length)
-    short = ProbeRows.build(_vocab(model), 0, max_length) if span else rows
-    tokens = sum(r.length for r in rows.paths) * 2 + sum(r.length for r in rows.tree) * (2 if span else 1)
-    tokens += sum(r.length for r in short.paths) * (2 if span else 1)
-    costly = probe_budget(model, device, tokens)
-    if costly:
-        return costly, costly, {"probe_tokens": tokens}
-
-    def score(batch, **kwargs) -> np.ndarray:
-        scorer = score_each_row if kwargs.pop("each", False) else score_batch
-        between_forwards()
-        with trying_paths(model, kwargs.pop("as_paths", paths)):
-            stats = scorer(
-                cast("PreTrainedModel", model),
-                batch,
-                device=device,
-                pad_token_id=pad_token_id,
-                between_forwards=between_forwards,
-                **kwargs,
-            ).stats
-        return ProbeRows.by_unit(batch, stats)
-
+def head_structure(model: torch.nn.Module, device: torch.device, output_map: OutputMap) -> str | None:
+    """Whether ``model``'s logits are its output head of the body's last hidden state under ``output_map`` (None)
+    or why not, on one short random row (the miniature answers for the architecture)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is None:
+        return "the model has no output embeddings to apply at scored positions"
+    ids = torch.arange(3, 27, device=device)[None] % max(4, int(model.config.vocab_size))
     try:
-        base = score(rows.paths)
-        short_base = score(short.paths) if short is not rows else base
-        noise = _largest(short_base, score(short.paths, each=True))
-    except NonFiniteLogitsError:
-        return NON_FINITE, NON_FINITE, {"probe_tokens": tokens}
-    tolerance = max(TOLERANCE.get(_dtype(model), TOLERANCE[torch.float32]), NOISE_FACTOR * noise)
-    evidence: dict[str, Any] = {"probe_tokens": tokens, "tolerance": tolerance, "noise": noise}
-    packed = _attempt(lambda: _largest(score(rows.tree), base))
-    evidence["packed_difference"] = packed if isinstance(packed, float) else None
-    why_packed = _verdict("tree rows", packed, tolerance)
-    if why_packed is None and span:
-        wrong = dataclasses.replace(paths, layout=layout.without_rules())
-        sensitivity = _attempt(lambda: _largest(score(rows.tree, as_paths=wrong), base))
-        evidence["window_effect"] = sensitivity if isinstance(sensitivity, float) else None
-        if isinstance(sensitivity, float) and not sensitivity > SENSITIVITY * tolerance:
-            why_packed = (
-                f"the probe cannot tell its windows from rounding on these weights (a mask without them moved "
-                f"log-likelihoods by {sensitivity:.3g} nats, tolerance {tolerance:.3g})"
-            )
-    if why_packed is not None:
-        return why_packed, why_packed, evidence
-    cached = _attempt(lambda: _largest(score(rows.paths, shared=rows.root), base))
-    evidence["cached_difference"] = cached if isinstance(cached, float) else None
-    return None, paths.cached_prefix or _verdict("rows continuing a cached prefix", cached, tolerance), evidence
-
-
-def _attempt(compute) -> float | str:
-    """``compute()``, or the one-line reason it raised (a model that refuses the inputs is a fallback)."""
-    try:
-        return compute()
-    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
-        if isinstance(exc, torch.OutOfMemoryError):
-            raise
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-
-
-def _verdict(what: str, measured: float | str, tolerance: float) -> str | None:
-    if isinstance(measured, str):
-        return f"{what} failed on the probe ({measured})"
-    if not measured <= tolerance:
-        return (
-            f"{what} gave other log-likelihoods than unshared rows on the probe ({measured:.3g} nats apart, "
-            f"tolerance {tolerance:.3g})"
-        )
+        full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0])
+        hidden = body_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0]
+        mine = output_map.apply_(at_least_float32(head(hidden)).clone())
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        return f"computing the head alone failed ({type(exc).__name__}: {str(exc)[:120]})"
+    limit = HEAD_TOLERANCE.get(full.dtype, HEAD_TOLERANCE[torch.float32])
+    if full.shape != mine.shape or not float((full - mine).abs().max()) <= limit * max(1.0, float(full.abs().max())):
+        mapped = f" under {output_map.to_dict()}" if not output_map.identity else ""
+        return f"its logits are not the output head of the last hidden state{mapped}"
     return None
 
 
-def probe(
-    model: torch.nn.Module,
-    device: torch.device,
-    pad_token_id: int,
-    max_length: int,
-    between_forwards: Callable[[], None] = lambda: None,
-) -> ModelPaths:
-    """``model``'s :class:`ModelPaths`, decided by its declarations and the probe's forwards (module doc)."""
-    declared = declared_paths(model, max_length)
-    head, head_evidence = probe_head(model, device, declared.output_map, between_forwards)
-    decided = dataclasses.replace(declared, head_only=head, probed=True)
-    packed, cached, evidence = probe_rows(model, device, pad_token_id, decided, max_length, between_forwards)
+@torch.no_grad()
+def head_map(model: torch.nn.Module, device: torch.device, output_map: OutputMap) -> tuple[str | None, dict]:
+    """On the real weights, one forward of 8 tokens: whether the model's logits are its output head's result under
+    ``output_map`` (the map the configuration declares; a scale kept in the weights would show here), and the largest
+    relative difference measured."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is None:
+        return "the model has no output embeddings to apply at scored positions", {}
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    try:
+        vocab = int(getattr(model.config, "vocab_size", 0) or 8)
+        ids = (torch.arange(8, device=device)[None] * 7919 + 3) % max(4, vocab)
+        full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0])
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        return f"the model's forward failed on the probe ({type(exc).__name__}: {str(exc)[:120]})", {}
+    finally:
+        hook.remove()
+    if not bool(torch.isfinite(full).all()):
+        return NON_FINITE, {}
+    if len(seen) != 1 or seen[0].shape[-2:] != full.shape[-2:]:
+        return "its output head is not applied once to every position", {}
+    mine = output_map.apply_(at_least_float32(seen[0][0]).clone())
+    difference = float((full - mine).abs().max()) / max(1.0, float(full.abs().max()))
+    evidence = {"head_relative_difference": difference}
+    if not difference <= HEAD_TOLERANCE.get(seen[0].dtype, HEAD_TOLERANCE[torch.float32]):
+        return (
+            f"its logits are not its head's output under {output_map.to_dict()} (relative difference "
+            f"{difference:.3g} on the probe)"
+        ), evidence
+    return None, evidence
+
+
+def decide(declared: ModelPaths, target: Target, failed: dict[str, str], probed: Target) -> ModelPaths:
+    """The paths that keep the run within what passed: ``failed`` (why each kind of case failed) on ``probed``
+    (the target within the caps)."""
+    lengths = declared.lengths
+    if "padded" in failed or "same length" in failed:
+        why = failed.get("padded") or failed["same length"]
+        lengths = lengths.at_most(0, f"every row shares a forward only with rows as long ({why})")
+    elif probed.max_length < target.max_length:
+        lengths = lengths.at_most(
+            probed.max_length,
+            f"rows longer than {probed.max_length} tokens share a forward only with rows as long (the probe's longest)",
+        )
+    packed = declared.packed_rows or failed.get("tree")
+    cached = declared.cached_prefix or packed or failed.get("cached")
     return dataclasses.replace(
-        decided,
+        declared,
         packed_rows=packed,
         cached_prefix=cached,
-        evidence={**head_evidence, **evidence},
+        lengths=lengths,
+        tree_tokens=probed.tree_tokens if packed is None and target.tree_tokens else None,
+        probed=True,
     )
+
+
+_DECIDED: dict[tuple, tuple[dict[str, str], dict[str, Any], Target]] = {}
+"""Miniature verdicts per architecture, attention implementation, device kind and target (a series of
+checkpoints of one architecture decides once)."""
+_VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "architectures")
+
+
+def architecture_key(model: torch.nn.Module, device: torch.device, target: Target) -> tuple:
+    """What a miniature's verdict depends on: the model class, its configuration without the checkpoint's name and
+    dtype, the attention implementation, the device kind and the target."""
+    config = model.config
+    settings = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+    return (type(model).__qualname__, repr(sorted(settings.items())), config._attn_implementation, device.type, target)
+
+
+def probe_miniature(model: torch.nn.Module, device: torch.device, pad: int, target: Target) -> tuple | str:
+    """``(failed, evidence, probed target)`` of ``model``'s float64 miniature (cached per architecture), or why
+    no miniature could be built."""
+    key = architecture_key(model, device, target)
+    if key in _DECIDED:
+        failed, evidence, probed = _DECIDED[key]
+        return dict(failed), {**evidence, "decided_before": True}, probed
+    from distperp_harness.model.miniature import build_miniature
+
+    impl = model.config._attn_implementation
+    mini = build_miniature(model.config, attn_implementation=impl, device=device)
+    if isinstance(mini, str):
+        return mini
+    fresh_rope_each_forward(mini)
+    probed = target.capped(PLAIN_CAP, TREE_CAP)
+    paths = declared_paths(mini, target.max_length)
+    structure = head_structure(mini, device, paths.output_map)
+    paths = dataclasses.replace(paths, head_only=structure)
+    with torch.no_grad():
+        failed, evidence = run_cases(mini, probed, device, pad, paths, TOLERANCE)
+        if "tree" in failed and probed.tree_tokens > probed.max_length:  # trees as wide as a path, then
+            narrower = dataclasses.replace(probed, tree_tokens=probed.max_length, batched=False, cached=False)
+            again, _ = run_cases(mini, narrower, device, pad, paths, TOLERANCE)
+            evidence["wider_trees"] = failed.pop("tree")
+            if "tree" in again:
+                failed["tree"] = again["tree"]
+            else:
+                probed = dataclasses.replace(probed, tree_tokens=probed.max_length)
+    if structure is not None:
+        failed["head"] = structure
+    evidence["probed"] = {"longest_path": probed.max_length, "widest_tree": probed.tree_tokens}
+    _DECIDED[key] = (failed, evidence, probed)
+    return dict(failed), evidence, probed
+
+
+@torch.no_grad()
+def probe_weights(model: torch.nn.Module, device: torch.device, pad: int, target: Target) -> tuple | str:
+    """Without a miniature: the cases on the real weights, in float32 or wider and within :data:`PROBE_BUDGET`
+    (module doc), or why they cannot be probed."""
+    dtype = model.get_input_embeddings().weight.dtype
+    if dtype not in (torch.float32, torch.float64):
+        return f"no miniature of it could be built and its {dtype} weights cannot tell a wrong mask from rounding"
+    probed = target.capped(min(PLAIN_CAP, 512), min(TREE_CAP, 512))
+    paths = declared_paths(model, target.max_length)
+    units = [c.units[i] for c in cases(probed, int(model.config.vocab_size)) for i in c.compared]
+    cost = 2.0 * sum(u.input_length for u in units) * 3 * matmul_params(model)[0]
+    if cost > PROBE_BUDGET.get(device.type, PROBE_BUDGET["cpu"]):
+        return f"no miniature of it could be built and a probe of its weights would cost {cost:.2g} multiply-adds"
+    noise = _largest(unshared_scores(model, units[:4], device), unshared_scores(model, units[:4], device))
+    failed, evidence = run_cases(model, probed, device, pad, paths, max(1e-6, NOISE_FACTOR * noise), NOISE_FACTOR)
+    return failed, {**evidence, "probed_on": "the model's own weights"}, probed
+
+
+def probe(model: torch.nn.Module, device: torch.device, pad_token_id: int, target: Target | int) -> ModelPaths:
+    """``model``'s :class:`ModelPaths` for a run doing ``target`` (module doc; a number: batches of rows and tree
+    rows of at most that many tokens, cached prefixes, as a direct caller of the engine plans them)."""
+    if isinstance(target, int):
+        target = Target(target, target)
+    fresh_rope_each_forward(model)
+    declared = declared_paths(model, target.max_length)
+    target = dataclasses.replace(target, lengths=declared.lengths)
+    head, head_evidence = head_map(model, device, declared.output_map)
+    verdict = probe_miniature(model, device, pad_token_id, target)
+    if isinstance(verdict, str):
+        verdict = probe_weights(model, device, pad_token_id, target)
+    if isinstance(verdict, str):  # nothing could be probed: share nothing
+        failed = {"padded": verdict, "tree": verdict}
+        evidence: dict[str, Any] = {"why_not_probed": verdict}
+        probed = target
+    else:
+        failed, evidence, probed = verdict
+    paths = decide(declared, target, failed, probed)
+    return dataclasses.replace(paths, head_only=failed.get("head") or head, evidence={**head_evidence, **evidence})
 
 
 def merge_paths(verdicts: Sequence[dict[str, Any]], mine: ModelPaths) -> ModelPaths:
     """The decision every rank takes from every rank's ``to_dict()``: this rank's, with any path another rank refused
-    refused too (the first refusal's reason), so that all ranks plan alike."""
+    refused too (the first refusal's reason), the narrowest tree rows and the most careful length rule, so that all
+    ranks plan alike."""
+    from distperp_harness.model.lengths import LengthRule
 
     def refused(key: str, own: str | None) -> str | None:
         other = next((v[key] for v in verdicts if v.get(key)), None)
         return own if own is not None or other is None else f"{other} (on another rank)"
 
     packed = refused("packed_rows_fallback", mine.packed_rows)
+    lengths = mine.lengths
+    for v in verdicts:
+        lengths = lengths.merged(LengthRule.from_dict(v.get("lengths") or {}))
+    widths = [v["tree_tokens"] for v in verdicts if v.get("tree_tokens")]
     return dataclasses.replace(
         mine,
         packed_rows=packed,
         cached_prefix=refused("cached_prefix_fallback", mine.cached_prefix) or packed,
         head_only=refused("head_fallback", mine.head_only),
+        lengths=lengths,
+        tree_tokens=min(widths) if widths and packed is None else None,
     )

@@ -37,8 +37,8 @@ class ModelPaths:
     """What the engine may do with one model (module doc). ``layout``: the masks its layers take (None when no
     layer takes a tree mask); ``packed_rows``, ``cached_prefix``, ``head_only``: None when allowed, else why not;
     ``output_map``: the map from head to logits; ``lengths``: which input lengths may share a forward
-    (:class:`~distperp_harness.model.lengths.LengthRule`); ``probed``: decided by a probe (False: declarations
-    only); ``evidence``: what the probe measured (largest differences, in nats), for the record."""
+    (:class:`~distperp_harness.model.lengths.LengthRule`); ``tree_tokens``: the widest tree row the probe vouched
+    for (None: no limit of its own); ``probed``: decided by a probe (False: declarations only); ``evidence``: what the probe measured (largest differences, in nats), for the record."""
 
     layout: AttentionLayout | None
     packed_rows: str | None
@@ -46,6 +46,7 @@ class ModelPaths:
     head_only: str | None
     output_map: OutputMap = OutputMap()
     lengths: LengthRule = LengthRule()
+    tree_tokens: int | None = None
     probed: bool = False
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -56,9 +57,10 @@ class ModelPaths:
 
     def line(self) -> str:
         """The one log line of the decision."""
-        how = "probed on the loaded weights" if self.probed else "from the model's declarations"
+        how = "probed on a float64 miniature" if self.probed else "from the model's declarations"
+        widest = f" of at most {self.tree_tokens} tokens" if self.tree_tokens else ""
         parts = [
-            "packed rows" + (f" ({self.layout.describe()})" if self.layout and self.layout.span else "")
+            "packed rows" + widest + (f" ({self.layout.describe()})" if self.layout and self.layout.span else "")
             if self.packed_rows is None
             else f"no packed rows ({self.packed_rows})",
             "cached prefix" if self.cached_prefix is None else f"no cached prefix ({self.cached_prefix})",
@@ -82,6 +84,7 @@ class ModelPaths:
             "head_fallback": self.head_only,
             "output_map": self.output_map.to_dict(),
             "lengths": self.lengths.to_dict(),
+            "tree_tokens": self.tree_tokens,
             "evidence": self.evidence,
         }
 

@@ -1,5 +1,6 @@
-"""The probe (:mod:`distperp_harness.run.scoring.engine.probe`): a declaration the weights contradict is refused, a
-verdict it cannot reach cheaply or cannot tell from rounding is a fallback, and ranks merge to one decision."""
+"""The probe (:mod:`distperp_harness.run.scoring.engine.probe`): decided on a float64 miniature at the run's shapes;
+a declaration the model contradicts is refused, a miniature that cannot tell a wrong mask from rounding shares
+nothing, the real weights confirm the head's map, one decision per architecture, ranks merge to one decision."""
 
 import dataclasses
 
@@ -8,106 +9,123 @@ import torch
 from helpers import family_model
 
 from distperp_harness.model.attention import AttentionLayout, LayerAttention, OutputMap
+from distperp_harness.model.lengths import LengthRule
 from distperp_harness.run.scoring.engine import probe as probing
 from distperp_harness.run.scoring.engine import support
-from distperp_harness.run.scoring.engine.probe import ProbeRows, merge_paths, probe
+from distperp_harness.run.scoring.engine.probe import merge_paths, probe
+from distperp_harness.run.scoring.engine.probe_cases import Target
 
 CPU = torch.device("cpu")
 
 
-def test_probe_rows_run_past_the_window_and_copy_the_root():
-    """Paths a little longer than the span, at most max_length inputs; branches copy the root's start after a token
-    of their own; the tree row holds both branches, the unshared rows one each."""
-    rows = ProbeRows.build(1000, 16, 128)
-    assert len(rows.tree) == 1 and rows.tree[0].packed and len(rows.paths) == 2
-    assert all(16 < r.length <= 128 for r in rows.paths) and rows.root >= 18
-    root = rows.paths[0].tokens()[: rows.root]
-    for path in rows.paths:
-        branch = path.tokens()[rows.root :]
-        assert branch[1:] == root[: len(branch) - 1] and branch[0] != root[0]
-    assert len(rows.units) == 2 * probing.SCORED and all(u.n_score == 1 for u in rows.units)
-    short = ProbeRows.build(1000, 200, 64)  # a window longer than max_length allows: paths stay within it
-    assert all(r.length <= 64 for r in short.paths)
+@pytest.fixture(autouse=True)
+def _fresh_decisions(monkeypatch):
+    monkeypatch.setattr(probing, "_DECIDED", {})
 
 
-def test_a_declared_window_the_weights_contradict_is_refused(monkeypatch):
+def test_a_declared_window_the_model_does_not_apply_is_refused(monkeypatch):
     """The config says window 12 where the model applies 16: tree rows with the declared window disagree with the
     unshared rows, and packed rows are refused with the measured difference."""
     model = family_model("mistral-window")
     wrong = AttentionLayout((("sliding_attention", LayerAttention(window=12)),), keyed=False)
     monkeypatch.setattr(support, "declared_layout", lambda config: wrong)
     verdict = probe(model, CPU, 0, 128)
-    assert "tree rows gave other log-likelihoods than unshared rows" in verdict.packed_rows
-    assert verdict.cached_prefix == verdict.packed_rows and verdict.evidence["packed_difference"] > 1e-3
+    assert "nats from the unshared rows" in verdict.packed_rows and verdict.cached_prefix == verdict.packed_rows
+    assert verdict.evidence["largest_difference"]["tree"] > 1e-3 > verdict.evidence["tolerance"]
 
 
 def test_a_missing_logit_map_is_refused_and_scoring_keeps_full_logits(monkeypatch):
     """Gemma 2's final soft-cap left out of the declared map: the head alone is not the model's logits, so the head
-    runs on the full logits (exact, slower)."""
+    runs on the full logits (exact, slower); the rows are still probed, on the full logits."""
     model = family_model("gemma2-softcaps", scale=4.0)
     monkeypatch.setattr(support, "declared_output_map", lambda config: OutputMap())
     verdict = probe(model, CPU, 0, 128)
     assert "not the output head of the last hidden state" in verdict.head_only
-    assert verdict.packed_rows is None  # the rows are probed on the full logits
+    assert verdict.packed_rows is None
 
 
-def test_a_window_the_probe_cannot_tell_from_rounding_is_a_fallback(monkeypatch):
-    model = family_model("gemma3-262k")
-    monkeypatch.setattr(probing, "SENSITIVITY", 1e9)
-    verdict = probe(model, CPU, 0, 128)
-    assert "cannot tell its windows from rounding" in verdict.packed_rows
-    assert verdict.evidence["window_effect"] > 0
+def test_a_scale_in_the_weights_alone_is_found_by_the_real_weights(monkeypatch):
+    """The miniature agrees with the declarations, but the loaded head's output is scaled before the logits (as a
+    scale kept in the weights would be): the real-weights check refuses the head alone."""
+    model = family_model("llama")
+    real_forward = model.forward
+
+    def scaled(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        out.logits = out.logits * 1.5
+        return out
+
+    monkeypatch.setattr(model, "forward", scaled)
+    verdict = probe(model, CPU, 0, 64)
+    assert "not its head's output" in verdict.head_only and verdict.packed_rows is None
 
 
-def test_a_probe_over_its_budget_is_a_fallback_not_a_guess(monkeypatch):
-    model = family_model("mistral-window")
+def test_a_miniature_that_cannot_tell_a_wrong_mask_from_rounding_shares_nothing(monkeypatch):
+    monkeypatch.setattr(probing, "SENSITIVITY", 1e12)
+    verdict = probe(family_model("cohere2-window"), CPU, 0, 128)
+    assert "cannot tell a wrong mask from rounding" in verdict.packed_rows
+    assert verdict.lengths.exact_above == 0 and verdict.evidence["sensitivity"] > 1e-3
+
+
+def test_without_a_miniature_float32_weights_are_probed_and_narrower_ones_share_nothing(monkeypatch):
+    from distperp_harness.model import miniature
+
+    monkeypatch.setattr(miniature, "build_miniature", lambda *a, **k: "no miniature (the test's)")
+    verdict = probe(family_model("llama"), CPU, 0, 64)
+    assert verdict.packed_rows is None and verdict.evidence["probed_on"] == "the model's own weights"
+    narrow = probe(family_model("llama", dtype=torch.bfloat16), CPU, 0, 64)
+    assert "cannot tell a wrong mask from rounding" in narrow.packed_rows and narrow.lengths.exact_above == 0
     monkeypatch.setitem(probing.PROBE_BUDGET, "cpu", 10.0)
-    verdict = probe(model, CPU, 0, 128)
-    assert "would cost" in verdict.packed_rows and verdict.head_only is None
+    assert "would cost" in probe(family_model("mistral-window"), CPU, 0, 64).packed_rows
 
 
-def test_no_window_within_max_length_needs_no_window_probe():
-    """A 16-token window with max_length 16: no path is longer than the window, the layout is full attention."""
-    verdict = probe(family_model("mistral-window"), CPU, 0, 16)
-    assert verdict.packed_rows is None and verdict.layout.span == 0 and "window_effect" not in verdict.evidence
+def test_a_window_one_short_of_max_length_is_probed_with_forwards():
+    """A 15-token window with max_length 16 hides one key of the longest paths: the probe runs its cases there."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mistral", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=15,
+    )  # fmt: skip
+    verdict = probe(AutoModelForCausalLM.from_config(config).eval(), CPU, 0, Target(16, 16))
+    assert verdict.layout.span == 15
+    assert verdict.packed_rows is None and "tree" in verdict.evidence["largest_difference"]
+
+
+def test_trees_wider_than_a_models_column_table_fall_back_to_trees_as_wide_as_a_path():
+    """GPT-Neo's causal mask is a buffer of max_position_embeddings columns: a tree row wider fails inside the model,
+    one as wide as a path is exact (its global layers mask by column, which a tree keeps)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gpt_neo", vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64,
+        attention_types=[[["global"], 2]],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    verdict = probe(model, CPU, 0, Target(64, 256))
+    assert verdict.packed_rows is None and verdict.tree_tokens == 64
+    assert "failed" in verdict.evidence["wider_trees"]
+
+
+def test_an_architecture_is_decided_once():
+    """A second model of one architecture (another checkpoint of a series) reuses the miniature's verdict; the real
+    weights' head check runs for each."""
+    first = probe(family_model("llama", seed=0), CPU, 0, 64)
+    second = probe(family_model("llama", seed=1), CPU, 0, 64)
+    assert "decided_before" not in first.evidence and second.evidence["decided_before"]
+    assert "head_relative_difference" in second.evidence
+    other = probe(family_model("mistral-window"), CPU, 0, 64)
+    assert "decided_before" not in other.evidence
 
 
 def test_ranks_merge_to_the_most_careful_decision():
-    mine = support.ModelPaths(None, None, None, None, probed=True)
-    other = dataclasses.replace(mine, packed_rows="tree rows failed on the probe (x)").to_dict()
+    mine = support.ModelPaths(None, None, None, None, probed=True, tree_tokens=512)
+    other = dataclasses.replace(
+        mine, packed_rows="tree rows failed on the probe (x)", lengths=LengthRule((32,), None, ("side",))
+    ).to_dict()
     merged = merge_paths([mine.to_dict(), other], mine)
     assert merged.packed_rows == "tree rows failed on the probe (x) (on another rank)"
     assert merged.cached_prefix == merged.packed_rows and merged.head_only is None
-    assert merge_paths([mine.to_dict(), mine.to_dict()], mine) == mine
-
-
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_recorded_paths_drive_the_engine_and_come_back_after_a_trial(impl):
-    model = family_model("llama")
-    model.config._attn_implementation = impl
-    verdict = probe(model, CPU, 0, 64)
-    support.record_paths(model, verdict)
-    assert support.paths_of(model) is verdict
-    with support.trying_paths(model, dataclasses.replace(verdict, head_only="trial")):
-        assert support.paths_of(model).head_only == "trial"
-    assert support.paths_of(model) is verdict
-    assert "head only where scored" in verdict.line() and verdict.to_dict()["probed"]
-
-
-def test_a_model_with_nan_logits_is_a_fallback_not_an_error_at_load():
-    """Non-finite logits on the probe's own rows: every path falls back with that reason (nothing can be compared),
-    and the error is left to scoring, which names the text (tests/test_bad_inputs.py)."""
-    model = family_model("llama")
-    with torch.no_grad():
-        model.get_output_embeddings().weight[:, :] = float("nan")
-    verdict = probe(model, CPU, 0, 128)
-    assert verdict.head_only == verdict.packed_rows == verdict.cached_prefix == probing.NON_FINITE
-
-
-def test_between_forwards_runs_between_the_probes_forwards():
-    """The sharded hook (the executor's regather) runs after the whole-model forward of the head check and before
-    every scoring forward of the rows: a root group an FSDP2 forward resharded is gathered again."""
-    model = family_model("mistral-window")
-    calls = []
-    probe(model, CPU, 0, 128, between_forwards=lambda: calls.append(1))
-    assert len(calls) >= 5
+    assert merged.lengths.sides == (32,) and merged.tree_tokens is None
+    narrower = dataclasses.replace(mine, tree_tokens=256).to_dict()
+    assert merge_paths([mine.to_dict(), narrower], mine).tree_tokens == 256
