@@ -58,7 +58,7 @@ from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import Sharing, one_slot
-from distperp_harness.run.runtime import choose_sharing, decide_paths
+from distperp_harness.run.runtime import choose_sharing, decide_paths, probe_target
 from distperp_harness.run.scoring.routes import WideRows
 
 if TYPE_CHECKING:
@@ -246,10 +246,6 @@ def prepare(
     local = local_world_size(collective.world_size)
     for each in both:
         fresh_rope_each_forward(each)  # dynamic RoPE: each forward from the configured frequencies
-    with stop_together(collective, device, "probing what the model's forwards allow"):
-        decided = decide_paths(collective, list(both), device, pad_token_id, loaded.max_length)
-    for name, paths in zip(("model", "reference"), decided):
-        log.info(f"{name}: {paths.line()}", main_process_only=True)
     batching = agree_on_batching(
         collective,
         options,
@@ -263,6 +259,11 @@ def prepare(
         + (loaded.int4_products.transient_bytes if loaded.int4_products else 0)
         + compile_extra_bytes(options.compile_mode, [model, reference], device, placement.shard_size),
     )
+    target = probe_target(list(both), batching, loaded.max_length, options.share_prefix, options.batch_invariant)
+    with stop_together(collective, device, "probing what the model's forwards allow"):
+        decided = decide_paths(collective, list(both), device, pad_token_id, target)
+    for name, paths in zip(("model", "reference"), decided):
+        log.info(f"{name}: {paths.line()}", main_process_only=True)
     # fail now, not mid-run, if there is no (valid) token to condition on
     check_prefix_token(tokens.prefix_token_id, list(both), given=options.prefix_token_id is not None)
     warnings = quantization_warnings(loaded.quant_report, options.reference, model, reference)
