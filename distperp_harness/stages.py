@@ -397,8 +397,12 @@ def generation_setup(
     max_gen_toks: int,
     progress: Any,
 ) -> GenerationSetup:
-    """What ``generate_until`` runs with (:class:`~distperp_harness.run.generation.setup.GenerationSetup`)."""
+    """What ``generate_until`` runs with (:class:`~distperp_harness.run.generation.setup.GenerationSetup`). Each
+    sequence decodes alone (one slot, no shared prompt block) under ``batch_invariant`` and for a model whose length
+    rule keeps lengths apart (a longrope model's forward takes the factor of the longest sequence in it)."""
     model, max_length = models.model, models.loaded.max_length
+    lengths = prepared.sharing.lengths
+    alone = options.batch_invariant or not (lengths is None or lengths.uniform)
     return GenerationSetup(
         model=cast("CausalLM", model),  # transformers' *ForCausalLM classes generate
         tokenizer=tokenizer,
@@ -408,7 +412,7 @@ def generation_setup(
         max_gen_toks=max_gen_toks,
         add_bos_token=options.add_bos_token,
         rows_for=one_slot
-        if options.batch_invariant
+        if alone
         else functools.partial(
             generation_rows,
             prepared.batching,
@@ -416,7 +420,7 @@ def generation_setup(
             kv_bytes=kv_cache_bytes_per_token(model),
         ),
         seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
-        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not options.batch_invariant else NO_SHARING,
+        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not alone else NO_SHARING,
         progress=progress,
         think_end=options.think_end_token,
         static=prepared.static_decoding,

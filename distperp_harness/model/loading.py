@@ -45,8 +45,43 @@ def _check_source(name: str, what: str) -> None:
         )
 
 
+_LAST_TOKENIZER: list[tuple[tuple, Any]] = []
+"""The tokenizer :func:`load_tokenizer` loaded last and what it was loaded from: the fit check and the load stage
+of one run read one tokenizer (a 262k-entry tokenizer is a 33 MB file)."""
+
+
 def load_tokenizer(options: Options):
-    """The tokenizer of ``options.tokenizer`` or ``options.pretrained``, with a pad token."""
+    """The tokenizer of ``options.tokenizer`` or ``options.pretrained``, with a pad token (loaded once for the same
+    source, revision and loading options, one after the other)."""
+    key = (
+        options.tokenizer, options.pretrained, options.revision, options.trust_remote_code, options.subfolder,
+        options.gguf_file, options.add_bos_token, _tokenizer_files(options.tokenizer or options.pretrained),
+    )  # fmt: skip
+    if _LAST_TOKENIZER and _LAST_TOKENIZER[0][0] == key:
+        return _LAST_TOKENIZER[0][1]
+    tokenizer = _load_tokenizer(options)
+    _LAST_TOKENIZER[:] = [(key, tokenizer)]
+    return tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "spiece")
+
+
+def _tokenizer_files(source: str | None) -> tuple:
+    """Names, sizes and modification times of a local folder's tokenizer files (a folder rewritten between two
+    loads is read again); empty for a hub id."""
+    folder = os.path.expanduser(source or "")
+    if not os.path.isdir(folder):
+        return ()
+    found = []
+    for entry in os.scandir(folder):
+        if entry.name.startswith(_TOKENIZER_FILES) or entry.name.endswith(".model"):
+            stat = entry.stat()
+            found.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(sorted(found))
+
+
+def _load_tokenizer(options: Options):
     import transformers
 
     source = options.tokenizer or options.pretrained

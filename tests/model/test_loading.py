@@ -166,3 +166,26 @@ def test_models_load_without_hub_kernels(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     model = load_model(Options(pretrained=str(tiny_model_dir)), CPU, torch.float32)
     assert seen["use_kernels"] is False and not getattr(model, "use_kernels", False)
+
+
+def test_a_run_reads_its_tokenizer_once(tiny_model_dir, tmp_path, monkeypatch):
+    """The fit check and the load stage share one tokenizer (the 33 MB tokenizer of a 262k vocabulary was read twice);
+    a folder whose tokenizer files change is read again."""
+    import shutil
+
+    import transformers
+
+    from tests.helpers import make_lm
+
+    folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    lm = make_lm(folder, extra={"batch_size": 1, "device": "cpu"})
+    assert len(calls) == 1 and lm.estimate is not None  # the fit check ran, on the same tokenizer
+    config = (folder / "tokenizer_config.json").read_text(encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+    make_lm(folder, extra={"batch_size": 1, "device": "cpu"})
+    assert len(calls) == 2

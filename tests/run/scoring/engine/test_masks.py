@@ -90,11 +90,11 @@ def test_flex_mask_mod_on_longer_rows_equals_the_dense_mask():
 
 def _by_hand_under(rows, shared, window=None, chunk=None):
     """:func:`_by_hand`, and a key hidden where the layer's window or chunk rule hides it, on the positions the
-    columns take in their rows (a padding column's position is its column)."""
+    columns take in their rows (a padding column's position is 0)."""
     out = _by_hand(rows, shared)
     padded = max(r.length for r in rows)
     for b, row in enumerate(rows):
-        pos = row.position_ids() + list(range(row.length, padded))
+        pos = row.position_ids() + [0] * (padded - row.length)
         for q in range(shared, padded):
             for k in range(padded):
                 if window is not None and pos[q] - pos[k] >= window:
@@ -141,3 +141,14 @@ def test_a_keyed_layout_gets_one_mask_per_layer_type_and_shares_equal_rules():
     eager = SimpleNamespace(config=SimpleNamespace(_attn_implementation="eager"), get_input_embeddings=lambda: embed)
     additive = packing.kwargs(eager, keyed)["attention_mask"]["sliding_attention"]
     assert additive.dtype == torch.float32 and torch.equal(additive == 0, packing.allowed_under(window))
+
+
+def test_padding_columns_show_no_position_their_row_does_not_reach():
+    """A padding column takes position 0: a batch's padding never shows the model a position past its rows' own (a
+    learned position table ends at the context; RoPE variants pick a factor from the largest position id)."""
+    rows = _batch()
+    padded = max(r.length for r in rows) + 40  # as wide as an auto-widened batch
+    packing = Packing.of(rows, padded, torch.device("cpu"))
+    for b, row in enumerate(rows):
+        assert packing.position_ids[b, : row.length].tolist() == row.position_ids()
+        assert int(packing.position_ids[b].max()) == max(row.position_ids())
