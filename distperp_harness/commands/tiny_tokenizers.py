@@ -14,7 +14,8 @@ family         normalizer                  pre-tokenizer                        
 ``metaspace``  none                        Metaspace (``first``, split)         BPE; BOS template
 =============  ==========================  ===================================  ==================================
 
-Each has its family's chat markers as special tokens (:data:`SPECIALS`).
+Each has its family's chat markers as special tokens (:data:`SPECIALS`); :func:`with_markup_tokens` adds an added
+vocabulary shaped like Gemma 3's (thousands of ``<...>`` contents) and :func:`markup_text` text full of ``<``.
 """
 
 from __future__ import annotations
@@ -114,3 +115,38 @@ def _post_processor(family: Family, tok: Any) -> Any:
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
     )
     return processors.Sequence([byte_level, template]) if family is Family.LLAMA3 else template
+
+
+MARKUP_TAGS = (
+    "a", "b", "i", "u", "p", "em", "strong", "code", "pre", "sub", "sup", "div", "span", "li", "ul", "ol", "table",
+    "caption", "thead", "tbody", "tr", "th", "td", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "br", "hr",
+    "img", "small", "big", "center", "font", "s", "del",
+)  # fmt: skip
+"""Markup tags added as tokens (Gemma 3 has HTML-like tags among its added tokens)."""
+
+
+def with_markup_tokens(tokenizer: Any, unused: int = 6242) -> Any:
+    """``tokenizer`` with an added vocabulary shaped like Gemma 3's: ``unused`` special ``<unusedN>`` tokens and each
+    of :data:`MARKUP_TAGS` opening and closing as plain added tokens, all matched on the raw text
+    (``normalized=False``): with the defaults 6,320 more contents that start with ``<`` (Gemma 3 has 6,321 in all)."""
+    from tokenizers import AddedToken
+
+    tags = sorted({f"<{t}>" for t in MARKUP_TAGS} | {f"</{t}>" for t in MARKUP_TAGS})
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in tags])
+    specials = [AddedToken(f"<unused{i}>", normalized=False, special=True) for i in range(unused)]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    return tokenizer
+
+
+def markup_text(words: Sequence[str], length: int, brackets: int) -> str:
+    """``length`` characters of ``words`` (their own ``<`` made ``(``) with exactly ``brackets`` ``<`` in them, one
+    every ``length // brackets`` characters (at least 8): markup tags that are added tokens of
+    :func:`with_markup_tokens`, tags that are not, comparisons (``a < b``) and an unfinished ``<unu``."""
+    marks = ["<td>", "</td>", "<tr>", "<x>", " < ", "<b>", "</b>", "<unu", "<li>", "<br>"]
+    gap = length // brackets
+    if gap < 8:
+        raise ValueError(f"{brackets} brackets in {length} characters: at most one every 8 characters")
+    filler = " ".join(words).replace("<", "(")
+    out = [marks[n % len(marks)] for n in range(brackets)]
+    out = [m + filler[(n * gap) % (len(filler) - gap) :][: gap - len(m)] for n, m in enumerate(out)]
+    return "".join(out) + filler[: length - gap * brackets]

@@ -5,11 +5,12 @@ Proved from the tokenizer's own pipeline (:mod:`~distperp_harness.planning.token
 Each part must provably not move ``c``, whatever follows ``P`` (``p = len(P)``):
 
 * **Added tokens** (leftmost-longest matching, on the raw text first): no occurrence of any added token's content
-  in ``P`` straddles ``c``, and ``c + longest <= p``, so every occurrence starting before ``c`` lies in ``P``.
-  Then matching ``s`` from the left picks, before ``c``, exactly what matching ``s[:c]`` picks (every candidate
-  starting before ``c`` ends by ``c``), and from ``c`` on exactly what matching ``s[c:]`` picks. A token that takes
-  the whitespace beside it (``lstrip``/``rstrip``) must not reach across ``c``; a ``single_word`` token must not
-  start or end at ``c`` (it looks at the character beyond it). A raw token matched at ``c`` or ending at ``c``
+  in ``P`` (all found in one pass, :mod:`~distperp_harness.planning.added_scan`) straddles ``c``, and
+  ``c + longest <= p``, so every occurrence starting before ``c`` lies in ``P``. Then matching ``s`` from the left
+  picks, before ``c``, exactly what matching ``s[:c]`` picks (every candidate starting before ``c`` ends by ``c``),
+  and from ``c`` on exactly what matching ``s[c:]`` picks. A token that takes the whitespace beside it
+  (``lstrip``/``rstrip``) must not reach across ``c``; a ``single_word`` token must not start or end at ``c`` (it
+  looks at the character beyond it). A raw token matched at ``c`` or ending at ``c``
   makes ``c`` a boundary between the pieces the rest of the pipeline treats apart.
 * **Normalizer**: ``normalize(s) == normalize(s[:c]) + normalize(s[c:])`` (:class:`Normalization`).
 * **Pre-tokenizer**: every step keeps the cut (:mod:`~distperp_harness.planning.pretoken_steps`).
@@ -123,27 +124,27 @@ class _Matches:
 
 
 def _matches(added: AddedTokens, prefix: str) -> _Matches:
-    """Every occurrence of every content in ``prefix``, and the raw matches leftmost-longest extraction chooses
-    (it resumes after each match, single-word ones included, which only then are kept or dropped)."""
+    """Every occurrence of every content in ``prefix`` (one pass of the added vocabulary's automaton), and the raw
+    matches leftmost-longest extraction chooses (it resumes after each match, single-word ones included, which only
+    then are kept or dropped)."""
     found = _Matches()
     free = 0
-    for i, ch in enumerate(prefix):
-        here = [t for t in added.by_first.get(ch, ()) if prefix.startswith(t, i)]
-        for content in here:
-            end = i + len(content)
-            found.blocked.update(range(i + 1, end))
-            if content in added.single_word:
-                found.blocked.update((i, end))
-            if content in added.lstrip:
-                found.lstrip_starts.add(i)
-            if content in added.rstrip:
-                found.rstrip_ends.add(end)
-        raw = [t for t in here if t in added.raw]
-        if raw and i >= free:
-            free = i + len(raw[0])
-            if raw[0] not in added.single_word:
-                found.starts.add(i)
-                found.ends.add(free)
+    contents = added.automaton.contents
+    for start, number in added.automaton.occurrences(prefix):  # by start, longest first at one start
+        content = contents[number]
+        end = start + len(content)
+        found.blocked.update(range(start + 1, end))
+        if content in added.single_word:
+            found.blocked.update((start, end))
+        if content in added.lstrip:
+            found.lstrip_starts.add(start)
+        if content in added.rstrip:
+            found.rstrip_ends.add(end)
+        if content in added.raw and start >= free:  # the longest raw content at the first free start
+            free = end
+            if content not in added.single_word:
+                found.starts.add(start)
+                found.ends.add(end)
     return found
 
 

@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
+import time
 from pathlib import Path
 
 import pytest
 
 from distperp_harness.commands.tiny import sample_text
-from distperp_harness.commands.tiny_tokenizers import BOS_IN_FRONT, SPECIALS, Family, family_tokenizer
+from distperp_harness.commands.tiny_tokenizers import (
+    BOS_IN_FRONT,
+    SPECIALS,
+    Family,
+    family_tokenizer,
+    markup_text,
+    with_markup_tokens,
+)
 from distperp_harness.options import Options
 from distperp_harness.planning import encoding
 from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline
 from distperp_harness.planning.pretoken_steps import O200K
-from distperp_harness.planning.tokenizer_cuts import CutKind, allowed_cuts, find_cut, pipeline_of
+from distperp_harness.planning.tokenizer_cuts import CutKind, _Matches, _matches, allowed_cuts, find_cut, pipeline_of
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
 
 TEXT = sample_text()
@@ -268,6 +277,85 @@ def test_randomized_continuations_never_change_ids(layouts, name):
                 differences += [(c, s) for s, tail, whole in zip(strings, tails, wholes) if head + tail != whole]
     assert differences == []
     assert cut_prefixes >= 30
+
+
+@pytest.fixture(scope="module")
+def markup():
+    """Gemma's layout with an added vocabulary shaped like Gemma 3's: 6,326 contents that start with ``<``."""
+    return with_markup_tokens(family_tokenizer(Family.GEMMA, [TEXT], 500))
+
+
+def _every_try(added, prefix: str) -> _Matches:
+    """What the scan must find, by trying every content at every position (the definition, not the algorithm)."""
+    found, free = _Matches(), 0
+    contents = sorted(added.automaton.contents, key=len, reverse=True)
+    for i in range(len(prefix)):
+        here = [t for t in contents if prefix.startswith(t, i)]
+        for content in here:
+            end = i + len(content)
+            found.blocked.update(range(i + 1, end))
+            if content in added.single_word:
+                found.blocked.update((i, end))
+            if content in added.lstrip:
+                found.lstrip_starts.add(i)
+            if content in added.rstrip:
+                found.rstrip_ends.add(end)
+        raw = [t for t in here if t in added.raw]
+        if raw and i >= free:
+            free = i + len(raw[0])
+            if raw[0] not in added.single_word:
+                found.starts.add(i)
+                found.ends.add(free)
+    return found
+
+
+@pytest.mark.parametrize("name", ["flagged tokens", "markup"])
+def test_the_scan_finds_what_trying_every_content_finds(layouts, markup, name):
+    """One automaton pass gives the occurrences, flags and extraction's choices that trying every content at every
+    position gives: random texts over pieces of every content (overlaps, flags, unfinished tokens)."""
+    tokenizer = markup if name == "markup" else layouts[name]
+    added = pipeline_of(tokenizer).added
+    rng = random.Random(1)
+    tokens = [t for t in added.automaton.contents if not t.startswith("<unused") or rng.random() < 0.01]
+    pieces = FRAGMENTS + tokens + [t[:i] for t in tokens for i in range(1, len(t))] + [" ", "  ", "zz", "x"]
+    for _ in range(60):
+        text = _random_text(rng, pieces, rng.randrange(1, 60))
+        assert _matches(added, text) == _every_try(added, text), text
+
+
+def _median_seconds(runs: dict, repeats: int = 3) -> dict:
+    times: dict = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def test_thousands_of_added_tokens_cost_about_one_encode(markup):
+    """The issue's case: a 10k-character prefix with 1,250 ``<`` against 6,326 contents that start with ``<``. The
+    cut is found in about the time of encoding the prefix whole (trying each content at each ``<`` took ~250 times
+    that), and a 12-string group sharing it in about the time of encoding the strings one by one (~20 times);
+    every string's ids are its whole encode's."""
+    prefix = markup_text(WORDS, 10_000, 1_250)
+    assert len(prefix) == 10_000 and prefix.count("<") == 1_250
+    group = [prefix + tail for tail in ["a", "td>", "unused7>", "<b>x", " < y", "</td>", "<unused12>", "br>", "<u"]]
+    group += [prefix + " " + " ".join(WORDS[i : i + 9]) for i in range(3)]
+    pipeline_of(markup)  # read once (the automaton is built then)
+    seconds = _median_seconds(
+        {
+            "cut": lambda: find_cut(markup, prefix, {}),
+            "whole": lambda: markup(prefix),
+            "group": lambda: encode_many(markup, group),
+            "one by one": lambda: [markup.encode(s) for s in group],
+        }
+    )
+    assert seconds["cut"] < 5 * seconds["whole"], seconds
+    assert seconds["group"] < 3 * seconds["one by one"], seconds
+    assert find_cut(markup, prefix, {}).position is not None
+    for special in SPECIALS_ON_OFF:
+        _exact(markup, group, special)
 
 
 def _refused_layouts(families):
