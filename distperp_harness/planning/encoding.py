@@ -110,7 +110,7 @@ class PrefixSplit:
         """The split of ``group`` (strings sharing ``shared`` characters) at :func:`find_cut`'s position; None when
         there is none. Its one check, the shortest string against its whole encode, guards the implementation:
         exactness comes from the proof."""
-        cut = cls.choose(tokenizer, group[0][:shared], special)
+        cut = cls.choose(tokenizer, group[0][:shared], special, group)
         if cut.position is None or cut.kind is None:
             return None
         head = _batched(tokenizer, [group[0][: cut.position]], **special)[0]
@@ -123,9 +123,10 @@ class PrefixSplit:
         return split
 
     @staticmethod
-    def choose(tokenizer: Any, prefix: str, special: Mapping[str, Any]) -> Cut:
-        """:func:`find_cut` (where the split of strings sharing ``prefix`` would cut, or why it would not)."""
-        return find_cut(tokenizer, prefix, special)
+    def choose(tokenizer: Any, prefix: str, special: Mapping[str, Any], group: Sequence[str] = ()) -> Cut:
+        """:func:`find_cut` (where the split of ``group``, strings sharing ``prefix``, would cut, or why it would
+        not): the group's own continuations read."""
+        return find_cut(tokenizer, prefix, special, group)
 
     def encode(self, strings: list[str]) -> list[list[int]]:
         head = list(self.head)

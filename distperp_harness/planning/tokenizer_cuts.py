@@ -18,7 +18,11 @@ Each part must provably not move ``c``, whatever follows ``P`` (``p = len(P)``):
   two sides (:meth:`MergeFacts.separable`).
 * **Post-processor**: special tokens only in front of the text, or ``add_special_tokens=False``: the head keeps them.
 
-:func:`find_cut` returns the last such position (the longest shared head), or why there is none.
+:func:`find_cut` returns the last such position (the longest shared head), or why there is none. Given the strings
+to cut (a group's members), it reads their own characters past ``P`` as known: each distinct continuation ``Q`` of
+``P`` up to ``longest + AHEAD`` characters further is a prefix of its own, and a position of ``P`` every ``Q``
+allows keeps every string (each starts with one ``Q``). So a cut can sit at the very end of ``P`` (a few-shot
+example's last character, where the examples that follow differ), not ``longest`` characters before it.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from distperp_harness.planning.pretoken_steps import Joint, Junction
 from distperp_harness.planning.tokenizer_parts import AddedTokens, Pipeline, read_pipeline
 
 SCAN = 4096
 """Positions tried, from the end of the shared prefix back, before giving up."""
+AHEAD = 16
+"""Characters of the strings' own continuations read past the shared prefix, beyond the longest added token."""
+MAX_AHEAD = 64
+"""The most distinct continuations read (with more, the shared prefix alone is proved on)."""
 
 
 class CutKind(enum.Enum):
@@ -80,36 +88,56 @@ def _fingerprint(tokenizer: Any) -> tuple:
     )
 
 
-def find_cut(tokenizer: Any, prefix: str, special: Mapping[str, Any]) -> Cut:
+def find_cut(tokenizer: Any, prefix: str, special: Mapping[str, Any], strings: Sequence[str] = ()) -> Cut:
     """The last position of ``prefix`` where every string starting with it can be cut, for ``tokenizer.encode(s,
-    **special)`` (``special``: at most ``add_special_tokens``), or why there is none."""
+    **special)`` (``special``: at most ``add_special_tokens``), or why there is none. With ``strings`` (each
+    starting with ``prefix``), every one of them: their continuations are read too (module docstring)."""
     pipeline = pipeline_of(tokenizer)
     if isinstance(pipeline, str):
         return Cut(None, reason=pipeline)
     if set(special) - {"add_special_tokens"}:
         return Cut(None, reason=f"encode keywords other than add_special_tokens: {sorted(special)}")
-    return last_cut(pipeline, prefix, bool(special.get("add_special_tokens", True)))
+    return last_cut(pipeline, prefix, bool(special.get("add_special_tokens", True)), strings)
 
 
-def last_cut(pipeline: Pipeline, prefix: str, add_special_tokens: bool) -> Cut:
-    """The last position of ``prefix`` that ``pipeline`` provably keeps (module docstring), among the ``SCAN``
-    last ones."""
+def last_cut(pipeline: Pipeline, prefix: str, add_special_tokens: bool, strings: Sequence[str] = ()) -> Cut:
+    """The last position of ``prefix`` that ``pipeline`` provably keeps for every string starting with it, or with
+    ``strings`` for each of them (module docstring), among the ``SCAN`` last ones."""
     if pipeline.text_after and add_special_tokens:
         return Cut(None, reason="the post-processor adds tokens after the text")
-    for position, kind in allowed_cuts(pipeline, prefix, SCAN):
+    for position, kind in shared_cuts(pipeline, continuations(pipeline, prefix, strings), len(prefix), SCAN):
         return Cut(position, kind)
     return Cut(None, reason=f"no provable cut in the last {SCAN} positions of the {len(prefix)}-character prefix")
+
+
+def continuations(pipeline: Pipeline, prefix: str, strings: Sequence[str]) -> list[str]:
+    """The distinct starts of ``strings`` up to ``longest + AHEAD`` characters past ``prefix`` (every string starts
+    with one), or ``[prefix]`` alone when there are none or more than ``MAX_AHEAD``."""
+    reach = len(prefix) + max(pipeline.added.longest, 2) + AHEAD
+    texts = sorted({s[:reach] for s in strings})
+    if any(not text.startswith(prefix) for text in texts):
+        raise ValueError(f"every string to cut must start with the {len(prefix)}-character shared prefix")
+    return texts if 0 < len(texts) <= MAX_AHEAD else [prefix]
 
 
 def allowed_cuts(pipeline: Pipeline, prefix: str, limit: int | None = None) -> Iterator[tuple[int, CutKind]]:
     """Every position of ``prefix`` (the last ``limit`` candidates) where ``pipeline`` provably keeps every string
     that starts with ``prefix``, from the last back, with its kind (the post-processor aside: :func:`last_cut`)."""
-    found = _matches(pipeline.added, prefix)
-    top = len(prefix) - max(pipeline.added.longest, 2)
+    return shared_cuts(pipeline, [prefix], len(prefix), limit)
+
+
+def shared_cuts(
+    pipeline: Pipeline, texts: Sequence[str], end: int, limit: int | None = None
+) -> Iterator[tuple[int, CutKind]]:
+    """Every position up to ``end`` (``texts`` share their first ``end`` characters; the last ``limit`` candidates)
+    where ``pipeline`` provably keeps every string that starts with any of ``texts``, from the last back, with its
+    kind in the first text."""
+    found = [_matches(pipeline.added, text) for text in texts]
+    top = min(end, *(len(text) - max(pipeline.added.longest, 2) for text in texts))
     for c in range(top, 0 if limit is None else max(0, top - limit), -1):
-        kind = _kind(pipeline, found, prefix, c)
-        if kind is not None:
-            yield c, kind
+        kinds = [_kind(pipeline, matches, text, c) for matches, text in zip(found, texts)]
+        if all(kinds):
+            yield c, kinds[0]  # type: ignore[misc]  # all() leaves no None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from distperp_harness.commands.tiny_tokenizers import (
     with_markup_tokens,
 )
 from distperp_harness.options import Options
-from distperp_harness.planning import encoding
+from distperp_harness.planning import encoding, tokenizer_cuts
 from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline
 from distperp_harness.planning.pretoken_steps import O200K
 from distperp_harness.planning.tokenizer_cuts import CutKind, _Matches, _matches, allowed_cuts, find_cut, pipeline_of
@@ -356,6 +356,50 @@ def test_thousands_of_added_tokens_cost_about_one_encode(markup):
     assert find_cut(markup, prefix, {}).position is not None
     for special in SPECIALS_ON_OFF:
         _exact(markup, group, special)
+
+
+@pytest.mark.parametrize("name", [f.value for f in Family] + list(VARIANTS) + ["flagged tokens"])
+def test_cuts_read_from_the_strings_never_change_ids(layouts, name):
+    """Random shared prefixes and groups of strings continuing them over :data:`FRAGMENTS` and pieces of every added
+    token: the cut chosen with the strings' own continuations read (often at the very end of the shared prefix,
+    where the prefix alone allows nothing within ``longest`` characters) keeps every string's ids."""
+    tokenizer = layouts[name]
+    pipeline = pipeline_of(tokenizer)
+    rng = random.Random(2)
+    tokens = [t.content for t in tokenizer.backend_tokenizer.get_added_tokens_decoder().values()]
+    pieces = FRAGMENTS + tokens + [t[:i] for t in tokens for i in range(1, len(t))]
+    late, differences = 0, []
+    for _ in range(40):
+        words = " ".join(WORDS[(i := rng.randrange(len(WORDS) - 30)) : i + rng.randrange(30)])
+        prefix = _random_text(rng, pieces, rng.randrange(1, 12)) + words + _random_text(rng, pieces, 4)
+        strings = [prefix + _random_text(rng, pieces, rng.randrange(1, 10)) for _ in range(rng.randrange(1, 8))]
+        for special in SPECIALS_ON_OFF:
+            cut = find_cut(tokenizer, prefix, special, strings)
+            if cut.position is None:
+                continue
+            late += cut.position > len(prefix) - max(pipeline.added.longest, 2)
+            head = tokenizer(prefix[: cut.position], **special)["input_ids"]
+            tails = tokenizer([s[cut.position :] for s in strings], add_special_tokens=False)["input_ids"]
+            wholes = tokenizer(strings, **special)["input_ids"]
+            differences += [s for s, tail, whole in zip(strings, tails, wholes) if head + tail != whole]
+    assert differences == []
+    assert late >= 5
+
+
+def test_continuations_read_and_their_limits(families):
+    """A cut at the end of the shared prefix needs the strings; strings not starting with the prefix are refused;
+    more than ``MAX_AHEAD`` distinct continuations fall back to the prefix alone."""
+    tokenizer = families[Family.GPT2]
+    prefix = _block(8) + "Question: what is it?\nAnswer: B"
+    strings = [prefix + f"\n\n{word} and more text after it" for word in WORDS[:20]]
+    alone = find_cut(tokenizer, prefix, {})
+    read = find_cut(tokenizer, prefix, {}, strings)
+    assert alone.position is not None and alone.position < len(prefix) - 10
+    assert read.position == len(prefix) and read.kind is CutKind.PRE_TOKEN
+    with pytest.raises(ValueError, match="must start with"):
+        find_cut(tokenizer, prefix, {}, strings + ["elsewhere"])
+    many = [prefix + f"\n\nq{i}" for i in range(tokenizer_cuts.MAX_AHEAD + 1)]
+    assert find_cut(tokenizer, prefix, {}, many) == alone
 
 
 def _refused_layouts(families):
