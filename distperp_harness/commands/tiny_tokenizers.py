@@ -150,3 +150,39 @@ def markup_text(words: Sequence[str], length: int, brackets: int) -> str:
     out = [marks[n % len(marks)] for n in range(brackets)]
     out = [m + filler[(n * gap) % (len(filler) - gap) :][: gap - len(m)] for n, m in enumerate(out)]
     return "".join(out) + filler[: length - gap * brackets]
+
+
+MMLU_DESCRIPTION = "The following are multiple choice questions (with answers) about {}.\n\n"
+
+
+def mmlu_random_prompts(
+    words: Sequence[str], subjects: int, questions: int, pool: int = 5, seed: int = 1234
+) -> list[str]:
+    """The distinct strings lm-eval's ``loglikelihood`` encodes for MMLU-shaped 5-shot questions whose examples
+    lm-eval's default sampler draws (``ContextSampler``, ``fewshot_random_seed`` ``seed``): per subject ``pool`` dev
+    examples (MMLU: 5), each question's prompt the description, five of them in the sampler's random order (of all
+    five for MMLU), then the question; lm-eval's MMLU template (``question\\nA. ..\\nB. ..\\nC. ..\\nD. ..
+    \\nAnswer:``, target `` X``, examples joined by ``\\n\\n``), four answers per question. The texts are runs
+    of ``words`` (about 2,200 characters a prompt)."""
+    from lm_eval.api.samplers import ContextSampler
+
+    from distperp_harness.tokens import loglikelihood_strings
+
+    cursor = iter(range(0, 10**9, 97))
+
+    def doc() -> dict:
+        take = lambda n: " ".join(words[(k := next(cursor) % (len(words) - n)) : k + n])  # noqa: E731
+        return {"question": take(44) + "?", "choices": [take(5) for _ in range(4)], "answer": next(cursor) % 4}
+
+    def text(d: dict) -> str:
+        options = "".join(f"\n{letter}. {choice}" for letter, choice in zip("ABCD", d["choices"]))
+        return f"{d['question'].strip()}{options}\nAnswer:"
+
+    pairs = []
+    for subject in range(subjects):
+        sampler = ContextSampler([doc() for _ in range(pool)], rnd=seed)
+        for _ in range(questions):
+            shots = "".join(f"{text(d)} {'ABCD'[d['answer']]}\n\n" for d in sampler.sample(5))
+            context = MMLU_DESCRIPTION.format(f"subject {subject}") + shots + text(doc())
+            pairs += [(context, f" {letter}") for letter in "ABCD"]
+    return list(dict.fromkeys(s for s, _ in loglikelihood_strings(pairs)))

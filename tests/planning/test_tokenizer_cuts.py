@@ -22,11 +22,12 @@ from distperp_harness.commands.tiny_tokenizers import (
     Family,
     family_tokenizer,
     markup_text,
+    mmlu_random_prompts,
     with_markup_tokens,
 )
 from distperp_harness.options import Options
 from distperp_harness.planning import encoding, tokenizer_cuts
-from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline
+from distperp_harness.planning.encoding import PieceEncoder, PrefixSplit, encode_many, local_pipeline
 from distperp_harness.planning.pretoken_steps import O200K
 from distperp_harness.planning.tokenizer_cuts import CutKind, _Matches, _matches, allowed_cuts, find_cut, pipeline_of
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
@@ -492,3 +493,37 @@ def test_the_issue_case_on_the_real_smollm2_tokenizer():
     for special in SPECIALS_ON_OFF:
         _exact(tokenizer, strings, special)
     assert find_cut(tokenizer, prefix, {}).kind is CutKind.PRE_TOKEN
+
+
+def _real_or_family(families, name: str):
+    if name != "smollm2":
+        return families[Family(name)]
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip("no local SmolLM2 tokenizer (../shared/models/smollm2-135m-instruct/README.md: to_hf.py)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+@pytest.mark.parametrize("name", [f.value for f in Family] + ["smollm2"])
+def test_random_fewshot_prompts_are_cut_at_their_examples(families, name, monkeypatch):
+    """lm-eval's default sampler (each question draws its subject's five examples in a random order), MMLU's template,
+    2 subjects x 40 questions x 4 answers: every string's ids are its whole encode's, with and without special
+    tokens. The tails are grouped again level after level (the header, then one example per level); a piece cut by
+    several groups is encoded once (``pieces`` < ``groups``); each example is in under a quarter as many strings
+    encoded as prompts holding it, and the characters encoded are under a third of the strings'."""
+    tokenizer = _real_or_family(families, name)
+    strings = mmlu_random_prompts(WORDS, 2, 40)
+    for special in SPECIALS_ON_OFF:
+        _exact(tokenizer, strings, special)
+    seen = _spy(monkeypatch)
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(strings) == [tokenizer.encode(s) for s in strings]
+    assert encoder.levels >= 6 and len(encoder.pieces) < encoder.groups, encoder
+    examples = {example for s in strings for example in s.split("\n\n")[1:-1]}
+    assert len(examples) == 2 * 5
+    for example in examples:
+        holding = sum(example in s for s in strings)
+        encoded = sum(example in s for s in seen)
+        assert 4 * encoded < holding, (example[:40], encoded, holding)
+    assert encoder.encoded == sum(map(len, seen)) < sum(map(len, strings)) / 3
