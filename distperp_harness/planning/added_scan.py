@@ -57,14 +57,20 @@ class ContentAutomaton:
 
     def occurrences(self, text: str) -> list[tuple[int, int]]:
         """``(start, number)`` of every occurrence of every content in ``text``, by start, longest first at one
-        start. Between occurrences the automaton sits at its root, where a compiled character class skips to the
-        next character that starts any content."""
+        start."""
+        return sorted(self.scan(text)[0])
+
+    def scan(self, text: str, start: int = 0, state: int = 0) -> tuple[list[tuple[int, int]], int]:
+        """Every occurrence ending after ``start`` in ``text`` read from ``start`` on, the automaton in ``state`` (the
+        state :meth:`scan` of ``text[:start]`` ends in), unsorted, and the state at the end. Between occurrences the
+        automaton sits at its root, where a compiled character class skips to the next character that starts any
+        content."""
         search = self._next_start
         if search is None:
-            return []
+            return [], 0
         goto, fail, out, lengths = self._goto, self._fail, self._out, self._lengths
         found: list[tuple[int, int]] = []
-        state, i, n = 0, 0, len(text)
+        i, n = start, len(text)
         while i < n:
             if state == 0:
                 hit = search(text, i)
@@ -83,5 +89,4 @@ class ContentAutomaton:
             i += 1
             for number in out[state]:
                 found.append((i - lengths[number], number))
-        found.sort()
-        return found
+        return found, state

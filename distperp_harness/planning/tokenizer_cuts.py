@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from distperp_harness.planning.pretoken_steps import Joint, Junction
 from distperp_harness.planning.tokenizer_parts import AddedTokens, Pipeline, read_pipeline
@@ -131,13 +131,13 @@ def shared_cuts(
 ) -> Iterator[tuple[int, CutKind]]:
     """Every position up to ``end`` (``texts`` share their first ``end`` characters; the last ``limit`` candidates)
     where ``pipeline`` provably keeps every string that starts with any of ``texts``, from the last back, with its
-    kind in the first text."""
-    found = [_matches(pipeline.added, text) for text in texts]
+    kind in the first text. The shared characters are scanned for added tokens once (:func:`_each_matches`)."""
+    found = _each_matches(pipeline.added, texts, end)
     top = min(end, *(len(text) - max(pipeline.added.longest, 2) for text in texts))
     for c in range(top, 0 if limit is None else max(0, top - limit), -1):
-        kinds = [_kind(pipeline, matches, text, c) for matches, text in zip(found, texts)]
-        if all(kinds):
-            yield c, kinds[0]  # type: ignore[misc]  # all() leaves no None
+        kind = _kind(pipeline, found[0], texts[0], c)
+        if kind is not None and all(_kind(pipeline, f, t, c) for f, t in zip(found[1:], texts[1:])):
+            yield c, kind
 
 
 @dataclass
@@ -149,16 +149,40 @@ class _Matches:
     ends: set[int] = field(default_factory=set)  # ... ends here
     lstrip_starts: set[int] = field(default_factory=set)  # an occurrence of an lstrip token starts here
     rstrip_ends: set[int] = field(default_factory=set)  # an occurrence of an rstrip token ends here
+    free: int = 0  # where extraction resumes after the raw matches read so far
+
+    def copy(self) -> _Matches:
+        return _Matches(
+            set(self.blocked), set(self.starts), set(self.ends), set(self.lstrip_starts), set(self.rstrip_ends),
+            self.free,
+        )  # fmt: skip
 
 
 def _matches(added: AddedTokens, prefix: str) -> _Matches:
     """Every occurrence of every content in ``prefix`` (one pass of the added vocabulary's automaton), and the raw
-    matches leftmost-longest extraction chooses (it resumes after each match, single-word ones included, which only
-    then are kept or dropped)."""
-    found = _Matches()
-    free = 0
+    matches leftmost-longest extraction chooses (:func:`_read`)."""
+    return _read(added, _Matches(), added.automaton.occurrences(prefix))
+
+
+def _each_matches(added: AddedTokens, texts: Sequence[str], end: int) -> list[_Matches]:
+    """:func:`_matches` of each of ``texts`` (sharing their first ``end`` characters): the shared characters scanned
+    and the occurrences starting more than ``longest`` before ``end`` read once, each text's own continuing from the
+    automaton's state there."""
+    automaton = added.automaton
+    shared, state = automaton.scan(texts[0][:end])
+    shared.sort()
+    settled = end - added.longest + 1  # an occurrence starting before this ends by ``end``: in every text alike
+    first = _read(added, _Matches(), (o for o in shared if o[0] < settled))
+    rest = [o for o in shared if o[0] >= settled]
+    return [_read(added, first.copy(), sorted(rest + automaton.scan(text, end, state)[0])) for text in texts]
+
+
+def _read(added: AddedTokens, found: _Matches, occurrences: Iterable[tuple[int, int]]) -> _Matches:
+    """``found`` with ``occurrences`` (by start, longest first at one start, after those already read) added: the
+    positions they block or strip, and the raw matches leftmost-longest extraction chooses (it resumes after each
+    match, single-word ones included, which only then are kept or dropped)."""
     contents = added.automaton.contents
-    for start, number in added.automaton.occurrences(prefix):  # by start, longest first at one start
+    for start, number in occurrences:
         content = contents[number]
         end = start + len(content)
         found.blocked.update(range(start + 1, end))
@@ -168,8 +192,8 @@ def _matches(added: AddedTokens, prefix: str) -> _Matches:
             found.lstrip_starts.add(start)
         if content in added.rstrip:
             found.rstrip_ends.add(end)
-        if content in added.raw and start >= free:  # the longest raw content at the first free start
-            free = end
+        if content in added.raw and start >= found.free:  # the longest raw content at the first free start
+            found.free = end
             if content not in added.single_word:
                 found.starts.add(start)
                 found.ends.add(end)

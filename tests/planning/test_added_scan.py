@@ -33,6 +33,21 @@ def test_occurrences_are_those_of_trying_every_content_everywhere():
         assert found == _every_try(contents, text), (trial, contents, text)
 
 
+def test_a_scan_continues_from_the_state_a_shared_start_ends_in():
+    """Scanning a text's start once and each continuation from the state it ends in finds, together, every
+    occurrence of each whole text (those straddling the join included)."""
+    rng = random.Random(1)
+    automaton = ContentAutomaton(CONTENTS)
+    for _ in range(200):
+        start = "".join(rng.choice(CONTENTS + ["x"]) for _ in range(rng.randrange(0, 12)))
+        head, state = automaton.scan(start)
+        for _ in range(3):
+            text = start + "".join(rng.choice(CONTENTS + ["x"]) for _ in range(rng.randrange(0, 6)))
+            rest, _ = automaton.scan(text, len(start), state)
+            assert sorted(head + rest) == automaton.occurrences(text)
+            assert all(s + len(automaton.contents[n]) > len(start) for s, n in rest)
+
+
 def test_no_contents_and_no_candidates():
     assert ContentAutomaton([]).occurrences("anything <|im_end|>") == []
     assert ContentAutomaton(["<|im_end|>"]).occurrences("plain text, nothing to find " * 50) == []

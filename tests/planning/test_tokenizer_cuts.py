@@ -7,6 +7,7 @@ whitespace and digits at the boundary, few-shot blocks and chat prompts, randomi
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
@@ -29,7 +30,15 @@ from distperp_harness.options import Options
 from distperp_harness.planning import encoding, tokenizer_cuts
 from distperp_harness.planning.encoding import PieceEncoder, PrefixSplit, encode_many, local_pipeline
 from distperp_harness.planning.pretoken_steps import O200K
-from distperp_harness.planning.tokenizer_cuts import CutKind, _Matches, _matches, allowed_cuts, find_cut, pipeline_of
+from distperp_harness.planning.tokenizer_cuts import (
+    CutKind,
+    _each_matches,
+    _Matches,
+    _matches,
+    allowed_cuts,
+    find_cut,
+    pipeline_of,
+)
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
 
 TEXT = sample_text()
@@ -286,12 +295,18 @@ def markup():
     return with_markup_tokens(family_tokenizer(Family.GEMMA, [TEXT], 500))
 
 
+@functools.cache
+def _lengths(automaton) -> tuple[frozenset[str], tuple[int, ...]]:
+    return frozenset(automaton.contents), tuple(sorted({len(c) for c in automaton.contents}, reverse=True))
+
+
 def _every_try(added, prefix: str) -> _Matches:
-    """What the scan must find, by trying every content at every position (the definition, not the algorithm)."""
+    """What the scan must find, by trying every content at every position (the definition, not the algorithm: each
+    substring of a content's length looked up among the contents)."""
     found, free = _Matches(), 0
-    contents = sorted(added.automaton.contents, key=len, reverse=True)
+    contents, lengths = _lengths(added.automaton)
     for i in range(len(prefix)):
-        here = [t for t in contents if prefix.startswith(t, i)]
+        here = [prefix[i : i + n] for n in lengths if i + n <= len(prefix) and prefix[i : i + n] in contents]
         for content in here:
             end = i + len(content)
             found.blocked.update(range(i + 1, end))
@@ -307,13 +322,15 @@ def _every_try(added, prefix: str) -> _Matches:
             if raw[0] not in added.single_word:
                 found.starts.add(i)
                 found.ends.add(free)
+    found.free = free
     return found
 
 
 @pytest.mark.parametrize("name", ["flagged tokens", "markup"])
 def test_the_scan_finds_what_trying_every_content_finds(layouts, markup, name):
     """One automaton pass gives the occurrences, flags and extraction's choices that trying every content at every
-    position gives: random texts over pieces of every content (overlaps, flags, unfinished tokens)."""
+    position gives: random texts over pieces of every content (overlaps, flags, unfinished tokens), and texts
+    continuing a shared start scanned once (what a group's continuations are proved on)."""
     tokenizer = markup if name == "markup" else layouts[name]
     added = pipeline_of(tokenizer).added
     rng = random.Random(1)
@@ -322,6 +339,8 @@ def test_the_scan_finds_what_trying_every_content_finds(layouts, markup, name):
     for _ in range(60):
         text = _random_text(rng, pieces, rng.randrange(1, 60))
         assert _matches(added, text) == _every_try(added, text), text
+        texts = [text + _random_text(rng, pieces, rng.randrange(0, 6)) for _ in range(4)]
+        assert _each_matches(added, texts, len(text)) == [_every_try(added, t) for t in texts], texts
 
 
 def _median_seconds(runs: dict, repeats: int = 3) -> dict:
