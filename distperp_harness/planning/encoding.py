@@ -123,7 +123,8 @@ class PieceEncoder:
 def _batched(tokenizer: Any, strings: list[str], **special: Any) -> list[list[int]]:
     out: list[list[int]] = []
     for start in range(0, len(strings), CHUNK):
-        out += [list(ids) for ids in tokenizer(strings[start : start + CHUNK], **special)["input_ids"]]
+        batch = tokenizer(strings[start : start + CHUNK], **special)["input_ids"]
+        out += [ids if type(ids) is list else list(ids) for ids in batch]  # a fresh list per call already
     return out
 
 
