@@ -302,27 +302,27 @@ def _lengths(automaton) -> tuple[frozenset[str], tuple[int, ...]]:
 
 def _every_try(added, prefix: str) -> _Matches:
     """What the scan must find, by trying every content at every position (the definition, not the algorithm: each
-    substring of a content's length looked up among the contents)."""
-    found, free = _Matches(), 0
+    substring of a content's length looked up among the contents), then extraction's choices position by position."""
     contents, lengths = _lengths(added.automaton)
-    for i in range(len(prefix)):
-        here = [prefix[i : i + n] for n in lengths if i + n <= len(prefix) and prefix[i : i + n] in contents]
-        for content in here:
-            end = i + len(content)
-            found.blocked.update(range(i + 1, end))
-            if content in added.single_word:
-                found.blocked.update((i, end))
-            if content in added.lstrip:
-                found.lstrip_starts.add(i)
-            if content in added.rstrip:
-                found.rstrip_ends.add(end)
-        raw = [t for t in here if t in added.raw]
-        if raw and i >= free:
-            free = i + len(raw[0])
-            if raw[0] not in added.single_word:
+    hits = [(i, prefix[i : i + n]) for i in range(len(prefix)) for n in lengths if prefix[i : i + n] in contents]
+    spans = [(i, i + len(t), t) for i, t in hits if i + len(t) <= len(prefix)]
+    found = _Matches(
+        blocked={p for i, e, _ in spans for p in range(i + 1, e)} | {p for i, e, t in spans
+                                                                    if t in added.single_word for p in (i, e)},
+        lstrip_starts={i for i, _, t in spans if t in added.lstrip},
+        rstrip_ends={e for _, e, t in spans if t in added.rstrip},
+    )  # fmt: skip
+    longest_raw = {}
+    for i, e, t in spans:  # by start, longest first
+        if t in added.raw:
+            longest_raw.setdefault(i, (e, t))
+    for i in sorted(longest_raw):
+        e, t = longest_raw[i]
+        if i >= found.free:
+            found.free = e
+            if t not in added.single_word:
                 found.starts.add(i)
-                found.ends.add(free)
-    found.free = free
+                found.ends.add(e)
     return found
 
 
@@ -341,6 +341,25 @@ def test_the_scan_finds_what_trying_every_content_finds(layouts, markup, name):
         assert _matches(added, text) == _every_try(added, text), text
         texts = [text + _random_text(rng, pieces, rng.randrange(0, 6)) for _ in range(4)]
         assert _each_matches(added, texts, len(text)) == [_every_try(added, t) for t in texts], texts
+
+
+def test_continuations_whose_tokens_start_before_the_shared_ones(families):
+    """Nested raw contents across the end of a shared start: a continuation's longer token starting before a shorter
+    one inside the shared characters wins extraction, as in the whole text (random joins over their pieces)."""
+    from tokenizers import AddedToken
+
+    tokenizer = family_tokenizer(Family.GPT2, [TEXT], 300)
+    long, inner = "abcdefghijklmnop", "bcdefghijklmno"  # the longest contents: the join falls within their reach
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in (long, inner, "cd", "mnopq", "p")])
+    added = pipeline_of(tokenizer).added
+    assert added.longest == len(long)
+    assert _each_matches(added, ["xxx" + long], 18) == [_every_try(added, "xxx" + long)]
+    rng = random.Random(4)
+    pieces = [*"xabcdmnopq", "abc", "efghijkl", "mno", long[:9], long[9:], inner, long]
+    for _ in range(300):
+        start = _random_text(rng, pieces, rng.randrange(1, 8))
+        texts = [start + _random_text(rng, pieces, rng.randrange(0, 4)) for _ in range(3)]
+        assert _each_matches(added, texts, len(start)) == [_every_try(added, t) for t in texts], texts
 
 
 def _median_seconds(runs: dict, repeats: int = 3) -> dict:
@@ -501,11 +520,18 @@ def test_pre_encode_then_tok_encode_are_exact(families, family):
 SMOLLM2 = Path.home() / ".cache" / "distperp" / "smollm2-135m-instruct"
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(), reason="no local SmolLM2 tokenizer")
-def test_the_issue_case_on_the_real_smollm2_tokenizer():
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct's real tokenizer, converted from ``../shared`` (its README: ``to_hf.py``)."""
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip("no local SmolLM2 tokenizer (../shared/models/smollm2-135m-instruct/README.md: to_hf.py)")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    return AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+def test_the_issue_case_on_the_real_smollm2_tokenizer(smollm2):
+    tokenizer = smollm2
     prefix = "Question: what is the answer? " * 10 + "<|im_"
     tails = ["a", "end|>x", "abcdefg", "end|>xyzw", "abcdefghijk", "end|>xyzwvut", "end|>xyzwvutsrq"]
     strings = [prefix + t for t in tails + ["abcdefghijklmnopqrstuvwxyz"]]
@@ -514,24 +540,14 @@ def test_the_issue_case_on_the_real_smollm2_tokenizer():
     assert find_cut(tokenizer, prefix, {}).kind is CutKind.PRE_TOKEN
 
 
-def _real_or_family(families, name: str):
-    if name != "smollm2":
-        return families[Family(name)]
-    if not (SMOLLM2 / "tokenizer.json").exists():
-        pytest.skip("no local SmolLM2 tokenizer (../shared/models/smollm2-135m-instruct/README.md: to_hf.py)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(SMOLLM2)
-
-
 @pytest.mark.parametrize("name", [f.value for f in Family] + ["smollm2"])
-def test_random_fewshot_prompts_are_cut_at_their_examples(families, name, monkeypatch):
+def test_random_fewshot_prompts_are_cut_at_their_examples(request, families, name, monkeypatch):
     """lm-eval's default sampler (each question draws its subject's five examples in a random order), MMLU's template,
     2 subjects x 40 questions x 4 answers: every string's ids are its whole encode's, with and without special
     tokens. The tails are grouped again level after level (the header, then one example per level); a piece cut by
     several groups is encoded once (``pieces`` < ``groups``); each example is in under a quarter as many strings
     encoded as prompts holding it, and the characters encoded are under a third of the strings'."""
-    tokenizer = _real_or_family(families, name)
+    tokenizer = request.getfixturevalue("smollm2") if name == "smollm2" else families[Family(name)]
     strings = mmlu_random_prompts(WORDS, 2, 40)
     for special in SPECIALS_ON_OFF:
         _exact(tokenizer, strings, special)
