@@ -34,8 +34,8 @@ MIN_SHARED_CHARS = 64
 MIN_GROUP = 8
 """The fewest strings sharing a prefix worth it."""
 WORTH = 2
-"""A group is cut only when the characters it spares are at least ``WORTH`` times those it encodes for it (its piece
-and its check)."""
+"""A group is cut only where the characters it spares are at least ``WORTH`` times those it encodes for it (its piece
+and its check): :meth:`PieceEncoder.split`."""
 CHECK_BEYOND = 64
 """How far past a group's shared prefix its check string runs."""
 MAX_LEVELS = 256
@@ -95,18 +95,19 @@ class PieceEncoder:
         return out
 
     def split(self, group: list[str], shared: int, special: Mapping[str, Any]) -> PrefixSplit | None:
-        """:meth:`PrefixSplit.find` for a group worth it (``WORTH``: judged on the shared prefix before the proof,
-        on the cut after it), its piece read from or put in ``pieces``."""
+        """:meth:`PrefixSplit.find` at a cut worth it, its piece read from or put in ``pieces``: a cut at ``c``
+        spares ``(n - 1) c`` characters of ``n`` strings and costs its piece (``c``) and its check (``2 probe -
+        c``), so it must be at least ``2 WORTH probe / (n - 1 - WORTH)``; no earlier position is tried."""
         probe = min(min(map(len, group)), shared + CHECK_BEYOND)
-        if (len(group) - 1) * shared < WORTH * 3 * probe:
+        room = len(group) - 1 - WORTH
+        lowest = -(-2 * WORTH * probe // room) if room > 0 else shared + 1  # rounded up
+        if lowest > shared:
             return None
-        split = PrefixSplit.find(self.tokenizer, group, shared, special, self.piece)
+        split = PrefixSplit.find(self.tokenizer, group, shared, special, self.piece, lowest)
         if split is None:
             return None
-        self.encoded += 2 * probe - split.cut  # the check: its string whole, and its tail
-        if (len(group) - 1) * split.cut < WORTH * (2 * probe + split.cut):
-            return None  # a cut this early spares too little to group these strings again
         self.groups += 1
+        self.encoded += 2 * probe - split.cut  # the check: its string whole, and its tail
         return split
 
     def piece(self, text: str, special: Mapping[str, Any]) -> tuple[int, ...]:
@@ -172,13 +173,13 @@ class PrefixSplit:
     @classmethod
     def find(
         cls, tokenizer: Any, group: list[str], shared: int, special: Mapping[str, Any],
-        piece: Callable[[str, Mapping[str, Any]], Sequence[int]] | None = None,
+        piece: Callable[[str, Mapping[str, Any]], Sequence[int]] | None = None, lowest: int = 1,
     ) -> PrefixSplit | None:  # fmt: skip
-        """The split of ``group`` (strings sharing ``shared`` characters) at :func:`find_cut`'s position; None when
-        there is none. ``piece(text, special)`` gives the head's ids (default: encode it). Its one check, the
-        shortest string up to ``CHECK_BEYOND`` characters past the shared prefix (a string the proof covers too)
-        against its whole encode, guards the implementation: exactness comes from the proof."""
-        cut = cls.choose(tokenizer, group[0][:shared], special, group)
+        """The split of ``group`` (strings sharing ``shared`` characters) at :func:`find_cut`'s position (none before
+        ``lowest``); None when there is none. ``piece(text, special)`` gives the head's ids (default: encode it).
+        Its one check, the shortest string up to ``CHECK_BEYOND`` characters past the shared prefix (a string the
+        proof covers too) against its whole encode, guards the implementation: exactness comes from the proof."""
+        cut = cls.choose(tokenizer, group[0][:shared], special, group, lowest)
         if cut.position is None or cut.kind is None:
             return None
         text = group[0][: cut.position]
@@ -192,10 +193,12 @@ class PrefixSplit:
         return split
 
     @staticmethod
-    def choose(tokenizer: Any, prefix: str, special: Mapping[str, Any], group: Sequence[str] = ()) -> Cut:
-        """:func:`find_cut` (where the split of ``group``, strings sharing ``prefix``, would cut, or why it would
-        not)."""
-        return find_cut(tokenizer, prefix, special, group)
+    def choose(
+        tokenizer: Any, prefix: str, special: Mapping[str, Any], group: Sequence[str] = (), lowest: int = 1
+    ) -> Cut:
+        """:func:`find_cut` (where the split of ``group``, strings sharing ``prefix``, would cut, none before
+        ``lowest``, or why it would not)."""
+        return find_cut(tokenizer, prefix, special, group, lowest)
 
     def encode(self, strings: list[str]) -> list[list[int]]:
         head = list(self.head)

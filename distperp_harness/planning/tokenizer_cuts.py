@@ -88,26 +88,33 @@ def _fingerprint(tokenizer: Any) -> tuple:
     )
 
 
-def find_cut(tokenizer: Any, prefix: str, special: Mapping[str, Any], strings: Sequence[str] = ()) -> Cut:
-    """The last position of ``prefix`` where every string starting with it can be cut, for ``tokenizer.encode(s,
-    **special)`` (``special``: at most ``add_special_tokens``), or why there is none. With ``strings`` (each
-    starting with ``prefix``), every one of them: their continuations are read too (module docstring)."""
+def find_cut(
+    tokenizer: Any, prefix: str, special: Mapping[str, Any], strings: Sequence[str] = (), lowest: int = 1
+) -> Cut:
+    """The last position of ``prefix``, at least ``lowest``, where every string starting with it can be cut, for
+    ``tokenizer.encode(s, **special)`` (``special``: at most ``add_special_tokens``), or why there is none. With
+    ``strings`` (each starting with ``prefix``), every one of them: their continuations are read too (module
+    docstring)."""
     pipeline = pipeline_of(tokenizer)
     if isinstance(pipeline, str):
         return Cut(None, reason=pipeline)
     if set(special) - {"add_special_tokens"}:
         return Cut(None, reason=f"encode keywords other than add_special_tokens: {sorted(special)}")
-    return last_cut(pipeline, prefix, bool(special.get("add_special_tokens", True)), strings)
+    return last_cut(pipeline, prefix, bool(special.get("add_special_tokens", True)), strings, lowest)
 
 
-def last_cut(pipeline: Pipeline, prefix: str, add_special_tokens: bool, strings: Sequence[str] = ()) -> Cut:
+def last_cut(
+    pipeline: Pipeline, prefix: str, add_special_tokens: bool, strings: Sequence[str] = (), lowest: int = 1
+) -> Cut:
     """The last position of ``prefix`` that ``pipeline`` provably keeps for every string starting with it, or with
-    ``strings`` for each of them (module docstring), among the ``SCAN`` last ones."""
+    ``strings`` for each of them (module docstring), among the ``SCAN`` last ones and none before ``lowest``."""
     if pipeline.text_after and add_special_tokens:
         return Cut(None, reason="the post-processor adds tokens after the text")
-    for position, kind in shared_cuts(pipeline, continuations(pipeline, prefix, strings), len(prefix), SCAN):
+    texts = continuations(pipeline, prefix, strings)
+    for position, kind in shared_cuts(pipeline, texts, len(prefix), SCAN, lowest):
         return Cut(position, kind)
-    return Cut(None, reason=f"no provable cut in the last {SCAN} positions of the {len(prefix)}-character prefix")
+    return Cut(None, reason=f"no provable cut in the last {SCAN} positions of the {len(prefix)}-character prefix"
+                            f"{f' from {lowest} on' if lowest > 1 else ''}")  # fmt: skip
 
 
 def continuations(pipeline: Pipeline, prefix: str, strings: Sequence[str]) -> list[str]:
@@ -127,14 +134,15 @@ def allowed_cuts(pipeline: Pipeline, prefix: str, limit: int | None = None) -> I
 
 
 def shared_cuts(
-    pipeline: Pipeline, texts: Sequence[str], end: int, limit: int | None = None
+    pipeline: Pipeline, texts: Sequence[str], end: int, limit: int | None = None, lowest: int = 1
 ) -> Iterator[tuple[int, CutKind]]:
-    """Every position up to ``end`` (``texts`` share their first ``end`` characters; the last ``limit`` candidates)
-    where ``pipeline`` provably keeps every string that starts with any of ``texts``, from the last back, with its
-    kind in the first text. The shared characters are scanned for added tokens once (:func:`_each_matches`)."""
+    """Every position from ``lowest`` up to ``end`` (``texts`` share their first ``end`` characters; the last
+    ``limit`` candidates) where ``pipeline`` provably keeps every string that starts with any of ``texts``, from the
+    last back, with its kind in the first text. The shared characters are scanned for added tokens once
+    (:func:`_each_matches`)."""
     found = _each_matches(pipeline.added, texts, end)
     top = min(end, *(len(text) - max(pipeline.added.longest, 2) for text in texts))
-    for c in range(top, 0 if limit is None else max(0, top - limit), -1):
+    for c in range(top, max(lowest - 1, 0 if limit is None else top - limit), -1):
         kind = _kind(pipeline, found[0], texts[0], c)
         if kind is not None and all(_kind(pipeline, f, t, c) for f, t in zip(found[1:], texts[1:])):
             yield c, kind

@@ -20,7 +20,7 @@ from distperp_harness.planning.encoding import (
     local_pipeline,
     shared_prefix_groups,
 )
-from distperp_harness.planning.tokenizer_cuts import Cut, CutKind
+from distperp_harness.planning.tokenizer_cuts import Cut, CutKind, find_cut
 
 WORDS = sample_text().split()
 
@@ -163,3 +163,21 @@ def test_a_piece_is_encoded_once_per_text_and_special_rule(tokenizers):
     assert encoder.piece("The following are questions.", {}) is first
     assert encoder.piece("The following are questions.", {"add_special_tokens": False}) == tuple(first[1:])
     assert len(encoder.pieces) == 2
+
+
+def test_a_group_is_cut_only_where_it_pays_and_nothing_is_spent_elsewhere(tokenizers):
+    """Eight strings sharing 300 characters whose only provable cut is after the first word: the earliest worthwhile
+    cut (``PieceEncoder.split``'s bound) is far later, so no position before it is tried, no piece and no check is
+    encoded, and every string is encoded once, whole; with 400 such strings the same cut pays and is taken."""
+    tokenizer = tokenizers["plain"]
+    prefix = "word " + "x" * 295
+    assert find_cut(tokenizer, prefix, {}).position == 4
+    assert find_cut(tokenizer, prefix, {}, lowest=5).position is None
+    few = [prefix + f"{i} tail" for i in range(8)]  # "x" then a digit: no provable cut where they part
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(few) == [tokenizer.encode(s) for s in few]
+    assert (encoder.groups, encoder.pieces, encoder.encoded) == (0, {}, sum(map(len, few)))
+    many = [prefix + f"{i} tail" for i in range(400)]
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(many) == [tokenizer.encode(s) for s in many]
+    assert encoder.groups == 1 and list(encoder.pieces) == [("word", True)]
