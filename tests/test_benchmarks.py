@@ -436,11 +436,13 @@ def test_bench_families_dry(sample_text_path, tmp_path):
 
 def test_tokenize_families_runs_and_ids_equal():
     """``benchmarks.tokenize_families`` at dry size: the five family layouts (GPT-2, Llama 3, Qwen2 with NFC, Gemma's
-    ``Replace`` without a pre-tokenizer, Metaspace) each tokenize the shared few-shot block once, with every string's
-    ids equal to its whole encode (else it says which and exits 1)."""
+    ``Replace`` without a pre-tokenizer, Metaspace) on its three workloads (one fixed few-shot block, MMLU 5-shot in
+    lm-eval's default sampler's random order, a 300-example pool) and Gemma's added-token case, with every string's
+    ids equal to its whole encode (else it says which and exits 1); no layout is refused, every row groups."""
     proc = bench("tokenize_families", "--questions", "12", "--vocab", "400", "--repeats", "1", "--model", "none")
-    assert "equal to whole encodes everywhere" in proc.stdout and proc.stdout.count("| yes |") == 5, proc.stdout
-    assert "whole:" not in proc.stdout, proc.stdout
+    assert "equal to whole encodes everywhere" in proc.stdout and proc.stdout.count("| yes |") == 15, proc.stdout
+    assert "whole:" not in proc.stdout and "| 0 / 0 / 0 |" not in proc.stdout, proc.stdout
+    assert "| find the cut of the prefix |" in proc.stdout and "ids equal: yes" in proc.stdout, proc.stdout
 
 
 def test_bench_series_dry(tiny_model_dir):

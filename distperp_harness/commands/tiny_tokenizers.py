@@ -14,7 +14,8 @@ family         normalizer                  pre-tokenizer                        
 ``metaspace``  none                        Metaspace (``first``, split)         BPE; BOS template
 =============  ==========================  ===================================  ==================================
 
-Each has its family's chat markers as special tokens (:data:`SPECIALS`).
+Each has its family's chat markers as special tokens (:data:`SPECIALS`); :func:`with_markup_tokens` adds an added
+vocabulary shaped like Gemma 3's (thousands of ``<...>`` contents) and :func:`markup_text` text full of ``<``.
 """
 
 from __future__ import annotations
@@ -114,3 +115,74 @@ def _post_processor(family: Family, tok: Any) -> Any:
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
     )
     return processors.Sequence([byte_level, template]) if family is Family.LLAMA3 else template
+
+
+MARKUP_TAGS = (
+    "a", "b", "i", "u", "p", "em", "strong", "code", "pre", "sub", "sup", "div", "span", "li", "ul", "ol", "table",
+    "caption", "thead", "tbody", "tr", "th", "td", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "br", "hr",
+    "img", "small", "big", "center", "font", "s", "del",
+)  # fmt: skip
+"""Markup tags added as tokens (Gemma 3 has HTML-like tags among its added tokens)."""
+
+
+def with_markup_tokens(tokenizer: Any, unused: int = 6242) -> Any:
+    """``tokenizer`` with an added vocabulary shaped like Gemma 3's: ``unused`` special ``<unusedN>`` tokens and each
+    of :data:`MARKUP_TAGS` opening and closing as plain added tokens, all matched on the raw text
+    (``normalized=False``): with the defaults 6,320 more contents that start with ``<`` (Gemma 3 has 6,321 in all)."""
+    from tokenizers import AddedToken
+
+    tags = sorted({f"<{t}>" for t in MARKUP_TAGS} | {f"</{t}>" for t in MARKUP_TAGS})
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in tags])
+    specials = [AddedToken(f"<unused{i}>", normalized=False, special=True) for i in range(unused)]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    return tokenizer
+
+
+def markup_text(words: Sequence[str], length: int, brackets: int) -> str:
+    """``length`` characters of ``words`` (their own ``<`` made ``(``) with exactly ``brackets`` ``<`` in them, one
+    every ``length // brackets`` characters (at least 8): markup tags that are added tokens of
+    :func:`with_markup_tokens`, tags that are not, comparisons (``a < b``) and an unfinished ``<unu``."""
+    marks = ["<td>", "</td>", "<tr>", "<x>", " < ", "<b>", "</b>", "<unu", "<li>", "<br>"]
+    gap = length // brackets
+    if gap < 8:
+        raise ValueError(f"{brackets} brackets in {length} characters: at most one every 8 characters")
+    filler = " ".join(words).replace("<", "(")
+    out = [marks[n % len(marks)] for n in range(brackets)]
+    out = [m + filler[(n * gap) % (len(filler) - gap) :][: gap - len(m)] for n, m in enumerate(out)]
+    return "".join(out) + filler[: length - gap * brackets]
+
+
+MMLU_DESCRIPTION = "The following are multiple choice questions (with answers) about {}.\n\n"
+
+
+def mmlu_random_prompts(
+    words: Sequence[str], subjects: int, questions: int, pool: int = 5, seed: int = 1234
+) -> list[str]:
+    """The distinct strings lm-eval's ``loglikelihood`` encodes for MMLU-shaped 5-shot questions whose examples
+    lm-eval's default sampler draws (``ContextSampler``, ``fewshot_random_seed`` ``seed``): per subject ``pool`` dev
+    examples (MMLU: 5), each question's prompt the description, five of them in the sampler's random order (of all
+    five for MMLU), then the question; lm-eval's MMLU template (``question\\nA. ..\\nB. ..\\nC. ..\\nD. ..
+    \\nAnswer:``, target `` X``, examples joined by ``\\n\\n``), four answers per question. The texts are runs
+    of ``words`` (about 2,200 characters a prompt)."""
+    from lm_eval.api.samplers import ContextSampler
+
+    from distperp_harness.tokens import loglikelihood_strings
+
+    cursor = iter(range(0, 10**9, 97))
+
+    def doc() -> dict:
+        take = lambda n: " ".join(words[(k := next(cursor) % (len(words) - n)) : k + n])  # noqa: E731
+        return {"question": take(44) + "?", "choices": [take(5) for _ in range(4)], "answer": next(cursor) % 4}
+
+    def text(d: dict) -> str:
+        options = "".join(f"\n{letter}. {choice}" for letter, choice in zip("ABCD", d["choices"]))
+        return f"{d['question'].strip()}{options}\nAnswer:"
+
+    pairs = []
+    for subject in range(subjects):
+        sampler = ContextSampler([doc() for _ in range(pool)], rnd=seed)
+        for _ in range(questions):
+            shots = "".join(f"{text(d)} {'ABCD'[d['answer']]}\n\n" for d in sampler.sample(5))
+            context = MMLU_DESCRIPTION.format(f"subject {subject}") + shots + text(doc())
+            pairs += [(context, f" {letter}") for letter in "ABCD"]
+    return list(dict.fromkeys(s for s, _ in loglikelihood_strings(pairs)))

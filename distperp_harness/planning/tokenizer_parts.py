@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable, Mapping
 
+from distperp_harness.planning.added_scan import ContentAutomaton
 from distperp_harness.planning.pretoken_steps import (
     GPT2,
     PATTERNS,
@@ -38,8 +39,8 @@ from distperp_harness.planning.pretoken_steps import (
 class AddedTokens:
     """The added tokens as extraction matches them: leftmost-longest, ``raw`` ones on the text before normalizing."""
 
-    by_first: Mapping[str, tuple[str, ...]]
-    """Every content, keyed by its first character, longest first."""
+    automaton: ContentAutomaton
+    """Every content, found in one pass (:meth:`ContentAutomaton.occurrences`)."""
     raw: frozenset[str]
     """Contents matched on the raw text (``normalized=False``); the others are matched after it, on each piece."""
     longest: int
@@ -343,11 +344,8 @@ def _added(tokens: list[Any], kind: NormKind) -> AddedTokens | str:
     tokens = [t for t in tokens if t.content]
     if kind is not NormKind.NONE and any(t.normalized for t in tokens):
         return "added tokens matched on normalized text, under a normalizer"
-    by_first: dict[str, list[str]] = {}
-    for content in sorted({t.content for t in tokens}, key=len, reverse=True):
-        by_first.setdefault(content[0], []).append(content)
     return AddedTokens(
-        {ch: tuple(contents) for ch, contents in by_first.items()},
+        ContentAutomaton(t.content for t in tokens),
         frozenset(t.content for t in tokens if not t.normalized),
         max((len(t.content) for t in tokens), default=0),
         *(frozenset(t.content for t in tokens if getattr(t, flag)) for flag in ("lstrip", "rstrip", "single_word")),

@@ -11,9 +11,16 @@ import random
 import pytest
 
 from distperp_harness.commands.tiny import sample_text, train_tokenizer
+from distperp_harness.commands.tiny_tokenizers import mmlu_random_prompts
 from distperp_harness.planning import encoding
-from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline, shared_prefix_groups
-from distperp_harness.planning.tokenizer_cuts import Cut, CutKind
+from distperp_harness.planning.encoding import (
+    PieceEncoder,
+    PrefixSplit,
+    encode_many,
+    local_pipeline,
+    shared_prefix_groups,
+)
+from distperp_harness.planning.tokenizer_cuts import Cut, CutKind, find_cut
 
 WORDS = sample_text().split()
 
@@ -75,7 +82,8 @@ def test_same_ids_as_one_encode_each(tokenizers, name, special):
 @pytest.mark.parametrize("name", ["bos", "metaspace", "normalized"])
 def test_a_shared_prefix_is_tokenized_once(tokenizers, name, monkeypatch):
     """The two few-shot blocks are two groups; every member of a group is encoded as the shared head plus its own
-    tail (one whole string per group for the check), and the head carries the BOS."""
+    tail (no member whole: the check string of each group runs ``CHECK_BEYOND`` characters past the shared prefix),
+    and the head carries the BOS."""
     tokenizer = tokenizers[name]
     assert local_pipeline(tokenizer) is None
     seen: list[str] = []
@@ -89,7 +97,9 @@ def test_a_shared_prefix_is_tokenized_once(tokenizers, name, monkeypatch):
     groups = shared_prefix_groups(strings)
     assert [len(members) for members, _ in groups] == [50, 50]
     long_ones = {strings[i] for members, _ in groups for i in members}
-    assert len([s for s in seen if s in long_ones]) == 2  # the check's string, one per group
+    assert not long_ones & set(seen)
+    for members, shared in groups:
+        assert min((strings[i] for i in members), key=len)[: shared + encoding.CHECK_BEYOND] in seen
     assert sum(len(s) for s in seen) < 0.3 * sum(len(s) for s in strings)
     if name == "bos":
         assert all(ids[i][0] == tokenizer.bos_token_id for members, _ in groups for i in members)
@@ -125,3 +135,49 @@ def test_groups_of_shared_prefixes():
     assert shared_prefix_groups(strings, min_chars=30, min_group=6) == []
     assert shared_prefix_groups([], min_chars=30, min_group=1) == []
     assert encoding._common("abcdef", "abcxyz") == 3 and encoding._common("", "a") == 0
+
+
+@pytest.mark.parametrize("name", ["bos", "metaspace"])
+def test_what_nothing_shares_costs_no_more_characters(tokenizers, name):
+    """Zero-shot questions and rolling texts: no level, every string encoded once, whole. Random 5-shot prompts whose
+    examples come from a pool of 300 (few recur): only the shared header is cut, and the characters encoded (checks
+    included) are fewer than the strings'. Ids exact throughout."""
+    tokenizer = tokenizers[name]
+    rng = random.Random(3)
+    unshared = [f"Question: {_piece(rng, 20)}\nAnswer:{a}" for _ in range(30) for a in ("", " yes")]
+    unshared += [_piece(rng, 300) for _ in range(5)]
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(unshared) == [tokenizer.encode(s) for s in unshared]
+    assert (encoder.levels, encoder.groups, encoder.encoded) == (0, 0, sum(map(len, unshared)))
+    pooled = mmlu_random_prompts(WORDS, 1, 60, pool=300)
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(pooled) == [tokenizer.encode(s) for s in pooled]
+    assert encoder.levels >= 1 and encoder.encoded < sum(map(len, pooled)), encoder
+
+
+def test_a_piece_is_encoded_once_per_text_and_special_rule(tokenizers):
+    """Two groups whose heads are the same text (with and without a BOS rule apart) share one piece."""
+    tokenizer = tokenizers["bos"]
+    encoder = PieceEncoder(tokenizer, {})
+    first = encoder.piece("The following are questions.", {})
+    assert encoder.piece("The following are questions.", {}) is first
+    assert encoder.piece("The following are questions.", {"add_special_tokens": False}) == tuple(first[1:])
+    assert len(encoder.pieces) == 2
+
+
+def test_a_group_is_cut_only_where_it_pays_and_nothing_is_spent_elsewhere(tokenizers):
+    """Eight strings sharing 300 characters whose only provable cut is after the first word: the earliest worthwhile
+    cut (``PieceEncoder.split``'s bound) is far later, so no position before it is tried, no piece and no check is
+    encoded, and every string is encoded once, whole; with 400 such strings the same cut pays and is taken."""
+    tokenizer = tokenizers["plain"]
+    prefix = "word " + "x" * 295
+    assert find_cut(tokenizer, prefix, {}).position == 4
+    assert find_cut(tokenizer, prefix, {}, lowest=5).position is None
+    few = [prefix + f"{i} tail" for i in range(8)]  # "x" then a digit: no provable cut where they part
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(few) == [tokenizer.encode(s) for s in few]
+    assert (encoder.groups, encoder.pieces, encoder.encoded) == (0, {}, sum(map(len, few)))
+    many = [prefix + f"{i} tail" for i in range(400)]
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(many) == [tokenizer.encode(s) for s in many]
+    assert encoder.groups == 1 and list(encoder.pieces) == [("word", True)]

@@ -7,19 +7,38 @@ whitespace and digits at the boundary, few-shot blocks and chat prompts, randomi
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import statistics
+import time
 from pathlib import Path
 
 import pytest
 
 from distperp_harness.commands.tiny import sample_text
-from distperp_harness.commands.tiny_tokenizers import BOS_IN_FRONT, SPECIALS, Family, family_tokenizer
+from distperp_harness.commands.tiny_tokenizers import (
+    BOS_IN_FRONT,
+    SPECIALS,
+    Family,
+    family_tokenizer,
+    markup_text,
+    mmlu_random_prompts,
+    with_markup_tokens,
+)
 from distperp_harness.options import Options
-from distperp_harness.planning import encoding
-from distperp_harness.planning.encoding import PrefixSplit, encode_many, local_pipeline
+from distperp_harness.planning import encoding, tokenizer_cuts
+from distperp_harness.planning.encoding import PieceEncoder, PrefixSplit, encode_many, local_pipeline
 from distperp_harness.planning.pretoken_steps import O200K
-from distperp_harness.planning.tokenizer_cuts import CutKind, allowed_cuts, find_cut, pipeline_of
+from distperp_harness.planning.tokenizer_cuts import (
+    CutKind,
+    _each_matches,
+    _Matches,
+    _matches,
+    allowed_cuts,
+    find_cut,
+    pipeline_of,
+)
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
 
 TEXT = sample_text()
@@ -270,6 +289,158 @@ def test_randomized_continuations_never_change_ids(layouts, name):
     assert cut_prefixes >= 30
 
 
+@pytest.fixture(scope="module")
+def markup():
+    """Gemma's layout with an added vocabulary shaped like Gemma 3's: 6,326 contents that start with ``<``."""
+    return with_markup_tokens(family_tokenizer(Family.GEMMA, [TEXT], 500))
+
+
+@functools.cache
+def _lengths(automaton) -> tuple[frozenset[str], tuple[int, ...]]:
+    return frozenset(automaton.contents), tuple(sorted({len(c) for c in automaton.contents}, reverse=True))
+
+
+def _every_try(added, prefix: str) -> _Matches:
+    """What the scan must find, by trying every content at every position (the definition, not the algorithm: each
+    substring of a content's length looked up among the contents), then extraction's choices position by position."""
+    contents, lengths = _lengths(added.automaton)
+    hits = [(i, prefix[i : i + n]) for i in range(len(prefix)) for n in lengths if prefix[i : i + n] in contents]
+    spans = [(i, i + len(t), t) for i, t in hits if i + len(t) <= len(prefix)]
+    found = _Matches(
+        blocked={p for i, e, _ in spans for p in range(i + 1, e)} | {p for i, e, t in spans
+                                                                    if t in added.single_word for p in (i, e)},
+        lstrip_starts={i for i, _, t in spans if t in added.lstrip},
+        rstrip_ends={e for _, e, t in spans if t in added.rstrip},
+    )  # fmt: skip
+    longest_raw = {}
+    for i, e, t in spans:  # by start, longest first
+        if t in added.raw:
+            longest_raw.setdefault(i, (e, t))
+    for i in sorted(longest_raw):
+        e, t = longest_raw[i]
+        if i >= found.free:
+            found.free = e
+            if t not in added.single_word:
+                found.starts.add(i)
+                found.ends.add(e)
+    return found
+
+
+@pytest.mark.parametrize("name", ["flagged tokens", "markup"])
+def test_the_scan_finds_what_trying_every_content_finds(layouts, markup, name):
+    """One automaton pass gives the occurrences, flags and extraction's choices that trying every content at every
+    position gives: random texts over pieces of every content (overlaps, flags, unfinished tokens), and texts
+    continuing a shared start scanned once (what a group's continuations are proved on)."""
+    tokenizer = markup if name == "markup" else layouts[name]
+    added = pipeline_of(tokenizer).added
+    rng = random.Random(1)
+    tokens = [t for t in added.automaton.contents if not t.startswith("<unused") or rng.random() < 0.01]
+    pieces = FRAGMENTS + tokens + [t[:i] for t in tokens for i in range(1, len(t))] + [" ", "  ", "zz", "x"]
+    for _ in range(60):
+        text = _random_text(rng, pieces, rng.randrange(1, 60))
+        assert _matches(added, text) == _every_try(added, text), text
+        texts = [text + _random_text(rng, pieces, rng.randrange(0, 6)) for _ in range(4)]
+        assert _each_matches(added, texts, len(text)) == [_every_try(added, t) for t in texts], texts
+
+
+def test_continuations_whose_tokens_start_before_the_shared_ones(families):
+    """Nested raw contents across the end of a shared start: a continuation's longer token starting before a shorter
+    one inside the shared characters wins extraction, as in the whole text (random joins over their pieces)."""
+    from tokenizers import AddedToken
+
+    tokenizer = family_tokenizer(Family.GPT2, [TEXT], 300)
+    long, inner = "abcdefghijklmnop", "bcdefghijklmno"  # the longest contents: the join falls within their reach
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in (long, inner, "cd", "mnopq", "p")])
+    added = pipeline_of(tokenizer).added
+    assert added.longest == len(long)
+    assert _each_matches(added, ["xxx" + long], 18) == [_every_try(added, "xxx" + long)]
+    rng = random.Random(4)
+    pieces = [*"xabcdmnopq", "abc", "efghijkl", "mno", long[:9], long[9:], inner, long]
+    for _ in range(300):
+        start = _random_text(rng, pieces, rng.randrange(1, 8))
+        texts = [start + _random_text(rng, pieces, rng.randrange(0, 4)) for _ in range(3)]
+        assert _each_matches(added, texts, len(start)) == [_every_try(added, t) for t in texts], texts
+
+
+def _median_seconds(runs: dict, repeats: int = 3) -> dict:
+    times: dict = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def test_thousands_of_added_tokens_cost_about_one_encode(markup):
+    """The issue's case: a 10k-character prefix with 1,250 ``<`` against 6,326 contents that start with ``<``. The
+    cut is found in about the time of encoding the prefix whole (trying each content at each ``<`` took ~250 times
+    that), and a 12-string group sharing it in about the time of encoding the strings one by one (~20 times);
+    every string's ids are its whole encode's."""
+    prefix = markup_text(WORDS, 10_000, 1_250)
+    assert len(prefix) == 10_000 and prefix.count("<") == 1_250
+    group = [prefix + tail for tail in ["a", "td>", "unused7>", "<b>x", " < y", "</td>", "<unused12>", "br>", "<u"]]
+    group += [prefix + " " + " ".join(WORDS[i : i + 9]) for i in range(3)]
+    pipeline_of(markup)  # read once (the automaton is built then)
+    seconds = _median_seconds(
+        {
+            "cut": lambda: find_cut(markup, prefix, {}),
+            "whole": lambda: markup(prefix),
+            "group": lambda: encode_many(markup, group),
+            "one by one": lambda: [markup.encode(s) for s in group],
+        }
+    )
+    assert seconds["cut"] < 5 * seconds["whole"], seconds
+    assert seconds["group"] < 3 * seconds["one by one"], seconds
+    assert find_cut(markup, prefix, {}).position is not None
+    for special in SPECIALS_ON_OFF:
+        _exact(markup, group, special)
+
+
+@pytest.mark.parametrize("name", [f.value for f in Family] + list(VARIANTS) + ["flagged tokens"])
+def test_cuts_read_from_the_strings_never_change_ids(layouts, name):
+    """Random shared prefixes and groups of strings continuing them over :data:`FRAGMENTS` and pieces of every added
+    token: the cut chosen with the strings' own continuations read (often at the very end of the shared prefix,
+    where the prefix alone allows nothing within ``longest`` characters) keeps every string's ids."""
+    tokenizer = layouts[name]
+    pipeline = pipeline_of(tokenizer)
+    rng = random.Random(2)
+    tokens = [t.content for t in tokenizer.backend_tokenizer.get_added_tokens_decoder().values()]
+    pieces = FRAGMENTS + tokens + [t[:i] for t in tokens for i in range(1, len(t))]
+    late, differences = 0, []
+    for _ in range(40):
+        words = " ".join(WORDS[(i := rng.randrange(len(WORDS) - 30)) : i + rng.randrange(30)])
+        prefix = _random_text(rng, pieces, rng.randrange(1, 12)) + words + _random_text(rng, pieces, 4)
+        strings = [prefix + _random_text(rng, pieces, rng.randrange(1, 10)) for _ in range(rng.randrange(1, 8))]
+        for special in SPECIALS_ON_OFF:
+            cut = find_cut(tokenizer, prefix, special, strings)
+            if cut.position is None:
+                continue
+            late += cut.position > len(prefix) - max(pipeline.added.longest, 2)
+            head = tokenizer(prefix[: cut.position], **special)["input_ids"]
+            tails = tokenizer([s[cut.position :] for s in strings], add_special_tokens=False)["input_ids"]
+            wholes = tokenizer(strings, **special)["input_ids"]
+            differences += [s for s, tail, whole in zip(strings, tails, wholes) if head + tail != whole]
+    assert differences == []
+    assert late >= 5
+
+
+def test_continuations_read_and_their_limits(families):
+    """A cut at the end of the shared prefix needs the strings; strings not starting with the prefix are refused;
+    more than ``MAX_AHEAD`` distinct continuations fall back to the prefix alone."""
+    tokenizer = families[Family.GPT2]
+    prefix = _block(8) + "Question: what is it?\nAnswer: B"
+    strings = [prefix + f"\n\n{word} and more text after it" for word in WORDS[:20]]
+    alone = find_cut(tokenizer, prefix, {})
+    read = find_cut(tokenizer, prefix, {}, strings)
+    assert alone.position is not None and alone.position < len(prefix) - 10
+    assert read.position == len(prefix) and read.kind is CutKind.PRE_TOKEN
+    with pytest.raises(ValueError, match="must start with"):
+        find_cut(tokenizer, prefix, {}, strings + ["elsewhere"])
+    many = [prefix + f"\n\nq{i}" for i in range(tokenizer_cuts.MAX_AHEAD + 1)]
+    assert find_cut(tokenizer, prefix, {}, many) == alone
+
+
 def _refused_layouts(families):
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
@@ -349,14 +520,45 @@ def test_pre_encode_then_tok_encode_are_exact(families, family):
 SMOLLM2 = Path.home() / ".cache" / "distperp" / "smollm2-135m-instruct"
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(), reason="no local SmolLM2 tokenizer")
-def test_the_issue_case_on_the_real_smollm2_tokenizer():
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct's real tokenizer, converted from ``../shared`` (its README: ``to_hf.py``)."""
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip("no local SmolLM2 tokenizer (../shared/models/smollm2-135m-instruct/README.md: to_hf.py)")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    return AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+def test_the_issue_case_on_the_real_smollm2_tokenizer(smollm2):
+    tokenizer = smollm2
     prefix = "Question: what is the answer? " * 10 + "<|im_"
     tails = ["a", "end|>x", "abcdefg", "end|>xyzw", "abcdefghijk", "end|>xyzwvut", "end|>xyzwvutsrq"]
     strings = [prefix + t for t in tails + ["abcdefghijklmnopqrstuvwxyz"]]
     for special in SPECIALS_ON_OFF:
         _exact(tokenizer, strings, special)
     assert find_cut(tokenizer, prefix, {}).kind is CutKind.PRE_TOKEN
+
+
+@pytest.mark.parametrize("name", [f.value for f in Family] + ["smollm2"])
+def test_random_fewshot_prompts_are_cut_at_their_examples(request, families, name, monkeypatch):
+    """lm-eval's default sampler (each question draws its subject's five examples in a random order), MMLU's template,
+    2 subjects x 40 questions x 4 answers: every string's ids are its whole encode's, with and without special
+    tokens. The tails are grouped again level after level (the header, then one example per level); a piece cut by
+    several groups is encoded once (``pieces`` < ``groups``); each example is in under a quarter as many strings
+    encoded as prompts holding it, and the characters encoded are under a third of the strings'."""
+    tokenizer = request.getfixturevalue("smollm2") if name == "smollm2" else families[Family(name)]
+    strings = mmlu_random_prompts(WORDS, 2, 40)
+    for special in SPECIALS_ON_OFF:
+        _exact(tokenizer, strings, special)
+    seen = _spy(monkeypatch)
+    encoder = PieceEncoder(tokenizer, {})
+    assert encoder.encode(strings) == [tokenizer.encode(s) for s in strings]
+    assert encoder.levels >= 6 and len(encoder.pieces) < encoder.groups, encoder
+    examples = {example for s in strings for example in s.split("\n\n")[1:-1]}
+    assert len(examples) == 2 * 5
+    for example in examples:
+        holding = sum(example in s for s in strings)
+        encoded = sum(example in s for s in seen)
+        assert 4 * encoded < holding, (example[:40], encoded, holding)
+    assert encoder.encoded == sum(map(len, seen)) < sum(map(len, strings)) / 3
