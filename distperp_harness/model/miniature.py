@@ -1,0 +1,378 @@
+"""A float64 miniature of a loaded causal LM: the same configuration and model class, every positional and attention
+setting kept, the widths shrunk, at least one layer of each kind, random weights sharp enough that a wrong mask or
+position moves a log-probability far past float64 rounding.
+
+Rules (the key lists are ``miniature_keys.py``'s):
+
+- The loaded configuration is copied whole (``to_dict``) and only width keys change: per-head sizes divide by one
+  power of two down to ~16 (kept where a rope array, a rope section or an absolute ``rotary_dim`` depends on them,
+  halved less where a ``partial_rotary_factor`` would leave an odd rotary size), query heads become at most 4 with
+  key-value heads of the same kind (multi-head, multi-query or grouped), model and feed-forward widths and low-rank
+  sizes divide by the model width's factor, experts are at most 4 (2 per token), the vocabulary 128 (special ids past
+  it move into its last 16 ids), state sizes at most 16.
+- Depth: the shortest prefix of the real layer stack that holds every kind of layer: kinds come from per-layer lists
+  (``layer_types``, ``no_rope_layers``, …), lists of layer indices, integer patterns (``first_k_dense_replace``,
+  interleave steps, window patterns) and the modules each layer builds (on the meta device, attributes and
+  parameter shapes). Per-layer lists are cut to the prefix.
+- Towers besides the text model (vision, audio) get one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from distperp_harness.model import miniature_keys as keys
+from distperp_harness.model.miniature_layers import keep_layers, layer_plan, positive_int
+
+TARGET_HEAD_DIM = 16
+"""Per-head sizes are divided down to about this."""
+GAIN = 2.0
+"""Weights are drawn with standard deviation ``GAIN / sqrt(fan_in)`` (embeddings 0.5): attention scores and logits
+of order several units, so attention is far from uniform and log-probabilities spread over several nats."""
+EMBEDDING_STD = 0.5
+_TOWER_DEPTH = 1
+
+
+def miniature_config(config: Any) -> Any:
+    """A configuration of the same class as ``config`` (the loaded model's, any transformers causal LM), with every
+    positional and attention setting kept and the widths shrunk, or the one-line reason none can be built."""
+    module = type(config).__module__
+    if not module.startswith("transformers."):
+        return f"remote code ({module}.{type(config).__name__}): no miniature of a class transformers does not ship"
+    try:
+        return _miniature(config)
+    except Exception as error:  # a foreign class's failure is a reason, not a crash
+        return _reason(error)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
+def _miniature(config: Any) -> Any:
+    whole = config.to_dict()
+    text_key = _text_key(config)
+    text = whole[text_key] if text_key else whole
+    count_key = next((k for k in keys.LAYER_COUNT_KEYS if isinstance(text.get(k), int)), None)
+    shrunk = _shrink_tree(whole, text_key)
+    vocab = min(int(text.get("vocab_size") or keys.VOCAB), keys.VOCAB)
+    _remap_special_ids(shrunk, vocab)
+
+    def at_layers(kept: list[int]) -> Any:
+        tree = json.loads(json.dumps(shrunk))  # a deep copy of plain values
+        level = tree[text_key] if text_key else tree
+        if count_key is not None:
+            keep_layers(level, count_key, text[count_key], kept)
+        return type(config).from_dict(tree)
+
+    if count_key is None or text[count_key] <= 1:
+        return at_layers([0])
+    kept = layer_plan(text, count_key, at_layers)
+    return kept if isinstance(kept, str) else at_layers(kept)
+
+
+def _text_key(config: Any) -> str | None:
+    """The key of the text model's sub-configuration in a composite configuration, ``None`` when it is the whole."""
+    text = config.get_text_config()
+    if text is config:
+        return None
+    return next((k for k in getattr(config, "sub_configs", {}) or {} if getattr(config, k, None) is text), None)
+
+
+def _is_level(d: dict[str, Any]) -> bool:
+    """A (sub-)configuration with widths of its own: it gets its own factors (a tower), others share their
+    parent's (MPT's ``attn_config``, DBRX's ``ffn_config``)."""
+    return any(isinstance(d.get(k), int) for k in (*_HIDDEN_KEYS, *keys.HEAD_COUNT_ORDER))
+
+
+def _is_tower(d: dict[str, Any]) -> bool:
+    """A sub-configuration of a model of its own (text, vision, audio): not a part of its parent (MPT's
+    ``attn_config``) nor one layer's settings."""
+    return "model_type" in d and _is_level(d)
+
+
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "emb_dim", "embedding_dim")
+
+
+def _shrink_tree(whole: dict[str, Any], text_key: str | None) -> dict[str, Any]:
+    """Every level of the configuration tree shrunk; towers other than the text model get one layer."""
+    top = _Factors.of(whole)
+    out = top.apply(whole)
+    for key, value in whole.items():
+        if isinstance(value, dict) and key != text_key and _is_tower(value):
+            tower = _Factors.of(value).apply(value)
+            width = next((k for k in _HIDDEN_KEYS if positive_int(value.get(k))), None)
+            if width:
+                _follow_width(tower, None, value[width], tower[width])
+            count = next((k for k in keys.LAYER_COUNT_KEYS if isinstance(value.get(k), int)), None)
+            if count is not None:
+                keep_layers(tower, count, value[count], list(range(min(value[count], _TOWER_DEPTH))))
+            out[key] = tower
+    if text_key:
+        out[text_key] = _Factors.of(whole[text_key]).apply(whole[text_key])
+        text = (whole[text_key], out[text_key])
+        width = next((k for k in _HIDDEN_KEYS if positive_int(text[0].get(k))), None)
+        if width:
+            _follow_width(out, text_key, text[0][width], text[1][width])
+    return out
+
+
+def _follow_width(tree: dict[str, Any], text_key: str | None, old: int, new: int) -> None:
+    """Sizes outside the text model equal to a width (a tower's own, or the text model's: an adapter's input or
+    output) follow it, in place."""
+    for key, value in tree.items():
+        if key == text_key or key in ("id2label", "label2id"):
+            continue
+        if isinstance(value, dict):
+            _follow_width(value, text_key, old, new)
+        elif value == old and positive_int(value) and any(w in key for w in ("dim", "size", "hidden")):
+            tree[key] = new
+
+
+class _Factors:
+    """How one level's sizes shrink: per-head sizes by ``fd``, head counts by ``fc``, widths by ``f``."""
+
+    def __init__(self, heads: tuple[int, int] | None, fd: int, fc: float, f: float, kv: dict[str, int]) -> None:
+        self.heads, self.fd, self.fc, self.f, self.kv = heads, fd, fc, f, kv
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> _Factors:
+        head_key = next((k for k in keys.HEAD_COUNT_ORDER if positive_int(d.get(k))), None)
+        hidden_key = next((k for k in _HIDDEN_KEYS if positive_int(d.get(k))), None)
+        hidden = d[hidden_key] if hidden_key else None
+        dims = {k: d[k] for k in keys.HEAD_DIM_KEYS if positive_int(d.get(k))}
+        derived = head_key is not None and hidden is not None and "head_dim" not in dims
+        if head_key is not None and hidden is not None and derived:
+            dims["head_dim"] = hidden // d[head_key]
+        fd = _head_dim_factor(d, dims)
+        if head_key is None:
+            new_hidden = min(hidden, 64) if hidden else None
+            return cls(None, fd, 1.0, hidden / new_hidden if hidden and new_hidden else 1.0, {})
+        h_old = d[head_key]
+        h_new, kv = _heads(d, head_key, h_old, min(h_old, keys.MAX_HEADS))
+        fc = h_old / h_new
+        if hidden is None:
+            return cls((h_old, h_new), fd, fc, fc * fd, kv)
+        new_hidden = h_new * dims["head_dim"] // fd if derived else max(32, 8 * round(hidden / (fc * fd) / 8))
+        return cls((h_old, h_new), fd, fc, hidden / new_hidden, kv)
+
+    def apply(self, d: dict[str, Any]) -> dict[str, Any]:
+        """``d`` with this level's keys shrunk; nested dicts without widths of their own (not rope settings, not
+        towers) shrink by the same factors."""
+        out = dict(d)
+        local = self.kv
+        head_key = next((k for k in keys.HEAD_COUNT_ORDER if positive_int(d.get(k))), None)
+        if self.heads and head_key:  # a part of the level with heads of its own (one layer's settings)
+            local = {**self.kv, **_heads(d, head_key, d[head_key], self._one_count(d[head_key]))[1]}
+        for key, value in d.items():
+            if isinstance(value, dict):
+                if "rope" not in str(key) and key not in ("id2label", "label2id") and not _is_tower(value):
+                    out[key] = self.apply(value)
+                continue
+            new = local[key] if key in local and positive_int(value) else self._one(key, value)
+            if new is not _KEEP:
+                out[key] = new
+        return out
+
+    def _one_count(self, value: int) -> int:
+        if self.heads is None:
+            return value
+        return self.heads[1] if value == self.heads[0] else max(1, round(value / self.fc))
+
+    def _one(self, key: str, value: Any) -> Any:
+        if isinstance(value, list) and key in keys.WIDTH_KEYS and all(positive_int(v) for v in value):
+            return [max(2, _even(v / self.f)) for v in value]
+        if not positive_int(value):
+            return _KEEP
+        if key in keys.HEAD_COUNT_KEYS and self.heads:
+            return self._one_count(value)
+        if key in keys.KV_HEAD_KEYS or key in keys.OTHER_COUNT_KEYS:
+            return max(1, math.ceil(value / self.fc))
+        if key in keys.HEAD_DIM_KEYS:
+            return value // self.fd
+        if key in keys.WIDTH_KEYS:
+            return max(4, _even(value / self.f))
+        if key in keys.STATE_KEYS:
+            return min(value, 16)
+        if key in keys.EXPERT_KEYS:
+            return min(value, 4)
+        if key in keys.TOP_K_KEYS:
+            return min(value, 2)
+        if key in keys.SHARED_EXPERT_KEYS:
+            return min(value, 1)
+        if key in keys.EXPERT_GROUP_KEYS:
+            return min(value, 2)
+        if key in keys.EXPERT_GROUP_KEYS.values():
+            return 1
+        if key in keys.VOCAB_KEYS:
+            return min(value, keys.VOCAB)
+        return _KEEP
+
+
+_KEEP = object()
+
+
+def _even(x: float) -> int:
+    return max(2, 2 * round(x / 2))
+
+
+def _rope_lists(d: dict[str, Any]) -> bool:
+    """Whether a rope setting holds an array or a section list, whose length follows the head size."""
+    return any(
+        (isinstance(v, dict) and "rope" in str(k) and _holds_list(v)) or (k in _SECTION_KEYS and isinstance(v, list))
+        for k, v in d.items()
+    )
+
+
+def _holds_list(d: dict[str, Any]) -> bool:
+    return any(isinstance(v, list) or (isinstance(v, dict) and _holds_list(v)) for v in d.values())
+
+
+_SECTION_KEYS = ("mrope_section", "rope_section", "long_factor", "short_factor")
+
+
+def _rotary_factors(d: Any) -> list[float]:
+    found: list[float] = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            if k in ("partial_rotary_factor", "rotary_pct") and isinstance(v, (int, float)) and v not in (0, 1):
+                found.append(float(v))
+            elif isinstance(v, dict) and ("rope" in k or k in _ROPE_LEVELS):
+                found.extend(_rotary_factors(v))
+    return found
+
+
+_ROPE_LEVELS = ("full_attention", "sliding_attention")
+
+
+def _head_dim_factor(d: dict[str, Any], dims: dict[str, int]) -> int:
+    """The power of two every per-head size divides by: 1 where rope arrays follow the head size; never leaving an
+    absolute ``rotary_dim`` more than the head, a per-head size under 4, or an odd partial rotary size."""
+    if not dims or _rope_lists(d):
+        return 1
+    largest, smallest = max(dims.values()), min(dims.values())
+    fd = 1
+    while largest // (fd * 2) >= TARGET_HEAD_DIM and smallest % (fd * 2) == 0 and smallest // (fd * 2) >= 4:
+        fd *= 2
+    rotary = rotary_dim if positive_int(rotary_dim := d.get("rotary_dim")) else 0
+    factors = _rotary_factors(d)
+    head = dims.get("head_dim", largest)
+    while fd > 1 and (
+        head // fd < rotary
+        or any(not _even_integer(head // fd * p) for p in factors)
+        or any(v % fd for v in dims.values())
+    ):
+        fd //= 2
+    return fd
+
+
+def _even_integer(x: float) -> bool:
+    return abs(x - round(x)) < 1e-9 and round(x) % 2 == 0 and round(x) > 0
+
+
+def _heads(d: dict[str, Any], head_key: str, h_old: int, h_new: int) -> tuple[int, dict[str, int]]:
+    """The new query head count (``h_new``, raised to 4 for grouped heads) and the new value of each key-value head
+    key grouping ``head_key`` in ``d``: multi-head stays multi-head, multi-query stays multi-query, grouped stays
+    grouped (4 queries over 2)."""
+    kv: dict[str, int] = {}
+    for key, partners in keys.KV_HEAD_KEYS.items():
+        if not positive_int(value := d.get(key)) or head_key not in partners:
+            continue
+        if value >= h_old:
+            kv[key] = h_new
+        elif value == 1:
+            kv[key] = 1
+        else:
+            h_new = max(h_new, min(h_old, 4))
+            kv[key] = 2 if h_new % 2 == 0 and h_new > 2 else 1
+    return h_new, kv
+
+
+def _remap_special_ids(tree: dict[str, Any], vocab: int) -> None:
+    """Moves every special token id at or past ``vocab`` into the last :data:`keys.SPECIAL_BLOCK` ids, distinct ids
+    to distinct ids where the block allows (in place, over the whole tree)."""
+    found: set[int] = set()
+    _special_ids(tree, found.update)
+    large = sorted(i for i in found if i >= vocab)
+    block = min(keys.SPECIAL_BLOCK, vocab)
+    mapping = {old: vocab - 1 - (rank % block) for rank, old in enumerate(large)}
+    _special_ids(tree, lambda ids: None, mapping)
+
+
+def _special_ids(tree: dict[str, Any], sink: Any, mapping: dict[int, int] | None = None) -> None:
+    for key, value in tree.items():
+        if isinstance(value, dict) and key not in ("id2label", "label2id"):
+            _special_ids(value, sink, mapping)
+        elif key.endswith(keys.SPECIAL_ID_SUFFIXES) or key in keys.SPECIAL_ID_KEYS:
+            ids = (
+                [value]
+                if positive_int(value)
+                else [v for v in value if positive_int(v)]
+                if isinstance(value, list)
+                else []
+            )
+            sink(ids)
+            if mapping is not None and ids:
+                tree[key] = (
+                    mapping.get(value, value)
+                    if not isinstance(value, list)
+                    else [mapping.get(v, v) if positive_int(v) else v for v in value]
+                )
+
+
+def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed: int = 0) -> Any:
+    """The miniature causal LM of ``config`` (the model class ``AutoModelForCausalLM.from_config`` builds for its
+    type) in float64 on ``device``, random weights drawn from ``seed`` (:func:`sharpen`), eval mode; or the one-line
+    reason none can be built. The same weights on every call and every rank; the global random state is left as it
+    was. Experts run their eager loop (grouped matrix products have no float64 kernel)."""
+    mini = miniature_config(config)
+    if isinstance(mini, str):
+        return mini
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(
+                mini, attn_implementation=attn_implementation, experts_implementation="eager", dtype=torch.float64
+            )
+        sharpen(model, seed)
+        return model.to(device).eval()
+    except Exception as error:  # a foreign class's failure is a reason, not a crash
+        return _reason(error)
+
+
+def sharpen(model: Any, seed: int = 0) -> None:
+    """Redraws ``model``'s matrices from a generator seeded with ``seed``: linear maps (and expert stacks) with
+    standard deviation ``GAIN / sqrt(fan_in)``, embedding tables (tokens, learned positions) with
+    :data:`EMBEDDING_STD`. A matrix shared by two modules (tied embeddings) is drawn once, by the first. Norms,
+    biases, convolutions and state-space parameters keep the model's own initialization."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    generator = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
+
+    def draw(parameter: Any, std: float) -> None:
+        if id(parameter) in seen or not parameter.is_floating_point():
+            return
+        seen.add(id(parameter))
+        noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
+        with torch.no_grad():
+            parameter.copy_(noise * std)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            draw(module.weight, EMBEDDING_STD)
+        elif isinstance(module, torch.nn.Linear):
+            draw(module.weight, GAIN / math.sqrt(module.in_features))
+        elif isinstance(module, Conv1D):
+            draw(module.weight, GAIN / math.sqrt(module.weight.shape[0]))
+        elif not isinstance(module, (torch.nn.modules.conv._ConvNd,)):
+            for parameter in module.parameters(recurse=False):
+                if parameter.dim() == 3:  # an expert stack: (experts, in, out) or (experts, out, in)
+                    draw(parameter, GAIN / math.sqrt(math.sqrt(parameter.shape[1] * parameter.shape[2])))
