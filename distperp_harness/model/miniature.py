@@ -6,15 +6,17 @@ Rules (the key lists are ``miniature_keys.py``'s):
 
 - The loaded configuration is copied whole (``to_dict``) and only width keys change: per-head sizes divide by one
   power of two down to ~16 (kept where a rope array, a rope section or an absolute ``rotary_dim`` depends on them,
-  halved less where a ``partial_rotary_factor`` would leave an odd rotary size), query heads become at most 4 with
-  key-value heads of the same kind (multi-head, multi-query or grouped), model and feed-forward widths and low-rank
-  sizes divide by the model width's factor, experts are at most 4 (2 per token), the vocabulary 128 (special ids past
-  it move into its last 16 ids), state sizes at most 16.
-- Depth: the shortest prefix of the real layer stack that holds every kind of layer: kinds come from per-layer lists
+  halved less where a ``partial_rotary_factor`` would leave an odd rotary size), query heads become 2 with key-value
+  heads of the same kind (multi-head 2/2, multi-query 2/1, grouped 4/2), model and feed-forward widths and low-rank
+  sizes divide by the model width's factor (at most 8 times the new width), experts are at most 4 (2 per token), the
+  vocabulary 128 (special ids past it move into its last 16 ids), state sizes at most 16.
+- Depth: the shortest prefix of each block of the real layer stack (one block, or blocks of their own such as Gemma
+  3n's layers sharing keys and values) that holds every kind of layer: kinds come from per-layer lists
   (``layer_types``, ``no_rope_layers``, …), lists of layer indices, integer patterns (``first_k_dense_replace``,
-  interleave steps, window patterns) and the modules each layer builds (on the meta device, attributes and
-  parameter shapes). Per-layer lists are cut to the prefix.
-- Towers besides the text model (vision, audio) get one layer.
+  interleave steps, window patterns) and the modules each layer builds (on the meta device: classes, attributes and
+  parameter shapes). Per-layer lists are cut to the kept layers.
+- Towers besides the text model (vision, audio) get their own factors and one layer; their sizes equal to a width
+  (theirs or the text model's) follow it.
 """
 
 from __future__ import annotations
@@ -137,6 +139,13 @@ class _Factors:
 
     def __init__(self, heads: tuple[int, int] | None, fd: int, fc: float, f: float, kv: dict[str, int]) -> None:
         self.heads, self.fd, self.fc, self.f, self.kv = heads, fd, fc, f, kv
+        self.cap = 1 << 30
+
+    def capped(self, width: int | None) -> _Factors:
+        """These factors with widths at most :data:`keys.MAX_WIDTH_RATIO` times the new model ``width``."""
+        if width:
+            self.cap = keys.MAX_WIDTH_RATIO * width
+        return self
 
     @classmethod
     def of(cls, d: dict[str, Any]) -> _Factors:
@@ -144,20 +153,20 @@ class _Factors:
         hidden_key = next((k for k in _HIDDEN_KEYS if positive_int(d.get(k))), None)
         hidden = d[hidden_key] if hidden_key else None
         dims = {k: d[k] for k in keys.HEAD_DIM_KEYS if positive_int(d.get(k))}
-        derived = head_key is not None and hidden is not None and "head_dim" not in dims
+        derived = head_key is not None and hidden is not None and not dims
         if head_key is not None and hidden is not None and derived:
             dims["head_dim"] = hidden // d[head_key]
         fd = _head_dim_factor(d, dims)
         if head_key is None:
             new_hidden = min(hidden, 64) if hidden else None
-            return cls(None, fd, 1.0, hidden / new_hidden if hidden and new_hidden else 1.0, {})
+            return cls(None, fd, 1.0, hidden / new_hidden if hidden and new_hidden else 1.0, {}).capped(new_hidden)
         h_old = d[head_key]
         h_new, kv = _heads(d, head_key, h_old, min(h_old, keys.MAX_HEADS))
         fc = h_old / h_new
         if hidden is None:
             return cls((h_old, h_new), fd, fc, fc * fd, kv)
         new_hidden = h_new * dims["head_dim"] // fd if derived else max(32, 8 * round(hidden / (fc * fd) / 8))
-        return cls((h_old, h_new), fd, fc, hidden / new_hidden, kv)
+        return cls((h_old, h_new), fd, fc, hidden / new_hidden, kv).capped(new_hidden)
 
     def apply(self, d: dict[str, Any]) -> dict[str, Any]:
         """``d`` with this level's keys shrunk; nested dicts without widths of their own (not rope settings, not
@@ -184,7 +193,7 @@ class _Factors:
 
     def _one(self, key: str, value: Any) -> Any:
         if isinstance(value, list) and key in keys.WIDTH_KEYS and all(positive_int(v) for v in value):
-            return [max(2, _even(v / self.f)) for v in value]
+            return [min(self.cap, max(2, _even(v / self.f))) for v in value]
         if not positive_int(value):
             return _KEEP
         if key in keys.HEAD_COUNT_KEYS and self.heads:
@@ -194,7 +203,7 @@ class _Factors:
         if key in keys.HEAD_DIM_KEYS:
             return value // self.fd
         if key in keys.WIDTH_KEYS:
-            return max(4, _even(value / self.f))
+            return min(self.cap, max(4, _even(value / self.f)))
         if key in keys.STATE_KEYS:
             return min(value, 16)
         if key in keys.EXPERT_KEYS:
@@ -255,7 +264,7 @@ def _head_dim_factor(d: dict[str, Any], dims: dict[str, int]) -> int:
         return 1
     largest, smallest = max(dims.values()), min(dims.values())
     fd = 1
-    while largest // (fd * 2) >= TARGET_HEAD_DIM and smallest % (fd * 2) == 0 and smallest // (fd * 2) >= 4:
+    while largest // (fd * 2) >= TARGET_HEAD_DIM and smallest % (fd * 4) == 0 and smallest // (fd * 2) >= 4:
         fd *= 2
     rotary = rotary_dim if positive_int(rotary_dim := d.get("rotary_dim")) else 0
     factors = _rotary_factors(d)
@@ -263,14 +272,15 @@ def _head_dim_factor(d: dict[str, Any], dims: dict[str, int]) -> int:
     while fd > 1 and (
         head // fd < rotary
         or any(not _even_integer(head // fd * p) for p in factors)
-        or any(v % fd for v in dims.values())
+        or any(v % (2 * fd) for v in dims.values())
     ):
         fd //= 2
     return fd
 
 
 def _even_integer(x: float) -> bool:
-    return abs(x - round(x)) < 1e-9 and round(x) % 2 == 0 and round(x) > 0
+    """Whether ``int(x)`` (how rope code sizes a partial rotary part) is a positive even size."""
+    return int(x) > 0 and int(x) % 2 == 0
 
 
 def _heads(d: dict[str, Any], head_key: str, h_old: int, h_new: int) -> tuple[int, dict[str, int]]:
@@ -325,9 +335,10 @@ def _special_ids(tree: dict[str, Any], sink: Any, mapping: dict[int, int] | None
 
 def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed: int = 0) -> Any:
     """The miniature causal LM of ``config`` (the model class ``AutoModelForCausalLM.from_config`` builds for its
-    type) in float64 on ``device``, random weights drawn from ``seed`` (:func:`sharpen`), eval mode; or the one-line
-    reason none can be built. The same weights on every call and every rank; the global random state is left as it
-    was. Experts run their eager loop (grouped matrix products have no float64 kernel)."""
+    type) on ``device``, every parameter in float64 (those the class keeps in float32 too), random weights drawn from
+    ``seed`` (:func:`sharpen`), eval mode; or the one-line reason none can be built. The same weights on every call
+    and every rank; the global random state is left as it was. Experts run their eager loop (grouped matrix products
+    have no float64 kernel)."""
     mini = miniature_config(config)
     if isinstance(mini, str):
         return mini
@@ -341,7 +352,7 @@ def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed:
                 mini, attn_implementation=attn_implementation, experts_implementation="eager", dtype=torch.float64
             )
         sharpen(model, seed)
-        return model.to(device).eval()
+        return model.to(device=device, dtype=torch.float64).eval()  # fp32-kept parts (routers' biases) too
     except Exception as error:  # a foreign class's failure is a reason, not a crash
         return _reason(error)
 
@@ -349,7 +360,8 @@ def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed:
 def sharpen(model: Any, seed: int = 0) -> None:
     """Redraws ``model``'s matrices from a generator seeded with ``seed``: linear maps (and expert stacks) with
     standard deviation ``GAIN / sqrt(fan_in)``, embedding tables (tokens, learned positions) with
-    :data:`EMBEDDING_STD`. A matrix shared by two modules (tied embeddings) is drawn once, by the first. Norms,
+    :data:`EMBEDDING_STD`, a token table tied to the output head as the head. A matrix shared by two modules is
+    drawn once. Norms,
     biases, convolutions and state-space parameters keep the model's own initialization."""
     import torch
     from transformers.pytorch_utils import Conv1D
@@ -365,9 +377,11 @@ def sharpen(model: Any, seed: int = 0) -> None:
         with torch.no_grad():
             parameter.copy_(noise * std)
 
+    output = model.get_output_embeddings()
+    tied = getattr(output, "weight", None)
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            draw(module.weight, EMBEDDING_STD)
+        if isinstance(module, torch.nn.Embedding):  # a table tied to the output head is drawn as the head
+            draw(module.weight, GAIN / math.sqrt(module.embedding_dim) if module.weight is tied else EMBEDDING_STD)
         elif isinstance(module, torch.nn.Linear):
             draw(module.weight, GAIN / math.sqrt(module.in_features))
         elif isinstance(module, Conv1D):

@@ -13,9 +13,10 @@ HEAD_COUNT_ORDER = (
     "num_decoder_attention_heads", "encoder_attention_heads", "num_encoder_attention_heads",
     "conf_num_attention_heads", "swa_num_attention_heads",
 )  # fmt: skip
-"""Query head counts: the first one present sets the miniature's head count (at most :data:`MAX_HEADS`)."""
+"""Query head counts: the first one present sets the miniature's head count (at most :data:`MAX_HEADS`, 4 over 2
+key-value heads where the model groups them)."""
 HEAD_COUNT_KEYS = frozenset(HEAD_COUNT_ORDER)
-MAX_HEADS = 4
+MAX_HEADS = 2
 
 KV_HEAD_KEYS: dict[str, tuple[str, ...]] = {
     # key-value head count -> the query head counts it groups (the first present one is its partner)
@@ -25,7 +26,7 @@ KV_HEAD_KEYS: dict[str, tuple[str, ...]] = {
     "swa_num_key_value_heads": ("swa_num_attention_heads",),
     "num_query_groups": ("num_attention_heads",),
 }
-"""Grouped heads keep their kind: as many as the queries (multi-head), one (multi-query) or fewer (grouped)."""
+"""Key-value heads keep their kind: as many as the queries (multi-head), one (multi-query) or fewer (grouped)."""
 
 OTHER_COUNT_KEYS = frozenset(
     {
@@ -66,7 +67,9 @@ WIDTH_KEYS = frozenset(
     }
 )  # fmt: skip
 """Widths (model, feed-forward, low-rank, state-space inner sizes): divided by the model width's factor, so that
-width ratios (``dim_model_base``'s logit scale, ``expand × hidden = heads × head size``) hold."""
+width ratios (``dim_model_base``'s logit scale, ``expand × hidden = heads × head size``) hold, and at most
+:data:`MAX_WIDTH_RATIO` times the new model width."""
+MAX_WIDTH_RATIO = 8
 
 STATE_KEYS = frozenset({"state_size", "mamba_d_state", "ssm_state_size", "d_state"})
 """State-space state sizes: at most 16."""

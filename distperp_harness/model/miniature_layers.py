@@ -108,8 +108,9 @@ def module_signatures(config: Any, depth: int) -> list[str]:
     """What each of the first ``depth`` layers of the model ``config`` describes builds, as a comparable string."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    with torch.device("meta"):
+    with torch.device("meta"), no_init_weights():
         model = AutoModelForCausalLM.from_config(config)
     stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
     return [repr([_signature(stack[i]) for stack in stacks]) for i in range(depth)]
