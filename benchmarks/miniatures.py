@@ -91,6 +91,21 @@ def _sensitivity(model: Any, ids: Any, base: Any) -> tuple[float | None, float |
     return moved[0], moved[1]
 
 
+def _rounding(model: Any, ids: Any, base: Any) -> float | None:
+    """Max |Δ log-probability| of the row between a batch of its own and a batch of two beside a shorter,
+    right-padded row (another batch shape and a mask): the float64 rounding the probe must tell a wrong mask from."""
+    import torch
+
+    other = ids.flip(1)
+    mask = torch.ones(2, ids.shape[1], dtype=torch.long)
+    mask[1, ids.shape[1] // 2 :] = 0
+    try:
+        pair = _forward(model, torch.cat([ids, other]), attention_mask=mask)
+    except Exception:  # not measured
+        return None
+    return (pair[:1] - base).abs().max().item()
+
+
 def one_type(model_type: str, tokens: int) -> dict[str, Any]:
     """The matrix row of ``model_type``: ``status`` (built, skipped, failed), ``reason`` and the measurements."""
     import torch
@@ -149,6 +164,7 @@ def one_type(model_type: str, tokens: int) -> dict[str, Any]:
     row["finite"] = bool(torch.isfinite(base).all())
     row["spread"] = base[0].max(-1).values.sub(base[0].min(-1).values).median().item()
     row["mask_moves"], row["position_moves"] = _sensitivity(model, ids, base)
+    row["rounding"] = _rounding(model, ids, base)
     return {**row, "status": "built" if row["finite"] else "failed", "reason": "" if row["finite"] else "not finite"}
 
 
@@ -198,15 +214,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{len(rows)} types: {counts['built']} built, {counts['skipped']} skipped, {counts['failed']} failed",
         "",
-        "| type | class | attention | status | layers | params | build s | forward s | spread | mask Δ | position Δ "
-        "| reason |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| type | class | attention | status | layers | params | build s | forward s | spread | rounding | mask Δ "
+        "| position Δ | reason |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['type']} | {r.get('class', '')} | {r.get('attention', '')} | {r['status']} | "
             f"{r.get('layers', '')} | {r.get('params', '')} | {_fmt(r.get('build_s'), '.3f')} | "
-            f"{_fmt(r.get('forward_s'), '.3f')} | {_fmt(r.get('spread'), '.1f')} | "
+            f"{_fmt(r.get('forward_s'), '.3f')} | {_fmt(r.get('spread'), '.1f')} | {_fmt(r.get('rounding'), '.0e')} | "
             f"{_fmt(r.get('mask_moves'), '.1e')} | {_fmt(r.get('position_moves'), '.1e')} | "
             f"{r.get('reason', '').replace('|', '/')} |"
         )

@@ -161,11 +161,15 @@ class _Factors:
             new_hidden = min(hidden, 64) if hidden else None
             return cls(None, fd, 1.0, hidden / new_hidden if hidden and new_hidden else 1.0, {}).capped(new_hidden)
         h_old = d[head_key]
-        h_new, kv = _heads(d, head_key, h_old, min(h_old, keys.MAX_HEADS))
+        h_new = min(h_old, keys.MAX_HEADS)
+        fewest = min((d[k] for k in keys.OTHER_COUNT_KEYS if "heads" in k and positive_int(d.get(k))), default=0)
+        if fewest and h_old > h_new * fewest and h_old % fewest == 0:
+            h_new = h_old // fewest  # other heads (state-space, linear) divide by the same factor, to one at least
+        h_new, kv = _heads(d, head_key, h_old, h_new)
         fc = h_old / h_new
         if hidden is None:
             return cls((h_old, h_new), fd, fc, fc * fd, kv)
-        new_hidden = h_new * dims["head_dim"] // fd if derived else max(32, 8 * round(hidden / (fc * fd) / 8))
+        new_hidden = h_new * dims["head_dim"] // fd if derived else max(16, _even(hidden / (fc * fd)))
         return cls((h_old, h_new), fd, fc, hidden / new_hidden, kv).capped(new_hidden)
 
     def apply(self, d: dict[str, Any]) -> dict[str, Any]:
@@ -335,10 +339,10 @@ def _special_ids(tree: dict[str, Any], sink: Any, mapping: dict[int, int] | None
 
 def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed: int = 0) -> Any:
     """The miniature causal LM of ``config`` (the model class ``AutoModelForCausalLM.from_config`` builds for its
-    type) on ``device``, every parameter in float64 (those the class keeps in float32 too), random weights drawn from
-    ``seed`` (:func:`sharpen`), eval mode; or the one-line reason none can be built. The same weights on every call
-    and every rank; the global random state is left as it was. Experts run their eager loop (grouped matrix products
-    have no float64 kernel)."""
+    type) on ``device`` in float64 (but for the parts the class keeps in float32, as in the real model: its code
+    computes them in float32), random weights drawn from ``seed`` (:func:`sharpen`), eval mode; or the one-line
+    reason none can be built. The same weights on every call and every rank; the global random state is left as it
+    was. Experts run their eager loop (grouped matrix products have no float64 kernel)."""
     mini = miniature_config(config)
     if isinstance(mini, str):
         return mini
@@ -352,7 +356,7 @@ def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed:
                 mini, attn_implementation=attn_implementation, experts_implementation="eager", dtype=torch.float64
             )
         sharpen(model, seed)
-        return model.to(device=device, dtype=torch.float64).eval()  # fp32-kept parts (routers' biases) too
+        return model.to(device).eval()
     except Exception as error:  # a foreign class's failure is a reason, not a crash
         return _reason(error)
 

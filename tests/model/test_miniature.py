@@ -148,7 +148,11 @@ def test_float64_deterministic_and_fast(name: str, one_thread: None) -> None:
     assert_same_weights(first, second)
     other = build_miniature(config, attn_implementation=impl, device="cpu", seed=1)
     assert not all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), other.state_dict().values()))
-    assert {p.dtype for p in first.parameters()} == {torch.float64}
+    kept = [  # computed in float32 by the class's own code (a router's weight and bias)
+        *(getattr(first, "_keep_in_fp32_modules", None) or []),
+        *(getattr(first, "_keep_in_fp32_modules_strict", None) or []),
+    ]
+    assert {p.dtype for n, p in first.named_parameters() if not any(k in n for k in kept)} == {torch.float64}
     assert not first.training
     assert elapsed < 1.0, f"build + 512-token forward {elapsed:.2f} s (shared machine; benchmark median ~0.1 s)"
 
@@ -160,16 +164,17 @@ def _log_probs(model: Any, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_moved_position_or_mask_moves_a_score_far_past_rounding(name: str) -> None:
-    """Float64 rounding between a batch of one and the same row in a batch of two is ~1e-15; one position id moved
-    (for ALiBi: one key masked out) moves a log-probability by more than 1e-3 nats, and the logits spread over
-    several nats."""
+    """The same row in a batch of one and in a batch of two differs by float64 rounding (0 for most classes; ~1e-7
+    where experts group tokens by batch and the class computes norms and routers in float32); one position id moved
+    (for ALiBi: one key masked out) moves a log-probability by more than 1e-3 nats and 1e4 times that rounding, and
+    the logits spread over several nats."""
     config = published_config(name)
     model = build_miniature(config, attn_implementation=attention_of(config), device="cpu")
     ids = torch.randint(0, 100, (1, 300), generator=torch.Generator().manual_seed(0))
     base = _log_probs(model, ids)
     pair = _log_probs(model, torch.cat([ids, ids.flip(1)]))[:1]
     rounding = (pair - base).abs().max().item()
-    assert rounding < 1e-9
+    assert rounding < 1e-6
     spread = (base[0].max(-1).values - base[0].min(-1).values).median().item()
     assert 2.0 < spread < 100.0
     if name in ALIBI:
@@ -181,7 +186,7 @@ def test_a_moved_position_or_mask_moves_a_score_far_past_rounding(name: str) -> 
         positions = torch.arange(300).unsqueeze(0)
         positions[0, 150:] += 1
         moved = (_log_probs(model, ids, position_ids=positions) - base)[0, 150:].abs().max().item()
-    assert moved > 1e-3 and moved > 1e6 * rounding, (moved, rounding)
+    assert moved > 1e-3 and moved > 1e4 * rounding, (moved, rounding)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "deepseek_v3", "gemma3_text"])
