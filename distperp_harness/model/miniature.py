@@ -162,9 +162,9 @@ class _Factors:
             return cls(None, fd, 1.0, hidden / new_hidden if hidden and new_hidden else 1.0, {}).capped(new_hidden)
         h_old = d[head_key]
         h_new = min(h_old, keys.MAX_HEADS)
-        fewest = min((d[k] for k in keys.OTHER_COUNT_KEYS if "heads" in k and positive_int(d.get(k))), default=0)
-        if fewest and h_old > h_new * fewest and h_old % fewest == 0:
-            h_new = h_old // fewest  # other heads (state-space, linear) divide by the same factor, to one at least
+        tied = [d[k] for k, size in keys.TIED_HEAD_KEYS.items() if positive_int(d.get(k)) and positive_int(d.get(size))]
+        if tied and h_old > h_new * min(tied) and h_old % min(tied) == 0:
+            h_new = h_old // min(tied)  # state-space heads divide by the same factor, to one at least
         h_new, kv = _heads(d, head_key, h_old, h_new)
         fc = h_old / h_new
         if hidden is None:

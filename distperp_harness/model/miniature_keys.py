@@ -36,6 +36,13 @@ OTHER_COUNT_KEYS = frozenset(
     }
 )  # fmt: skip
 """Other counts of heads or groups: divided by the query heads' factor, at least 1."""
+TIED_HEAD_KEYS = {
+    "n_mamba_heads": "mamba_headdim",
+    "mamba_n_heads": "mamba_d_head",
+    "mamba_num_heads": "mamba_head_dim",
+}
+"""State-space head counts whose product with a per-head size is a width (``expand × hidden``): where the per-head
+size is set, the query heads' factor stays small enough to leave at least one such head."""
 
 HEAD_DIM_KEYS = frozenset(
     {
