@@ -364,8 +364,8 @@ def build_miniature(config: Any, *, attn_implementation: str, device: Any, seed:
 def sharpen(model: Any, seed: int = 0) -> None:
     """Redraws ``model``'s matrices from a generator seeded with ``seed``: linear maps (and expert stacks) with
     standard deviation ``GAIN / sqrt(fan_in)``, embedding tables (tokens, learned positions) with
-    :data:`EMBEDDING_STD`, a token table tied to the output head as the head. A matrix shared by two modules is
-    drawn once. Norms,
+    :data:`EMBEDDING_STD`, a token table tied to the output head as the head; the head is scaled against the model's
+    own logit map (:func:`_logit_gain`). A matrix shared by two modules is drawn once. Norms,
     biases, convolutions and state-space parameters keep the model's own initialization."""
     import torch
     from transformers.pytorch_utils import Conv1D
@@ -382,15 +382,33 @@ def sharpen(model: Any, seed: int = 0) -> None:
             parameter.copy_(noise * std)
 
     output = model.get_output_embeddings()
-    tied = getattr(output, "weight", None)
+    head = getattr(output, "weight", None)
+    gain = _logit_gain(model.config)
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):  # a table tied to the output head is drawn as the head
-            draw(module.weight, GAIN / math.sqrt(module.embedding_dim) if module.weight is tied else EMBEDDING_STD)
+            tied = module.weight is head
+            draw(module.weight, gain * GAIN / math.sqrt(module.embedding_dim) if tied else EMBEDDING_STD)
         elif isinstance(module, torch.nn.Linear):
-            draw(module.weight, GAIN / math.sqrt(module.in_features))
+            draw(module.weight, (gain if module is output else 1.0) * GAIN / math.sqrt(module.in_features))
         elif isinstance(module, Conv1D):
             draw(module.weight, GAIN / math.sqrt(module.weight.shape[0]))
         elif not isinstance(module, (torch.nn.modules.conv._ConvNd,)):
             for parameter in module.parameters(recurse=False):
                 if parameter.dim() == 3:  # an expert stack: (experts, in, out) or (experts, out, in)
                     draw(parameter, GAIN / math.sqrt(math.sqrt(parameter.shape[1] * parameter.shape[2])))
+
+
+def _logit_gain(config: Any) -> float:
+    """The factor undoing the configuration's fixed logit map (Cohere's ``logit_scale`` multiplies logits,
+    Granite's and MiniCPM's ``logits_scaling`` and Inkling's ``logits_mup_width_multiplier`` divide them), within
+    [1/100, 100]: the miniature's logits spread over several nats whatever the map, which stays in place."""
+    text = config.get_text_config()
+    factor = 1.0
+    scale = getattr(text, "logit_scale", None)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0:
+        factor *= scale
+    for key in ("logits_scaling", "logits_mup_width_multiplier"):
+        divisor = getattr(text, key, None)
+        if isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor > 0:
+            factor /= divisor
+    return min(100.0, max(0.01, 1.0 / factor))

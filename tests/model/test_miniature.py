@@ -222,3 +222,14 @@ def test_no_miniature_of_remote_code_or_a_kind_past_the_cap() -> None:
     config = AutoConfig.for_model("qwen2", num_hidden_layers=40, layer_types=late, sliding_window=64)
     reason = miniature_config(config)
     assert isinstance(reason, str) and "layer 40 of 40" in reason
+
+
+@pytest.mark.parametrize("model_type", ["cohere2", "minicpm3"])
+def test_the_head_is_drawn_against_the_logit_map(model_type: str) -> None:
+    """Cohere's ``logit_scale`` (1/16 by default) and MiniCPM's width scaling shrink logits by a fixed map the
+    miniature keeps: its head is drawn that much larger, so log-probabilities still spread over several nats."""
+    config = AutoConfig.for_model(model_type)
+    model = build_miniature(config, attn_implementation="sdpa", device="cpu")
+    assert getattr(model.config, "logit_scale", None) == getattr(config, "logit_scale", None)
+    base = _log_probs(model, torch.randint(0, 100, (1, 64), generator=torch.Generator().manual_seed(0)))
+    assert (base[0].max(-1).values - base[0].min(-1).values).median().item() > 5.0
