@@ -233,3 +233,21 @@ def test_the_head_is_drawn_against_the_logit_map(model_type: str) -> None:
     assert getattr(model.config, "logit_scale", None) == getattr(config, "logit_scale", None)
     base = _log_probs(model, torch.randint(0, 100, (1, 64), generator=torch.Generator().manual_seed(0)))
     assert (base[0].max(-1).values - base[0].min(-1).values).median().item() > 5.0
+
+
+@pytest.mark.parametrize(("name", "far"), [("phi3", 5000), ("llama-dynamic", 9000)])
+def test_a_length_chosen_rope_moves_the_miniature_as_it_moves_the_model(name: str, far: int) -> None:
+    """Phi-3's longrope and Llama's dynamic rope choose their factor from the row's largest position: one token at a
+    position past the original context moves every earlier token's score, in the float32 model of the published
+    settings and, by far more than rounding, in its miniature (the same code at the same settings)."""
+    config = published_config(name)
+    ids = torch.randint(0, 100, (1, 41), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(41).unsqueeze(0)
+    positions[0, 40] = far
+    for model, least in (
+        (published_model(name), 1e-4),
+        (build_miniature(config, attn_implementation="sdpa", device="cpu"), 1e-1),
+    ):
+        alone = _log_probs(model, ids[:, :40], position_ids=positions[:, :40])
+        beside = _log_probs(model, ids, position_ids=positions)[:, :40]
+        assert (alone - beside).abs().max().item() > least, type(model).__name__
