@@ -124,7 +124,7 @@ def one_type(model_type: str, tokens: int) -> dict[str, Any]:
             config = AutoConfig.for_model(model_type, **REPAIRS.get(model_type, {}), is_decoder=True)
         cls = _model_class(config)
     except Exception as error:  # a row, not a crash
-        return {**row, "status": "failed", "reason": f"config: {type(error).__name__}: {str(error).splitlines()[0]}"}
+        return {**row, "status": "failed", "reason": f"config: {_error(error)}"}
     row["class"], row["attention"] = cls.__name__, _attention(cls)
     start = time.perf_counter()
     mini = miniature_config(config)
@@ -149,7 +149,7 @@ def one_type(model_type: str, tokens: int) -> dict[str, Any]:
         base = _forward(model, ids)
     except Exception as error:  # a row, not a crash
         needs = _needs(cls)
-        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        reason = _error(error)
         status = "skipped" if needs else "failed"
         reason = (f"needs {', '.join(needs)}: " if needs else "forward: ") + reason
         return {**row, "status": status, "reason": reason if needs else _same_as_default(config, cls, reason)}
@@ -188,8 +188,9 @@ def _needs(cls: Any) -> list[str]:
 
 
 def _error(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+    text = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    first = " ".join(text[:2]) if len(text) > 1 and text[0].endswith(":") else (text[0] if text else "")
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 def _same_as_default(config: Any, cls: Any, reason: str) -> str:

@@ -50,8 +50,10 @@ def miniature_config(config: Any) -> Any:
 
 
 def _reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+    """``error`` in one line: its type and first line (with the next where the first ends with a colon)."""
+    text = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    first = " ".join(text[:2]) if len(text) > 1 and text[0].endswith(":") else (text[0] if text else "")
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 def _miniature(config: Any) -> Any:

@@ -37,10 +37,19 @@ def layer_plan(text: dict[str, Any], count_key: str, at_layers: Callable[[list[i
     scans = [list(segment[: max(CAP, need)]) for segment, need in zip(segments, needs)]
     scanned = [i for scan in scans for i in scan]
     built = dict(zip(scanned, module_signatures(at_layers(scanned), len(scanned))))
-    kept: list[int] = []
-    for scan, need in zip(scans, needs):
-        kept += scan[: max(need, _prefix([(kinds[i], built[i]) for i in scan]))]
+    sizes = [max(need, _prefix([(kinds[i], built[i]) for i in scan])) for scan, need in zip(scans, needs)]
+    for extra in range(_EXTRA_TRIES):  # a class may constrain block sizes (Dory stores layers as pairs): one more
+        kept = [i for scan, n in zip(scans, sizes) for i in scan[: n + extra]]
+        try:
+            at_layers(kept)
+            return kept
+        except Exception:  # the class's validation: try one more layer per block, then give its reason
+            if extra == _EXTRA_TRIES - 1:
+                raise
     return kept
+
+
+_EXTRA_TRIES = 2
 
 
 def blocks(level: dict[str, Any], depth: int) -> list[tuple[str | None, range]]:
