@@ -65,31 +65,24 @@ def _forward(model: Any, ids: Any, **kwargs: Any) -> Any:
 
 def _sensitivity(model: Any, ids: Any, base: Any) -> tuple[float | None, float | None]:
     """Max |Δ log-probability| after column 5's key is masked out, and after the position ids from column 100 on
-    move by one (``None`` where the forward does not take them)."""
+    move by one (``None`` where the forward does not take them or fails with them)."""
     import torch
 
-    n = ids.shape[1]
     params = inspect.signature(model.forward).parameters
-    moved = []
-    if "attention_mask" in params:
-        mask = torch.ones_like(ids)
-        mask[0, 5] = 0
+    mask = torch.ones_like(ids)
+    mask[0, 5] = 0
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    positions[0, 100:] += 1
+
+    def moved(name: str, value: Any, first: int) -> float | None:
+        if name not in params:
+            return None
         try:
-            moved.append((_forward(model, ids, attention_mask=mask) - base)[0, 6:].abs().max().item())
+            return (_forward(model, ids, **{name: value}) - base)[0, first:].abs().max().item()
         except Exception:  # not measured
-            moved.append(None)
-    else:
-        moved.append(None)
-    if "position_ids" in params:
-        positions = torch.arange(n).unsqueeze(0)
-        positions[0, 100:] += 1
-        try:
-            moved.append((_forward(model, ids, position_ids=positions) - base)[0, 100:].abs().max().item())
-        except Exception:  # not measured
-            moved.append(None)
-    else:
-        moved.append(None)
-    return moved[0], moved[1]
+            return None
+
+    return moved("attention_mask", mask, 6), moved("position_ids", positions, 100)
 
 
 def _rounding(model: Any, ids: Any, base: Any) -> float | None:

@@ -847,12 +847,19 @@ def family_model(name: str, dtype: Any = None, seed: int = 0, scale: float = 1.0
     config = AutoConfig.for_model(model_type, **{**base, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    return _scaled(model, scale).to(dtype or torch.float32).eval()
+
+
+def _scaled(model: Any, scale: float) -> Any:
+    """``model`` with every weight matrix (and expert stack) multiplied by ``scale``, in place."""
+    import torch
+
     if scale != 1.0:
         with torch.no_grad():
             for parameter in model.parameters():
                 if parameter.dim() >= 2:
                     parameter.mul_(scale)
-    return model.to(dtype or torch.float32).eval()
+    return model
 
 
 _PHI3_LONG_FACTOR = [
@@ -977,12 +984,7 @@ def published_model(name: str, scale: float = 1.0, dtype: Any = None, seed: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_of(config))
-    if scale != 1.0:
-        with torch.no_grad():
-            for parameter in model.parameters():
-                if parameter.dim() >= 2:
-                    parameter.mul_(scale)
-    return model.to(dtype or torch.float32).eval()
+    return _scaled(model, scale).to(dtype or torch.float32).eval()
 
 
 class _FullDiskHandle:
