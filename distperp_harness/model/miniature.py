@@ -55,7 +55,7 @@ def _reason(error: BaseException) -> str:
 
 
 def _miniature(config: Any) -> Any:
-    whole = config.to_dict()
+    whole = {k: v for k, v in config.to_dict().items() if k not in keys.DROPPED_KEYS}
     text_key = _text_key(config)
     text = whole[text_key] if text_key else whole
     count_key = next((k for k in keys.LAYER_COUNT_KEYS if isinstance(text.get(k), int)), None)

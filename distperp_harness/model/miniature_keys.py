@@ -152,11 +152,15 @@ PATTERN_KEYS = {
 }
 """Integer settings that make layers differ by index (a period, a first dense block, a threshold)."""
 
+DROPPED_KEYS = frozenset({"quantization_config"})
+"""Keys a miniature leaves out: how the loaded weights are stored, not what the architecture computes (the miniature
+is float64)."""
+
 SHRUNK_KEYS = (
     HEAD_COUNT_KEYS | set(KV_HEAD_KEYS) | OTHER_COUNT_KEYS | HEAD_DIM_KEYS | WIDTH_KEYS | STATE_KEYS | EXPERT_KEYS
     | TOP_K_KEYS | SHARED_EXPERT_KEYS | set(EXPERT_GROUP_KEYS) | set(EXPERT_GROUP_KEYS.values()) | VOCAB_KEYS
     | SPECIAL_ID_KEYS | set(LAYER_COUNT_KEYS) | set(TAIL_COUNT_KEYS)
-    | {k for names in BLOCK_KEYS for k in names}
+    | {k for names in BLOCK_KEYS for k in names} | DROPPED_KEYS
 )  # fmt: skip
 """Every key a miniature may change besides special token ids (``*_token_id`` …) and per-layer lists, which it
 truncates to its depth."""

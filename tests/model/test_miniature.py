@@ -251,3 +251,11 @@ def test_a_length_chosen_rope_moves_the_miniature_as_it_moves_the_model(name: st
         alone = _log_probs(model, ids[:, :40], position_ids=positions[:, :40])
         beside = _log_probs(model, ids, position_ids=positions)[:, :40]
         assert (alone - beside).abs().max().item() > least, type(model).__name__
+
+
+def test_a_quantized_checkpoints_storage_is_not_copied() -> None:
+    """A loaded model's ``quantization_config`` says how its weights are stored: the float64 miniature has none."""
+    config = AutoConfig.for_model("llama", num_hidden_layers=2)
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    mini = miniature_config(config)
+    assert not isinstance(mini, str) and getattr(mini, "quantization_config", None) is None
