@@ -459,3 +459,16 @@ def test_bench_series_dry(tiny_model_dir):
 def test_bench_cp_runs_a_group_on_the_tiny_shape():
     proc = bench("bench_cp", "--shape", "tiny", "--tokens", "128", "--sizes", "2", "--repeats", "1", "--no-memory")
     assert "| cp_size | seconds |" in proc.stdout and "| 2 | " in proc.stdout, proc.stdout
+
+
+def test_miniatures_matrix_rows():
+    """``benchmarks.miniatures --types ...``: a built row (layers, parameters, timings, how far a masked key and a
+    moved position move a score), a skipped row with its reason, and the counts."""
+    proc = bench("miniatures", "--types", "llama,gpt_neo,musicgen,deepseek_v3", "--tokens", "120")
+    out = proc.stdout
+    assert "4 types: 3 built, 1 skipped, 0 failed" in out, out
+    assert "| llama | LlamaForCausalLM | sdpa | built | 1 |" in out, out
+    assert "| gpt_neo | GPTNeoForCausalLM | eager | built | 2 |" in out, out
+    assert "| deepseek_v3 | DeepseekV3ForCausalLM | sdpa | built | 4 |" in out, out
+    assert "| musicgen |" in out and "audio codebooks" in out, out
+    assert "build + forward seconds over 3 built types" in out, out
