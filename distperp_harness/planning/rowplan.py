@@ -14,7 +14,8 @@ The same rules as :func:`distperp_harness.planning.rows.plan_rows`, applied to t
 
 With ``keys`` (one per unit, from the model's length rule: ``distperp_harness.model.lengths``), units of different
 keys never share a row, a batch or a cached prefix: each key's units are planned on their own and their rows follow
-each other as groups; a negative key means one unit per row (``mode="off"``) for its units.
+each other as groups; a negative key (units of one input length) means one path per row (``mode="inputs"``: units
+with the same input share it, or ``"off"``) for its units.
 
 Estimates are upper bounds on row lengths and lower bounds on shared prefixes; the rank that computes a row builds
 its exact tree from the tokens (:func:`distperp_harness.planning.rows.row_of`), a pure function of the row's units. So
@@ -82,7 +83,7 @@ def plan_from_records(
     keys: np.ndarray | None = None,
 ) -> PlannedRows:
     """Rows for every unit of ``table`` (module docstring); the result depends only on the table (and ``keys``, one
-    per unit: units of different keys never share a row or a batch; negative keys: one unit per row)."""
+    per unit: units of different keys never share a row or a batch; negative keys: one path per row)."""
     mode = share_mode(mode)
     if keys is not None and len(keys) and (keys.min() < 0 or keys.min() != keys.max()):
         return _by_keys(table, mode, max_row_length, attention_coef, np.asarray(keys, dtype=np.int64))
@@ -152,7 +153,7 @@ def _by_keys(table: Table, mode: ShareMode, max_row_length: int | None, coef: fl
     parts: list[tuple[np.ndarray, PlannedRows]] = []
     for key in sorted(np.unique(keys).tolist(), key=lambda k: (k < 0, abs(k))):
         ids = np.flatnonzero(keys == key)
-        part_mode = mode if key >= 0 else ShareMode.OFF
+        part_mode = mode if key >= 0 or mode == ShareMode.OFF else ShareMode.INPUTS  # only identical inputs share
         parts.append((ids, plan_from_records(TablePart.of(table, ids), part_mode, max_row_length, coef)))
     members: list[np.ndarray] = []
     starts: list[int] = []

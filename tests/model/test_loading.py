@@ -180,9 +180,7 @@ def test_a_run_reads_its_tokenizer_once(tiny_model_dir, tmp_path, monkeypatch):
     folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     calls = []
     real = transformers.AutoTokenizer.from_pretrained
-    monkeypatch.setattr(
-        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k)
-    )
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k))
     lm = make_lm(folder, extra={"batch_size": 1, "device": "cpu"})
     assert len(calls) == 1 and lm.estimate is not None  # the fit check ran, on the same tokenizer
     config = (folder / "tokenizer_config.json").read_text(encoding="utf-8")

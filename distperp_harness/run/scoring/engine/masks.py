@@ -54,8 +54,8 @@ class Packing:
     (the same width as ``run``); a padding column takes position 0, so that no padding shows the model a position
     its row does not reach (a learned position table ends at the model's context, and RoPE variants that pick their
     factor from the largest position id would read the batch's padded width); ``position_ids``: the queries'
-    positions (columns from ``shared`` on). ``shared``: tokens of the prefix in ``prefix_ids`` (``[1, shared]``, or None);
-    ``length``: the padded row length, prefix included.
+    positions (columns from ``shared`` on). ``shared``: tokens of the prefix in ``prefix_ids`` (``[1, shared]``, or
+    None); ``length``: the padded row length, prefix included.
     """
 
     run: torch.Tensor

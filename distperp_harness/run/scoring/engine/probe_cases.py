@@ -35,22 +35,29 @@ SCORED = 4
 """Targets each path's last unit scores."""
 MIN_REGION = 12
 """Shortest range of path lengths a region needs to be probed (shorter: its paths are probed as they come)."""
+DEEP = 512
+"""Deep trees reach paths of this many tokens (and past every window or chunk); longer paths are probed as plain
+padded rows."""
 
 
 @dataclass(frozen=True)
 class Target:
     """What the run's forwards will do (module doc). ``tree_tokens``: the widest tree row (0: no tree rows);
-    ``batched``: batches hold several rows; ``cached``: rows may continue a batch's cached prefix."""
+    ``batched``: batches hold several rows; ``cached``: rows may continue a batch's cached prefix; ``lengths``: the
+    length rule rows follow; ``spans``: the windows and chunks the model declares (deep trees run past each)."""
 
     max_length: int
     tree_tokens: int
     batched: bool = True
     cached: bool = True
     lengths: LengthRule = LengthRule()
+    spans: tuple[int, ...] = ()
 
     def capped(self, plain: int, tree: int) -> Target:
         """This target within the probe's caps: paths of at most ``plain`` tokens, trees of ``tree`` columns."""
-        return dataclasses.replace(self, max_length=min(self.max_length, plain), tree_tokens=min(self.tree_tokens, tree))
+        return dataclasses.replace(
+            self, max_length=min(self.max_length, plain), tree_tokens=min(self.tree_tokens, tree)
+        )
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ def regions(target: Target) -> list[tuple[int, int]]:
     return out
 
 
-class _Tokens:
+class CaseTokens:
     """Random token ids from one seeded generator (ids from 3 on: the low ids are often special tokens)."""
 
     def __init__(self, vocab: int) -> None:
@@ -114,41 +121,46 @@ def _path_units(path: list[int], extra: int, low: int) -> list[Unit]:
     return units
 
 
-def _tree(tokens: _Tokens, root: int, branches: list[int], width: int, low: int) -> tuple[Row, ...]:
+def _tree(tokens: CaseTokens, root: int, branches: list[int], width: int, low: int) -> tuple[Row, ...]:
     shared = tokens(root)
     units = [u for n in branches for u in _path_units(shared + tokens(n + 1), n // 2, low)]
     return tuple(build_rows(units, ShareMode.PREFIX, max_row_length=width))
 
 
-def tree_cases(tokens: _Tokens, low: int, high: int, width: int) -> list[Case]:
-    """The wide and the deep tree of the region ``low .. high`` within ``width`` columns (module doc)."""
+def tree_cases(tokens: CaseTokens, low: int, high: int, width: int, spans: tuple[int, ...] = ()) -> list[Case]:
+    """The wide tree of the region ``low .. high`` within ``width`` columns, and deep trees whose paths run past
+    each of ``spans`` (windows, chunks) and to :data:`DEEP` tokens, within the region and the width (module doc)."""
     cases = []
     root = max(2, min(low, high - 8))
     branch = max(2, min(high - root, 24))
-    count = max(2, min(64, (width - root) // branch))
+    count = max(2, (width - root) // branch)
     if root + 2 * branch <= width:
         rows = _tree(tokens, root, [branch - (k % 3) for k in range(count)], width, low)
         n = sum(len(row.units) for row in rows)
         checked = tuple(sorted({0, 1, *range(max(0, n - 4), n)}))  # the first branch and the last, widest columns
         what = f"a root of {root} tokens and {count} branches in {width} columns"
         cases.append(Case("tree", what, ((rows, 0),), checked))
-    deep = min(high, width // 2)
-    root = max(low, deep - max(4, deep // 4))
-    if deep > root >= 2 and root + 2 * (deep - root) <= width:
-        rows = _tree(tokens, root, [deep - root, deep - root - 1], width, low)
-        cases.append(Case("tree", f"paths of {deep} tokens after a root of {root}", ((rows, 0),)))
+    for deep in sorted({min(high, width // 2, DEEP), *(s + 8 for s in spans if s + 8 <= min(high, width // 2))}):
+        root = max(low, deep - max(4, deep // 4))
+        if deep > root >= 2 and root + 2 * (deep - root) <= width:
+            rows = _tree(tokens, root, [deep - root, deep - root - 1], width, low)
+            cases.append(Case("tree", f"paths of {deep} tokens after a root of {root}", ((rows, 0),)))
     return cases
 
 
-def padded_case(tokens: _Tokens, low: int, high: int) -> Case:
-    """Plain rows of mixed lengths of the region, the longest ``high``, padded together."""
-    lengths = sorted({high, max(low, high - 3), max(low, (low + high) // 2), low + 1}, reverse=True)
+def padded_case(tokens: CaseTokens, low: int, high: int) -> Case:
+    """Plain rows of the region's longest and a short length, and one between where the region is short, padded
+    together."""
+    middle = {max(low, (low + high) // 2)} if high <= DEEP else set()
+    lengths = sorted({high, low + 1, *middle}, reverse=True)
     units = [u for n in lengths for u in _path_units(tokens(n + 1), max(1, n // 3), low)]
-    rows = build_rows(units, ShareMode.INPUTS)
-    return Case("padded", f"rows of {', '.join(map(str, lengths))} tokens in one batch", ((tuple(rows), 0),))
+    rows = tuple(build_rows(units, ShareMode.INPUTS))
+    longest = set(rows[0].units) if len(lengths) > 1 and high > DEEP else set()  # padded nowhere; alone it costs most
+    checked = tuple(i for i, u in enumerate(u for row in rows for u in row.units) if u not in longest)
+    return Case("padded", f"rows of {', '.join(map(str, lengths))} tokens in one batch", ((rows, 0),), checked)
 
 
-def cached_case(tokens: _Tokens, low: int, high: int, width: int, trees: bool) -> Case | None:
+def cached_case(tokens: CaseTokens, low: int, high: int, width: int, trees: bool) -> Case | None:
     """Rows continuing one prefix of the region (tree rows when ``trees``), or None where none fits."""
     prefix = max(low, min(high - 6, 40))
     if prefix < 2 or high - prefix < 4:
@@ -165,7 +177,7 @@ def cached_case(tokens: _Tokens, low: int, high: int, width: int, trees: bool) -
     return Case("cached", f"rows continuing a cached prefix of {common} tokens", ((rows, common),))
 
 
-def same_length_case(tokens: _Tokens, length: int) -> Case:
+def same_length_case(tokens: CaseTokens, length: int) -> Case:
     """Two rows of one length above ``exact_above``, in one batch (no padding)."""
     units = [Unit(tuple(tokens(length + 1)), SCORED) for _ in range(2)]
     return Case("same length", f"two rows of {length} tokens in one batch", ((tuple(unit_rows(units)), 0),))
@@ -173,11 +185,11 @@ def same_length_case(tokens: _Tokens, length: int) -> Case:
 
 def cases(target: Target, vocab: int) -> list[Case]:
     """Every case of ``target`` (module doc), deterministic."""
-    tokens = _Tokens(vocab)
+    tokens = CaseTokens(vocab)
     out: list[Case] = []
     for low, high in regions(target):
         if target.tree_tokens:
-            out.extend(tree_cases(tokens, low, high, target.tree_tokens))
+            out.extend(tree_cases(tokens, low, high, target.tree_tokens, target.spans))
         if target.batched:
             out.append(padded_case(tokens, low, high))
         if target.cached:

@@ -38,7 +38,8 @@ class ModelPaths:
     layer takes a tree mask); ``packed_rows``, ``cached_prefix``, ``head_only``: None when allowed, else why not;
     ``output_map``: the map from head to logits; ``lengths``: which input lengths may share a forward
     (:class:`~distperp_harness.model.lengths.LengthRule`); ``tree_tokens``: the widest tree row the probe vouched
-    for (None: no limit of its own); ``probed``: decided by a probe (False: declarations only); ``evidence``: what the probe measured (largest differences, in nats), for the record."""
+    for (None: no limit of its own); ``probed``: decided by a probe (False: declarations only); ``evidence``: what
+    the probe measured (largest differences, in nats), for the record."""
 
     layout: AttentionLayout | None
     packed_rows: str | None

@@ -11,6 +11,7 @@ from helpers import family_model
 from distperp_harness.model.attention import AttentionLayout, LayerAttention, OutputMap
 from distperp_harness.model.lengths import LengthRule
 from distperp_harness.run.scoring.engine import probe as probing
+from distperp_harness.run.scoring.engine import probe_checks
 from distperp_harness.run.scoring.engine import support
 from distperp_harness.run.scoring.engine.probe import merge_paths, probe
 from distperp_harness.run.scoring.engine.probe_cases import Target
@@ -61,7 +62,7 @@ def test_a_scale_in_the_weights_alone_is_found_by_the_real_weights(monkeypatch):
 
 
 def test_a_miniature_that_cannot_tell_a_wrong_mask_from_rounding_shares_nothing(monkeypatch):
-    monkeypatch.setattr(probing, "SENSITIVITY", 1e12)
+    monkeypatch.setattr(probe_checks, "SENSITIVITY", 1e12)
     verdict = probe(family_model("cohere2-window"), CPU, 0, 128)
     assert "cannot tell a wrong mask from rounding" in verdict.packed_rows
     assert verdict.lengths.exact_above == 0 and verdict.evidence["sensitivity"] > 1e-3

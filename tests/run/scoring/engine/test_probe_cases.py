@@ -53,12 +53,12 @@ def test_trees_reach_past_their_paths_and_padded_batches_mix_lengths():
     built = cases(Target(200, 512), vocab=500)
     trees = [c for c in built if c.kind == "tree"]
     wide, deep = trees[0], trees[1]
-    (rows, _), = wide.batches
+    ((rows, _),) = wide.batches
     assert rows[0].packed and wide.columns > 4 * max(u.input_length for u in wide.units)
     assert max(u.input_length for u in deep.units) == 200
-    (padded, _), = next(c for c in built if c.kind == "padded").batches
+    ((padded, _),) = next(c for c in built if c.kind == "padded").batches
     assert len({row.length for row in padded}) >= 3 and max(row.length for row in padded) == 200
-    (cached, shared), = next(c for c in built if c.kind == "cached").batches
+    ((cached, shared),) = next(c for c in built if c.kind == "cached").batches
     assert len(cached) >= 2 and shared >= 2
 
 
