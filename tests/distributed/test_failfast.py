@@ -136,6 +136,31 @@ def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(mon
     assert failfast._WATCH[0].closing and exits == [1]
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_an_input_error_is_said_once(monkeypatch, capsys, same):
+    """An input error every rank meets alike (the command line, an agreed answer) is nobody's failure: nothing is
+    published, and rank 0 alone prints it (errors.one_line); one that this rank alone meets is published for the
+    peers, its one line (``distperp: error (rank R): ...``) printed by the input-error hook, not a second time here."""
+    from distperp_harness.errors import InputError
+
+    store = DictStore()
+    monkeypatch.setattr(failfast, "default_store", lambda: store)
+    monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
+    monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, 1)])  # not started
+    monkeypatch.setitem(failfast._PLACE, "rank", 1)
+    monkeypatch.setitem(failfast._PLACE, "world_size", 2)
+    exits = []
+    monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    failfast.uncaught(InputError("cp_size=3 is not valid with 2 process(es)", same_on_every_rank=same))
+    record = failfast.read(store)
+    assert capsys.readouterr().err == ""
+    if same:
+        assert record is None and exits == []
+    else:
+        assert "failed while running the evaluation: InputError: cp_size=3" in record and exits == [1]
+    failfast._PLACE["published"] = False
+
+
 # -------------------------------------------------------------------------------------- control plane rules
 def test_a_loopback_bind_on_several_hosts_is_refused_naming_address_variable_and_fix():
     entries = [
