@@ -34,8 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     new_task.add_argument("--force", action="store_true", help="overwrite an existing NAME.yaml")
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
-    compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
+    compare.add_argument("results", nargs="*", help="results_*.json files or folders holding them")
     compare.add_argument("--plot", default=None, help="also write a PNG figure to this path")
+    compare.add_argument(
+        "--same-bits",
+        dest="same_bits",
+        nargs=2,
+        metavar=("A", "B"),
+        default=None,
+        help="one line: whether runs A and B are the same bits (fingerprints and per-document values), or where "
+        "they first differ; exit 3 when they differ",
+    )
 
     from distperp_harness.commands.sweep import add_arguments as sweep_arguments
 
@@ -107,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         from distperp_harness.commands.compare import run_compare
 
-        return run_compare(args.results, plot=args.plot)
+        if not args.results and not args.same_bits:
+            compare.error("give results files or folders, or --same-bits A B")
+        return run_compare(args.results, plot=args.plot, same_bits=args.same_bits)
     if args.command == "sweep":
         from distperp_harness.commands.sweep import run_sweep
 
