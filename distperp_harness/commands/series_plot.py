@@ -1,7 +1,9 @@
 """The series figure (``series.png``): each task metric against step, the standard error as a band; with a
-reference, KL, top-1 agreement and flips against step. One panel per :class:`~.series_table.Column` that has a
-value at some step, at most :data:`MAX_PANELS` (metrics first, the reference's next); each ``Axes`` carries its
-column title as its ``gid`` and the PNG's ``Description`` lists them (:func:`~.plots.save_figure`)."""
+reference, KL, top-1 agreement, flips and the task's other comparisons against step. One panel per
+:class:`~.series_table.Column` that has a value at some step (each metric once), at most :data:`MAX_PANELS`: the
+task's metrics, then every metric that compares with the reference (these before the task's metrics when the
+panels run short), then counts; each ``Axes`` carries its column title as its ``gid`` and the PNG's
+``Description`` lists them (:func:`~.plots.save_figure`)."""
 
 from __future__ import annotations
 
@@ -10,17 +12,21 @@ from pathlib import Path
 from typing import Any
 
 from distperp_harness.commands.plots import Drawn, new_figure, save_figure
-from distperp_harness.commands.series_table import Column, Row, columns, points
+from distperp_harness.commands.series_table import Column, Group, Row, columns, points
 
-MAX_PANELS = 12
+MAX_PANELS = 18
 NCOLS = 3
 
 
 def series_panels(rows: list[Row], runs: dict[str, Any]) -> list[tuple[Column, list]]:
     """The panels the figure draws: ``(column, points)`` for each column with a value (see the module docstring);
     pure, so tests check them without pixels."""
-    drawn = [(c, points(rows, runs, c)) for c in columns(list(runs.values()))]
-    return [(c, p) for c, p in drawn if p][:MAX_PANELS]
+    drawn = [(c, p) for c in columns(list(runs.values())) for p in [points(rows, runs, c)] if p]
+    compared = [d for d in drawn if d[0].group is Group.REFERENCE][:MAX_PANELS]
+    room = MAX_PANELS - len(compared)
+    task = [d for d in drawn if d[0].group is Group.TASK][:room]
+    counts = [d for d in drawn if d[0].group is Group.COUNT][: room - len(task)]
+    return task + compared + counts
 
 
 def plot_series(rows: list[Row], runs: dict[str, Any], out: str | Path) -> Drawn:

@@ -259,6 +259,38 @@ def test_a_cut_short_checkpoint_is_a_failed_row_with_its_whole_reason_and_exit_3
     assert said.out.rstrip().endswith("series: exit 3: 1 checkpoint(s) failed (--allow-failures: exit 0)")
 
 
+def _referenced_run(step):
+    """A ``--reference previous`` checkpoint's run as distperp's perplexity task and a multiple-choice task report
+    it: the perplexity task's own KL and top-1 metrics, n_tokens, and the reference's entries of both tasks."""
+    names = ["token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "n_tokens"]
+    names += ["kl_divergence", "kl_p99", "kl_max", "top1_agreement", "ref_token_perplexity", "ln_ppl_ratio"]
+    wiki = {f"{name},none": float(step + i) for i, name in enumerate(names)}
+    tasks = {"wiki": wiki, "mc": {"acc,none": 0.5, "acc_norm,none": 0.4}}
+    entry = {"kl_divergence": 0.01 * step, "top1_agreement": 0.9}
+    reference = {"wiki": dict(entry), "mc": {**entry, "flips": 0.1}}
+    return Run(Path("r"), "m", "none", 1, tasks, None, None, "f", reference=reference)
+
+
+def test_each_metric_once_and_every_reference_metric_before_counts(tmp_path):
+    """With a reference, the perplexity task reports KL and top-1 agreement itself: the table and the figure show
+    each once (not again as the reference's "KL" and "top-1"), the task's metrics first, every metric that compares
+    with the reference next, counts (n_tokens) last (before: both twice, and the 12 panels spent on n_tokens and
+    a duplicate dropped top1_agreement)."""
+    from distperp_harness.commands.series_plot import series_panels
+
+    rows = [Row(f"s{i}", "p", 100 * i, Status.DONE) for i in (1, 2)]
+    runs = {f"s{i}": _referenced_run(i) for i in (1, 2)}
+    titles = [c.title for c in columns(list(runs.values()))]
+    assert titles == [
+        "mc acc", "mc acc_norm", "wiki token_perplexity", "wiki word_perplexity", "wiki byte_perplexity",
+        "wiki bits_per_byte", "wiki kl_divergence", "wiki kl_p99", "wiki kl_max", "wiki top1_agreement",
+        "wiki ref_token_perplexity", "wiki ln_ppl_ratio", "mc KL", "mc top-1", "mc flips", "wiki n_tokens",
+    ]  # fmt: skip
+    head = series_table(rows, runs).splitlines()[0]
+    assert head.count("kl_divergence") + head.count("KL") == 2 and "wiki KL" not in head and "wiki top-1" not in head
+    assert [c.title for c, _ in series_panels(rows, runs)] == titles  # 16 panels: all of them, the count last
+
+
 # --- one watched series, a second watch, a 2-process resume ------------------------------------------------------
 
 
