@@ -849,6 +849,16 @@ def _missing_path(key: str, value: Any) -> str | None:
     return None
 
 
+def cli_extras(model_args: dict[str, Any], cli: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments lm-eval adds to ``--model_args`` (the CLI's ``batch_size``, ``max_batch_size``,
+    ``device``): a value given in ``--model_args`` wins, and the CLI's device is marked ``device_from_cli`` (its
+    default ``cuda:0`` falls back to the CPU on a machine without CUDA)."""
+    extra = {k: v for k, v in (cli or {}).items() if v is not None and k not in model_args}
+    if "device" in extra:
+        extra["device_from_cli"] = True
+    return extra
+
+
 def check_command_line(
     model_args: dict[str, Any],
     cli: dict[str, Any],
@@ -870,10 +880,7 @@ def check_command_line(
     ``LOCAL_WORLD_SIZE``), ``--use_cache`` on several processes, ``--limit``, and the ``--metadata`` keys of the
     distperp tasks among ``tasks`` (:data:`TASK_METADATA_KEYS`). Returns the options."""
     environ = os.environ if environ is None else environ
-    extra = {k: v for k, v in cli.items() if v is not None and k not in model_args}
-    if "device" in extra:
-        extra["device_from_cli"] = True
-    options = Options.from_kwargs(**model_args, **extra)
+    options = Options.from_kwargs(**model_args, **cli_extras(model_args, cli))
     for problem in (limit_error(limit), *(_missing_path(k, getattr(options, k)) for k in _SOURCES)):
         if problem:
             raise OptionError(problem)
