@@ -274,9 +274,9 @@ def test_lm_evals_padding_requests_get_responses_of_their_own():
     from distperp_harness.docsplit import detach_padding
 
     def requests():
-        return [
-            Instance("loglikelihood_rolling", {}, (f"doc {i}",), 0, ("t", i, 1)) for i in range(2)
-        ] + [Instance("generate_until", {}, ("q", {}), 0, ("g", 0, 2))]
+        return [Instance("loglikelihood_rolling", {}, (f"doc {i}",), 0, ("t", i, 1)) for i in range(2)] + [
+            Instance("generate_until", {}, ("q", {}), 0, ("g", 0, 2))
+        ]
 
     def evaluate(reqs, numpad, detach):
         cloned = [r for r in reqs for _ in range(r.repeats)]

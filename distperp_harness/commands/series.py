@@ -328,6 +328,7 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     if failure is not None:  # a checkpoint that cannot be loaded is a row of the series, not its end
         return row(Status.FAILED, failure)
     lm = cast("DistPerpLM", made)  # every rank loaded (no failure above)
+    del made  # the model is released below: no other name may hold it
     memo = launch.memos.setdefault(lm.encoding_key(), {})
     reused = len(memo)
     lm.keep_encodings(memo)

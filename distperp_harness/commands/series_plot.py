@@ -16,6 +16,8 @@ from distperp_harness.commands.series_table import Column, Group, Row, columns, 
 
 MAX_PANELS = 18
 NCOLS = 3
+COLORS = {Group.TASK: "tab:blue", Group.REFERENCE: "tab:red", Group.COUNT: "tab:gray"}
+"""A panel's colour by its column's group: the task's metrics, comparisons with the reference, counts."""
 
 
 def series_panels(rows: list[Row], runs: dict[str, Any]) -> list[tuple[Column, list]]:
@@ -43,7 +45,7 @@ def plot_series(rows: list[Row], runs: dict[str, Any], out: str | Path) -> Drawn
         ax.set_gid(column.title)
         steps = [p[0] for p in pts]
         values = [p[1] for p in pts]
-        color = "tab:red" if column.reference else "tab:blue"
+        color = COLORS[column.group]
         ax.plot(steps, values, marker="o", markersize=3, color=color)
         if all(p[2] is not None for p in pts):
             low = [v - (p[2] or 0.0) for v, p in zip(values, pts)]

@@ -163,6 +163,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             failed.append((scheme.label, failure))
             continue
         lm = cast("DistPerpLM", made)
+        del made  # released after its evaluation: no other name may hold it
         log.info(
             f"sweep: scheme {scheme.label} loaded in {lm.load_seconds:.1f} s "
             f"({'reference reused' if reference is not None else 'reference loaded'})",
@@ -182,7 +183,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             save_results(tracker, results, {**kwargs, **scheme.model_args()})
             folders.append((scheme.label, out / scheme.folder))
         reference = lm.reference
-        del lm, made
+        del lm
         gc.collect()
     if collective.is_main:
         from distperp_harness.commands.compare import load_run

@@ -362,7 +362,7 @@ def watched(tiny_model_dir, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distperp_harness.commands import series
+    from distperp_harness.commands import release, series
 
     root = tmp_path_factory.mktemp("series")
     run, out = root / "run", root / "out"
@@ -376,7 +376,7 @@ def watched(tiny_model_dir, tmp_path_factory):
     AutoTokenizer.from_pretrained(later).save_pretrained(sharded)
     assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").exists()
     evaluated: dict[str, int] = {}
-    original = series.evaluate_one
+    original, releases, was_released = series.evaluate_one, [], release.released
 
     def counted(series_, launch, checkpoint, collective):
         evaluated[checkpoint.label] = evaluated.get(checkpoint.label, 0) + 1
@@ -401,13 +401,14 @@ def watched(tiny_model_dir, tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(series, "evaluate_one", counted)
+            patch.setattr(release, "released", lambda *a: releases.append(was_released(*a)) or releases[-1])
             args = _series_args(run, out, "--watch", "--poll", "0.3", "--settle", "0.6", "--retries", "1")
             assert main(args) == 3  # step 150 failed: every row written, then exit 3
     finally:
         torch.set_num_threads(threads)
     for writer in writers:
         writer.join(1)
-    return {"run": run, "out": out, "root": root, "evaluated": evaluated}
+    return {"run": run, "out": out, "root": root, "evaluated": evaluated, "releases": releases}
 
 
 def _fingerprint(folder):
@@ -419,6 +420,7 @@ def test_watch_evaluates_each_checkpoint_once_and_the_failed_one_as_a_row(watche
     are those of the whole checkpoint, below), the failed one again after its files changed, at most once
     (``--retries 1``)."""
     assert watched["evaluated"] == {"checkpoint-100": 1, "checkpoint-150": 2, "checkpoint-200": 1, "checkpoint-300": 1}
+    assert [r.ok for r in watched["releases"]] == [True] * 3  # each evaluated model collected before the next
     rows = _rows(watched["out"])
     assert sorted(rows) == ["checkpoint-100", "checkpoint-150", "checkpoint-200", "checkpoint-300"]
     assert rows["checkpoint-150"].status is Status.FAILED and "config" in rows["checkpoint-150"].reason
