@@ -891,10 +891,10 @@ def check_command_line(
     resolve_group_size("cp_size", options.cp_size, world, local, GROUPS["cp_size"])
     if use_cache and world > 1:
         raise OptionError(use_cache_error(world))
-    problem = None
+    problem, given = None, [k for k in metadata or {} if k not in model_args]  # lm-eval merges model_args in
     names = tasks.split(",") if isinstance(tasks, str) else list(tasks or ())
     for name in (n.strip() for n in names):
-        problem = problem or metadata_key_error(TASK_METADATA_KEYS.get(name, ()), metadata or {})
+        problem = problem or metadata_key_error(TASK_METADATA_KEYS.get(name, ()), given)
     if problem:
         raise OptionError(problem)
     return options
