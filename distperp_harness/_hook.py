@@ -10,8 +10,11 @@ Likewise, when ``lm_eval.tasks.manager`` is first imported, its ``TaskManager`` 
 folder next to lm-eval's own (:func:`add_tasks`), so ``--tasks distperp_wikitext2`` needs no ``--include_path``;
 a handful of YAML files more in the index lm-eval builds anyway. And when ``lm_eval.loggers.evaluation_tracker``
 is first imported, ``--output_path`` is checked before any model loads and results are never lost at the end
-(:func:`guard_outputs`). When ``lm_eval.evaluator`` is first imported, ``simple_evaluate`` with ``--model
-distperp`` refuses a ``limit`` of 0 or below before the model loads (:func:`check_limit`).
+(:func:`guard_outputs`). When ``lm_eval.config.evaluate_config`` is first imported, lm-eval's command line checks
+a ``--model distperp`` run's arguments (every ``--model_args`` key and value, the launch's group sizes,
+``--use_cache``, ``--limit``, the distperp tasks' ``--metadata`` keys) as soon as it has read them, before it
+indexes its tasks (:func:`check_before_tasks`); when ``lm_eval.evaluator`` is, ``simple_evaluate`` checks them
+before the model loads (:func:`check_limit`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import importlib.abc
 import importlib.machinery
 import sys
 from types import ModuleType
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 _TARGET_MODULE = "lm_eval.api.registry"
 _TASKS_MODULE = "lm_eval.tasks.manager"
 _TRACKER_MODULE = "lm_eval.loggers.evaluation_tracker"
 _EVALUATOR_MODULE = "lm_eval.evaluator"
+_CONFIG_MODULE = "lm_eval.config.evaluate_config"
 
 
 def register(registry_module) -> None:
@@ -153,21 +157,67 @@ def guard_outputs(tracker_module) -> None:
     cls.save_results_samples = save_results_samples
 
 
-def limit_error(limit) -> str | None:
-    """Why ``limit`` (lm-eval's ``--limit``: documents per task, or a fraction of them below 1) cannot run, or
-    ``None``. 0 or below would select no document, and lm-eval then fails after the model has loaded."""
-    if limit is None or isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit > 0:
-        return None
-    return (
-        f"--limit {limit:g} selects no document: allowed are a number of documents per task (1 or more) or a "
-        "fraction of them (above 0, below 1). Fix: e.g. --limit 10 or --limit 0.1, or no --limit for every document"
-    )
+_PLAIN = (str, int, float, bool, type(None), dict, list)
+
+
+def check_run(model_args: Any, cli: dict, *, tasks: Any, metadata: Any, use_cache: Any, limit: Any) -> None:
+    """Refuse a ``--model distperp`` run whose command line cannot work
+    (:func:`distperp_harness.options.check_command_line`: every ``--model_args`` key and value, the group sizes
+    against the launch, ``--use_cache`` on several processes, ``--limit``, the distperp tasks' ``--metadata``
+    keys) as one :class:`~distperp_harness.errors.OptionError` line (rank 0), before lm-eval indexes its tasks or
+    loads a model. ``model_args``: lm-eval's dict or ``k=v,...`` string; one holding objects (an in-memory model)
+    is left to the model's own checks, only ``--limit`` is checked then."""
+    from distperp_harness.errors import install_excepthook
+    from distperp_harness.options import check_command_line, limit_error
+
+    install_excepthook()  # the error is one line even before lm-eval's task manager loads
+    if isinstance(model_args, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        model_args = simple_parse_args_string(model_args)
+    names = [t for t in tasks if isinstance(t, str)] if isinstance(tasks, (list, tuple)) else tasks
+    if isinstance(model_args, dict) and all(isinstance(v, _PLAIN) for v in model_args.values()):
+        check_command_line(
+            model_args, cli, tasks=names, metadata=metadata, use_cache=use_cache, limit=limit
+        )  # fmt: skip
+        return
+    message = limit_error(limit)
+    if message is not None:
+        from distperp_harness.errors import OptionError
+
+        raise OptionError(message)
+
+
+def check_before_tasks(config_module) -> None:
+    """Make lm-eval's command line check a ``--model distperp`` run (:func:`check_run`) as soon as it has read its
+    arguments (``EvaluatorConfig.from_cli``, before it imports its evaluator, ~1.8 s, and indexes its tasks, 15-25 s,
+    and long before the model is made). Idempotent."""
+    import functools
+
+    cls = config_module.EvaluatorConfig
+    original = cls.from_cli.__func__
+    if getattr(original, "_distperp", False):
+        return
+
+    @functools.wraps(original)
+    def from_cli(klass, namespace):
+        config = original(klass, namespace)
+        if getattr(config, "model", None) == "distperp":
+            cli = {k: getattr(config, k, None) for k in ("batch_size", "max_batch_size", "device")}
+            check_run(
+                config.model_args or {}, cli, tasks=config.tasks, metadata=config.metadata,
+                use_cache=config.use_cache, limit=config.limit,
+            )  # fmt: skip
+        return config
+
+    from_cli._distperp = True  # type: ignore[attr-defined]
+    cls.from_cli = classmethod(from_cli)
 
 
 def check_limit(evaluator_module) -> None:
-    """Make lm-eval's ``simple_evaluate`` raise :class:`~distperp_harness.errors.InputError` (one line from the
-    command line) for a ``limit`` of 0 or below (:func:`limit_error`) when the model is ``distperp`` (by name or a
-    ``DistPerpLM``), before the model loads; other models are left to lm-eval. Idempotent."""
+    """Make lm-eval's ``simple_evaluate`` check a ``distperp`` run (:func:`check_run`) before the model loads when
+    the model is named ``distperp``; with a ``DistPerpLM`` given, its ``limit`` alone. Other models are left to
+    lm-eval. Idempotent."""
     import functools
     import inspect
 
@@ -180,12 +230,14 @@ def check_limit(evaluator_module) -> None:
     def simple_evaluate(*args, **kwargs):
         given = signature.bind_partial(*args, **kwargs).arguments
         model = given.get("model")
-        ours = model == "distperp" or type(model).__module__.startswith("distperp_harness.")
-        message = limit_error(given.get("limit")) if ours else None
-        if message is not None:
-            from distperp_harness.errors import InputError
-
-            raise InputError(message, same_on_every_rank=True)
+        if model == "distperp":
+            cli = {k: given.get(k) for k in ("batch_size", "max_batch_size", "device")}
+            check_run(
+                given.get("model_args") or {}, cli, tasks=given.get("tasks") or (), metadata=given.get("metadata"),
+                use_cache=given.get("use_cache"), limit=given.get("limit"),
+            )  # fmt: skip
+        elif type(model).__module__.startswith("distperp_harness."):
+            check_run(None, {}, tasks=(), metadata=None, use_cache=None, limit=given.get("limit"))
         return original(*args, **kwargs)
 
     simple_evaluate._distperp = True  # type: ignore[attr-defined]
@@ -221,13 +273,14 @@ def quiet_cpp_warnings() -> None:
 
 def install() -> None:
     """Register ``distperp`` once lm-eval's registry is loaded, its tasks once lm-eval's task manager is, the
-    output checks once its evaluation tracker is, and the ``limit`` check once its evaluator is (at once where they
-    already are)."""
+    output checks once its evaluation tracker is, and the argument checks once its evaluator and its command line's
+    configuration are (at once where they already are)."""
     quiet_cpp_warnings()
     after_import(_TARGET_MODULE, register)
     after_import(_TASKS_MODULE, add_tasks)
     after_import(_TRACKER_MODULE, guard_outputs)
     after_import(_EVALUATOR_MODULE, check_limit)
+    after_import(_CONFIG_MODULE, check_before_tasks)
 
 
 install()

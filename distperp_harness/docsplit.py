@@ -252,3 +252,25 @@ def fill_empty_ranks(gathered: list, record: DocumentSplit) -> list:
         else payload
         for payload in gathered
     ]
+
+
+def detach_padding(requests: list) -> list:
+    """Give lm-eval's padding requests responses of their own; returns ``requests``, changed in place.
+
+    A rank with fewer instances than another is padded by lm-eval's ``evaluate()`` with more references to the
+    call's last request (``cloned_reqs.extend([req] * req.repeats)``, once per missing instance), and every answer
+    is then appended to its request's ``resps``: that request's ``resps`` would hold its value twice on N processes
+    and once on one, and the samples files of 1 and N processes would differ (lm-eval's own doing: ``hf`` shows it on
+    several GPUs; on CPU it runs world size 1 in every process and never pads). Each reference beyond a request's
+    ``repeats`` is replaced, in the list lm-eval passed and zips with the answers, by a shallow copy with its own
+    empty ``resps`` and ``filtered_resps``; lm-eval never reads those copies again (its tasks hold the originals)."""
+    import copy
+
+    seen: dict[int, int] = {}
+    for i, request in enumerate(requests):
+        seen[id(request)] = count = seen.get(id(request), 0) + 1
+        if count > (getattr(request, "repeats", None) or 1):
+            padding = copy.copy(request)
+            padding.resps, padding.filtered_resps = [], {}
+            requests[i] = padding
+    return requests

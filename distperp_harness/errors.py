@@ -4,7 +4,8 @@
 callers (``lm_eval.simple_evaluate``) get it as any exception. From the command line, where nothing catches it,
 :func:`install_excepthook` prints it as one line on stderr, ``distperp: error: <message>``, and the process exits
 with code 1, on every rank of a launch; an error every rank meets alike (one that follows from the command line
-or that the ranks agreed on) is printed once per node, by its first process (``LOCAL_RANK`` 0).
+or that the ranks agreed on) is printed once per launch, by rank 0, the others silent; an error one rank alone
+meets is printed by that rank, named (``distperp: error (rank R): ...``).
 ``DISTPERP_TRACEBACK=1`` or lm-eval's ``--verbosity DEBUG`` brings the traceback back. lm-eval's own "Tasks not
 found" error keeps its traceback and gains a line that says how to fix it. Ctrl-C is one line too (per node), no
 traceback (with ``resume_dir`` the store's signal handler says what is saved instead,
@@ -33,7 +34,7 @@ class InputError(ValueError):
     """A value the user gave cannot work: the message says what was given, what is allowed and how to fix it.
 
     ``same_on_every_rank``: every rank of a launch raises it alike (it follows from the command line, or the ranks
-    agreed on it), so only each node's first process prints it."""
+    agreed on it), so only rank 0 prints it."""
 
     def __init__(self, message: str, *, same_on_every_rank: bool = False) -> None:
         super().__init__(message)
@@ -41,8 +42,8 @@ class InputError(ValueError):
 
 
 class OptionError(InputError):
-    """A ``--model_args`` value that cannot work. Every rank parses the same command line, so each node's first
-    process alone prints it."""
+    """A ``--model_args`` value (or another argument of the command line) that cannot work. Every rank parses the
+    same command line, so rank 0 alone prints it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, same_on_every_rank=True)
@@ -62,10 +63,11 @@ def wants_traceback() -> bool:
 
 
 def one_line(error: InputError) -> str | None:
-    """The line this rank prints for ``error``, or ``None`` where its node's first process prints it for all."""
+    """The line this rank prints for ``error``: an error every rank meets alike once per launch, by rank 0 (``None``
+    elsewhere); an error of this rank's own naming it (``error (rank R)``) when the launch has several ranks."""
     rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if error.same_on_every_rank and int(os.environ.get("LOCAL_RANK", rank) or 0) != 0:
-        return None  # each node's first process says it: every node's log holds it once
+    if error.same_on_every_rank and rank != 0:
+        return None  # rank 0 says it for the launch
     where = f" (rank {rank})" if world > 1 and not error.same_on_every_rank else ""
     message = " ".join(str(error).split("\n"))
     return f"distperp: error{where}: {message}"

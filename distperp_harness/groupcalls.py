@@ -9,7 +9,8 @@ import torch
 
 from distperp_harness.distributed.failfast import stop_together
 from distperp_harness.docsplit import fill_empty_ranks
-from distperp_harness.errors import InputError
+from distperp_harness.errors import OptionError
+from distperp_harness.options import use_cache_error
 
 
 class GroupCalls:
@@ -40,10 +41,5 @@ class GroupCalls:
 
     def set_cache_hook(self, cache_hook) -> None:
         if self.world_size > 1 and getattr(cache_hook, "dbdict", None) is not None:
-            raise InputError(
-                f"--use_cache with {self.world_size} processes is not supported by --model distperp: each rank "
-                "would skip the requests it finds in its own cache, and the ranks would no longer score the same "
-                "global plan together. Fix: run without --use_cache (results are exact and reproducible), or "
-                "with one process."
-            )
+            raise OptionError(use_cache_error(self.world_size))  # every rank meets it: rank 0 says it
         super().set_cache_hook(cache_hook)  # type: ignore[misc]  # lm-eval's LM, later in the MRO

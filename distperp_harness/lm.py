@@ -12,15 +12,17 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 from lm_eval.api.model import TemplateLM
+from lm_eval.utils import simple_parse_args_string
 
 from distperp_harness.distributed.failfast import stop_together
 from distperp_harness.distributed.liveness import set_base_stage
 from distperp_harness.distributed.testfaults import fail_for_tests
+from distperp_harness.docsplit import detach_padding
 from distperp_harness.groupcalls import GroupCalls
 from distperp_harness.model.given import check_given, split_given
 from distperp_harness.model.identity import checkpoint_identity
 from distperp_harness.model.parts import check_chat_template
-from distperp_harness.options import Options
+from distperp_harness.options import Options, cli_extras
 from distperp_harness.planning.requests import continuation_unit, window_units
 from distperp_harness.report.quantcost import evaluator_tasks
 from distperp_harness.report.results import Score
@@ -32,16 +34,7 @@ from distperp_harness.run.rules import ScoringRule, Sharing
 from distperp_harness.run.runtime import attention_coefficient, head_coefficient
 from distperp_harness.run.scoring.pipeline import score_requests
 from distperp_harness.runfacts import run_facts
-from distperp_harness.stages import (
-    InProcess,
-    Tokens,
-    generation_setup,
-    load_models,
-    place,
-    prepare,
-    run_identity,
-    scoring_config,
-)
+from distperp_harness.stages import InProcess, Tokens, generation_setup, load_models, place, prepare, scoring_config
 from distperp_harness.tokens import Tokenization, loglikelihood_strings
 
 log = get_logger(__name__)
@@ -81,7 +74,6 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
         self.quant_report, self.weight_bytes = self.loaded.quant_report, self.loaded.weight_bytes
         self.reference_weight_bytes, self.per_rank = models.reference_weight_bytes, models.per_rank
         self._max_length = self.loaded.max_length
-        self._identity: dict | None = None
         tokens = Tokens(self.tokenizer.pad_token_id, self.prefix_token_id, self.tok_decode)
         self.prepared = ready = prepare(self.options, placed, models, tokens, self._scoring_config)
         self.batching, self.sharing, self.compiled = ready.batching, ready.sharing, ready.compiled
@@ -100,21 +92,16 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
         """For in-process callers (``sweep``, checks), never ``--model_args``: :class:`~.stages.InProcess`."""
         return cls(_in_process=InProcess(reference_model, mesh_of_one), **kwargs)
 
-    def _run_identity(self) -> dict:
-        return run_identity(self.options, self.device_identity)
-
     def _scoring_config(self, compiled: Any = None) -> dict:
         """The resume key (:func:`~distperp_harness.stages.scoring_config`)."""
         compiled = compiled if compiled is not None else self.compiled
         return scoring_config(self.options, self.placement, self._model, compiled, self.checkpoint_identity)
 
-    @property
+    @functools.cached_property
     def checkpoint_identity(self) -> dict:
         """``model_sha`` (and ``peft_sha``, ``delta_sha``, ``gguf_*``) of the weights (model/identity.py), computed
         once: content hashes of local files read them whole."""
-        if self._identity is None:
-            self._identity = checkpoint_identity(self.options)
-        return self._identity
+        return checkpoint_identity(self.options)
 
     # ------------------------------------------------------------------------- lm-eval request methods
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[Score, bool]]:
@@ -124,7 +111,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
         if self._sharing_line:  # said where it applies: loglikelihood requests (a rolling task never shares rows)
             log.info(self._sharing_line, main_process_only=True)
             self._sharing_line = None
-        what = "tokenizing or comparing loglikelihood requests"
+        what, requests = "tokenizing or comparing loglikelihood requests", detach_padding(requests)
         with self.one_call(), stop_together(self.collective, self._device, what):
             self.pre_encode(loglikelihood_strings(req.args for req in requests))
             answers = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
@@ -148,6 +135,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[Score]:
         """Log-likelihood of each whole text (``Instance.args == (text,)``), conditioned on the prefix token."""
+        requests = detach_padding(requests)  # lm-eval's padding: responses of its own (docsplit.detach_padding)
         with stop_together(self.collective, self._device, "tokenizing or comparing loglikelihood_rolling requests"):
             with self.one_call():  # each text encoded once, in batches
                 self.pre_encode((text, None) for (text,) in (req.args for req in requests))
@@ -166,6 +154,7 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations (``Instance.args == (context, gen_kwargs)``), cut at ``until``."""
+        requests = detach_padding(requests)
         with stop_together(self.collective, self._device, "generating"):  # an error stops every rank at once
             fail_for_tests(self.rank, "generation")
             outputs = self._generate(requests, disable_tqdm)
@@ -285,21 +274,15 @@ class DistPerpLM(Tokenization, GroupCalls, TemplateLM):
         facts = (self.options, self.placement, self.models, self.prepared, self.load_seconds, self.checkpoint_identity)
         return run_record(run_facts(*facts))
 
-    # lm-eval passes the CLI's batch_size/max_batch_size/device as extra keyword arguments; a value the user gave
-    # in --model_args wins, and the CLI's device default is marked so a missing GPU can fall back to the CPU.
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        from lm_eval.utils import simple_parse_args_string
-
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
-        if "device" in extra:
-            extra["device_from_cli"] = True
-        Options.from_kwargs(**split_given(arg_dict)[0])  # only --model_args keys: in-process keywords are refused
-        return cls(**arg_dict, **extra)
+        """``--model_args`` (in-process keywords refused) and the CLI's extras (:func:`~.options.cli_extras`)."""
+        Options.from_kwargs(**split_given(arg_dict)[0])
+        return cls(**arg_dict, **cli_extras(arg_dict, additional_config))
 
 
 setup_logging()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -746,3 +747,163 @@ def _require(ok: bool, key: str, value: Any, allowed: str, fix: str) -> None:
         if fix:
             message += f" Fix: {fix}."
         raise OptionError(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A launch's command line, checked before lm-eval indexes its tasks or any model loads
+# ---------------------------------------------------------------------------------------------------------------
+
+WIKITEXT_KEYS = ("wikitext_path",)
+DOCS_KEYS = ("docs_path",)
+LONGDOCS_KEYS = ("docs_path", "wikitext_path", "min_chars")
+NEEDLE_KEYS = ("docs_path", "wikitext_path", "context_chars", "depths", "docs_per_depth", "seed", "n_choices", "digits")
+TASK_METADATA_KEYS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("distperp_wikitext2", "distperp_wikitext2_val", "distperp_wikitext103", "distperp_wikitext103_val"),
+        WIKITEXT_KEYS,
+    ),
+    **dict.fromkeys(("distperp_ppl", "distperp_ppl_val"), WIKITEXT_KEYS),  # the WikiText tasks' tags
+    "distperp_local_docs": DOCS_KEYS,
+    "distperp_longdocs": LONGDOCS_KEYS,
+    "distperp_needle": NEEDLE_KEYS,
+    "distperp_needle_gen": NEEDLE_KEYS,
+}
+"""The ``--metadata`` keys each of distperp's tasks (and tags) reads (``tests/test_options.py`` holds it to the
+shipped YAMLs)."""
+ALL_METADATA_KEYS = frozenset(k for keys in TASK_METADATA_KEYS.values() for k in keys)
+
+
+def metadata_key_error(task_keys: tuple[str, ...], given: Any) -> str | None:
+    """Why a key of lm-eval's metadata cannot be meant for a task reading ``task_keys``, or ``None``: a key that looks
+    like a misspelling of one of them (else the task would silently read another source, the hub for WikiText, or a
+    default). The rest (``--model_args`` keys, the task version, other distperp tasks' keys: one ``--metadata``
+    serves every task of a run, and other tasks' keys are theirs) is not refused."""
+    for key in given if task_keys else ():
+        if key in task_keys or key in ALL_METADATA_KEYS:
+            continue
+        ratios = {k: difflib.SequenceMatcher(None, key, k).ratio() for k in task_keys}
+        meant = max(task_keys, key=ratios.__getitem__)
+        if ratios[meant] >= 0.75:
+            allowed = ", ".join(repr(k) for k in task_keys)
+            value = '"PATH"' if meant.endswith("_path") else "VALUE"
+            return (
+                f"--metadata key {key!r} is not one this task reads; allowed: {allowed}. Did you mean {meant!r}? "
+                f"Fix: --metadata '{{\"{meant}\": {value}}}'"
+            )
+    return None
+
+
+def limit_error(limit: Any) -> str | None:
+    """Why ``limit`` (lm-eval's ``--limit``: documents per task, or a fraction of them below 1) cannot run, or
+    ``None``. 0 or below would select no document, and lm-eval then fails after the model has loaded."""
+    if limit is None or isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit > 0:
+        return None
+    return (
+        f"--limit {limit:g} selects no document: allowed are a number of documents per task (1 or more) or a "
+        "fraction of them (above 0, below 1). Fix: e.g. --limit 10 or --limit 0.1, or no --limit for every document"
+    )
+
+
+def resolve_group_size(key: str, option: int | str, world_size: int, local_world_size: int, group: str) -> int:
+    """The size of the groups of consecutive ranks that ``key=option`` asks for (``"node"``/``"auto"``: the
+    processes per node); an :class:`OptionError` naming ``group`` (what must lie within one node) when it does not
+    divide the processes per node (every rank computes it alike from the launch)."""
+    size = local_world_size if option in ("node", "auto") else int(option)
+    if size == 1:
+        return 1
+    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
+    if local_world_size % size or world_size % size:
+        raise OptionError(
+            f"{key}={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
+            f"{key} must divide the processes per node, so that {group} lies within one node; allowed here: "
+            f"{', '.join(map(str, divisors))} or 'node'. Fix: {key}=node, or launch a multiple of {size} processes "
+            f"per node."
+        )
+    return size
+
+
+GROUPS = {
+    "shard_size": "each group of processes sharing one copy of the weights",
+    "tp_size": "each tensor-parallel group (all-reduces at every layer)",
+    "cp_size": "each context-parallel group (gathers at every layer)",
+}
+"""What each group-size key's groups are, for :func:`resolve_group_size`'s message."""
+
+
+_SOURCES = ("pretrained", "tokenizer", "peft", "delta", "reference")
+
+
+def _missing_path(key: str, value: Any) -> str | None:
+    """A model source that looks local (``./``, ``/``, ``~``, or more than one ``/``) and is no folder; a hub id
+    (``org/name``) is left to the load."""
+    if not isinstance(value, str) or value in ("base", "pretrained") and key == "reference":
+        return None
+    path = os.path.expanduser(value)
+    if os.path.isdir(path) or key in ("peft", "delta") and os.path.isfile(path):
+        return None
+    if value.startswith((".", "/", "~")) or value.count("/") > 1 or os.path.exists(path):
+        return (
+            f"{key}={value!r}: no such model folder (expected a directory with config.json); give an existing "
+            "local folder or a Hugging Face hub id like 'org/name'"
+        )
+    return None
+
+
+def cli_extras(model_args: dict[str, Any], cli: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments lm-eval adds to ``--model_args`` (the CLI's ``batch_size``, ``max_batch_size``,
+    ``device``): a value given in ``--model_args`` wins, and the CLI's device is marked ``device_from_cli`` (its
+    default ``cuda:0`` falls back to the CPU on a machine without CUDA)."""
+    extra = {k: v for k, v in (cli or {}).items() if v is not None and k not in model_args}
+    if "device" in extra:
+        extra["device_from_cli"] = True
+    return extra
+
+
+def check_command_line(
+    model_args: dict[str, Any],
+    cli: dict[str, Any],
+    *,
+    tasks: Any = (),
+    metadata: dict[str, Any] | None = None,
+    use_cache: str | None = None,
+    limit: Any = None,
+    environ: Any = None,
+) -> Options:
+    """What a run of ``--model distperp`` can be refused for from its command line alone, checked by the start-up
+    hook (``distperp_harness/_hook.py``) before lm-eval indexes its tasks or any model loads, so that a typo costs
+    a second, not the 15-25 s of start-up; every rank of a launch meets the same error (:class:`OptionError`,
+    printed once, by rank 0).
+
+    Checks: every ``--model_args`` key and value (:class:`Options`, with the CLI's ``batch_size``,
+    ``max_batch_size`` and ``device`` in ``cli`` as lm-eval passes them), local model paths that do not exist,
+    ``shard_size``/``tp_size``/``cp_size`` against the launch's processes (``environ``'s ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``), ``--use_cache`` on several processes, ``--limit``, and the ``--metadata`` keys of the
+    distperp tasks among ``tasks`` (:data:`TASK_METADATA_KEYS`). Returns the options."""
+    environ = os.environ if environ is None else environ
+    options = Options.from_kwargs(**model_args, **cli_extras(model_args, cli))
+    for problem in (limit_error(limit), *(_missing_path(k, getattr(options, k)) for k in _SOURCES)):
+        if problem:
+            raise OptionError(problem)
+    world = int(environ.get("WORLD_SIZE", "1") or 1)
+    local = int(environ.get("LOCAL_WORLD_SIZE", world) or world)
+    for key, value in (("shard_size", options.shard_size), ("tp_size", options.tensor_parallel)):
+        resolve_group_size(key, value, world, local, GROUPS[key])
+    resolve_group_size("cp_size", options.cp_size, world, local, GROUPS["cp_size"])
+    if use_cache and world > 1:
+        raise OptionError(use_cache_error(world))
+    problem, given = None, [k for k in metadata or {} if k not in model_args]  # lm-eval merges model_args in
+    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or ())
+    for name in (n.strip() for n in names):
+        problem = problem or metadata_key_error(TASK_METADATA_KEYS.get(name, ()), given)
+    if problem:
+        raise OptionError(problem)
+    return options
+
+
+def use_cache_error(world_size: int) -> str:
+    """lm-eval's ``--use_cache`` on several processes, refused."""
+    return (
+        f"--use_cache with {world_size} processes is not supported by --model distperp: each rank would skip the "
+        "requests it finds in its own cache, and the ranks would no longer score the same global plan together. "
+        "Fix: run without --use_cache (results are exact and reproducible), or with one process."
+    )

@@ -38,14 +38,9 @@ from distperp_harness.model.lengths import fresh_rope_each_forward
 from distperp_harness.model.loading import Loaded, check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
 from distperp_harness.model.quantize import weight_bytes
-from distperp_harness.model.sharding import (
-    check_groups_within_hosts,
-    make_mesh,
-    resolve_group_size,
-    resolve_shard_size,
-)
+from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size
 from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
-from distperp_harness.options import Options
+from distperp_harness.options import GROUPS, Options, resolve_group_size
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.report.quantcost import ReferenceComparison, quantization_warnings
 from distperp_harness.run.budget import agree_on_batching, generation_rows
@@ -130,13 +125,7 @@ def place(options: Options, given: Any, extra: InProcess) -> Placement:
     identity = device_identity(device)
     shard_size = resolve_shard_size(options.shard_size, world, local_world_size(world))
     tp_size = resolve_tp_size(options.tensor_parallel, world, local_world_size(world))
-    cp_size = resolve_group_size(
-        "cp_size",
-        options.cp_size,
-        world,
-        local_world_size(world),
-        "each context-parallel group (gathers at every layer)",
-    )
+    cp_size = resolve_group_size("cp_size", options.cp_size, world, local_world_size(world), GROUPS["cp_size"])
     everyone = collective.all_gather_object(
         (run_identity(options, identity), physical_device(device)), "compare configurations"
     )

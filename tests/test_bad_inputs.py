@@ -93,8 +93,11 @@ def test_tokenizer_without_bos_eos_needs_prefix_token_id(tiny_model_dir, tmp_pat
 
 def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_dir, tmp_path):
     """From the command line (run side by side, mostly start-up): a bad option is one line on stderr and exit 1,
-    on one process and once for a 2-process launch (rank 0 says it for both); ``DISTPERP_TRACEBACK=1`` brings the
-    traceback back; a task lm-eval does not know keeps lm-eval's error and gains the fix."""
+    on one process and once for a 2-process launch (rank 0 says it for both), before lm-eval indexes its tasks or
+    makes the model (neither its "Selected Tasks" nor its "Initializing" line comes); so are a group size the launch
+    cannot split (``cp_size=3`` on 2 processes), ``--use_cache`` on 2 processes and a misspelled ``--metadata`` key
+    of a distperp task; ``DISTPERP_TRACEBACK=1`` brings the traceback back; a task lm-eval does not know keeps
+    lm-eval's error and gains the fix."""
     bad = [
         "--model",
         "distperp",
@@ -111,6 +114,42 @@ def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_
         "traceback": (lm_eval + bad, {"DISTPERP_TRACEBACK": "1"}),
         "task": (lm_eval + [*bad[:3], f"pretrained={tiny_model_dir}", "--tasks", "no_such_task"], {}),
         "launch": ([*accelerate_launch_prefix(2), "-m", "lm_eval", *bad], {}),
+        "cp3": (
+            [
+                *accelerate_launch_prefix(2),
+                "-m",
+                "lm_eval",
+                *bad[:3],
+                f"pretrained={tiny_model_dir},cp_size=3",
+                *bad[4:],
+            ],
+            {},
+        ),
+        "cache": (
+            [
+                *accelerate_launch_prefix(2),
+                "-m",
+                "lm_eval",
+                *bad[:3],
+                f"pretrained={tiny_model_dir}",
+                *bad[4:],
+                "--use_cache",
+                str(tmp_path / "c"),
+            ],
+            {},
+        ),
+        "metadata": (
+            lm_eval
+            + [
+                *bad[:3],
+                f"pretrained={tiny_model_dir}",
+                "--tasks",
+                "distperp_wikitext2",
+                "--metadata",
+                '{"wikitext_pth": "x"}',
+            ],
+            {},
+        ),
     }
     done = side_by_side(
         *(
@@ -135,6 +174,17 @@ def test_the_cli_says_a_bad_input_in_one_line_and_exits_1(tiny_model_dir, tasks_
     said = launch.stdout + launch.stderr
     assert launch.returncode != 0 and said.count("distperp: error") == 1 and line in said, said[-3000:]
     assert "OptionError" not in said  # the launcher's own summary follows, but no worker's traceback
+    for name, fragment in (
+        ("cp3", "distperp: error: cp_size=3 is not valid with 2 process(es), 2 per node"),
+        ("cache", "distperp: error: --use_cache with 2 processes is not supported by --model distperp"),
+        ("metadata", "distperp: error: --metadata key 'wikitext_pth' is not one this task reads"),
+    ):
+        said = out[name].stdout + out[name].stderr
+        errors = [t for t in said.splitlines() if t.startswith("distperp: ")]
+        assert out[name].returncode != 0 and len(errors) == 1 and errors[0].startswith(fragment), said[-3000:]
+    for name in ("one", "cp3", "cache", "metadata"):
+        said = out[name].stdout + out[name].stderr
+        assert "Selected Tasks" not in said and "Initializing distperp model" not in said, (name, said[-3000:])
 
 
 def test_ranks_with_different_configurations_are_refused(tiny_model_dir, tmp_path):

@@ -262,3 +262,32 @@ def test_two_processes_give_one_process_documents_prompts_and_results(tiny_model
     assert [float(r[0][0]) for r in row["resps"]] == pytest.approx(
         [float(r[0][0]) for r in base["resps"]], rel=1e-6, abs=1e-6
     )
+
+
+def test_lm_evals_padding_requests_get_responses_of_their_own():
+    """lm-eval's ``evaluate()`` pads a rank with fewer instances with more references to the call's last request
+    and appends every answer to its request's ``resps`` (its loop, replayed here): without ``detach_padding`` that
+    request's ``resps`` holds its value twice on the padded rank (what a 2-process samples file showed), with it
+    once, as on one process; the padding copies take the extra answers and share nothing with it."""
+    from lm_eval.api.instance import Instance
+
+    from distperp_harness.docsplit import detach_padding
+
+    def requests():
+        return [Instance("loglikelihood_rolling", {}, (f"doc {i}",), 0, ("t", i, 1)) for i in range(2)] + [
+            Instance("generate_until", {}, ("q", {}), 0, ("g", 0, 2))
+        ]
+
+    def evaluate(reqs, numpad, detach):
+        cloned = [r for r in reqs for _ in range(r.repeats)]
+        cloned.extend([reqs[-1]] * reqs[-1].repeats * numpad)  # lm-eval's padding: the last request again
+        answers = [f"answer {i}" for i in range(len(cloned))]  # what the model returns, one per entry
+        for answer, req in zip(answers, detach_padding(cloned) if detach else cloned, strict=True):
+            req.resps.append(answer)
+        return reqs
+
+    padded = evaluate(requests(), numpad=1, detach=False)
+    assert padded[-1].resps == ["answer 2", "answer 3", "answer 4", "answer 5"]  # lm-eval alone: twice its repeats
+    ours = evaluate(requests(), numpad=1, detach=True)
+    assert [r.resps for r in ours] == [["answer 0"], ["answer 1"], ["answer 2", "answer 3"]]  # as one process
+    assert [r.resps for r in evaluate(requests(), numpad=0, detach=True)] == [r.resps for r in ours]

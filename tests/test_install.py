@@ -109,7 +109,8 @@ def test_installed_from_a_wheel_the_readme_runs_from_an_empty_folder(tmp_path):
     ], table
     missing = _run([distperp, "compare", "nowhere/"], cwd=here, check=False)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
-        "compare: nowhere: no such results file or folder"
+        "distperp: error: nowhere: no such results file or folder. Fix: give a results_*.json file or a folder "
+        "lm-eval wrote with --output_path"
     ], missing.stderr
     assert os.listdir(here) and not (here / "distperp_harness").exists()
 

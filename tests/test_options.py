@@ -155,3 +155,71 @@ def test_batch_invariant_is_a_bool_and_runs_eager():
     with pytest.raises(ValueError, match="compile='default' is not valid.*batch_invariant=true") as info:
         Options.from_kwargs(pretrained="m", batch_invariant="true", compile="true")
     assert "Fix:" in str(info.value) or "drop compile=" in str(info.value)
+
+
+# --- the command line, checked before lm-eval indexes its tasks (options.check_command_line) -----------------------
+
+
+@pytest.mark.parametrize(
+    "model_args, kwargs, environ, fragment",
+    [
+        ({"batch_sise": 2}, {}, {}, "did you mean 'batch_size'"),
+        ({"quantize": "int5"}, {}, {}, "quantize='int5' is not valid"),
+        ({"cp_size": 3}, {}, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "cp_size=3 is not valid with 2 process"),
+        ({"tp_size": 4}, {}, {"WORLD_SIZE": "2"}, "tp_size=4 is not valid with 2 process"),
+        ({}, {"use_cache": "cache/x"}, {"WORLD_SIZE": "2"}, "--use_cache with 2 processes is not supported"),
+        ({}, {"limit": 0}, {}, "--limit 0 selects no document"),
+        ({"peft": "./no/such/adapter"}, {}, {}, "peft='./no/such/adapter': no such model folder"),
+        (
+            {},
+            {"tasks": ["distperp_wikitext2"], "metadata": {"wikitext_pth": "x", "pretrained": "m"}},
+            {},
+            "--metadata key 'wikitext_pth' is not one this task reads; allowed: 'wikitext_path'",
+        ),
+        (
+            {},
+            {"tasks": "hellaswag,distperp_ppl", "metadata": {"wikitext_pat": "x"}},
+            {},
+            "Did you mean 'wikitext_path'",
+        ),
+        ({}, {"tasks": ["distperp_local_docs"], "metadata": {"doc_path": "x"}}, {}, "Did you mean 'docs_path'"),
+    ],
+)
+def test_a_command_line_that_cannot_run_is_one_option_error(model_args, kwargs, environ, fragment, tmp_path):
+    """Every key and value of --model_args, the group sizes against the launch's processes, --use_cache on several
+    processes, --limit, a local path that is not there and the distperp tasks' --metadata keys: one error that every
+    rank meets alike (rank 0 prints it), from the command line alone."""
+    from distperp_harness.errors import OptionError
+    from distperp_harness.options import check_command_line
+
+    with pytest.raises(OptionError, match=fragment) as info:
+        check_command_line({"pretrained": str(tmp_path), **model_args}, {}, environ=environ, **kwargs)
+    assert info.value.same_on_every_rank and "\n" not in str(info.value)
+
+
+def test_a_command_line_that_can_run_gives_its_options(tmp_path):
+    from distperp_harness.options import check_command_line
+
+    options = check_command_line(
+        {"pretrained": str(tmp_path), "cp_size": 2},
+        {"batch_size": "auto", "device": "cuda:0", "max_batch_size": None},
+        tasks=["distperp_wikitext2", "hellaswag"],
+        metadata={"wikitext_path": "sample", "docs_path": "d", "max_seq_lengths": [4096]},  # other tasks' keys
+        environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+    )
+    assert options.batch_size == "auto" and options.device_from_cli and options.cp_size == 2
+    assert check_command_line({"pretrained": str(tmp_path)}, {}, use_cache="cache/x", environ={})  # one process
+    assert check_command_line({"pretrained": "org/name"}, {}, environ={}).pretrained == "org/name"  # a hub id
+
+
+def test_every_shipped_task_and_tag_has_its_metadata_keys():
+    """TASK_METADATA_KEYS names every task YAML and tag distperp ships, with the keys its loader reads."""
+    import re
+
+    from distperp_harness.commands.taskdir import tasks_path
+    from distperp_harness.options import TASK_METADATA_KEYS
+
+    folder = tasks_path() / "distperp"
+    names = {p.stem for p in folder.glob("*.yaml")}
+    tags = {m for p in folder.glob("*.yaml") for m in re.findall(r"^tag: (\S+)$", p.read_text(), re.M)}
+    assert set(TASK_METADATA_KEYS) == names | tags

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distperp_harness.commands.exitcodes import for_failures
 from distperp_harness.commands.release import cuda_baseline, released
 from distperp_harness.commands.samples import logged_samples, newest_results, responses_by_doc
 from distperp_harness.errors import InputError
@@ -308,7 +309,8 @@ def cached_model() -> str:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Run every check, print the table and the verdict; 0 when nothing failed."""
+    """Run every check, print the table and the verdict; the exit code (:mod:`~.exitcodes`): 0 when nothing failed,
+    3 when a check failed."""
     from lm_eval.tasks import TaskManager
 
     from distperp_harness.commands.taskdir import tasks_path
@@ -336,4 +338,4 @@ def run_check(args: argparse.Namespace) -> int:
     )
     if args.json:
         atomic_write_text(args.json, json.dumps([{**asdict(r), "outcome": r.outcome.value} for r in rows], indent=2))
-    return 1 if failed else 0
+    return for_failures(len(failed))

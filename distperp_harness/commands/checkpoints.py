@@ -15,6 +15,10 @@ A checkpoint's step is read from its name (the number after ``checkpoint``/``ste
 ``ckpt``, else the name's last number), else from its ``trainer_state.json`` (``global_step``); the series is sorted
 by step, checkpoints without one last in the order given. Labels (the results folder names) are the names, made
 unique with the parent folder's name where two checkpoints share one.
+
+``--watch`` reads a checkpoint once its writer is done with it (:func:`has_marker`, or files unchanged over the
+settle time: :mod:`~.series_decide`) and its weight files are whole (:func:`not_whole`: headers and sizes agree with
+the index).
 """
 
 from __future__ import annotations
@@ -35,8 +39,12 @@ LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 MODEL_FILES = ("config.json",)
 ADAPTER_FILE = "adapter_config.json"
 COMPLETION_MARKERS = (".complete", "COMPLETE", ".done", "DONE", "trainer_state.json")
-"""Files a checkpoint's writer leaves last: ``--watch`` takes a checkpoint holding one as complete at once (HF's
-Trainer writes ``trainer_state.json`` after the weights); others complete when their files stop changing."""
+"""Files a checkpoint's writer leaves last: ``--watch`` takes a checkpoint holding one as written at once (HF's
+Trainer writes ``trainer_state.json`` after the weights); others once their files stop changing (the settle time).
+Either way its weight files must be whole (:func:`not_whole`)."""
+PARTIAL_SUFFIXES = (".tmp", ".part", ".partial", ".incomplete", ".lock")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SHARD = re.compile(r"-(\d+)-of-(\d+)\.(safetensors|bin)$")
 
 
 class Kind(Enum):
@@ -109,12 +117,19 @@ def _named_as_checkpoint(path: Path) -> bool:
     return path.is_dir() and STEP_NAME.fullmatch(path.name) is not None
 
 
+def being_written(name: str) -> bool:
+    """A name a writer gives a file or folder before its final rename (``.x``, ``tmp-checkpoint-500``,
+    ``model.safetensors.tmp``, ``*.part``, ``*.incomplete``)."""
+    return name.startswith((".", "tmp-", "tmp_")) or name.endswith(PARTIAL_SUFFIXES)
+
+
 def _children(folder: Path) -> list[Path]:
-    """The checkpoints in a run's output folder (see the module docstring)."""
+    """The checkpoints in a run's output folder (see the module docstring); a child still named as being written
+    (HF's Trainer writes ``tmp-checkpoint-N`` and renames it) is not one yet."""
     return [
         child
         for child in sorted(folder.iterdir())
-        if not child.name.startswith(".") and (kind_of(child) is not None or _named_as_checkpoint(child))
+        if not being_written(child.name) and (kind_of(child) is not None or _named_as_checkpoint(child))
     ]
 
 
@@ -200,10 +215,102 @@ def snapshot(path: Path) -> Snapshot:
         return ()
 
 
-def is_complete(path: Path, previous: Snapshot | None, now: Snapshot) -> bool:
-    """Whether a checkpoint may be read: its writer's completion marker is there
-    (:data:`COMPLETION_MARKERS`), or it has files and they (names, sizes, times) are the same as at the previous
-    poll."""
-    if path.is_dir() and any((path / marker).exists() for marker in COMPLETION_MARKERS):
-        return True
-    return bool(now) and previous == now
+def has_marker(path: Path) -> bool:
+    """Whether the checkpoint's writer left one of :data:`COMPLETION_MARKERS`."""
+    return path.is_dir() and any((path / marker).exists() for marker in COMPLETION_MARKERS)
+
+
+def not_whole(path: Path) -> str | None:
+    """Why the files of checkpoint ``path`` (a folder or a ``.gguf`` file) are not whole yet, or ``None`` when they
+    are: a file still named as being written (:func:`being_written`), no weight file, a safetensors file shorter
+    than its header says, shards (``-0000k-of-0000N``) without their index or without all N of them, an index that
+    names a missing file or whose ``total_size`` is more than its files hold, a GGUF file that ``gguf`` cannot read
+    whole. Only reads headers. A file that is damaged at rest reads as not whole too: the watch names it when it
+    stops (a run of ``series`` without ``--watch`` loads it, and the load says what is wrong)."""
+    if path.is_file():
+        return _gguf_not_whole(path) if path.suffix == ".gguf" else None
+    try:
+        files = {p.name: p for p in path.iterdir() if p.is_file()}
+    except OSError as error:
+        return f"{path}: {error.strerror or error}"
+    partial = sorted(n for n in files if being_written(n) and n not in COMPLETION_MARKERS)
+    if partial:
+        return f"{partial[0]} is still being written (named as a temporary file)"
+    weights = sorted(n for n in files if n.endswith(WEIGHT_SUFFIXES))
+    if not weights:
+        return "no weight file yet (*.safetensors, *.bin, *.pt, *.gguf)"
+    for name in weights:
+        why = _safetensors_not_whole(files[name]) if name.endswith(".safetensors") else None
+        why = why or (_gguf_not_whole(files[name]) if name.endswith(".gguf") else None)
+        if why:
+            return why
+    return _shards_not_whole(files)
+
+
+def _safetensors_layout(file: Path) -> tuple[int, int, int] | None:
+    """``(where the data starts, where the header says it ends, the file's size)`` of a safetensors file; ``None``
+    when its header is not safetensors' (then the load says what is wrong)."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return 8, 8, size  # not even the header's length yet
+        start = 8 + int.from_bytes(head, "little")
+        if start > 8 + (1 << 28):  # no header is that long: not a safetensors file
+            return None
+        if start > size:
+            return start, start, size  # the header itself not whole yet
+        try:
+            header = json.loads(handle.read(start - 8))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return None
+    return start, start + max(ends, default=0), size
+
+
+def _safetensors_not_whole(file: Path) -> str | None:
+    layout = _safetensors_layout(file)
+    if layout is not None and layout[2] < layout[1]:
+        return f"{file.name} holds {layout[2]:,} of the {layout[1]:,} bytes its header says"
+    return None
+
+
+def _gguf_not_whole(file: Path) -> str | None:
+    try:
+        import gguf
+    except ImportError:  # the load needs it anyway and says so
+        return None
+    try:
+        gguf.GGUFReader(file)
+    except Exception as error:  # any reading error of a cut-short file: ValueError, IndexError, ...
+        return f"{file.name} cannot be read whole yet ({type(error).__name__}: {error})"
+    return None
+
+
+def _shards_not_whole(files: dict[str, Path]) -> str | None:
+    """Shards and their indexes (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``)."""
+    indexes = {n: p for n, p in files.items() if n.endswith(".index.json")}
+    shards = {n: (m.group(2), m.group(3)) for n in files for m in [SHARD.search(n)] if m}
+    for name, (count, kind) in shards.items():
+        present = list(shards.values()).count((count, kind))
+        if present < int(count):
+            return f"{present} of the {int(count)} shards named like {name} are there"
+        if not any(i.endswith(f".{kind}.index.json") for i in indexes):
+            return f"{name} is a shard, but no *.{kind}.index.json is there yet"
+    for name, path in indexes.items():
+        try:
+            index = json.loads(path.read_text(encoding="utf-8"))
+            named = sorted(set(index["weight_map"].values()))
+            total = (index.get("metadata") or {}).get("total_size")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{name} is not whole JSON yet"
+        missing = [n for n in named if n not in files]
+        if missing:
+            return f"{name} names {missing[0]}, which is not there yet"
+        layouts = [_safetensors_layout(files[n]) for n in named if n.endswith(".safetensors")]
+        read = [layout for layout in layouts if layout is not None]
+        if isinstance(total, int) and read and len(read) == len(layouts):
+            data = sum(end - start for start, end, _ in read)
+            if data < total:
+                return f"{name} says total_size {total:,}, its files hold {data:,} bytes of tensors"
+    return None

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from distperp_harness.commands.taskdir import tasks_path
+from distperp_harness.commands.tiny import DEMO_BUILD
 from distperp_harness.errors import install_excepthook
 
 
@@ -15,14 +16,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="offline demo on a tiny model the project builds: 2 processes, fp32 vs int4")
-    demo.add_argument("--out", default=None, help="folder for results (default: a temporary folder)")
+    demo.add_argument(
+        "--out",
+        default=None,
+        help="folder for the results and the figure compare.png (default: the results in a temporary folder, the "
+        "figure in the current folder)",
+    )
     demo.add_argument("--processes", type=int, default=2, help="processes for the distributed runs (default 2)")
 
     sub.add_parser("tasks-path", help="print the folder to pass to lm-eval as --include_path")
     sub.add_parser(
         "demo-model",
         help="print the demo model's folder (a small Llama trained on the packaged "
-        "sample; built once, about 30 s, then cached)",
+        f"sample; built once, {DEMO_BUILD}, then cached)",
     )
 
     new_task = sub.add_parser(
@@ -34,8 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     new_task.add_argument("--force", action="store_true", help="overwrite an existing NAME.yaml")
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
-    compare.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
+    compare.add_argument("results", nargs="*", help="results_*.json files or folders holding them")
     compare.add_argument("--plot", default=None, help="also write a PNG figure to this path")
+    compare.add_argument(
+        "--same-bits",
+        dest="same_bits",
+        nargs=2,
+        metavar=("A", "B"),
+        default=None,
+        help="one line: whether runs A and B are the same bits (fingerprints and per-document values), or where "
+        "they first differ; exit 3 when they differ",
+    )
 
     from distperp_harness.commands.sweep import add_arguments as sweep_arguments
 
@@ -86,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging()  # before torchao loads: its import notes are dropped
         from transformers.utils import logging as transformers_logging
 
-        from distperp_harness.commands.tiny import DEMO_SPEC, cached_tiny_model
+        from distperp_harness.commands.tiny import demo_model
 
-        transformers_logging.disable_progress_bar()  # stdout is the folder alone; stderr stays quiet
-        print(cached_tiny_model(DEMO_SPEC))
+        transformers_logging.disable_progress_bar()  # stdout is the folder alone; stderr one line when it builds
+        print(demo_model())
         return 0
     if args.command == "demo":
         from distperp_harness.commands.demo import run_demo
@@ -107,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         from distperp_harness.commands.compare import run_compare
 
-        return run_compare(args.results, plot=args.plot)
+        if not args.results and not args.same_bits:
+            compare.error("give results files or folders, or --same-bits A B")
+        return run_compare(args.results, plot=args.plot, same_bits=args.same_bits)
     if args.command == "sweep":
         from distperp_harness.commands.sweep import run_sweep
 

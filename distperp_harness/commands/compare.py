@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from distperp_harness.commands.panels import (  # re-exported: what callers read
     run_labels,  # noqa: F401 - re-exported
     value_and_stderr,
 )
-from distperp_harness.errors import InputError
+from distperp_harness.errors import InputError, MissingInput
 
 METRICS = (
     "token_perplexity",
@@ -55,6 +54,8 @@ class Run:
     reference: dict[str, dict[str, Any]] = field(default_factory=dict)
     reference_weight_bytes: int | None = None
     reference_dtype: str | None = None
+    documents: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    limit: float | None = None
 
     @property
     def label(self) -> str:
@@ -65,16 +66,18 @@ def results_files(path: str | Path) -> list[Path]:
     """The results JSON ``path`` names, or every ``results_*.json`` under the folder ``path``, oldest first.
 
     Raises:
-        FileNotFoundError: no such file or folder, or a folder without results (the message says which).
+        MissingInput: no such file or folder, or a folder without results (the message says which and the fix); a
+            ``FileNotFoundError`` and an :class:`InputError` (one ``distperp: error`` line from the command line).
     """
     path = Path(path)
+    fix = "Fix: give a results_*.json file or a folder lm-eval wrote with --output_path"
     if path.is_dir():
         found = sorted(path.rglob("results_*.json"), key=lambda p: p.stat().st_mtime_ns)
         if not found:
-            raise FileNotFoundError(f"no results_*.json under {path} (lm-eval writes them under --output_path)")
+            raise MissingInput(f"{path}: no results_*.json under it (lm-eval writes them under --output_path). {fix}")
         return found
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such results file or folder")
+        raise MissingInput(f"{path}: no such results file or folder. {fix}")
     return [path]
 
 
@@ -141,7 +144,27 @@ def load_run(path: str | Path) -> Run:
         reference=(info.get("reference") or {}).get("tasks") or {},
         reference_weight_bytes=(info.get("reference") or {}).get("weight_bytes"),
         reference_dtype=(info.get("reference") or {}).get("dtype"),
+        documents={
+            task: (_count(n.get("effective")), _count(n.get("original")))
+            for task, n in (data.get("n-samples") or {}).items()
+            if isinstance(n, dict)
+        },
+        limit=config.get("limit") if isinstance(config.get("limit"), (int, float)) else None,
     )
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def documents_cell(run: Run, task: str) -> str:
+    """``effective/original`` documents of ``task`` (lm-eval's ``n-samples``), with the run's ``--limit`` when it
+    had one: ``4/62 (limit 4)``; ``–`` when the results do not say."""
+    effective, original = run.documents.get(task, (None, None))
+    if effective is None:
+        return "–"
+    text = f"{effective}/{original}" if original is not None else str(effective)
+    return text + (f" (limit {run.limit:g})" if run.limit is not None else "")
 
 
 def _scheme(options: dict[str, Any], config: dict[str, Any]) -> str:
@@ -167,13 +190,14 @@ def _cell(run: Run, task: str, metric: str) -> str:
 
 
 def markdown_table(runs: list[Run]) -> str:
-    """One row per (run, task), columns for every metric present in any run."""
+    """One row per (run, task): the documents evaluated (:func:`documents_cell`), a column for every metric present in
+    any run, throughput, weights and the fingerprint."""
     metrics = [
         m
         for m in METRICS
         if any(value_and_stderr(r, t, m)[0] is not None for r in runs for t in {*r.tasks, *r.reference})
     ]
-    head = ["model", "scheme", "procs", "task", *metrics, "tok/s", "weights MB", "fingerprint"]
+    head = ["model", "scheme", "procs", "task", "docs", *metrics, "tok/s", "weights MB", "fingerprint"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         for task in sorted({*run.tasks, *run.reference}):
@@ -182,6 +206,7 @@ def markdown_table(runs: list[Run]) -> str:
                 run.scheme,
                 str(run.processes),
                 task,
+                documents_cell(run, task),
                 *(_cell(run, task, m) for m in metrics),
                 f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–",
                 f"{run.weight_bytes / 1e6:.2f}" if run.weight_bytes else "–",
@@ -198,23 +223,31 @@ def plot_runs(runs: list[Run], out: str | Path) -> Path:
     return plot_compare(runs, out).path
 
 
-def run_compare(paths: list[str], plot: str | None = None) -> int:
+def run_compare(paths: list[str], plot: str | None = None, same_bits: list[str] | None = None) -> int:
     """CLI body: print the table of every results file the paths name (a folder: all of them, oldest first); write
-    the plot when asked, and say in one line what it drew. Exit 1 with one line on a missing path or no plot; a file
-    that is not a results file raises :class:`InputError` (one ``distperp: error`` line from the command line)."""
-    try:
-        files = [f for p in paths for f in results_files(p)]
-    except FileNotFoundError as error:
-        print(f"compare: {error}", file=sys.stderr)
-        return 1
+    the plot when asked, and say in one line what it drew; with ``same_bits`` (two paths), one line saying whether
+    those two runs are the same bits (:func:`~.samebits.same_bits`). The exit code (:mod:`~.exitcodes`): 0, or 3
+    when the figure could not be drawn or the two runs differ; a missing path or a file that is not a results file
+    raises :class:`InputError` (one ``distperp: error`` line from the command line, exit 1)."""
+    from distperp_harness.commands.exitcodes import ExitCode
+    from distperp_harness.commands.samebits import same_bits as compare_bits
+
+    files = [f for p in paths for f in results_files(p)]
+    pair = [load_run(p) for p in same_bits or ()]
     runs = [load_run(f) for f in files]
-    print(markdown_table(runs))
+    code = ExitCode.OK
+    if runs:
+        print(markdown_table(runs))
     if plot:
         from distperp_harness.commands.plots import PlotUnavailable, plot_compare
 
         try:
-            print(plot_compare(runs, plot).line("compare"))
+            print(plot_compare(runs or pair, plot).line("compare"))
         except (PlotUnavailable, ValueError) as error:
             print(f"compare: no plot: {error}")
-            return 1
-    return 0
+            code = ExitCode.FAILED
+    if pair:
+        equal, line = compare_bits(pair[0], pair[1])
+        print(line)
+        code = code if equal else ExitCode.FAILED
+    return code

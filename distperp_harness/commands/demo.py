@@ -5,7 +5,11 @@
    sample, fp32. lm-eval prints its results table.
 3. The same with ``quantize=int4,reference=base``: perplexities, KL divergence and top-1 agreement vs fp32.
 4. One process, fp32: per-document results and the fingerprint must equal the N-process run's, bit for bit.
-5. A comparison table of the runs, and their figure (``compare.png``, when matplotlib is installed).
+5. A comparison table of the runs, and their figure (``compare.png``, when matplotlib is installed) in the
+   current folder, or in ``--out`` when given (the runs' results folders go there too; by default to a temporary
+   folder, named at the end).
+
+The exit code (:mod:`~.exitcodes`): 0 when 1 and N processes gave the same bits, 3 when not.
 """
 
 from __future__ import annotations
@@ -56,11 +60,13 @@ def _per_doc(samples: Path) -> dict[int, list]:
 
 
 def run_demo(out: str | None = None, processes: int = 2) -> int:
-    """Run the demo; returns 0 when the 1-process and N-process results are identical."""
+    """Run the demo; the exit code: 0 when the 1-process and N-process results are identical, 3 when not."""
+    from distperp_harness.commands.exitcodes import for_failures
     from distperp_harness.commands.tiny import DEMO_SPEC, cached_tiny_model, sample_text_path
 
     t0 = time.perf_counter()
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="distperp-demo-"))
+    figure = (Path(out) if out else Path.cwd()) / "compare.png"  # where the user stands, or --out
     print("distperp demo: building (or reusing) the demo model ...", flush=True)
     model = cached_tiny_model(DEMO_SPEC)
     sample = sample_text_path()
@@ -90,8 +96,8 @@ def run_demo(out: str | None = None, processes: int = 2) -> int:
     from distperp_harness.commands.plots import PlotUnavailable, plot_compare
 
     try:
-        print(plot_compare(list(runs.values()), root / "compare.png").line("demo"))
+        print(plot_compare(list(runs.values()), figure).line("demo"))
     except PlotUnavailable as error:
         print(f"demo: no figure: {error}")
     print(f"results in {root}; demo took {time.perf_counter() - t0:.0f} s")
-    return 0 if identical else 1
+    return for_failures(not identical)

@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from distperp_harness.commands.exitcodes import for_failures
 from distperp_harness.commands.samples import responses_by_doc
 from distperp_harness.errors import InputError
 from distperp_harness.report.atomic import atomic_write_text
@@ -224,7 +225,8 @@ def _evaluate(model: str, args: argparse.Namespace, device: str, manager: TaskMa
 
 
 def run_parity(args: argparse.Namespace) -> int:
-    """Run both models, print the comparison and the verdict; 0 when every task agrees."""
+    """Run both models, print the comparison and the verdict; the exit code (:mod:`~.exitcodes`): 0 when every
+    task agrees, 3 when one differs."""
     from lm_eval.tasks import TaskManager
 
     from distperp_harness.commands.check import device_for
@@ -266,4 +268,4 @@ def run_parity(args: argparse.Namespace) -> int:
     if args.json:
         rows = [{**asdict(p), "verdict": p.verdict.value} for p in report]
         atomic_write_text(args.json, json.dumps({"tolerance": asdict(tolerance), "tasks": rows}, indent=2))
-    return 1 if differ else 0
+    return for_failures(len(differ))

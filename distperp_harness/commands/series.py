@@ -21,15 +21,18 @@ failed) is rank 0's, sent to all (:meth:`AccelerateCollective.all_gather_object`
   alone (``lm_eval --model distperp --model_args <them>`` gives the same fingerprint) and ``resume_dir`` under
   ``<output_path>/.resume/<label>``; lm-eval's results in ``<output_path>/<label>/`` (``compare`` reads them); the
   model dropped and checked released (:func:`~.release.released`) before the next loads. A checkpoint that fails
-  to load is a failed row with its one-line reason, and the series goes on.
+  to load is a failed row with its whole reason (:func:`~.series_decide.reason_of`), and the series goes on; the
+  launch then exits 3 (:mod:`~.exitcodes`) once every row is written, unless ``--allow-failures``.
 * **After each checkpoint** (rank 0): ``series.json`` (the record), ``series.md`` (a row per checkpoint, a column
   per task metric ± stderr) and ``series.png`` (:mod:`~.series_plot`), all written atomically.
 * **Resume**: a checkpoint whose row is done and whose results folder holds results is skipped (said once); one
   stopped inside resumes from its saved batches. A failed row is tried again by a new launch.
-* ``--watch``: poll the folders every ``--poll`` seconds; a checkpoint is evaluated once complete (its writer's
-  marker, or files unchanged over a poll: :func:`~.checkpoints.is_complete`); ``STOP`` in the output folder or
-  ``--stop-file`` ends the watch once the complete checkpoints are evaluated; SIGTERM / SIGINT end it after the
-  checkpoint at hand, the series intact.
+* ``--watch``: poll the folders every ``--poll`` seconds; a checkpoint is evaluated once its writer is done with it
+  (its marker, or files unchanged over ``--settle`` seconds and 2 polls) and its weight files are whole
+  (:class:`~.series_decide.Watcher`); one that failed to load is read again when its files change (at most
+  ``--retries`` times); ``STOP`` in the output folder or ``--stop-file`` ends the watch once every checkpoint left
+  is evaluated or has settled unreadable (a failed row saying what is not whole); SIGTERM / SIGINT end it after
+  the checkpoint at hand, the series intact.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import json
 import shutil
 import signal
@@ -51,7 +53,19 @@ from typing import Any, Iterator, cast
 from accelerate.logging import get_logger
 
 from distperp_harness.commands.checkpoints import Checkpoint, Kind
-from distperp_harness.commands.series_decide import Step, Watcher, decide, found, from_main, stop_files
+from distperp_harness.commands.exitcodes import ExitCode, for_failures
+from distperp_harness.commands.series_decide import (
+    DEFAULT_RETRIES,
+    Step,
+    Watcher,
+    decide,
+    found,
+    from_main,
+    launch_collective,
+    made_on_every_rank,
+    settle_seconds,
+    stop_files,
+)
 from distperp_harness.commands.series_table import (
     STATE_FILE,
     TABLE_FILE,
@@ -107,6 +121,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="figure path (default: OUTPUT_PATH/series.png)")
     parser.add_argument("--watch", action="store_true", help="keep evaluating checkpoints as they appear")
     parser.add_argument("--poll", type=float, default=30.0, help="--watch: seconds between polls (default 30)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="--watch: a checkpoint without its writer's marker is read once its files have not changed for this "
+        "many seconds and 2 polls (default: the larger of 10 s and 2 polls)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRIES,
+        help="--watch: a checkpoint that failed to load is read again when its files change, at most this many "
+        f"times (default {DEFAULT_RETRIES})",
+    )
+    parser.add_argument(
+        "--allow-failures",
+        dest="allow_failures",
+        action="store_true",
+        help="exit 0 when some checkpoints failed to load (their rows still written); default: exit 3",
+    )
     parser.add_argument(
         "--stop-file",
         dest="stop_file",
@@ -184,11 +218,6 @@ class Series:
 # ---------------------------------------------------------------------------------------------------------------
 # The loop (every rank)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 @dataclass
@@ -290,17 +319,16 @@ def evaluate_one(series: Series, launch: Launch, checkpoint: Checkpoint, collect
     model_args = series.model_args(checkpoint)
     reference = model_args.get("reference")
     reuse = launch.reference_model if reference == launch.reference_for else None
-    try:
-        lm = DistPerpLM.in_process(**model_args, resume_dir=str(series.resume_dir(checkpoint)), reference_model=reuse)
-        failure = None
-    except Exception as error:  # a checkpoint that cannot be loaded is a row of the series, not its end
-        lm, failure = None, _one_line(error)
-    failures = [f for f in collective.all_gather_object(failure, "series: did every rank load") if f]
-    if failures:
-        del lm
-        gc.collect()
-        return row(Status.FAILED, failures[0])
-    lm = cast("DistPerpLM", lm)  # every rank loaded (no failure above)
+    resume = str(series.resume_dir(checkpoint))
+    made, failure = made_on_every_rank(
+        collective,
+        lambda: DistPerpLM.in_process(**model_args, resume_dir=resume, reference_model=reuse),
+        "series: did every rank load",
+    )
+    if failure is not None:  # a checkpoint that cannot be loaded is a row of the series, not its end
+        return row(Status.FAILED, failure)
+    lm = cast("DistPerpLM", made)  # every rank loaded (no failure above)
+    del made  # the model is released below: no other name may hold it
     memo = launch.memos.setdefault(lm.encoding_key(), {})
     reused = len(memo)
     lm.keep_encodings(memo)
@@ -363,14 +391,12 @@ def _write_outputs(series: Series, draw: bool = True) -> list[str]:
 
 def run_series(args: argparse.Namespace) -> int:
     """Evaluate the series (all ranks); rank 0 writes its record, table and figure. Returns the exit code."""
-    from distperp_harness.distributed.collective import AccelerateCollective
     from distperp_harness.run.execution.progress import setup_logging
 
     setup_logging()  # the series' own lines, said before the first model loads
     common = _common_args(args)
     series = Series(args, Path(args.output_path), common, parse_reference(args.reference))
-    cpu = str(common.get("device", "")).strip().lower() == "cpu" or not _cuda()
-    collective = AccelerateCollective(float(common.get("timeout", 1800.0)), cpu=cpu)
+    collective = launch_collective(common)
     series.rows = from_main(collective, lambda: read_rows(series.out), "read the record")
     plan = from_main(collective, lambda: found(args.checkpoints, args.watch), "find the checkpoints")
     if series.reference[0] is Reference.PREVIOUS and any(c.kind is not Kind.MODEL for c in plan):
@@ -385,7 +411,7 @@ def run_series(args: argparse.Namespace) -> int:
         log.info(
             f"series: {len(skipped)} checkpoint(s) done already, skipped: {', '.join(skipped)}", main_process_only=True
         )
-    watcher = Watcher(stop_files(args)) if args.watch else None
+    watcher = Watcher(stop_files(args), settle_seconds(args.poll, args.settle), args.retries) if args.watch else None
     handlers = {s: signal.signal(s, watcher.on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if watcher else {}
     try:
         return _loop(series, collective, watcher, plan, common)
@@ -410,19 +436,24 @@ def _checkpoints(series: Series, collective: Any, watcher: Watcher | None, launc
     t0, lines, drawn = time.perf_counter(), [], False
     last_figure = t0
     while True:
-        step, checkpoint = from_main(collective, lambda: decide(series, watcher), "decide what next")
-        if step is Step.STOP:
+        decision = from_main(collective, lambda: decide(series, watcher), "decide what next")
+        if decision.step is Step.STOP:
             break
-        if step is Step.WAIT:
+        if decision.step is Step.WAIT:
             time.sleep(args.poll)
             continue
-        checkpoint = cast(Checkpoint, checkpoint)  # RUN always names one
+        checkpoint = cast(Checkpoint, decision.checkpoint)  # RUN and ABANDON name one
         series.tried.add(checkpoint.label)
-        series.first = series.first or checkpoint  # a watch that started before the run wrote any
-        row = evaluate_one(series, launch, checkpoint, collective)
+        if decision.step is Step.ABANDON:
+            row = Row(checkpoint.label, str(checkpoint.path), checkpoint.step, Status.FAILED, decision.reason)
+        else:
+            series.first = series.first or checkpoint  # a watch that started before the run wrote any
+            row = evaluate_one(series, launch, checkpoint, collective)
         series.rows = with_row(series.rows, row)
         if row.status is Status.DONE:
             series.previous = checkpoint
+        elif watcher is not None and decision.step is Step.RUN:
+            watcher.failed_now(checkpoint)  # read again once its files change
         if collective.is_main:
             if row.status is Status.DONE:
                 shutil.rmtree(series.resume_dir(checkpoint), ignore_errors=True)
@@ -431,20 +462,16 @@ def _checkpoints(series: Series, collective: Any, watcher: Watcher | None, launc
             drawn = time.perf_counter() - last_figure >= FIGURE_EVERY_S
             lines = _write_outputs(series, draw=drawn)
             last_figure = time.perf_counter() if drawn else last_figure
+    failed = sum(r.status is Status.FAILED for r in series.rows)
     if collective.is_main:
         if not drawn and series.rows:
             lines = _write_outputs(series)
         print("\n".join(lines))
-        failed = sum(r.status is Status.FAILED for r in series.rows)
         print(
             f"series: {len(series.rows)} checkpoint(s) ({failed} failed), {len(series.tried)} evaluated in this "
             f"launch, {time.perf_counter() - t0:.0f} s; results in {series.out}/<checkpoint>/, record in "
             f"{series.out / STATE_FILE}"
         )
-    return 0
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+        if failed and not args.allow_failures:
+            print(f"series: exit {ExitCode.FAILED.value}: {failed} checkpoint(s) failed (--allow-failures: exit 0)")
+    return for_failures(failed, args.allow_failures)

@@ -4,7 +4,7 @@
 or failed with its one-line reason), in the order they ended; rank 0 rewrites it whole (atomically) after each
 checkpoint, so a stopped series leaves it intact, and a rerun reads it to know what is done. ``series.md`` is drawn
 from it and the results folders: one row per checkpoint (step, label, each task metric ± stderr, or the reason it
-failed), and with a reference KL, top-1 agreement and flips per task.
+failed), and with a reference KL, top-1 agreement and flips per task, each metric once (:func:`columns`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,22 @@ from distperp_harness.report.atomic import atomic_write_text
 STATE_FILE = "series.json"
 TABLE_FILE = "series.md"
 REFERENCE_METRICS = (("kl_divergence", "KL"), ("top1_agreement", "top-1"), ("flips", "flips"))
-"""``config.distperp.reference.tasks`` keys drawn per step, and their short names."""
+"""``config.distperp.reference.tasks`` keys drawn per step, and their short names; a task that reports one of them
+as a metric of its own (distperp's perplexity tasks: ``kl_divergence``, ``top1_agreement``) shows it once, as its
+metric."""
+REFERENCE_TASK_METRICS = frozenset(
+    {"kl_divergence", "kl_p99", "kl_max", "top1_agreement", "ref_token_perplexity", "ln_ppl_ratio"}
+)
+"""Task metrics that compare with the reference (distperp's task template): drawn with the reference's."""
+
+
+class Group(IntEnum):
+    """A column's place in the table and the figure: the task's own metrics, then what compares with the
+    reference, then counts (``n_tokens``)."""
+
+    TASK = 0
+    REFERENCE = 1
+    COUNT = 2
 
 
 class Status(Enum):
@@ -96,6 +111,13 @@ class Column:
     reference: bool = False
 
     @property
+    def group(self) -> Group:
+        name = self.metric.partition(",")[0]
+        if self.reference or name in REFERENCE_TASK_METRICS:
+            return Group.REFERENCE
+        return Group.COUNT if name.startswith("n_") else Group.TASK
+
+    @property
     def title(self) -> str:
         name, _, kind = self.metric.partition(",")
         short = dict(REFERENCE_METRICS).get(name, name) if self.reference else name
@@ -112,20 +134,24 @@ class Column:
 
 
 def columns(runs: list[Any]) -> list[Column]:
-    """Every numeric task metric of the runs (lm-eval's results), then the reference's KL, top-1 agreement and
-    flips per task where the runs have them; in first-seen order."""
+    """Every numeric task metric of the runs (lm-eval's results) and the reference's KL, top-1 agreement and flips
+    per task where the runs have them, each once (a task's own ``kl_divergence`` is its KL); the task's own
+    metrics first, then those that compare with the reference, then counts (:class:`Group`), each group in
+    first-seen order."""
     found: dict[Column, None] = {}
+    own: set[tuple[str, str]] = set()
     for run in runs:
         for task, values in sorted(run.tasks.items()):
             for key, value in values.items():
                 if "," in key and "_stderr," not in key and _number(value) is not None:
                     found.setdefault(Column(task, key))
+                    own.add((task, key.partition(",")[0]))
     for run in runs:
         for task, entry in sorted(run.reference.items()):
             for key, _ in REFERENCE_METRICS:
-                if _number(entry.get(key)) is not None:
+                if _number(entry.get(key)) is not None and (task, key) not in own:
                     found.setdefault(Column(task, key, reference=True))
-    return list(found)
+    return sorted(found, key=lambda c: c.group)
 
 
 def _cell(value: float | None, stderr: float | None) -> str:

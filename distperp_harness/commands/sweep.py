@@ -9,26 +9,29 @@ Every process runs the same loop: for each scheme, a :class:`~distperp_harness.l
 ``quantize=<scheme>,reference=<reference>`` is evaluated in-process with lm-eval's ``simple_evaluate`` (so every
 scheme runs under the same launcher, world size and plan rule). The reference model is loaded **once per launch**:
 the first scheme loads it, later schemes reuse the object (``reference_model=``); only the quantized model is
-loaded again per scheme (quantization rewrites it in place). Rank 0 writes one lm-eval results folder per scheme
-(``<output_path>/<scheme>/``, e.g. ``int4-g32``, readable by ``compare``) and ``<output_path>/leaderboard.md``:
-schemes ranked by KL divergence pooled over all scored tokens of all tasks, one row per scheme and task with KL,
-top-1 agreement, flips, Δ accuracy and Δ perplexity (± standard errors, all from
-``config.distperp.reference.tasks``), weight bytes and scoring tokens/s (model and reference forward passes); and
-beside it ``leaderboard.png`` (``--plot PATH`` to choose): KL per token against weight bytes, one point per
-scheme, with the Pareto front, and Δppl % / flips / Δacc per scheme and task (:mod:`distperp_harness.commands.plots`).
+loaded again per scheme (quantization rewrites it in place). Rank 0 writes one lm-eval results folder per scheme,
+named as the scheme is given (``<output_path>/int4:32/``, readable by ``compare``), and
+``<output_path>/leaderboard.md``: schemes ranked by KL divergence pooled over all scored tokens of all tasks, one
+row per scheme and task with KL, top-1 agreement, flips, Δ accuracy and Δ perplexity (± standard errors, all from
+``config.distperp.reference.tasks``), a scheme that could not be loaded as a row saying why, weight bytes and
+scoring tokens/s (model and reference forward passes); and beside it ``leaderboard.png`` (``--plot PATH`` to
+choose): KL per token against weight bytes, one point per scheme, with the Pareto front, and Δppl % / flips / Δacc
+per scheme and task (:mod:`distperp_harness.commands.plots`). The exit code: :mod:`~.exitcodes`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, cast
 
+from distperp_harness.commands.exitcodes import ExitCode, for_failures
 from distperp_harness.commands.panels import (  # re-exported: the leaderboard's ranking and figure data
     leaderboard_panels,  # noqa: F401 - re-exported
     pooled_kl,  # noqa: F401 - re-exported
@@ -50,8 +53,8 @@ class Scheme:
 
     @property
     def folder(self) -> str:
-        """Results folder name: ``int4:32`` → ``int4-g32``."""
-        return self.label.replace(":", "-g")
+        """Results folder name: the label as given (``int4:32``), as the leaderboard names the scheme."""
+        return self.label
 
     def model_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {"quantize": self.quantize}
@@ -112,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="path of the leaderboard figure (default: OUTPUT_PATH/leaderboard.png; needs matplotlib)",
     )
+    parser.add_argument(
+        "--allow-failures",
+        dest="allow_failures",
+        action="store_true",
+        help="exit 0 when some schemes failed to load (their rows still written); default: exit 3",
+    )
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,11 +137,13 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    """Evaluate every scheme (all ranks), write results and the leaderboard (rank 0); returns the exit code."""
+    """Evaluate every scheme (all ranks), write results and the leaderboard (rank 0); returns the exit code
+    (:mod:`~.exitcodes`: 3 when a scheme failed to load, after every row is written, unless ``--allow-failures``)."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
+    from distperp_harness.commands.series_decide import launch_collective, made_on_every_rank
     from distperp_harness.commands.taskdir import tasks_path
     from distperp_harness.lm import DistPerpLM, log
 
@@ -142,9 +153,17 @@ def run_sweep(args: argparse.Namespace) -> int:
     metadata = json.loads(args.metadata) if args.metadata else None
     include = [str(tasks_path()), *(p for p in (args.include_path or "").split(",") if p)]
     out = Path(args.output_path)
-    reference, folders, t0 = None, [], time.perf_counter()
+    collective = launch_collective(kwargs)
+    reference, folders, failed, t0 = None, [], [], time.perf_counter()
     for scheme in schemes:
-        lm = DistPerpLM.in_process(**kwargs, **scheme.model_args(), reference_model=reference)
+        load = functools.partial(DistPerpLM.in_process, **kwargs, **scheme.model_args(), reference_model=reference)
+        made, failure = made_on_every_rank(collective, load, f"sweep: did every rank load {scheme.label}")
+        if failure is not None:  # a scheme that cannot be loaded is a row of the leaderboard, not its end
+            log.warning(f"sweep: {scheme.label} failed: {failure}; the sweep goes on", main_process_only=True)
+            failed.append((scheme.label, failure))
+            continue
+        lm = cast("DistPerpLM", made)
+        del made  # released after its evaluation: no other name may hold it
         log.info(
             f"sweep: scheme {scheme.label} loaded in {lm.load_seconds:.1f} s "
             f"({'reference reused' if reference is not None else 'reference loaded'})",
@@ -166,16 +185,18 @@ def run_sweep(args: argparse.Namespace) -> int:
         reference = lm.reference
         del lm
         gc.collect()
-    if folders:
+    if collective.is_main:
         from distperp_harness.commands.compare import load_run
 
-        lines = write_leaderboard(out, [(label, load_run(folder)) for label, folder in folders], args.plot)
-        print("\n".join(lines))
+        runs = [(label, load_run(folder)) for label, folder in folders]
+        print("\n".join(write_leaderboard(out, runs, args.plot, failed)))
         print(
-            f"sweep: {len(schemes)} schemes, reference loaded once, {time.perf_counter() - t0:.0f} s; "
-            f"results in {out}/<scheme>/"
+            f"sweep: {len(schemes)} schemes ({len(failed)} failed), reference loaded once, "
+            f"{time.perf_counter() - t0:.0f} s; results in {out}/<scheme>/"
         )
-    return 0
+        if failed and not args.allow_failures:
+            print(f"sweep: exit {ExitCode.FAILED.value}: {len(failed)} scheme(s) failed (--allow-failures: exit 0)")
+    return for_failures(len(failed), args.allow_failures)
 
 
 def save_results(tracker: Any, results: dict[str, Any], model_args: dict[str, Any]) -> None:
@@ -191,14 +212,17 @@ def save_results(tracker: Any, results: dict[str, Any], model_args: dict[str, An
         tracker.save_results_samples(task_name=task, samples=samples[task])
 
 
-def write_leaderboard(out: Path, runs: list[tuple[str, Any]], plot: str | Path | None = None) -> list[str]:
+def write_leaderboard(
+    out: Path, runs: list[tuple[str, Any]], plot: str | Path | None = None, failed: Sequence[tuple[str, str]] = ()
+) -> list[str]:
     """Write ``leaderboard.md`` and the figure (``plot``, default ``leaderboard.png``) into ``out``; returns the lines
     to print: the table, then one line naming the figure and its panels, or saying why there is none (matplotlib
-    missing, nothing to draw). The markdown is written in every case."""
+    missing, nothing to draw). The markdown is written in every case; ``failed``: ``(label, reason)`` of the schemes
+    that could not be loaded, each a row of its own after the ranked ones."""
     from distperp_harness.commands.plots import PlotUnavailable, plot_leaderboard
 
     out.mkdir(parents=True, exist_ok=True)
-    table = leaderboard(runs)
+    table = leaderboard(runs, failed)
     atomic_write_text(out / "leaderboard.md", table + "\n")
     try:
         figure = plot_leaderboard(runs, plot or out / "leaderboard.png").line("sweep")
@@ -218,13 +242,14 @@ def _pm(value: float | None, stderr: float | None, fmt: str) -> str:
     return f"{value:{fmt}}" + (f" ± {stderr:{fmt.lstrip('+')}}" if stderr is not None else "")
 
 
-def leaderboard(runs: list[tuple[str, Any]]) -> str:
+def leaderboard(runs: list[tuple[str, Any]], failed: Sequence[tuple[str, str]] = ()) -> str:
     """Markdown: ``(label, Run)`` pairs (:class:`~distperp_harness.commands.compare.Run`) ranked by :func:`pooled_kl`, a
     row per task.
 
     Δacc is the paired difference of accuracy against the reference (lm-eval's ``acc`` rule); c→w / w→c count the
     documents whose answer went from correct to wrong and back; Δppl is ``exp(ln_ppl_ratio) − 1`` in percent, with
-    the delta-method standard error; tok/s counts scored tokens over scoring time (model and reference).
+    the delta-method standard error; tok/s counts scored tokens over scoring time (model and reference). A scheme
+    in ``failed`` is a row saying why, in place of its numbers.
     """
     head = [
         "rank",
@@ -261,4 +286,7 @@ def leaderboard(runs: list[tuple[str, Any]]) -> str:
                 f"{run.tokens_per_second:.0f}" if run.tokens_per_second else "–",
             ]
             lines.append("| " + " | ".join(row) + " |")
+    for label, reason in failed:
+        cells = ["–", label, "–", "failed: " + reason.replace("|", "/"), *["–"] * (len(head) - 4)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -243,6 +243,26 @@ def cached_tiny_model(spec: TinySpec, cache_dir: str | os.PathLike[str] | None =
     return final
 
 
+DEMO_BUILD = "about a minute on 2 CPU cores"
+"""How long building :data:`DEMO_SPEC` takes (measured: README, "First command")."""
+
+
+def demo_model() -> Path:
+    """:func:`cached_tiny_model` of :data:`DEMO_SPEC`; when it has to build, one line on stderr says so and one
+    how long it took (the folder alone goes to stdout: ``$(distperp demo-model)``)."""
+    import sys
+    import time
+
+    built = (default_cache_dir() / "models" / spec_key(DEMO_SPEC) / "config.json").is_file()
+    if not built:
+        print(f"distperp demo-model: building the demo model once ({DEMO_BUILD}); then cached", file=sys.stderr)
+    t0 = time.perf_counter()
+    folder = cached_tiny_model(DEMO_SPEC)
+    if not built:
+        print(f"distperp demo-model: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: build (or reuse from the cache) the demo or test model and print its directory."""
     parser = argparse.ArgumentParser(prog="python -m distperp_harness.commands.tiny", description=main.__doc__)

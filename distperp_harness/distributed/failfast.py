@@ -59,6 +59,7 @@ from distperp_harness.distributed.store import (
     private_client,
     store_gone,
 )
+from distperp_harness.errors import InputError
 
 FAILURE_KEY = "distperp/failure"
 ACK_KEY = "distperp/failure_acks"
@@ -343,15 +344,21 @@ def set_device(device: Any) -> None:
 
 
 def fail_here(exc: BaseException, rank: int, world_size: int, device: Any, stage: str, store: Any = None) -> None:
-    """This rank failed with ``exc`` while ``stage``: tell every rank (once per process; later calls return)."""
+    """This rank failed with ``exc`` while ``stage``: tell every rank (once per process; later calls return). An
+    input error every rank raises alike (``same_on_every_rank``: rank 0 prints it) is no one rank's failure: nothing
+    is published, and each rank exits with it; one of this rank's own is published, its line printed by the
+    input-error hook (``distperp: error (rank R): ...``)."""
     for watch in _WATCH:
         watch.own_failure = True
+    if isinstance(exc, InputError) and exc.same_on_every_rank:
+        return
     if _PLACE["published"]:
         return
     _PLACE["published"] = True
     store = store if store is not None else default_store()
     record = record_of(rank, describe(exc), where=where(device), stage=stage)
-    print(f"distperp: {record}. Telling the other ranks, which stop now.", file=sys.stderr, flush=True)
+    if not isinstance(exc, InputError):  # an input error's own line names this rank (errors.one_line)
+        print(f"distperp: {record}. Telling the other ranks, which stop now.", file=sys.stderr, flush=True)
     if store is not None:
         publish(store, rank, world_size, describe(exc), ack_wait_s=ACK_WAIT_S, where=where(device), stage=stage)
 

@@ -33,6 +33,7 @@ from torch import nn
 from distperp_harness.errors import InputError
 from distperp_harness.model.layers import decoder_layers
 from distperp_harness.model.quantize import is_tensor_subclass
+from distperp_harness.options import GROUPS, resolve_group_size
 
 
 def resolve_shard_size(option: int | str, world_size: int, local_world_size: int) -> int:
@@ -42,27 +43,7 @@ def resolve_shard_size(option: int | str, world_size: int, local_world_size: int
         ValueError: when the size does not divide the processes per node (groups must not span nodes; every rank
         must belong to exactly one group) — with the value, what is allowed and the fix.
     """
-    return resolve_group_size(
-        "shard_size", option, world_size, local_world_size, "each group of processes sharing one copy of the weights"
-    )
-
-
-def resolve_group_size(key: str, option: int | str, world_size: int, local_world_size: int, group: str) -> int:
-    """The size of the groups of consecutive ranks that ``key=option`` asks for (``"node"``/``"auto"``: the
-    processes per node); ``ValueError`` naming ``group`` (what must lie within one node) when it does not divide
-    the processes per node."""
-    size = local_world_size if option in ("node", "auto") else int(option)
-    if size == 1:
-        return 1
-    divisors = [d for d in range(1, local_world_size + 1) if local_world_size % d == 0]
-    if local_world_size % size or world_size % size:
-        raise InputError(
-            f"{key}={option!r} is not valid with {world_size} process(es), {local_world_size} per node: "
-            f"{key} must divide the processes per node, so that {group} lies within one node; allowed here: "
-            f"{', '.join(map(str, divisors))} or 'node'. Fix: {key}=node, or launch a multiple of {size} processes "
-            f"per node."
-        )
-    return size
+    return resolve_group_size("shard_size", option, world_size, local_world_size, GROUPS["shard_size"])
 
 
 def check_groups_within_hosts(hosts: Sequence[str], shard_size: int, key: str = "shard_size") -> None:

@@ -29,7 +29,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from distperp_harness.errors import InputError
-from distperp_harness.model.sharding import ShardReport, mesh_backend, resolve_group_size
+from distperp_harness.model.sharding import ShardReport, mesh_backend
+from distperp_harness.options import GROUPS, resolve_group_size
 
 
 def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -> int:
@@ -40,9 +41,7 @@ def resolve_tp_size(option: int | str, world_size: int, local_world_size: int) -
         layer, so it must lie within one node) — with the value, what is allowed and the fix.
     """
 
-    return resolve_group_size(
-        "tp_size", option, world_size, local_world_size, "each tensor-parallel group (all-reduces at every layer)"
-    )
+    return resolve_group_size("tp_size", option, world_size, local_world_size, GROUPS["tp_size"])
 
 
 def check_tp_plan(config: Any, tp_size: int, source: str) -> None:

@@ -186,25 +186,13 @@ def _to_dataset_dict(split: str, column: str, texts: list[str], extra: dict[str,
 
 def _check_keys(task_keys: str | tuple[str, ...], given: dict[str, Any]) -> None:
     """A key of lm-eval's metadata that looks like a misspelling of one of ``task_keys`` is refused in one line
-    (else the task would silently read another source, the hub for WikiText, or use a default). The rest of the
-    metadata (``--model_args`` keys, the task version, the keys of the other distperp tasks: one ``--metadata``
-    serves every task of a run) is not this loader's."""
-    import difflib
+    (:func:`distperp_harness.options.metadata_key_error`, the rule the start-up hook applies before lm-eval indexes
+    its tasks; here for a run that did not come through lm-eval's command line)."""
+    from distperp_harness.options import metadata_key_error
 
-    keys = (task_keys,) if isinstance(task_keys, str) else task_keys
-    for key in given:
-        if key in keys or key in _TASK_KEYS:
-            continue
-        ratios = {k: difflib.SequenceMatcher(None, key, k).ratio() for k in keys}
-        meant = max(keys, key=ratios.__getitem__)
-        if ratios[meant] >= 0.75:
-            allowed = ", ".join(repr(k) for k in keys)
-            value = '"PATH"' if meant.endswith("_path") else "VALUE"
-            raise InputError(
-                f"--metadata key {key!r} is not one this task reads; allowed: {allowed}. Did you mean "
-                f"{meant!r}? Fix: --metadata '{{\"{meant}\": {value}}}'",
-                same_on_every_rank=True,
-            )
+    problem = metadata_key_error((task_keys,) if isinstance(task_keys, str) else task_keys, given)
+    if problem:
+        raise InputError(problem, same_on_every_rank=True)
 
 
 def _from_hub(hub_path: str, hub_name: str):
@@ -318,10 +306,7 @@ def load_local_docs(*, split: str = "test", docs_path: str | None = None, **_ign
 # Long-context tasks: distperp_longdocs, distperp_needle, distperp_needle_gen (local files only)
 # ---------------------------------------------------------------------------------------------------------------
 
-_SOURCE_KEYS = ("docs_path", "wikitext_path")
-LONGDOCS_KEYS = (*_SOURCE_KEYS, "min_chars")
-NEEDLE_KEYS = (*_SOURCE_KEYS, "context_chars", "depths", "docs_per_depth", "seed", "n_choices", "digits")
-_TASK_KEYS = frozenset(LONGDOCS_KEYS + NEEDLE_KEYS)  # every --metadata key a distperp task reads
+from distperp_harness.options import LONGDOCS_KEYS, NEEDLE_KEYS  # noqa: E402 - the keys these loaders read
 
 
 def _long_context_source(task: str, docs_path: Any, wikitext_path: Any) -> tuple[str, Path, str]:

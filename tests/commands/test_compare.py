@@ -58,6 +58,8 @@ def test_table_rows_carry_the_results(runs):
         assert cells["token_perplexity"] == f"{value:.4g} ± {stderr:.2g}"
         assert cells["procs"] == "1" and cells["fingerprint"] == results["config"]["distperp"]["fingerprint"]
     base, int8 = (dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in table[2:])
+    original = load_results(runs[0])["n-samples"]["distperp_wikitext2"]["original"]
+    assert base["docs"] == int8["docs"] == f"4/{original} (limit 4)" and original > 4  # --limit 4 of the articles
     assert base["scheme"] == "none" and base["kl_divergence"] == "–"
     assert int8["scheme"] == "int8" and int8["kl_divergence"] != "–"
     assert float(int8["weights MB"]) < float(base["weights MB"])
@@ -87,6 +89,37 @@ def test_cli(runs, tmp_path):
         cwd=tmp_path,
     )
     assert proc.stdout.startswith("| model | scheme | procs |") and (tmp_path / "p.png").exists()
+
+
+def test_same_bits_says_in_one_line_whether_two_runs_are_equal_or_where_they_first_differ(runs, tmp_path, capsys):
+    """--same-bits A B: a copy of a run is the same bits (fingerprint and every document's values); the int8 run
+    differs from the first document on; a copy whose fingerprint is kept but one document's value is changed is
+    caught at that document; exit 0 when equal, 3 when not."""
+    import shutil
+
+    from distperp_harness.commands.cli import main
+
+    base, int8 = runs
+    copy = shutil.copytree(base, tmp_path / "copy")
+    assert main(["compare", "--same-bits", str(base), str(copy)]) == 0
+    line = capsys.readouterr().out.strip()
+    fingerprint = load_results(base)["config"]["distperp"]["fingerprint"]
+    assert line == (
+        f"compare: the same bits: A={load_run(base).path.parent} and B={load_run(copy).path.parent}: fingerprint "
+        f"{fingerprint} and 4 documents' values in 1 task(s) equal"
+    )
+    assert main(["compare", "--same-bits", str(base), str(int8)]) == 3
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and line.startswith("compare: not the same bits: ") and "fingerprints " in line
+    assert "first difference: task distperp_wikitext2 doc 0: filtered_resps [" in line
+    samples = load_run(copy).samples["distperp_wikitext2"]
+    rows = [json.loads(r) for r in samples.read_text().splitlines()]
+    value = float(rows[2]["filtered_resps"][0])  # lm-eval writes a rolling document's value as its repr
+    rows[2]["filtered_resps"][0] = repr(value * (1 + 2**-40))  # one document, its last bits
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["compare", "--same-bits", str(base), str(copy)]) == 3
+    line = capsys.readouterr().out.strip()
+    assert f"first difference: task distperp_wikitext2 doc {rows[2]['doc_id']}: filtered_resps" in line
 
 
 # --- compare --plot from fixed results JSONs ------------------------------------------------------------------------
@@ -159,11 +192,11 @@ def test_plot_cli_says_in_one_line_what_it_drew(tmp_path, capsys, monkeypatch):
         "flips; skipped per-document panels (no samples: run lm-eval with --log_samples)"
     )
     _fixed(tmp_path / "bare", with_reference=False, perplexity=False)
-    assert run_compare([str(tmp_path / "bare" / "base")], plot=str(tmp_path / "q.png")) == 1
+    assert run_compare([str(tmp_path / "bare" / "base")], plot=str(tmp_path / "q.png")) == 3  # no figure
     assert capsys.readouterr().out.splitlines()[-1].startswith("compare: no plot: nothing to plot")
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)
-    assert run_compare([str(tmp_path / "int8")], plot=str(tmp_path / "r.png")) == 1
+    assert run_compare([str(tmp_path / "int8")], plot=str(tmp_path / "r.png")) == 3
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| model |") and out[-1].startswith("compare: no plot: matplotlib is not installed")
 
@@ -220,6 +253,7 @@ def test_runs_are_labelled_by_model_and_backend_whatever_form_model_args_takes(t
 
 def test_a_folder_of_several_results_compares_them_all_and_a_missing_path_is_one_line(tmp_path, capsys):
     from distperp_harness.commands.compare import run_compare
+    from distperp_harness.errors import InputError
 
     _write(
         tmp_path / "sweep" / "int8",
@@ -234,9 +268,13 @@ def test_a_folder_of_several_results_compares_them_all_and_a_missing_path_is_one
     assert run_compare([str(tmp_path / "sweep")]) == 0
     table = capsys.readouterr().out
     assert "int8" in table and "int4:32" in table
-    assert run_compare([str(tmp_path / "nowhere")]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"compare: {tmp_path / 'nowhere'}: no such results file or folder"]
+    with pytest.raises(InputError, match="no such results file or folder. Fix: give a results_"):
+        run_compare([str(tmp_path / "nowhere")])
+    proc = run_command([sys.executable, "-m", "distperp_harness", "compare", "nowhere"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "distperp: error: nowhere: no such results file or folder. Fix: give a results_*.json file or a folder "
+        "lm-eval wrote with --output_path"
+    ]
 
 
 def test_the_legend_lists_the_runs_a_panel_shows_and_names_the_others(tmp_path):

@@ -116,7 +116,7 @@ def test_model_args_cannot_contradict_the_flags_and_metadata_adds_to_the_default
             task_metadata(bad)
 
 
-def test_a_task_that_differs_exits_1_and_says_which(
+def test_a_task_that_differs_exits_3_and_says_which(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     logged = {"hf": [_mc(0, [-1.0, -2.0])], "distperp": [_mc(0, [-2.0, -1.0])]}
@@ -125,7 +125,7 @@ def test_a_task_that_differs_exits_1_and_says_which(
         return {"samples": {"mc": logged[model]}, "results": {"mc": {"acc,none": 1.0 if model == "hf" else 0.0}}}
 
     monkeypatch.setattr(parity, "_evaluate", evaluate)
-    assert main(["parity", "--model", str(tmp_path), "--device", "cpu"]) == 1
+    assert main(["parity", "--model", str(tmp_path), "--device", "cpu"]) == 3  # ran to its end, a task differs
     out = capsys.readouterr().out
     assert "DIFFER: mc: 0 of 1 tasks agree" in out and "| mc | acc,none | 1 | 0 |" in out
     assert "| max abs diff (tolerance there) |" in out and "| mc | 2/2 | 1 (0.00101) |" in out  # 1e-3 + 1e-5 x |-1|

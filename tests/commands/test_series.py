@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import accelerate_launch_prefix, load_results, lora_adapter, run_command, sharpened_model
 
-from distperp_harness.commands.checkpoints import Checkpoint, Kind, discover, is_complete, snapshot, step_of
+from distperp_harness.commands.checkpoints import Checkpoint, Kind, discover, step_of
 from distperp_harness.commands.cli import main
 from distperp_harness.commands.compare import Run
 from distperp_harness.commands.series_table import Column, Row, Status, columns, read_rows, series_table
@@ -81,15 +81,119 @@ def test_what_names_no_checkpoint_says_so(spec, says, tmp_path, monkeypatch):
         discover(spec)
 
 
-def test_complete_by_marker_or_by_files_unchanged_over_a_poll(tmp_path):
-    ckpt = _folder(tmp_path / "checkpoint-1", "config.json")
-    first = snapshot(ckpt)
-    assert not is_complete(ckpt, None, first) and is_complete(ckpt, first, snapshot(ckpt))
-    (ckpt / "model.safetensors").write_bytes(b"x" * 10)  # still being written
-    assert not is_complete(ckpt, first, snapshot(ckpt))
-    (ckpt / "trainer_state.json").write_text("{}")  # the Trainer's last file
-    assert is_complete(ckpt, None, snapshot(ckpt))
-    assert not is_complete(tmp_path / "gone", (), snapshot(tmp_path / "gone"))
+class _Clock:
+    """A clock the test moves: one poll of the watch is one ``tick``."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _shards(folder: Path) -> dict[str, bytes]:
+    """The bytes of a two-shard safetensors checkpoint and its index (written last by a real writer)."""
+    import torch
+    from safetensors.torch import save
+
+    first, second = save({"a": torch.ones(500)}), save({"b": torch.ones(700)})
+    index = {
+        "metadata": {"total_size": 4 * 1200},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
+    return {
+        "model-00001-of-00002.safetensors": first,
+        "model-00002-of-00002.safetensors": second,
+        "model.safetensors.index.json": json.dumps(index).encode(),
+    }
+
+
+def test_the_watch_reads_a_checkpoint_written_in_parts_once_it_is_whole_and_settled(tmp_path):
+    """A writer that writes in parts, renames late and writes the index last: at no step before the last is the
+    checkpoint readable, however long the writer pauses (settle 3 s, polls of 1 s); once whole it is read after
+    the settle time (2 polls and 3 s unchanged), or at once with the writer's marker."""
+    from distperp_harness.commands.series_decide import Watcher
+
+    ckpt = _folder(tmp_path / "step_1", "config.json")
+    checkpoint = Checkpoint(ckpt, Kind.MODEL, 1, "step_1")
+    clock = _Clock()
+    watcher = Watcher((), settle_s=3.0, retries=1, clock=clock)
+
+    def polls(n):
+        verdicts = []
+        for _ in range(n):
+            verdicts.append(watcher.ready(checkpoint))
+            clock.now += 1.0
+        return verdicts
+
+    parts = _shards(tmp_path)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    steps = [
+        lambda: None,  # config.json alone: no weight file
+        lambda: (ckpt / f"{first}.tmp").write_bytes(parts[first][:300]),  # the first shard, in parts, as .tmp
+        lambda: (ckpt / f"{first}.tmp").write_bytes(parts[first]),
+        lambda: (ckpt / f"{first}.tmp").rename(ckpt / first),  # renamed late: one of the two shards
+        lambda: (ckpt / second).write_bytes(parts[second][:1000]),  # the second, cut where the writer paused
+        lambda: (ckpt / second).write_bytes(parts[second]),  # both whole, the index not yet
+    ]
+    reasons = []
+    for step in steps:
+        step()
+        assert polls(6) == [False] * 6  # settled 5 s, and still not whole
+        reasons.append(watcher.stuck(checkpoint))
+    assert reasons == [
+        "no weight file yet (*.safetensors, *.bin, *.pt, *.gguf)",
+        f"{first}.tmp is still being written (named as a temporary file)",
+        f"{first}.tmp is still being written (named as a temporary file)",
+        f"1 of the 2 shards named like {first} are there",
+        f"{second} holds 1,000 of the {len(parts[second]):,} bytes its header says",
+        f"{first} is a shard, but no *.safetensors.index.json is there yet",
+    ]
+    (ckpt / "model.safetensors.index.json").write_bytes(parts["model.safetensors.index.json"])
+    assert polls(4) == [False, False, False, True]  # unchanged for 2 polls and 3 s
+    assert watcher.stuck(checkpoint) is None
+    (ckpt / "DONE").write_text("")  # the writer's marker: read at its first look
+    assert polls(1) == [True]
+
+
+def test_a_checkpoint_that_failed_is_read_again_when_its_files_change_at_most_n_times(tmp_path):
+    from distperp_harness.commands.series_decide import Watcher
+
+    ckpt = _folder(tmp_path / "step_1", "config.json")
+    checkpoint = Checkpoint(ckpt, Kind.MODEL, 1, "step_1")
+    watcher = Watcher((), settle_s=0.0, retries=1)
+    watcher.failed_now(checkpoint)
+    assert not watcher.again(checkpoint)  # unchanged: not again
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    assert watcher.again(checkpoint)
+    watcher.retrying(checkpoint)
+    watcher.failed_now(checkpoint)  # failed again
+    (ckpt / "config.json").write_text("{}")
+    assert not watcher.again(checkpoint)  # retried once already: --retries 1
+
+
+def test_a_cut_short_or_unreadable_weight_file_and_a_gguf_are_judged_by_their_headers(tmp_path):
+    from distperp_harness.commands.checkpoints import not_whole
+
+    parts = _shards(tmp_path)
+    ckpt = _folder(tmp_path / "one", "config.json")
+    (ckpt / "model.safetensors").write_bytes(parts["model-00001-of-00002.safetensors"])
+    assert not_whole(ckpt) is None
+    (ckpt / "model.safetensors").write_bytes(b"not safetensors at all, a damaged file the load names")
+    assert not_whole(ckpt) is None  # not a header of a file being written: the load says what is wrong
+    index = json.loads(parts["model.safetensors.index.json"])
+    index["metadata"]["total_size"] += 4
+    sharded = _folder(tmp_path / "sharded", "config.json")
+    for name, data in parts.items():
+        (sharded / name).write_bytes(json.dumps(index).encode() if name.endswith(".json") else data)
+    assert (
+        not_whole(sharded)
+        == "model.safetensors.index.json says total_size 4,804, its files hold 4,800 bytes of tensors"
+    )
+    pytest.importorskip("gguf")
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert not_whole(gguf_file).startswith("m.gguf cannot be read whole yet")
 
 
 # --- the table (pure: fixed runs) ----------------------------------------------------------------------------------
@@ -137,6 +241,56 @@ def test_figure_draws_each_metric_against_step(tmp_path):
         assert image.text["Description"] == "panels: mc acc, wiki word_perplexity, wiki KL"
 
 
+def test_a_cut_short_checkpoint_is_a_failed_row_with_its_whole_reason_and_exit_3(tiny_model_dir, tmp_path, capfd):
+    """``series --checkpoints run/`` whose only checkpoint's ``model.safetensors`` is cut short: the row is failed
+    with the loader's whole reason (the fix included) in the log, ``series.json`` and ``series.md``, and the launch
+    exits 3 after writing it (before: exit 0, the reason cut at 300 characters)."""
+    broken = shutil.copytree(tiny_model_dir, tmp_path / "run" / "step_1")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "out"
+    assert main(_series_args(tmp_path / "run", out)) == 3
+    reason = read_rows(out)[0].reason
+    assert reason.startswith("InputError: pretrained=") and "model.safetensors is damaged" in reason
+    assert reason.endswith(".") and "Fix: download or copy that file again" in reason and len(reason) > 300
+    assert f"failed: {reason.replace('|', '/')} |" in (out / "series.md").read_text()
+    said = capfd.readouterr()
+    assert f"step_1 failed: {reason}; the series goes on" in said.err
+    assert said.out.rstrip().endswith("series: exit 3: 1 checkpoint(s) failed (--allow-failures: exit 0)")
+
+
+def _referenced_run(step):
+    """A ``--reference previous`` checkpoint's run as distperp's perplexity task and a multiple-choice task report
+    it: the perplexity task's own KL and top-1 metrics, n_tokens, and the reference's entries of both tasks."""
+    names = ["token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "n_tokens"]
+    names += ["kl_divergence", "kl_p99", "kl_max", "top1_agreement", "ref_token_perplexity", "ln_ppl_ratio"]
+    wiki = {f"{name},none": float(step + i) for i, name in enumerate(names)}
+    tasks = {"wiki": wiki, "mc": {"acc,none": 0.5, "acc_norm,none": 0.4}}
+    entry = {"kl_divergence": 0.01 * step, "top1_agreement": 0.9}
+    reference = {"wiki": dict(entry), "mc": {**entry, "flips": 0.1}}
+    return Run(Path("r"), "m", "none", 1, tasks, None, None, "f", reference=reference)
+
+
+def test_each_metric_once_and_every_reference_metric_before_counts(tmp_path):
+    """With a reference, the perplexity task reports KL and top-1 agreement itself: the table and the figure show
+    each once (not again as the reference's "KL" and "top-1"), the task's metrics first, every metric that compares
+    with the reference next, counts (n_tokens) last (before: both twice, and the 12 panels spent on n_tokens and
+    a duplicate dropped top1_agreement)."""
+    from distperp_harness.commands.series_plot import series_panels
+
+    rows = [Row(f"s{i}", "p", 100 * i, Status.DONE) for i in (1, 2)]
+    runs = {f"s{i}": _referenced_run(i) for i in (1, 2)}
+    titles = [c.title for c in columns(list(runs.values()))]
+    assert titles == [
+        "mc acc", "mc acc_norm", "wiki token_perplexity", "wiki word_perplexity", "wiki byte_perplexity",
+        "wiki bits_per_byte", "wiki kl_divergence", "wiki kl_p99", "wiki kl_max", "wiki top1_agreement",
+        "wiki ref_token_perplexity", "wiki ln_ppl_ratio", "mc KL", "mc top-1", "mc flips", "wiki n_tokens",
+    ]  # fmt: skip
+    head = series_table(rows, runs).splitlines()[0]
+    assert head.count("kl_divergence") + head.count("KL") == 2 and "wiki KL" not in head and "wiki top-1" not in head
+    assert [c.title for c, _ in series_panels(rows, runs)] == titles  # 16 panels: all of them, the count last
+
+
 # --- one watched series, a second watch, a 2-process resume ------------------------------------------------------
 
 
@@ -178,30 +332,83 @@ def _rows(out):
     return {r.label: r for r in read_rows(out)} if (out / "series.json").exists() else {}
 
 
+def _write_in_parts(source: Path, target: Path, pause_s: float) -> None:
+    """Write the checkpoint ``source`` (sharded) to ``target`` as a slow trainer would: the small files first, each
+    weight shard in two parts under a temporary name, renamed late, the index last, with a pause longer than the
+    watch's settle time before every step."""
+    target.mkdir()
+    files = sorted(source.iterdir())
+    for small in (f for f in files if not f.name.endswith((".safetensors", ".index.json"))):
+        shutil.copy(small, target / small.name)
+    for shard in (f for f in files if f.name.endswith(".safetensors")):
+        data, temporary = shard.read_bytes(), target / f"{shard.name}.tmp"
+        for part in (data[: len(data) // 2], data):
+            time.sleep(pause_s)
+            temporary.write_bytes(part)
+        time.sleep(pause_s)
+        temporary.rename(target / shard.name)
+    time.sleep(pause_s)
+    index = next(f for f in files if f.name.endswith(".index.json"))
+    shutil.copy(index, target / index.name)
+
+
 @pytest.fixture(scope="module")
 def watched(tiny_model_dir, tmp_path_factory):
-    """A watched run folder: step 100 (the test model, sharpened), 150 (cannot load), 200 (another tokenizer);
-    step 300 is written once the first result is in, then ``STOP``. One in-process watch, one intra-op thread (as
-    each process of a 2-process CPU launch has)."""
+    """A watched run folder: step 100 (the test model, sharpened), 150 (whole weights, a config cut short: it cannot
+    load), 200 (another tokenizer); step 300 is written in parts (:func:`_write_in_parts`) once the first result is
+    in; step 150's config is rewritten (still cut short) after each of its failures, twice; then ``STOP``. One
+    in-process watch (``--retries 1``), one intra-op thread (as each process of a 2-process CPU launch has);
+    ``evaluated`` counts each checkpoint's evaluations."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distperp_harness.commands import release, series
 
     root = tmp_path_factory.mktemp("series")
     run, out = root / "run", root / "out"
     sharpened_model(tiny_model_dir, run / "checkpoint-100", scale=4.0)
-    (run / "checkpoint-150").mkdir()
+    shutil.copytree(run / "checkpoint-100", run / "checkpoint-150")
     (run / "checkpoint-150" / "config.json").write_text("{cut short")
     _other_tokenizer(run / "checkpoint-100", run / "checkpoint-200")
     later = sharpened_model(tiny_model_dir, root / "later", scale=2.0)
-    writer = _write_when(lambda: "checkpoint-100" in _rows(out), lambda: shutil.copytree(later, run / "checkpoint-300"))
-    stopper = _write_when(lambda: "checkpoint-300" in _rows(out), lambda: (run / "STOP").write_text(""))
+    sharded = root / "later-sharded"
+    AutoModelForCausalLM.from_pretrained(later).save_pretrained(sharded, max_shard_size="250KB")
+    AutoTokenizer.from_pretrained(later).save_pretrained(sharded)
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").exists()
+    evaluated: dict[str, int] = {}
+    original, releases, was_released = series.evaluate_one, [], release.released
+
+    def counted(series_, launch, checkpoint, collective):
+        evaluated[checkpoint.label] = evaluated.get(checkpoint.label, 0) + 1
+        return original(series_, launch, checkpoint, collective)
+
+    def rewrite(text):
+        return lambda: (run / "checkpoint-150" / "config.json").write_text(text)
+
+    writers = [
+        _write_when(
+            lambda: "checkpoint-100" in _rows(out), lambda: _write_in_parts(sharded, run / "checkpoint-300", 1.0)
+        ),
+        _write_when(lambda: evaluated.get("checkpoint-150") == 1, rewrite("{still cut short")),
+        _write_when(lambda: evaluated.get("checkpoint-150") == 2, rewrite("{cut short a third time")),
+        _write_when(
+            lambda: "checkpoint-300" in _rows(out) and evaluated.get("checkpoint-150") == 2,
+            lambda: time.sleep(1.5) or (run / "STOP").write_text(""),  # the third config seen, not read again
+        ),
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(_series_args(run, out, "--watch", "--poll", "0.3")) == 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(series, "evaluate_one", counted)
+            patch.setattr(release, "released", lambda *a: releases.append(was_released(*a)) or releases[-1])
+            args = _series_args(run, out, "--watch", "--poll", "0.3", "--settle", "0.6", "--retries", "1")
+            assert main(args) == 3  # step 150 failed: every row written, then exit 3
     finally:
         torch.set_num_threads(threads)
-    writer.join(1), stopper.join(1)
-    return {"run": run, "out": out, "root": root}
+    for writer in writers:
+        writer.join(1)
+    return {"run": run, "out": out, "root": root, "evaluated": evaluated, "releases": releases}
 
 
 def _fingerprint(folder):
@@ -209,6 +416,11 @@ def _fingerprint(folder):
 
 
 def test_watch_evaluates_each_checkpoint_once_and_the_failed_one_as_a_row(watched):
+    """Each whole checkpoint once (step 300 only once its last shard was renamed and its index written: its results
+    are those of the whole checkpoint, below), the failed one again after its files changed, at most once
+    (``--retries 1``)."""
+    assert watched["evaluated"] == {"checkpoint-100": 1, "checkpoint-150": 2, "checkpoint-200": 1, "checkpoint-300": 1}
+    assert [r.ok for r in watched["releases"]] == [True] * 3  # each evaluated model collected before the next
     rows = _rows(watched["out"])
     assert sorted(rows) == ["checkpoint-100", "checkpoint-150", "checkpoint-200", "checkpoint-300"]
     assert rows["checkpoint-150"].status is Status.FAILED and "config" in rows["checkpoint-150"].reason
@@ -238,8 +450,11 @@ def test_each_checkpoint_has_the_fingerprint_of_its_separate_evaluation(watched)
 
 
 def test_a_second_watch_evaluates_nothing_again(watched, capsys):
+    """A second watch skips what is done and tries the failed checkpoint again (it fails again): with
+    ``--allow-failures`` its exit code is 0."""
     stamps = {p: p.stat().st_mtime_ns for p in watched["out"].rglob("results_*.json")}
-    assert main(_series_args(watched["run"], watched["out"], "--watch", "--poll", "0.1")) == 0
+    args = _series_args(watched["run"], watched["out"], "--watch", "--poll", "0.1", "--settle", "0.2")
+    assert main([*args, "--allow-failures"]) == 0
     said = capsys.readouterr()
     assert "1 evaluated in this launch" in said.out  # the failed checkpoint, tried again
     assert {p: p.stat().st_mtime_ns for p in watched["out"].rglob("results_*.json")} == stamps
@@ -256,7 +471,8 @@ def test_two_processes_resume_a_stopped_series_with_the_same_fingerprints(watche
     first = read_rows(watched["out"])[0]
     (out / "series.json").write_text(json.dumps({"rows": [first.to_dict()]}))
     cmd = [*accelerate_launch_prefix(2), "-m", "distperp_harness", *_series_args(watched["run"], out)]
-    proc = run_command(cmd, cwd=tmp_path, env={"DISTPERP_TEST_FAIL_LOAD": "1:1"})  # rank 1's first load: step 200
+    proc = run_command(cmd, cwd=tmp_path, env={"DISTPERP_TEST_FAIL_LOAD": "1:1"}, check=False)  # rank 1: step 200
+    assert proc.returncode == 3, proc.stderr[-3000:]  # every row written, two failed
     assert "done already, skipped: checkpoint-100" in proc.stderr + proc.stdout
     rows = _rows(out)
     assert rows["checkpoint-150"].status is Status.FAILED

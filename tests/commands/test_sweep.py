@@ -23,7 +23,7 @@ def test_parse_schemes():
         Scheme("int8", "int8", None),
         Scheme("8da4w", "8da4w", None),
     ]
-    assert parse_schemes("int4:32")[0].folder == "int4-g32"
+    assert parse_schemes("int4:32")[0].folder == "int4:32"  # the results folder is named as the leaderboard's row
 
 
 @pytest.mark.parametrize(
@@ -42,13 +42,13 @@ def test_bad_schemes_say_what_is_allowed(text, says):
     assert says in str(info.value)
 
 
-def _sweep_args(model, tasks_dir, out):
+def _sweep_args(model, tasks_dir, out, schemes=SCHEMES):
     return [
         "sweep",
         "--pretrained",
         str(model),
         "--schemes",
-        SCHEMES,
+        schemes,
         "--tasks",
         "dptest_mc,dptest_rolling",
         "--include_path",
@@ -64,13 +64,17 @@ def _sweep_args(model, tasks_dir, out):
 
 @pytest.fixture(scope="module")
 def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
-    """One in-process sweep (1 process), counting model loads.
+    """One in-process sweep (1 process), counting model loads; its second scheme (8da4w) fails to load (an injected
+    fault, as an unreadable file would), which is a leaderboard row saying why, the sweep going on to int8 and
+    exiting 3 once everything is written.
 
     One intra-op thread, as each of the 2 processes that ``accelerate launch --multi_gpu`` starts on a CPU machine
     gets (``OMP_NUM_THREADS=1``): the bf16 int4 CPU kernel's last bits depend on the thread count, not on the world
     size (measured on this model: the 1e-9-relative difference goes away with equal threads).
     """
     import torch
+
+    from distperp_harness.distributed import testfaults
 
     root = tmp_path_factory.mktemp("sweep")
     model = sharpened_model(tiny_model_dir, root / "model")
@@ -81,8 +85,10 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
             loading, "load_model", lambda *a, **k: loads.append(k.get("key", "pretrained")) or original(*a, **k)
         )
         torch.set_num_threads(1)
+        patch.setitem(testfaults._calls, "load", 0)  # this process's model loads, counted from here
+        patch.setenv("DISTPERP_TEST_FAIL_LOAD", "0:2")
         try:
-            assert main(_sweep_args(model, tasks_dir, root / "out")) == 0
+            assert main(_sweep_args(model, tasks_dir, root / "out", "int4:32,8da4w,int8")) == 3
         finally:
             torch.set_num_threads(threads)
     return {"model": model, "out": root / "out", "loads": loads}
@@ -109,8 +115,11 @@ def test_one_results_folder_per_scheme_ranked_by_pooled_kl(sweep):
     }
     assert kl == {label: pytest.approx(pooled_kl(r.reference), rel=1e-12) for label, r in runs.items()}
     rows = [line.split("|")[1:-1] for line in (sweep["out"] / "leaderboard.md").read_text().splitlines()[2:]]
-    order = [row[1].strip() for row in rows[::2]]
-    assert order == sorted(kl, key=kl.get) and [row[0].strip() for row in rows] == ["1", "1", "2", "2"]
+    order = [row[1].strip() for row in rows[:4:2]]
+    assert order == sorted(kl, key=kl.get) and [row[0].strip() for row in rows[:4]] == ["1", "1", "2", "2"]
+    failed = [c.strip() for c in rows[4]]  # the scheme that failed to load: last, saying why
+    assert failed[:3] == ["–", "8da4w", "–"] and failed[3].startswith("failed: RuntimeError: injected failure")
+    assert not (sweep["out"] / "8da4w").exists()
     mc = runs["int4:32"].reference["dptest_mc"]
     cells = next(row for row in rows if row[1].strip() == "int4:32" and row[2].strip() == "dptest_mc")
     assert cells[5].strip() == f"{mc['flips']:.3f} ({mc['n_flips']}/20)" and mc["n_flips"] >= 1

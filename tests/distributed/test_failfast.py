@@ -136,6 +136,31 @@ def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(mon
     assert failfast._WATCH[0].closing and exits == [1]
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_an_input_error_is_said_once(monkeypatch, capsys, same):
+    """An input error every rank meets alike (the command line, an agreed answer) is nobody's failure: nothing is
+    published, and rank 0 alone prints it (errors.one_line); one that this rank alone meets is published for the
+    peers, its one line (``distperp: error (rank R): ...``) printed by the input-error hook, not a second time here."""
+    from distperp_harness.errors import InputError
+
+    store = DictStore()
+    monkeypatch.setattr(failfast, "default_store", lambda: store)
+    monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
+    monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, 1)])  # not started
+    monkeypatch.setitem(failfast._PLACE, "rank", 1)
+    monkeypatch.setitem(failfast._PLACE, "world_size", 2)
+    exits = []
+    monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    failfast.uncaught(InputError("cp_size=3 is not valid with 2 process(es)", same_on_every_rank=same))
+    record = failfast.read(store)
+    assert capsys.readouterr().err == ""
+    if same:
+        assert record is None and exits == []
+    else:
+        assert "failed while running the evaluation: InputError: cp_size=3" in record and exits == [1]
+    failfast._PLACE["published"] = False
+
+
 # -------------------------------------------------------------------------------------- control plane rules
 def test_a_loopback_bind_on_several_hosts_is_refused_naming_address_variable_and_fix():
     entries = [
@@ -409,11 +434,10 @@ def test_a_faked_loopback_bind_on_two_nodes_is_refused_at_start(tiny_model_dir, 
         for rank in (0, 1)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, output in zip(procs, outputs):
-        assert p.returncode != 0
-        assert "rank 1 on node1 binds to 127.0.1.1" in output and "GLOO_SOCKET_IFNAME=<interface>" in output, output[
-            -3000:
-        ]
+    assert all(p.returncode != 0 for p in procs)
+    said = "rank 1 on node1 binds to 127.0.1.1"  # every rank meets it alike: rank 0 says it, once for the launch
+    assert said in outputs[0] and "GLOO_SOCKET_IFNAME=<interface>" in outputs[0], outputs[0][-3000:]
+    assert said not in outputs[1] and "distperp: error" not in outputs[1], outputs[1][-3000:]
 
 
 def test_stopping_the_watch_waits_for_its_thread():
@@ -438,8 +462,9 @@ def test_stopping_the_watch_waits_for_its_thread():
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_rank_failing_to_load_stops_every_rank_named(tiny_model_dir, tasks_dir, tmp_path, failing):
     """The load is followed by an agreement (every rank's outcome gathered): a rank whose load fails (rank 0, the
-    store's host, or rank 1) raises its own error and the other stops naming it, within seconds of ``timeout=600``,
-    no results written."""
+    store's host, or rank 1) raises its own error, named once by that rank, and the other stops within seconds of
+    ``timeout=600`` without reporting the agreement's ``StepFailed`` as a failure of its own (rank 0 names the
+    failing rank once more, with the fix; rank 1 is silent); no results written."""
     out = tmp_path / "out"
     run = launch_one_node(
         distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_mc"),
@@ -450,8 +475,10 @@ def test_a_rank_failing_to_load_stops_every_rank_named(tiny_model_dir, tasks_dir
     ended = run.wait_all(timeout=240)
     text = run.texts[0]
     assert run.procs[0].returncode != 0, text[-3000:]
-    peer = 1 - failing
-    assert f"distperp: rank {peer} (" in text and f"StepFailed: rank {failing} (" in text, text[-3000:]
-    assert "failed while loading the model: RuntimeError: injected failure for tests" in text, text[-3000:]
+    own = rf"distperp: rank {failing} \([^)]*\) failed while running the evaluation: RuntimeError: injected failure"
+    assert len(re.findall(own, text)) == 1, text[-3000:]  # the failing rank names itself, once
+    assert "StepFailed" not in text, text[-3000:]  # the peer does not report the agreement as a failure of its own
+    if failing == 1:  # rank 0 says why it stops, with the fix (or its watch saw rank 1's record first)
+        assert "distperp: error: rank 1 (" in text or "distperp: rank 0 stops because rank 1 (" in text, text[-3000:]
     assert not list(out.rglob("results_*.json"))
     assert ended - started < 120  # far below the 600 s a gather would wait

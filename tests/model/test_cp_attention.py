@@ -131,6 +131,48 @@ def test_a_groups_forward_is_one_forward_split(family, mode, dtype):
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("tokens, cp", [(2048, 2), (4096, 4), (3072, 3), (1024, 2), (2048, 4)])
+def test_against_cp_size_1_the_same_bits_only_for_rows_of_a_multiple_of_1024_tokens_per_member(tokens, cp):
+    """The claim of docs/big-models.md ("Exactness"), float32 on CPU: a group's window has cp_size=1's bits exactly
+    when each of its 2N chunks is a multiple of 512 tokens (the block in which torch's CPU attention sums keys), a
+    row of a multiple of 1,024 x cp_size tokens; other rows are within float32 rounding (a random Llama of the
+    tests' shape, one window; on wt2-llama-5m's shape 1,024 tokens at cp_size=2 differ by 1.6e-6 nats)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distperp_harness.planning.requests import window_units
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(**shape, num_key_value_heads=2, head_dim=16, max_position_embeddings=tokens)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    record_paths(model, probe(model, CPU, 0, tokens))
+    ids = torch.randint(1, 512, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows = build_rows(window_units(ids, 0, tokens, None), ShareMode.OFF)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of a CPU launch
+    try:
+        whole = score_batch(model, rows, device=CPU, pad_token_id=0)
+        cp_attention.use(model)
+        member = _simulated(model, rows, cp)[0]
+    finally:
+        torch.set_num_threads(threads)
+        model.set_attn_implementation("sdpa")
+    if tokens % (1024 * cp) == 0:  # every chunk a multiple of 512 tokens
+        assert np.array_equal(member.stats, whole.stats), (tokens, cp)
+    assert abs(member.stats[:, 0].sum() - whole.stats[:, 0].sum()) <= 1e-9 * abs(whole.stats[:, 0].sum())
+
+
+def test_the_docs_claim_what_is_measured():
+    """README and docs/big-models.md state the rule the test above holds (before: "the same bits when each member
+    holds a few hundred tokens", which a 1,024-token window on 2 members disproved)."""
+    from helpers import REPO_ROOT
+
+    for page in ("README.md", "docs/big-models.md"):
+        text = " ".join((REPO_ROOT / page).read_text().split())
+        assert "a few hundred tokens" not in text and "multiple of 1,024 × `cp_size` tokens" in text, page
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3-mixed-window"])
 def test_a_reference_is_split_the_same_way(family):
     """With a reference (another random model of the family), every member's unit table (log-likelihoods of both,

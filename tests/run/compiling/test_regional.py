@@ -140,7 +140,9 @@ def test_generation_decodes_with_the_compiled_static_step(compiled_lm, tiny_mode
 
 
 def test_compile_is_in_the_run_identity_and_resume_key(compiled_lm):
-    assert compiled_lm._run_identity()["options"]["compile"] == "default"
+    from distperp_harness.stages import run_identity
+
+    assert run_identity(compiled_lm.options, compiled_lm.device_identity)["options"]["compile"] == "default"
     assert compiled_lm._scoring_config()["compiled"] == "default"
     assert compiled_lm._scoring_config()["options"]["compile"] == "default"
 
