@@ -11,8 +11,7 @@ from helpers import family_model
 from distperp_harness.model.attention import AttentionLayout, LayerAttention, OutputMap
 from distperp_harness.model.lengths import LengthRule
 from distperp_harness.run.scoring.engine import probe as probing
-from distperp_harness.run.scoring.engine import probe_checks
-from distperp_harness.run.scoring.engine import support
+from distperp_harness.run.scoring.engine import probe_checks, support
 from distperp_harness.run.scoring.engine.probe import merge_paths, probe
 from distperp_harness.run.scoring.engine.probe_cases import Target
 
