@@ -88,3 +88,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             sources[path] = any(call in text for call in _LAUNCHES)
         if sources[path]:
             item.add_marker(pytest.mark.launches)
+
+
+@pytest.fixture(autouse=True)
+def _probe_decides_afresh():
+    """Each test's probes run their cases: a verdict kept from another test (which may patch the engine) never
+    decides for this one."""
+    from distperp_harness.run.scoring.engine.probe import forget_decisions
+
+    forget_decisions()
+    yield

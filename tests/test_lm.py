@@ -200,10 +200,10 @@ def test_models_without_the_mask_fall_back_and_say_so(tiny_model_dir, tasks_dir,
         )
         logging.getLogger("distperp_harness").removeHandler(caplog.handler)
     sharing = run["config"]["distperp"]["sharing"]
-    why = "tree rows gave other log-likelihoods than unshared rows on the probe"
+    why = "nats from the unshared rows"
     assert sharing["mode"] == "inputs" and why in sharing["fallback_reason"]
     paths = run["config"]["distperp"]["paths"]["model"]
-    assert paths["probed"] and not paths["packed_rows"] and paths["evidence"]["packed_difference"] > 1e-3
+    assert paths["probed"] and not paths["packed_rows"] and paths["evidence"]["largest_difference"]["tree"] > 1e-3
     said = [r for r in caplog.records if "shared-prefix rows are off" in r.getMessage()]
     assert len({id(r) for r in said}) == 1 and why in said[0].getMessage()  # once
     call = next(c for c in run["config"]["distperp"]["calls"] if c["kind"] == "loglikelihood")

@@ -77,6 +77,11 @@ checkpoints of one architecture decides once)."""
 _VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "architectures")
 
 
+def forget_decisions() -> None:
+    """Drop every kept verdict (:data:`_DECIDED`): the next probe of each architecture runs its cases again."""
+    _DECIDED.clear()
+
+
 def architecture_key(model: torch.nn.Module, device: torch.device, target: Target) -> tuple:
     """What a miniature's verdict depends on: the model class, its configuration without the checkpoint's name and
     dtype, the attention implementation, the device kind and the target."""

@@ -18,11 +18,6 @@ from distperp_harness.run.scoring.engine.probe_cases import Target
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_decisions(monkeypatch):
-    monkeypatch.setattr(probing, "_DECIDED", {})
-
-
 def test_a_declared_window_the_model_does_not_apply_is_refused(monkeypatch):
     """The config says window 12 where the model applies 16: tree rows with the declared window disagree with the
     unshared rows, and packed rows are refused with the measured difference."""
