@@ -4,7 +4,6 @@ nothing, the real weights confirm the head's map, one decision per architecture,
 
 import dataclasses
 
-import pytest
 import torch
 from helpers import family_model
 
