@@ -474,4 +474,7 @@ def _checkpoints(series: Series, collective: Any, watcher: Watcher | None, launc
         )
         if failed and not args.allow_failures:
             print(f"series: exit {ExitCode.FAILED.value}: {failed} checkpoint(s) failed (--allow-failures: exit 0)")
-    return for_failures(failed, args.allow_failures)
+    code = for_failures(failed, args.allow_failures)
+    if code and collective.world_size > 1:  # a launcher stops every rank once one exits non-zero: rank 0 has written
+        collective.barrier("the series' record written before a rank exits")
+    return code

@@ -196,7 +196,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         )
         if failed and not args.allow_failures:
             print(f"sweep: exit {ExitCode.FAILED.value}: {len(failed)} scheme(s) failed (--allow-failures: exit 0)")
-    return for_failures(len(failed), args.allow_failures)
+    code = for_failures(len(failed), args.allow_failures)
+    if code and collective.world_size > 1:  # a launcher stops every rank once one exits non-zero: rank 0 has written
+        collective.barrier("the leaderboard written before a rank exits")
+    return code
 
 
 def save_results(tracker: Any, results: dict[str, Any], model_args: dict[str, Any]) -> None:
