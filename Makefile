@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast lint venv bench clean
+.PHONY: demo test test-fast test-matrix lint venv bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -x -m "not launches and not distributed and not slow" $(PYTEST_ARGS); \
 	rc=$$?; echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# every causal LM type transformers registers through distperp against float64 (benchmarks/family_matrix.py)
+test-matrix: $(STAMP)
+	$(PY) -m pytest -q -m matrix tests/test_family_matrix.py $(PYTEST_ARGS)
 
 # ruff (format, import order, bugbear, simplify, complexity, argument count) and mypy over the whole package;
 # the configuration is pyproject.toml's [tool.ruff] and [tool.mypy]

@@ -79,9 +79,15 @@ _LAUNCHES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test of a module that starts processes gets the ``launches`` marker: ``make test-fast`` deselects them."""
+    """Every test of a module that starts processes gets the ``launches`` marker: ``make test-fast`` deselects them.
+    A ``matrix`` test (every registered model type) runs only when asked for (``-m matrix``, ``make test-matrix``)."""
+    asked = "matrix" in (config.getoption("markexpr", "") or "")
     sources: dict[Path, bool] = {}
     for item in items:
+        if "matrix" in item.keywords and not asked:
+            item.add_marker(
+                pytest.mark.skip(reason="the registered-type matrix runs with -m matrix (make test-matrix)")
+            )
         path = Path(str(item.fspath))
         if path not in sources:
             text = path.read_text(encoding="utf-8")

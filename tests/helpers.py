@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pytest
 
-from benchmarks._families import PUBLISHED, attention_of, published_config  # noqa: F401 - re-exported for the tests
+from distperp_harness.commands.families import PUBLISHED, attention_of, published_config  # noqa: F401 - re-exported
 from distperp_harness.commands.launching import (  # noqa: F401 - re-exported for the tests
     OFFLINE_ENV,
     accelerate_launch_prefix,
@@ -822,12 +822,27 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "sdpa",
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
     ),
+    "gpt2-learned": ("gpt2", "sdpa", {"max_position_embeddings": 128}),
+    "phi3-longrope": (
+        "phi3",
+        "sdpa",
+        {
+            "original_max_position_embeddings": 48,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "long_factor": [1.0 + k for k in range(8)],
+                "short_factor": [1.0] * 8,
+            },
+        },
+    ),  # fmt: skip
 }
 """Tiny random models of the families people evaluate, built from transformers' own config classes with their
 features kept at small sizes: windows shorter than the rows (Mistral, Qwen 3 with mixed layers, Gemma 2/3, gpt-oss,
 Cohere 2), soft-caps (Gemma 2), attention sinks and experts (gpt-oss), logit scales (Granite, Cohere 2), MLA
-(DeepSeek-V3), chunked attention (Llama 4), linear attention and state spaces (Qwen3-Next, Falcon-H1); name ->
-(model_type, attention implementation, config keywords)."""
+(DeepSeek-V3), chunked attention (Llama 4), linear attention and state spaces (Qwen3-Next, Falcon-H1), a learned
+position table as long as ``max_length`` (GPT-2), a longrope factor chosen by the forward's longest path (Phi-3);
+name -> (model_type, attention implementation, config keywords)."""
 UNMASKED_FAMILIES = ("qwen3-next-linear", "falcon-h1-ssm")
 """The families whose layers attend by more than a mask: no packed rows, head only where scored."""
 

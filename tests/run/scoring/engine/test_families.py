@@ -78,17 +78,23 @@ def _hf_scores(model, units, tokenizer):
 
 
 def _planned_scores(model, units, verdict):
-    """Each unit's log-likelihood as a run computes it: rows by the verdict's share mode, batches of four rows,
-    a batch's shared prefix computed once where the verdict allows it."""
+    """Each unit's log-likelihood as a run computes it: units of one length key together (the verdict's length
+    rule), rows by the verdict's share mode, batches of four rows, a batch's shared prefix computed once where the
+    verdict allows it (and keys alike)."""
     mode = ShareMode.PREFIX if verdict.packed_rows is None else ShareMode.INPUTS
-    rows = plan_rows(units, mode, max_row_length=2 * MAX_LENGTH).rows
-    out = np.empty(len(units))
-    for start in range(0, len(rows), 4):
-        batch = rows[start : start + 4]
-        shared = shared_prefix(batch) if mode == ShareMode.PREFIX and verdict.cached_prefix is None else 0
-        stats = score_batch(model, batch, device=CPU, pad_token_id=0, shared=shared).stats
-        out[[i for row in batch for i in row.unit_ids]] = stats[:, LL]
-    return out, any(r.packed for r in rows)
+    keys = [verdict.lengths.key(u.input_length) for u in units]
+    out, packed = np.empty(len(units)), False
+    for key in sorted(set(keys)):
+        ids = [i for i, k in enumerate(keys) if k == key]
+        rows = plan_rows([units[i] for i in ids], mode, max_row_length=2 * MAX_LENGTH).rows
+        packed = packed or any(r.packed for r in rows)
+        for start in range(0, len(rows), 4):
+            batch = rows[start : start + 4]
+            shared = shared_prefix(batch) if mode == ShareMode.PREFIX and verdict.cached_prefix is None else 0
+            shared = shared if verdict.lengths.key(shared) == key else 0
+            stats = score_batch(model, batch, device=CPU, pad_token_id=0, shared=shared).stats
+            out[[ids[i] for row in batch for i in row.unit_ids]] = stats[:, LL]
+    return out, packed
 
 
 def test_rows_as_planned_equal_unshared_rows_and_are_closer_to_float64_than_hf(family, tiny_tokenizer):

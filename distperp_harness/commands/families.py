@@ -1,5 +1,6 @@
-"""Families at their published positional and attention settings, at small widths: the configurations the family
-matrix (``benchmarks.family_matrix``) and the tests (``tests/helpers.py`` re-exports them) build models from."""
+"""Families at their published positional and attention settings, at small widths (beside the tiny Llama models of
+:mod:`~distperp_harness.commands.tiny`): the configurations the family matrix (``benchmarks.family_matrix``) and the
+tests (``tests/helpers.py`` re-exports them) build models from."""
 
 from __future__ import annotations
 
@@ -94,14 +95,28 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
     },
+    # the published mechanisms at thresholds short rows cross
+    "llama-dynamic-64": {
+        "model_type": "llama", "max_position_embeddings": 64, "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    },
+    "llama4-floor-40": {
+        "model_type": "llama4_text", "attention_chunk_size": 48, "no_rope_layers": [1, 1, 1, 0],
+        "attn_temperature_tuning": True, "floor_scale": 40, "attn_scale": 0.1, "max_position_embeddings": 10485760,
+        "rope_theta": 500000.0, "interleave_moe_layer_step": 1, "use_qk_norm": True, "hidden_size": 64,
+        "intermediate_size": 64, "intermediate_size_mlp": 128, "head_dim": 16, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 1,
+    },
 }  # fmt: skip
 """Families at their published positional and attention settings (GPT-2 and OPT's learned tables, GPT-J's 64 rotary
 dims, GPT-Neo 125M's 256-token local layers, Phi-3-mini-128k's longrope, MPT-7b and BLOOM's ALiBi, Falcon-7b's
 rotary multi-query parallel attention, DeepSeek-V3's MLA and yarn, Command R7B's window pattern and logit scale,
 Llama 4 Scout's chunks, NoPE layers and temperature tuning, Gemma 3 270M's 512-token windows, Llama with dynamic
-rope), at small widths (GPT-J's heads keep their 64 rotary dims, Phi-3's its 96 wide heads, DeepSeek-V3 its MLA
-sizes): name -> config keywords (``model_type`` among them). Written from the hub's configurations; array values to
-two decimals."""
+rope; and two of those mechanisms at thresholds short rows cross: dynamic rope past 64 tokens, Llama 4's temperature
+tuning past 40 and chunks of 48), at small widths (GPT-J's heads keep their 64 rotary dims, Phi-3's its 96 wide
+heads, DeepSeek-V3 its MLA sizes): name -> config keywords (``model_type`` among them). Written from the hub's
+configurations; array values to two decimals."""
 
 
 def published_config(name: str) -> Any:
