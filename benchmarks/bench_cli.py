@@ -105,6 +105,20 @@ def lm_eval(args, name: str, model: str, model_args: str, task: str, out: Path, 
     }
 
 
+def repeated(args, backends: tuple[str, ...], model_args: str, task: str, out: Path) -> list[dict]:
+    """``--repeats`` runs of each backend, alternating which goes first; per backend the run of median wall time
+    (its ``walls``: every repetition's)."""
+    runs: dict[str, list[dict]] = {b: [] for b in backends}
+    for k in range(args.repeats):
+        for b in backends if k % 2 == 0 else backends[::-1]:
+            runs[b].append(lm_eval(args, b, b, model_args, task, out / f"{b}-{k}", {}))
+    rows = []
+    for b in backends:
+        ordered = sorted(runs[b], key=lambda r: r["wall"])
+        rows.append({**ordered[len(ordered) // 2], "walls": [round(r["wall"], 1) for r in runs[b]]})
+    return rows
+
+
 def answer(task: str, sample: dict):
     """A question's chosen answer index, or a document's log-likelihood."""
     first = [float(r[0] if isinstance(r, list) else r) for r in sample["filtered_resps"]]
@@ -138,8 +152,9 @@ def table(work: list[tuple[str, str, list[dict], int | None]]) -> str:
             phase = "n/a" if row["request_phase"] is None else f"{row['request_phase']:.1f}"
             count, unit = (tokens, "tokens") if tokens else (len(row["per_doc"]), "questions")
             rate = f"{count / row['wall']:,.1f} {unit}"
+            walls = f" ({', '.join(map(str, row['walls']))})" if len(row.get("walls", ())) > 1 else ""
             lines.append(
-                f"| {label} | {row['name']} | {row['wall']:.1f} | {base['wall'] / row['wall']:.2f}x | {phase} | "
+                f"| {label} | {row['name']} | {row['wall']:.1f}{walls} | {base['wall'] / row['wall']:.2f}x | {phase} | "
                 f"{rate} | {agreement(task, row, base)} |"
             )
     return "\n".join(lines)
@@ -159,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", default="auto", help="both backends' --batch_size (hf: auto finds its own)")
     p.add_argument("--work-list", default="mmlu_pro,rolling,int4", help="which work to run")
     p.add_argument("--work", default=None, help="folder for data and outputs (default: a temporary one)")
+    p.add_argument("--repeats", type=int, default=1, help="MMLU-Pro runs per backend, alternating (median reported)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     use_offline_env(args.device)
@@ -172,10 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     work = []
     if "mmlu_pro" in wanted:
         args.include = build_leaderboard_include(root / "leaderboard", docs_per_subtask=args.questions)
-        rows = [
-            lm_eval(args, b, b, base_args, "leaderboard_mmlu_pro", root / f"mmlu-{b}", {}) for b in ("hf", "distperp")
-        ]
-        work.append((f"MMLU-Pro 5-shot, {args.questions} questions", "leaderboard_mmlu_pro", rows, None))
+        rows = repeated(args, ("hf", "distperp"), base_args, "leaderboard_mmlu_pro", root / "mmlu")
+        repeats = f", median of {args.repeats} alternating" if args.repeats > 1 else ""
+        work.append((f"MMLU-Pro 5-shot, {args.questions} questions{repeats}", "leaderboard_mmlu_pro", rows, None))
     if "rolling" in wanted:
         work.append(rolling(args, root / "rolling", args.tokens, tokenizer, [("hf", "hf", base_args)]))
     if "int4" in wanted:
