@@ -123,3 +123,16 @@ def test_ranks_merge_to_the_most_careful_decision():
     assert merged.lengths.sides == (32,) and merged.tree_tokens is None
     narrower = dataclasses.replace(mine, tree_tokens=256).to_dict()
     assert merge_paths([mine.to_dict(), narrower], mine).tree_tokens == 256
+
+
+def test_alibi_stored_in_bfloat16_is_decided_in_float64_and_refused():
+    """MPT's ALiBi bias reads column distance, so tree rows are wrong; in bfloat16 (how mpt-7b is stored) a tolerance
+    of bfloat16 rounding let them through. The float64 miniature decides, with float64's tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from distperp_harness.commands.families import published_config
+
+    model = AutoModelForCausalLM.from_config(published_config("mpt")).to(torch.bfloat16).eval()
+    verdict = probe(model, CPU, 0, Target(96, 192))
+    assert "nats from the unshared rows" in verdict.packed_rows
+    assert verdict.evidence["tolerance"] < 1e-3 < verdict.evidence["largest_difference"]["tree"]
