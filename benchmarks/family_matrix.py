@@ -15,6 +15,7 @@ weights in float64, computed alone, and with the model's own float32 unshared ro
 * ``fallback (reason)``: exact, with the path the probe refused and why;
 * ``refused (reason)``: distperp refuses the model in one line;
 * ``skipped (reason)``: no text model to build (it needs images or audio, or remote code);
+* ``unchecked (reason)``: distperp ran, but transformers' own float64 forward of the type fails: no reference;
 * ``WRONG`` (a unit further from float64 than its own unshared row by more than rounding) and ``CRASH``: failures.
 
 Exits 1 on any WRONG or CRASH.
@@ -47,6 +48,8 @@ SHORT_ROPE = {"original_max_position_embeddings": 48}
 RUN_LENGTH = {"gpt_neo": 320, "phi3": 4160, "llama-dynamic-64": 160}
 """``max_length`` of the PUBLISHED families whose thresholds lie past :data:`MAX_LENGTH` (rows cross them), or past
 their ``max_position_embeddings`` (dynamic rope extends it): never cut to the model's positions."""
+VOCAB = 512
+"""Vocabulary of a registered type's model and tokenizer (a miniature's 128 ids hold no byte-level tokenizer)."""
 ROUNDING = 2e-5
 """Slack per scored token (nats) beyond ten times a unit's own float32 rounding."""
 
@@ -97,10 +100,18 @@ def build(name: str) -> tuple[Any, int] | str:
     if name in PUBLISHED:
         config, length = published_config(name), RUN_LENGTH.get(name, MAX_LENGTH)
     else:
-        small = miniature_config(AutoConfig.for_model(name))
+        try:
+            default = AutoConfig.for_model(name)
+        except Exception as exc:  # transformers' own default configuration of the type does not validate
+            return f"no default configuration ({type(exc).__name__}: {str(exc).splitlines()[-1].strip()[:160]})"
+        small = miniature_config(default)
         if isinstance(small, str):
             return small
         config, length = _shortened(small), MAX_LENGTH
+        text = getattr(config, "get_text_config", lambda **_: config)(decoder=True)
+        for key in [k for k in text.to_dict() if "vocab_size" in k]:  # and Gemma's per-layer input table
+            if isinstance(getattr(text, key), int) and getattr(text, key) < VOCAB:
+                setattr(text, key, VOCAB)  # room for the trained tokenizer (bytes and specials); special ids stay
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
@@ -191,7 +202,10 @@ def check(name: str) -> Verdict:
     units = [continuation_unit(*lm._encode_pair(c, a), max_length) for c, a in pairs]
     windows = [window_units(lm.tok_encode(d), lm.prefix_token_id, max_length) for d in documents]
     flat = units + [u for w in windows for u in w]
-    own, exact = unshared(model, flat, torch.float32), unshared(model, flat, torch.float64)
+    try:
+        own, exact = unshared(model, flat, torch.float32), unshared(model, flat, torch.float64)
+    except Exception as exc:  # transformers' own forward of the type fails in float64 (XGLM's mask fill)
+        return Verdict(name, "unchecked", f"no float64 reference: {type(exc).__name__}: {str(exc)[:160]}")
     counts = np.array([u.n_score for u in flat], dtype=float)
     ours = np.array([float(s) for s, _ in ll] + [math.nan] * (len(flat) - len(units)))
     bounds = np.cumsum([0] + [len(w) for w in windows])

@@ -27,11 +27,11 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
     """
     config: Any = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(config, "hidden_size", 1024) or 1024)
-    inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
-    heads = int(getattr(config, "num_attention_heads", 16) or 16)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    hidden = _largest_size(config, "hidden_size") or 1024
+    inter = _largest_size(config, "intermediate_size") or 4 * hidden
+    heads = _largest_size(config, "num_attention_heads") or 16
+    kv_heads = _largest_size(config, "num_key_value_heads") or heads
+    head_dim = _largest_size(config, "head_dim") or hidden // heads
     width = compute_dtype_bytes(model)
     attention = 2 * hidden + (heads + 2 * kv_heads) * head_dim + (heads + kv_heads) * head_dim + 2 * hidden
     mlp = 2 * hidden + 3 * inter + hidden
@@ -40,6 +40,18 @@ def activation_bytes_per_token(model: torch.nn.Module, max_length: int) -> int:
         per_layer += heads * max_length * (2 * width + 4)
     scoring = 2 * width * hidden + 64
     return int(per_layer + scoring + tree_mask_bytes_per_token(max_length) * mask_count(model))
+
+
+def _largest_size(config: Any, key: str) -> int | None:
+    """``config.key`` as an integer: its largest layer's where it varies by layer (a list, or a configuration whose
+    per-layer attributes refuse a global read, as Gemma 4's), None where it is absent."""
+    try:
+        value = getattr(config, key, None)
+    except Exception:  # transformers' per-layer configurations raise their own error class here
+        value = [getattr(layer, key, None) for layer in getattr(config, "per_layer_config", None) or ()]
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, int)), default=None)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
 
 
 def compute_dtype_bytes(model: torch.nn.Module) -> int:

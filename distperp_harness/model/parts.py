@@ -189,9 +189,13 @@ def check_positions(max_length: int | None, config: Any, key: str, source: str) 
 
 
 def embedding_rows(model: Any) -> int:
-    """Rows of the model's input embeddings (else its config's ``vocab_size``)."""
+    """Rows of the model's input embeddings (else its config's ``vocab_size``), or the columns of its output head
+    where fewer (an id past them can be read but not scored)."""
     embeddings = model.get_input_embeddings()
-    return int(getattr(embeddings, "num_embeddings", 0) or model.config.vocab_size)
+    rows = int(getattr(embeddings, "num_embeddings", 0) or model.config.vocab_size)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    columns = getattr(head, "out_features", None)
+    return min(rows, columns) if isinstance(columns, int) and columns > 0 else rows
 
 
 def check_vocabulary(tokenizer: Any, tokenizer_source: str, model: Any, key: str, source: str) -> None:
@@ -209,7 +213,7 @@ def check_vocabulary(tokenizer: Any, tokenizer_source: str, model: Any, key: str
         return
     raise InputError(
         f"the tokenizer of {tokenizer_source!r} has {size} tokens (ids 0..{size - 1}), but {key}={source!r} "
-        f"embeds only {rows} (ids 0..{rows - 1}): a text with a larger id could not be scored. Allowed: a "
+        f"embeds and predicts only {rows} (ids 0..{rows - 1}): a text with a larger id could not be scored. Allowed: a "
         f"tokenizer of at most {rows} tokens. Fix: use the model's own tokenizer (drop tokenizer=, or pass "
         "tokenizer=<the folder or hub id the model was trained with>).",
         same_on_every_rank=True,

@@ -64,3 +64,14 @@ def test_estimate_matches_the_measured_scoring_peak_within_25_percent(tmp_path, 
     # 0.94-1.32 across quiet runs, 1.56 for eager attention during a loaded full suite): a looser bound, which
     # still fails an estimate whose activations are off by 2x
     assert beyond > 0 and 0.65 <= (r["estimate"] - r["weights"]) / beyond <= 1.7, r
+
+
+def test_a_configuration_with_per_layer_sizes_is_estimated_from_its_largest_layer():
+    """Gemma 4's heterogeneous configuration refuses a global read of ``head_dim``: the estimate reads each layer's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distperp_harness.model.memory import activation_bytes_per_token
+    from distperp_harness.model.miniature import miniature_config
+
+    config = miniature_config(AutoConfig.for_model("gemma4_text"))
+    assert activation_bytes_per_token(AutoModelForCausalLM.from_config(config), 64) > 0

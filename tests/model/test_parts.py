@@ -89,7 +89,10 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused_at_start(copy_model, 
         make_lm(tiny_model_dir, f",tokenizer={big}")
     message = _one_line(info.value)
     assert f"has {len(tokenizer)} tokens (ids 0..{len(tokenizer) - 1})" in message
-    assert f"embeds only {rows} (ids 0..{rows - 1})" in message and "Fix: use the model's own tokenizer" in message
+    assert (
+        f"embeds and predicts only {rows} (ids 0..{rows - 1})" in message
+        and "Fix: use the model's own tokenizer" in message
+    )
     # a tokenizer smaller than the embeddings (padded embedding rows) is normal
     small = copy_model("small_tokenizer")
     config = json.loads((small / "config.json").read_text())
@@ -163,3 +166,20 @@ def test_a_chat_template_asked_of_a_tokenizer_without_one_is_one_line(tiny_model
     assert f"--apply_chat_template was given, but the tokenizer of '{tiny_model_dir}' has no chat template" in message
     assert "Fix: drop --apply_chat_template" in message
     assert lm.chat_template(False) is None  # not asked: nothing to check
+
+
+def test_an_output_head_narrower_than_the_embeddings_bounds_the_ids():
+    """An id the input embeddings read but the head does not predict cannot be scored: the check counts the head."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distperp_harness.model.parts import embedding_rows
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    assert embedding_rows(model) == 300
+    model.lm_head = torch.nn.Linear(32, 200, bias=False)
+    assert embedding_rows(model) == 200

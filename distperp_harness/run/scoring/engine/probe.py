@@ -28,10 +28,18 @@ from typing import Any, Sequence
 
 import torch
 
+from distperp_harness.errors import InputError
 from distperp_harness.model.layers import matmul_params
 from distperp_harness.model.lengths import LengthRule, fresh_rope_each_forward
 from distperp_harness.run.scoring.engine.probe_cases import Case, Target, cases
-from distperp_harness.run.scoring.engine.probe_checks import dtype_of, head_map, head_structure, run_cases, vocab_of
+from distperp_harness.run.scoring.engine.probe_checks import (
+    dtype_of,
+    head_map,
+    head_structure,
+    padding_refusal,
+    run_cases,
+    vocab_of,
+)
 from distperp_harness.run.scoring.engine.support import ModelPaths, declared_paths
 
 PLAIN_CAP = 2048
@@ -170,7 +178,10 @@ def probe(model: torch.nn.Module, device: torch.device, pad_token_id: int, targe
     declared = declared_paths(model, target.max_length)
     spans = tuple(sorted({rule.span for rule in declared.layout.rules if rule.span})) if declared.layout else ()
     target = dataclasses.replace(target, lengths=declared.lengths, spans=spans)
-    head, head_evidence = head_map(model, device, declared.output_map)
+    head, head_evidence = head_map(model, device, declared.output_map, pad_token_id)
+    refusal = padding_refusal(model, head_evidence)
+    if refusal is not None:
+        _refuse(model, refusal)
     verdict = probe_miniature(model, device, pad_token_id, target)
     if isinstance(verdict, str):
         verdict = probe_weights(model, device, pad_token_id, target)
@@ -180,8 +191,20 @@ def probe(model: torch.nn.Module, device: torch.device, pad_token_id: int, targe
         probed = target
     else:
         failed, evidence, probed = verdict
+    if " nats from the unshared rows" in failed.get("alone", ""):  # measured, not a forward that raised
+        _refuse(model, f"{failed['alone']}: its positions read the columns after them")
     paths = decide(declared, target, failed, probed)
     return dataclasses.replace(paths, head_only=failed.get("head") or head, evidence={**head_evidence, **evidence})
+
+
+def _refuse(model: torch.nn.Module, why: str) -> None:
+    """Refuse ``model`` in one line (the same on every rank): it is not causal, so no row of it can be exact."""
+    name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    raise InputError(
+        f"the loaded model ({name}) cannot be scored by --model distperp: {why}. Allowed: causal LMs, whose "
+        "positions do not read later columns. Fix: evaluate it with --model hf at batch_size=1",
+        same_on_every_rank=True,
+    )
 
 
 def merge_paths(verdicts: Sequence[dict[str, Any]], mine: ModelPaths) -> ModelPaths:

@@ -62,8 +62,9 @@ class Target:
 
 @dataclass(frozen=True)
 class Case:
-    """One thing the run does: ``kind`` (``tree``, ``padded``, ``cached``, ``same length``), a description, the
-    batches (rows, and the prefix the batch computes once) and the units they hold, in row order per batch;
+    """One thing the run does: ``kind`` (``alone``, ``tree``, ``padded``, ``cached``, ``same length``), a
+    description, the batches (rows, and the prefix the batch computes once) and the units they hold, in row order per
+    batch;
     ``checked``: the indices of the units compared with their unshared rows (None: every unit)."""
 
     kind: str
@@ -136,8 +137,11 @@ def tree_cases(tokens: CaseTokens, low: int, high: int, width: int, spans: tuple
     count = max(2, (width - root) // branch)
     if root + 2 * branch <= width:
         rows = _tree(tokens, root, [branch - (k % 3) for k in range(count)], width, low)
-        n = sum(len(row.units) for row in rows)
-        checked = tuple(sorted({0, 1, *range(max(0, n - 4), n)}))  # the first branch and the last, widest columns
+        widest = sorted(
+            ((max(row.columns(k)), i) for i, (row, k) in enumerate((r, k) for r in rows for k in range(len(r.units)))),
+            reverse=True,
+        )
+        checked = tuple(sorted({0, 1, *(i for _, i in widest[:4])}))  # the first branch; the widest columns
         what = f"a root of {root} tokens and {count} branches in {width} columns"
         cases.append(Case("tree", what, ((rows, 0),), checked))
     for deep in sorted({min(high, width // 2, DEEP), *(s + 8 for s in spans if s + 8 <= min(high, width // 2))}):
@@ -183,10 +187,21 @@ def same_length_case(tokens: CaseTokens, length: int) -> Case:
     return Case("same length", f"two rows of {length} tokens in one batch", ((tuple(unit_rows(units)), 0),))
 
 
+ALONE = 10
+"""Input tokens of the :func:`alone_case` row: fewer than the 16 positions every forward has (right-padded)."""
+
+
+def alone_case(tokens: CaseTokens) -> Case:
+    """One short row alone, as every run computes some: right-padded to 16 positions by the engine. A model whose
+    positions read the columns after them (not causal) fails here, and no run of it can be exact."""
+    units = [Unit(tuple(tokens(ALONE + 1)), SCORED)]
+    return Case("alone", f"a row of {ALONE} tokens alone, right-padded", ((tuple(unit_rows(units)), 0),))
+
+
 def cases(target: Target, vocab: int) -> list[Case]:
     """Every case of ``target`` (module doc), deterministic."""
     tokens = CaseTokens(vocab)
-    out: list[Case] = []
+    out: list[Case] = [alone_case(tokens)]
     for low, high in regions(target):
         if target.tree_tokens:
             out.extend(tree_cases(tokens, low, high, target.tree_tokens, target.spans))

@@ -41,15 +41,20 @@ shares nothing."""
 HEAD_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Largest difference between the model's logits and its head's output under the map, relative to the largest
 logit, per dtype."""
+PAD_TOLERANCE = {dtype: 10 * tol for dtype, tol in HEAD_TOLERANCE.items()}
+"""Largest difference at a row's positions that padding columns after it may make, relative to the largest logit
+(a wider product of the same rows rounds otherwise; a model that reads the columns after a row moves by units)."""
 NON_FINITE = "the model gave NaN/inf logits on the probe's rows (scoring names the text where it does so again)"
 _FAILURES = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError)
 """What a model that refuses the probe's inputs raises (a reason to fall back, not a crash)."""
 
 
 def vocab_of(model: torch.nn.Module) -> int:
-    """Rows of ``model``'s input embeddings (else its config's ``vocab_size``)."""
-    embeddings = getattr(model, "get_input_embeddings")()  # noqa: B009 - torch types module attributes as tensors
-    return int(getattr(embeddings, "num_embeddings", 0) or getattr(model, "config").vocab_size)  # noqa: B009 - as above
+    """The ids the probe's rows may hold: ``model``'s input embedding rows, or its head's columns where fewer
+    (CPM-Ant's embeddings also hold its prompt tokens)."""
+    from distperp_harness.model.parts import embedding_rows
+
+    return embedding_rows(model)
 
 
 def dtype_of(model: torch.nn.Module) -> torch.dtype:
@@ -143,7 +148,11 @@ def run_cases(
         why = f"two rows in one batch failed ({_reason(exc)})"
         return {case.kind: why for case in every}, {}
     tolerance = max(FLOOR.get(dtype, FLOOR[torch.float32]), NOISE_FACTOR * noise)
-    moved = sensitivity(model, [case.units[i] for case in every for i in case.compared], device)
+    try:
+        moved = sensitivity(model, [case.units[i] for case in every for i in case.compared], device)
+    except _FAILURES as exc:
+        why = f"a row with one key changed failed ({_reason(exc)})"
+        return {case.kind: why for case in every}, {}
     if not moved >= SENSITIVITY * tolerance:
         why = (
             f"one key moved a score by {moved:.3g} nats, rounding between batch shapes is {noise:.3g}: the probe "
@@ -192,10 +201,14 @@ def head_structure(model: torch.nn.Module, device: torch.device, output_map: Out
 
 
 @torch.no_grad()
-def head_map(model: torch.nn.Module, device: torch.device, output_map: OutputMap) -> tuple[str | None, dict]:
+def head_map(
+    model: torch.nn.Module, device: torch.device, output_map: OutputMap, pad: int | None = None
+) -> tuple[str | None, dict]:
     """On the real weights, one forward of 8 tokens: whether the model's logits are its output head's result under
     ``output_map`` (the map the configuration declares; a scale kept in the weights would show here), and the largest
-    relative difference measured."""
+    relative difference measured. With ``pad``, the evidence also holds ``padding_relative_difference``: how far the
+    same 8 positions move when 8 padding columns follow them (every forward distperp runs has at least 16 positions,
+    right-padded)."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if head is None:
         return "the model has no output embeddings to apply at scored positions", {}
@@ -216,9 +229,27 @@ def head_map(model: torch.nn.Module, device: torch.device, output_map: OutputMap
     mine = output_map.apply_(at_least_float32(seen[0][0]).clone())
     difference = float((full - mine).abs().max()) / max(1.0, float(full.abs().max()))
     evidence = {"head_relative_difference": difference}
+    if pad is not None:
+        with torch.no_grad():
+            padded = model(input_ids=torch.cat([ids, torch.full_like(ids, pad)], 1), use_cache=False).logits[0]
+        moved = float((at_least_float32(padded[:8]) - full).abs().max()) / max(1.0, float(full.abs().max()))
+        evidence["padding_relative_difference"] = moved
     if not difference <= HEAD_TOLERANCE.get(seen[0].dtype, HEAD_TOLERANCE[torch.float32]):
         return (
             f"its logits are not its head's output under {output_map.to_dict()} (relative difference "
             f"{difference:.3g} on the probe)"
         ), evidence
     return None, evidence
+
+
+def padding_refusal(model: torch.nn.Module, evidence: dict) -> str | None:
+    """Why ``model`` cannot be scored at all (its positions move when padding columns follow a row, as no causal LM's
+    do: it reads the columns after a position), from :func:`head_map`'s evidence; None when they do not move."""
+    moved = evidence.get("padding_relative_difference")
+    if moved is None or moved <= PAD_TOLERANCE.get(dtype_of(model), PAD_TOLERANCE[torch.float32]):
+        return None
+    return (
+        f"its logits at a row's positions move when padding columns follow the row (relative difference "
+        f"{moved:.3g} on the probe): it reads columns after a position, and every forward of distperp has at least "
+        "16 positions, right-padded"
+    )

@@ -42,7 +42,7 @@ def test_the_probe_decides_each_family(family):
         return
     assert verdict.packed_rows is None and verdict.cached_prefix is None, verdict.line()
     evidence = verdict.evidence
-    assert set(evidence["largest_difference"]) == {"tree", "padded", "cached"}
+    assert set(evidence["largest_difference"]) == {"alone", "tree", "padded", "cached"}
     assert max(evidence["largest_difference"].values()) <= evidence["tolerance"] <= 1e-6
     assert evidence["probed"] == {"longest_path": MAX_LENGTH, "widest_tree": MAX_LENGTH}
     if name in WINDOWED:

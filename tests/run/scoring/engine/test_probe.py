@@ -4,6 +4,7 @@ nothing, the real weights confirm the head's map, one decision per architecture,
 
 import dataclasses
 
+import pytest
 import torch
 from helpers import family_model
 
@@ -136,3 +137,36 @@ def test_alibi_stored_in_bfloat16_is_decided_in_float64_and_refused():
     verdict = probe(model, CPU, 0, Target(96, 192))
     assert "nats from the unshared rows" in verdict.packed_rows
     assert verdict.evidence["tolerance"] < 1e-3 < verdict.evidence["largest_difference"]["tree"]
+
+
+def test_a_model_that_reads_columns_after_a_position_is_refused():
+    """BERT registered as a causal LM without ``is_decoder`` attends both ways: every forward distperp runs is
+    right-padded to 16 positions at least, which would move its scores. Refused in one line, not scored wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distperp_harness.errors import InputError
+
+    config = AutoConfig.for_model(
+        "bert", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    with pytest.raises(InputError, match="move when padding columns follow the row"):
+        probe(AutoModelForCausalLM.from_config(config).eval(), CPU, 0, 64)
+
+
+def test_a_model_whose_short_rows_move_when_padded_is_refused(monkeypatch):
+    """CPM-Ant attends both ways (its mask is all ones): its logits move when padding follows a row, on the real
+    weights; and on the float64 miniature, a row of 10 tokens right-padded to 16 positions as every forward of
+    distperp is gives other scores than alone (the check that remains where the real weights hide it). Refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distperp_harness.errors import InputError
+
+    config = AutoConfig.for_model(
+        "cpmant", vocab_size=300, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(InputError, match="move when padding columns follow the row"):
+        probe(model, CPU, 0, 64)
+    monkeypatch.setattr(probing, "padding_refusal", lambda model, evidence: None)
+    with pytest.raises(InputError, match="a row of 10 tokens alone, right-padded gave"):
+        probe(model, CPU, 0, 64)
