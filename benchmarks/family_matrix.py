@@ -108,10 +108,10 @@ def build(name: str) -> tuple[Any, int] | str:
         if isinstance(small, str):
             return small
         config, length = _shortened(small), MAX_LENGTH
-        text = getattr(config, "get_text_config", lambda **_: config)(decoder=True)
-        for key in [k for k in text.to_dict() if "vocab_size" in k]:  # and Gemma's per-layer input table
-            if isinstance(getattr(text, key), int) and getattr(text, key) < VOCAB:
-                setattr(text, key, VOCAB)  # room for the trained tokenizer (bytes and specials); special ids stay
+        for level in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+            for key in [k for k in level.to_dict() if "vocab_size" in k]:  # and Gemma's per-layer input table
+                if isinstance(getattr(level, key), int) and getattr(level, key) < VOCAB:
+                    setattr(level, key, VOCAB)  # room for the trained tokenizer (bytes, specials); special ids stay
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
