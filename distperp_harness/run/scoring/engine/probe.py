@@ -52,7 +52,7 @@ TREE_CAP = 2048
 """Widest tree row the miniature is probed on (tree rows of the run are no wider)."""
 FLOAT64_COLUMNS = 1024
 """Cases of at most this many columns run on the float64 miniature, longer ones on its float32 copy."""
-ROUNDING_LENGTH = {torch.float64: 64, torch.float32: 1024}
+ROUNDING_LENGTH = {torch.float64: 64, torch.float32: 512}
 """Length of the two rows whose rounding between batch shapes sets each tier's tolerance."""
 PROBE_BUDGET = {"cpu": 5e12, "cuda": 5e15}
 """Without a miniature: multiply-adds a probe of the real weights may spend per device kind."""

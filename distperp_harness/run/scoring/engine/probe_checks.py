@@ -45,7 +45,7 @@ PAD_TOLERANCE = {dtype: 10 * tol for dtype, tol in HEAD_TOLERANCE.items()}
 """Largest difference at a row's positions that padding columns after it may make, relative to the largest logit
 (a wider product of the same rows rounds otherwise; a model that reads the columns after a row moves by units)."""
 NON_FINITE = "the model gave NaN/inf logits on the probe's rows (scoring names the text where it does so again)"
-_FAILURES = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError)
+_FAILURES = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError, AssertionError)
 """What a model that refuses the probe's inputs raises (a reason to fall back, not a crash)."""
 
 
@@ -229,10 +229,8 @@ def head_map(
     mine = output_map.apply_(at_least_float32(seen[0][0]).clone())
     difference = float((full - mine).abs().max()) / max(1.0, float(full.abs().max()))
     evidence = {"head_relative_difference": difference}
-    if pad is not None:
-        with torch.no_grad():
-            padded = model(input_ids=torch.cat([ids, torch.full_like(ids, pad)], 1), use_cache=False).logits[0]
-        moved = float((at_least_float32(padded[:8]) - full).abs().max()) / max(1.0, float(full.abs().max()))
+    moved = None if pad is None else _padding_moves(model, ids, pad, full)
+    if moved is not None:
         evidence["padding_relative_difference"] = moved
     if not difference <= HEAD_TOLERANCE.get(seen[0].dtype, HEAD_TOLERANCE[torch.float32]):
         return (
@@ -240,6 +238,27 @@ def head_map(
             f"{difference:.3g} on the probe)"
         ), evidence
     return None, evidence
+
+
+def _padding_moves(model: torch.nn.Module, ids: torch.Tensor, pad: int, full: torch.Tensor) -> float | None:
+    """How far ``ids``' logits (``full``) move, relative to the largest, when as many padding columns follow them:
+    compared on the last hidden states where the model can skip its head (``logits_to_keep``; a 262k-vocabulary head
+    is most of a short row's cost), else on the logits."""
+    padded_ids = torch.cat([ids, torch.full_like(ids, pad)], 1)
+    n = ids.shape[1]
+    with torch.no_grad():
+        try:
+            alone = model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            padded = model(input_ids=padded_ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            mine, theirs = at_least_float32(alone.hidden_states[-1][0]), at_least_float32(padded.hidden_states[-1][0])
+            if mine.shape[0] != n or theirs.shape[0] != 2 * n or mine.shape[1:] != theirs.shape[1:]:
+                raise ValueError("hidden states not laid out as (rows, positions, ...)")  # Gemma 3n's streams
+        except _FAILURES:  # no logits_to_keep or hidden states (ProphetNet asserts)
+            try:
+                mine, theirs = full, at_least_float32(model(input_ids=padded_ids, use_cache=False).logits[0])
+            except _FAILURES:  # no padded forward on these ids: the miniature's short row alone decides
+                return None
+    return float((theirs[:n] - mine).abs().max()) / max(1.0, float(mine.abs().max()))
 
 
 def padding_refusal(model: torch.nn.Module, evidence: dict) -> str | None:
