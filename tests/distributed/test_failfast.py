@@ -117,16 +117,22 @@ def test_one_classifier_of_broken_collectives():
     assert not is_distributed_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
 
-def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(monkeypatch):
+def _last_chance_hook(monkeypatch, rank: int, world_size: int) -> tuple[DictStore, list]:
+    """A rank's place in the world, its failure watch (not started) on a local store, and the exits it asks for."""
     store = DictStore()
     monkeypatch.setattr(failfast, "default_store", lambda: store)
     monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
-    monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, 2)])  # not started
-    monkeypatch.setitem(failfast._PLACE, "rank", 2)
-    monkeypatch.setitem(failfast._PLACE, "world_size", 3)
-    monkeypatch.setitem(failfast._PLACE, "device", "cuda:2")
-    exits = []
+    monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, rank)])
+    monkeypatch.setitem(failfast._PLACE, "rank", rank)
+    monkeypatch.setitem(failfast._PLACE, "world_size", world_size)
+    exits: list = []
     monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    return store, exits
+
+
+def test_an_error_outside_every_stage_is_published_from_the_last_chance_hook(monkeypatch):
+    store, exits = _last_chance_hook(monkeypatch, 2, 3)
+    monkeypatch.setitem(failfast._PLACE, "device", "cuda:2")
     failfast.uncaught(KeyError("doc_to_text"))
     record = failfast.read(store)
     assert record.startswith("rank 2 (") and "cuda:2) failed while running the evaluation: KeyError" in record
@@ -143,14 +149,7 @@ def test_an_input_error_is_said_once(monkeypatch, capsys, same):
     peers, its one line (``distperp: error (rank R): ...``) printed by the input-error hook, not a second time here."""
     from distperp_harness.errors import InputError
 
-    store = DictStore()
-    monkeypatch.setattr(failfast, "default_store", lambda: store)
-    monkeypatch.setattr(failfast, "ACK_WAIT_S", 0.0)
-    monkeypatch.setattr(failfast, "_WATCH", [failfast.FailureWatch(store, 1)])  # not started
-    monkeypatch.setitem(failfast._PLACE, "rank", 1)
-    monkeypatch.setitem(failfast._PLACE, "world_size", 2)
-    exits = []
-    monkeypatch.setattr(failfast.os, "_exit", exits.append)
+    store, exits = _last_chance_hook(monkeypatch, 1, 2)
     failfast.uncaught(InputError("cp_size=3 is not valid with 2 process(es)", same_on_every_rank=same))
     record = failfast.read(store)
     assert capsys.readouterr().err == ""
