@@ -1,0 +1,97 @@
+"""Attention of each row over its own keys: a row's bits independent of its batch-mates (issue 64's building block).
+
+A right-padded batch run through transformers' sdpa attention gives a row other bits than the row alone: the
+kernel's reduction over keys is split by the padded length (CPU flash attention sums keys in blocks and a vector
+tail). Under :data:`ATTENTION`, registered in transformers' attention interface, each row of a batch attends in its
+own call to exactly its own keys (its query and key lengths set by :func:`row_lengths` for the forward), so its
+attention output is the bits it gets alone; the padding positions' outputs are zeros. With the matrix products'
+row invariance (at least 16 rows: the engine pads every forward to 16 positions), a row's hidden states are then
+the same bits whatever the batch. Outside :func:`row_lengths` the function is transformers' sdpa attention.
+
+Not wired into scoring or generation yet: a building block, measured (tests/model/test_row_attention.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+ATTENTION = "distperp_rows"
+"""The name the row-wise attention function is registered under in transformers' attention interface."""
+
+_LENGTHS: contextvars.ContextVar[tuple[tuple[int, int], ...] | None] = contextvars.ContextVar(
+    "distperp_row_lengths", default=None
+)
+
+
+@contextlib.contextmanager
+def row_lengths(lengths: Sequence[int] | Sequence[tuple[int, int]]) -> Iterator[None]:
+    """Within the block, each row ``b`` of a forward attends with its first ``queries[b]`` positions over its first
+    ``keys[b]`` keys: ``lengths`` holds one length per row (queries = keys: a forward without a cache) or
+    ``(queries, keys)`` pairs (keys include a cache's)."""
+    pairs = tuple((n, n) if isinstance(n, int) else (int(n[0]), int(n[1])) for n in lengths)
+    if any(q < 1 or k < q for q, k in pairs):
+        raise ValueError(f"row lengths must have 1 <= queries <= keys, got {pairs}")
+    token = _LENGTHS.set(pairs)
+    try:
+        yield
+    finally:
+        _LENGTHS.reset(token)
+
+
+def row_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature (``query`` ``[rows, heads, positions, dim]``): each row alone over its own
+    keys (module doc); ``[rows, positions, heads, dim]`` out, as sdpa's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    lengths = _LENGTHS.get()
+    if lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if len(lengths) != query.shape[0]:
+        raise ValueError(f"row_lengths holds {len(lengths)} rows, the forward has {query.shape[0]}")
+    kwargs.pop("is_causal", None)
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    for b, (queries, keys) in enumerate(lengths):
+        mask = None  # a row is left-aligned: its keys are the first ``keys`` (a cache's, then its own)
+        if attention_mask is not None and not _causal(attention_mask[b, :, :queries, :keys], keys):
+            mask = attention_mask[b : b + 1, :, :queries, :keys]
+        rows, _ = sdpa_attention_forward(
+            module,
+            query[b : b + 1, :, :queries],
+            key[b : b + 1, :, :keys],
+            value[b : b + 1, :, :keys],
+            mask,
+            is_causal=mask is None and queries > 1,
+            **kwargs,
+        )
+        out[b, :queries] = rows[0]
+    return out, None
+
+
+def _causal(mask: torch.Tensor, keys: int) -> bool:
+    """Whether ``mask`` (``[heads or 1, queries, keys]``, boolean or additive) is the plain causal mask of the last
+    ``queries`` of ``keys`` positions: then the row takes sdpa's causal path, as it does alone."""
+    queries = mask.shape[-2]
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(keys - queries)
+    return bool((allowed == causal).all())
+
+
+def register() -> None:
+    """Register :data:`ATTENTION` (and sdpa's mask builder under the same name) in transformers' interfaces."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, row_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
