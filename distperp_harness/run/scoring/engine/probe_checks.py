@@ -207,13 +207,20 @@ def head_map(
     """On the real weights, one forward of 8 tokens: whether the model's logits are its output head's result under
     ``output_map`` (the map the configuration declares; a scale kept in the weights would show here), and the largest
     relative difference measured. With ``pad``, the evidence also holds ``padding_relative_difference``: how far the
-    same 8 positions move when 8 padding columns follow them (every forward distperp runs has at least 16 positions,
-    right-padded)."""
+    same 8 positions' last hidden states move when 8 padding columns follow them (every forward distperp runs has at
+    least 16 positions, right-padded)."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if head is None:
         return "the model has no output embeddings to apply at scored positions", {}
     seen: list[torch.Tensor] = []
-    hook = head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    fed: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        seen.append(out.detach())
+        if args:
+            fed.append(args[0].detach())
+
+    hook = head.register_forward_hook(keep)
     try:
         vocab = vocab_of(model)
         ids = (torch.arange(8, device=device)[None] * 7919 + 3) % max(4, vocab)
@@ -229,7 +236,7 @@ def head_map(
     mine = output_map.apply_(at_least_float32(seen[0][0]).clone())
     difference = float((full - mine).abs().max()) / max(1.0, float(full.abs().max()))
     evidence = {"head_relative_difference": difference}
-    moved = None if pad is None else _padding_moves(model, ids, pad, full)
+    moved = None if pad is None or len(fed) != 1 else _padding_moves(model, head, ids, pad, fed[0])
     if moved is not None:
         evidence["padding_relative_difference"] = moved
     if not difference <= HEAD_TOLERANCE.get(seen[0].dtype, HEAD_TOLERANCE[torch.float32]):
@@ -240,25 +247,38 @@ def head_map(
     return None, evidence
 
 
-def _padding_moves(model: torch.nn.Module, ids: torch.Tensor, pad: int, full: torch.Tensor) -> float | None:
-    """How far ``ids``' logits (``full``) move, relative to the largest, when as many padding columns follow them:
-    compared on the last hidden states where the model can skip its head (``logits_to_keep``; a 262k-vocabulary head
-    is most of a short row's cost), else on the logits."""
-    padded_ids = torch.cat([ids, torch.full_like(ids, pad)], 1)
+class _HeadReached(Exception):
+    """Raised by the hook of :func:`_padding_moves` at the output head: the forward needs to go no further."""
+
+
+def _padding_moves(
+    model: torch.nn.Module, head: torch.nn.Module, ids: torch.Tensor, pad: int, before: torch.Tensor
+) -> float | None:
+    """How far the head's input at ``ids``' positions (``before``, from a forward of ``ids`` alone) moves, relative
+    to its largest value, when as many padding columns follow them. The forward stops at the head (a 262k-vocabulary
+    head is most of a short row's cost); None where the padded forward does not run or reach the head as one
+    ``[rows, positions, width]`` tensor."""
+    caught: list[torch.Tensor] = []
+
+    def stop(module: torch.nn.Module, args: tuple) -> None:
+        caught.append(args[0].detach())
+        raise _HeadReached
+
+    hook = head.register_forward_pre_hook(stop)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.cat([ids, torch.full_like(ids, pad)], 1), use_cache=False)
+    except _HeadReached:
+        pass
+    except _FAILURES:  # no padded forward on these ids: the miniature's short row alone decides
+        return None
+    finally:
+        hook.remove()
     n = ids.shape[1]
-    with torch.no_grad():
-        try:
-            alone = model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-            padded = model(input_ids=padded_ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-            mine, theirs = at_least_float32(alone.hidden_states[-1][0]), at_least_float32(padded.hidden_states[-1][0])
-            if mine.shape[0] != n or theirs.shape[0] != 2 * n or mine.shape[1:] != theirs.shape[1:]:
-                raise ValueError("hidden states not laid out as (rows, positions, ...)")  # Gemma 3n's streams
-        except _FAILURES:  # no logits_to_keep or hidden states (ProphetNet asserts)
-            try:
-                mine, theirs = full, at_least_float32(model(input_ids=padded_ids, use_cache=False).logits[0])
-            except _FAILURES:  # no padded forward on these ids: the miniature's short row alone decides
-                return None
-    return float((theirs[:n] - mine).abs().max()) / max(1.0, float(mine.abs().max()))
+    if len(caught) != 1 or caught[0].dim() != 3 or caught[0].shape[1] != 2 * n or before.shape[1] != n:
+        return None
+    mine, theirs = at_least_float32(before[0]), at_least_float32(caught[0][0, :n])
+    return float((theirs - mine).abs().max()) / max(1.0, float(mine.abs().max()))
 
 
 def padding_refusal(model: torch.nn.Module, evidence: dict) -> str | None:
