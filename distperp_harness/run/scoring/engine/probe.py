@@ -31,6 +31,7 @@ import torch
 from distperp_harness.errors import InputError
 from distperp_harness.model.layers import matmul_params
 from distperp_harness.model.lengths import LengthRule, fresh_rope_each_forward
+from distperp_harness.model.parts import embedding_rows
 from distperp_harness.run.scoring.engine.probe_cases import Case, Target, cases
 from distperp_harness.run.scoring.engine.probe_checks import (
     dtype_of,
@@ -38,7 +39,6 @@ from distperp_harness.run.scoring.engine.probe_checks import (
     head_structure,
     padding_refusal,
     run_cases,
-    vocab_of,
 )
 from distperp_harness.run.scoring.engine.support import ModelPaths, declared_paths
 
@@ -136,7 +136,7 @@ def probe_miniature(model: torch.nn.Module, device: torch.device, pad: int, targ
     paths = declared_paths(mini, target.max_length)
     structure = head_structure(mini, device, paths.output_map)
     paths = dataclasses.replace(paths, head_only=structure)
-    vocab = vocab_of(mini)
+    vocab = embedding_rows(mini)
     with torch.no_grad():
         failed, evidence = tiers(mini, cases(probed, vocab), device, pad, paths)
         if "tree" in failed and probed.tree_tokens > probed.max_length:  # trees as wide as a path, then
@@ -163,7 +163,7 @@ def probe_weights(model: torch.nn.Module, device: torch.device, pad: int, target
         return f"no miniature of it could be built and its {dtype} weights cannot tell a wrong mask from rounding"
     probed = target.capped(512, 512)
     paths = declared_paths(model, target.max_length)
-    every = cases(probed, vocab_of(model))
+    every = cases(probed, embedding_rows(model))
     units = [c.units[i] for c in every for i in c.compared]
     cost = 2.0 * sum(u.input_length for u in units) * 3 * matmul_params(model)[0]
     if cost > PROBE_BUDGET.get(device.type, PROBE_BUDGET["cpu"]):

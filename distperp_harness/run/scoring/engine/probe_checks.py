@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from distperp_harness.model.attention import OutputMap
+from distperp_harness.model.parts import embedding_rows
 from distperp_harness.planning.requests import Unit
 from distperp_harness.run.scoring.engine.forward import LL, NonFiniteLogitsError, score_batch
 from distperp_harness.run.scoring.engine.kvcache import body_of
@@ -42,19 +43,12 @@ HEAD_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2
 """Largest difference between the model's logits and its head's output under the map, relative to the largest
 logit, per dtype."""
 PAD_TOLERANCE = {dtype: 10 * tol for dtype, tol in HEAD_TOLERANCE.items()}
-"""Largest difference at a row's positions that padding columns after it may make, relative to the largest logit
-(a wider product of the same rows rounds otherwise; a model that reads the columns after a row moves by units)."""
+"""Largest difference at a row's positions that padding columns after it may make, relative to the largest value of
+the head's input (a wider product of the same rows rounds otherwise; a model that reads the columns after a row
+moves by a percent or more)."""
 NON_FINITE = "the model gave NaN/inf logits on the probe's rows (scoring names the text where it does so again)"
 _FAILURES = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError, AssertionError)
 """What a model that refuses the probe's inputs raises (a reason to fall back, not a crash)."""
-
-
-def vocab_of(model: torch.nn.Module) -> int:
-    """The ids the probe's rows may hold: ``model``'s input embedding rows, or its head's columns where fewer
-    (CPM-Ant's embeddings also hold its prompt tokens)."""
-    from distperp_harness.model.parts import embedding_rows
-
-    return embedding_rows(model)
 
 
 def dtype_of(model: torch.nn.Module) -> torch.dtype:
@@ -102,7 +96,7 @@ def _largest(a: np.ndarray, b: np.ndarray) -> float:
 def sensitivity(model: torch.nn.Module, units: Sequence[Unit], device: torch.device) -> float:
     """How far one key moves a score: the largest, over up to three of ``units``, of the difference between the
     unit's unshared score and the same with the token four positions before its first target changed."""
-    vocab = vocab_of(model)
+    vocab = embedding_rows(model)
     chosen = [u for u in units if u.input_length >= 8][:3]
     changed = []
     for unit in chosen:
@@ -119,7 +113,7 @@ def sensitivity(model: torch.nn.Module, units: Sequence[Unit], device: torch.dev
 def rounding(model: torch.nn.Module, device: torch.device, pad: int, paths: ModelPaths, length: int) -> float:
     """The rounding between two batch shapes of the same rows: two rows of ``length`` tokens (no padding) in one
     batch against each alone."""
-    vocab = vocab_of(model)
+    vocab = embedding_rows(model)
     case = same_length_case(CaseTokens(vocab), length)
     return _largest(case_scores(model, case, device, pad, paths), unshared_scores(model, case.units, device))
 
@@ -186,7 +180,7 @@ def head_structure(model: torch.nn.Module, device: torch.device, output_map: Out
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if head is None:
         return "the model has no output embeddings to apply at scored positions"
-    ids = torch.arange(3, 27, device=device)[None] % max(4, vocab_of(model))
+    ids = torch.arange(3, 27, device=device)[None] % max(4, embedding_rows(model))
     try:
         full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0])
         hidden = body_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0]
@@ -222,7 +216,7 @@ def head_map(
 
     hook = head.register_forward_hook(keep)
     try:
-        vocab = vocab_of(model)
+        vocab = embedding_rows(model)
         ids = (torch.arange(8, device=device)[None] * 7919 + 3) % max(4, vocab)
         full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0])
     except _FAILURES as exc:
@@ -288,7 +282,7 @@ def padding_refusal(model: torch.nn.Module, evidence: dict) -> str | None:
     if moved is None or moved <= PAD_TOLERANCE.get(dtype_of(model), PAD_TOLERANCE[torch.float32]):
         return None
     return (
-        f"its logits at a row's positions move when padding columns follow the row (relative difference "
+        f"its last hidden states at a row's positions move when padding columns follow the row (relative difference "
         f"{moved:.3g} on the probe): it reads columns after a position, and every forward of distperp has at least "
         "16 positions, right-padded"
     )
