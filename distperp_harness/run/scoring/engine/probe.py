@@ -112,7 +112,8 @@ def tiers(
     if long:
         wide = copy.deepcopy(mini).float()
         fresh_rope_each_forward(wide)
-        more, wide_evidence = run_cases(wide, long, device, pad, paths, ROUNDING_LENGTH[torch.float32])
+        moved = evidence.get("sensitivity")  # the float32 copy's weights are the miniature's
+        more, wide_evidence = run_cases(wide, long, device, pad, paths, ROUNDING_LENGTH[torch.float32], moved)
         failed = {**more, **failed}
         evidence["float32"] = wide_evidence
     return failed, evidence

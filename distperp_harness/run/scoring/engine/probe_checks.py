@@ -9,8 +9,9 @@ independent of it.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
 import numpy as np
 import torch
@@ -94,10 +95,11 @@ def _largest(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def sensitivity(model: torch.nn.Module, units: Sequence[Unit], device: torch.device) -> float:
-    """How far one key moves a score: the largest, over up to three of ``units``, of the difference between the
-    unit's unshared score and the same with the token four positions before its first target changed."""
+    """How far one key moves a score: the largest, over the three shortest of ``units`` with at least 8 input tokens
+    (the weights decide it, not the length; a long unshared row costs most), of the difference between the unit's
+    unshared score and the same with the token four positions before its first target changed."""
     vocab = embedding_rows(model)
-    chosen = [u for u in units if u.input_length >= 8][:3]
+    chosen = sorted((u for u in units if u.input_length >= 8), key=lambda u: u.input_length)[:3]
     changed = []
     for unit in chosen:
         tokens = list(unit.tokens)
@@ -125,12 +127,14 @@ def run_cases(
     pad: int,
     paths: ModelPaths,
     rounding_length: int,
+    moved: float | None = None,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """``(why each kind of case fails, evidence)``: ``every`` case on ``model`` against its unshared rows; a kind
     fails at its first case whose units differ by more than the tolerance or that raises. The tolerance is
     :data:`NOISE_FACTOR` times the rounding between two batch shapes of ``rounding_length`` tokens
     (:func:`rounding`), at least the compute dtype's :data:`FLOOR`; where one key moves scores by less than
-    :data:`SENSITIVITY` tolerances, every kind fails."""
+    :data:`SENSITIVITY` tolerances, every kind fails. ``moved``: how far one key moves a score, already measured on
+    the same weights in another dtype (a property of the weights; None: measured here, :func:`sensitivity`)."""
     failed: dict[str, str] = {}
     largest: dict[str, float] = {}
     if not every:
@@ -143,7 +147,8 @@ def run_cases(
         return {case.kind: why for case in every}, {}
     tolerance = max(FLOOR.get(dtype, FLOOR[torch.float32]), NOISE_FACTOR * noise)
     try:
-        moved = sensitivity(model, [case.units[i] for case in every for i in case.compared], device)
+        if moved is None:
+            moved = sensitivity(model, [case.units[i] for case in every for i in case.compared], device)
     except _FAILURES as exc:
         why = f"a row with one key changed failed ({_reason(exc)})"
         return {case.kind: why for case in every}, {}
@@ -198,14 +203,78 @@ def head_structure(model: torch.nn.Module, device: torch.device, output_map: Out
 def head_map(
     model: torch.nn.Module, device: torch.device, output_map: OutputMap, pad: int | None = None
 ) -> tuple[str | None, dict]:
-    """On the real weights, one forward of 8 tokens: whether the model's logits are its output head's result under
+    """On the real weights, one forward: whether the model's logits are its output head's result under
     ``output_map`` (the map the configuration declares; a scale kept in the weights would show here), and the largest
-    relative difference measured. With ``pad``, the evidence also holds ``padding_relative_difference``: how far the
-    same 8 positions' last hidden states move when 8 padding columns follow them (every forward distperp runs has at
-    least 16 positions, right-padded)."""
+    relative difference measured. Without ``pad``, of one row of 8 tokens; with it, of two rows of 16 in one batch,
+    the same 8 tokens followed by 8 padding tokens in one and by 8 other tokens in the other, and the evidence also
+    holds ``padding_relative_difference``: how far those 8 positions' last hidden states differ between the two rows
+    (every forward distperp runs has at least 16 positions, right-padded; a causal model's do not move).
+
+    The map is elementwise, so a plain ``Linear`` head wider than :data:`NARROW_HEAD` rows is applied to that many
+    of its rows (spread over the vocabulary, the first and last included) during the forward; where that forward does
+    not pass, the whole head's decides."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if head is None:
         return "the model has no output embeddings to apply at scored positions", {}
+    vocab = max(4, embedding_rows(model))
+    ids = (torch.arange(8, device=device)[None] * 7919 + 3) % vocab
+    batch = ids
+    if pad is not None:
+        batch = torch.cat(
+            [torch.cat([ids, torch.full_like(ids, pad)], 1), torch.cat([ids, (ids * 31 + 11) % vocab], 1)]
+        )
+    rows = _narrow_rows(head)
+    why, evidence, fed = _head_forward(model, head, batch, output_map, rows)
+    if why is not None and rows is not None:
+        why, evidence, fed = _head_forward(model, head, batch, output_map, None)
+    if why is not None and fed is None and pad is not None:  # no padded batch on this model: the row alone
+        return head_map(model, device, output_map)
+    if fed is not None and pad is not None and fed.dim() == 3 and fed.shape[:2] == batch.shape:
+        mine, theirs = at_least_float32(fed[1, :8]), at_least_float32(fed[0, :8])
+        evidence["padding_relative_difference"] = float((theirs - mine).abs().max()) / max(1.0, float(mine.abs().max()))
+    return why, evidence
+
+
+NARROW_HEAD = 4096
+"""Rows of a wider output head the real weights' head check applies (:func:`head_map`): a 262k-row head is most of
+a short row's cost."""
+
+
+def _narrow_rows(head: torch.nn.Module) -> torch.Tensor | None:
+    """The rows :func:`head_map` keeps of ``head``, or None where it applies the whole head: a head that is not a plain
+    ``Linear`` with a plain weight (quantized, sharded or offloaded), or no wider than :data:`NARROW_HEAD`."""
+    weight = getattr(head, "weight", None)
+    if not (type(head) is torch.nn.Linear and type(weight) is torch.nn.Parameter and type(weight.data) is torch.Tensor):
+        return None
+    if hasattr(head, "_hf_hook") or weight.device.type == "meta" or weight.shape[0] <= NARROW_HEAD:
+        return None
+    return torch.linspace(0, weight.shape[0] - 1, NARROW_HEAD, device=weight.device).round().long().unique()
+
+
+@contextlib.contextmanager
+def _narrowed(head: torch.nn.Module, rows: torch.Tensor | None) -> Iterator[None]:
+    """``head`` (a plain ``Linear``, :func:`_narrow_rows`) computing only ``rows`` of its output while inside; its
+    own weight and bias (tied or not) are back on leaving."""
+    if rows is None:
+        yield
+        return
+    linear = cast(torch.nn.Linear, head)
+    weight, bias, out = linear.weight, linear.bias, linear.out_features
+    linear.weight = torch.nn.Parameter(weight.detach().index_select(0, rows), requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach().index_select(0, rows), requires_grad=False)
+    linear.out_features = len(rows)
+    try:
+        yield
+    finally:
+        linear.weight, linear.bias, linear.out_features = weight, bias, out
+
+
+def _head_forward(
+    model: torch.nn.Module, head: torch.nn.Module, ids: torch.Tensor, output_map: OutputMap, rows: torch.Tensor | None
+) -> tuple[str | None, dict, torch.Tensor | None]:
+    """:func:`head_map`'s forward of ``ids`` with ``head`` narrowed to ``rows`` (None: whole): ``(why the logits are
+    not the head's output under the map, or None; evidence; the head's input, None where the forward failed)``."""
     seen: list[torch.Tensor] = []
     fed: list[torch.Tensor] = []
 
@@ -216,73 +285,38 @@ def head_map(
 
     hook = head.register_forward_hook(keep)
     try:
-        vocab = embedding_rows(model)
-        ids = (torch.arange(8, device=device)[None] * 7919 + 3) % max(4, vocab)
-        full = at_least_float32(model(input_ids=ids, use_cache=False).logits[0])
+        with _narrowed(head, rows):
+            full = at_least_float32(model(input_ids=ids, use_cache=False).logits)
     except _FAILURES as exc:
-        return f"the model's forward failed on the probe ({_reason(exc)})", {}
+        return f"the model's forward failed on the probe ({_reason(exc)})", {}, None
     finally:
         hook.remove()
     if not bool(torch.isfinite(full).all()):
-        return NON_FINITE, {}
-    if len(seen) != 1 or seen[0].shape[-2:] != full.shape[-2:]:
-        return "its output head is not applied once to every position", {}
-    mine = output_map.apply_(at_least_float32(seen[0][0]).clone())
+        return NON_FINITE, {}, None
+    if len(seen) != 1 or seen[0].shape != full.shape:
+        return "its output head is not applied once to every position", {}, None
+    mine = output_map.apply_(at_least_float32(seen[0]).clone())
     difference = float((full - mine).abs().max()) / max(1.0, float(full.abs().max()))
-    evidence = {"head_relative_difference": difference}
-    moved = None if pad is None or len(fed) != 1 else _padding_moves(model, head, ids, pad, fed[0])
-    if moved is not None:
-        evidence["padding_relative_difference"] = moved
+    evidence: dict[str, Any] = {"head_relative_difference": difference}
+    if rows is not None:
+        evidence["head_rows_checked"] = len(rows)
     if not difference <= HEAD_TOLERANCE.get(seen[0].dtype, HEAD_TOLERANCE[torch.float32]):
-        return (
+        why = (
             f"its logits are not its head's output under {output_map.to_dict()} (relative difference "
             f"{difference:.3g} on the probe)"
-        ), evidence
-    return None, evidence
-
-
-class _HeadReached(Exception):
-    """Raised by the hook of :func:`_padding_moves` at the output head: the forward needs to go no further."""
-
-
-def _padding_moves(
-    model: torch.nn.Module, head: torch.nn.Module, ids: torch.Tensor, pad: int, before: torch.Tensor
-) -> float | None:
-    """How far the head's input at ``ids``' positions (``before``, from a forward of ``ids`` alone) moves, relative
-    to its largest value, when as many padding columns follow them. The forward stops at the head (a 262k-vocabulary
-    head is most of a short row's cost); None where the padded forward does not run or reach the head as one
-    ``[rows, positions, width]`` tensor."""
-    caught: list[torch.Tensor] = []
-
-    def stop(module: torch.nn.Module, args: tuple) -> None:
-        caught.append(args[0].detach())
-        raise _HeadReached
-
-    hook = head.register_forward_pre_hook(stop)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.cat([ids, torch.full_like(ids, pad)], 1), use_cache=False)
-    except _HeadReached:
-        pass
-    except _FAILURES:  # no padded forward on these ids: the miniature's short row alone decides
-        return None
-    finally:
-        hook.remove()
-    n = ids.shape[1]
-    if len(caught) != 1 or caught[0].dim() != 3 or caught[0].shape[1] != 2 * n or before.shape[1] != n:
-        return None
-    mine, theirs = at_least_float32(before[0]), at_least_float32(caught[0][0, :n])
-    return float((theirs - mine).abs().max()) / max(1.0, float(mine.abs().max()))
+        )
+        return why, evidence, fed[0] if len(fed) == 1 else None
+    return None, evidence, fed[0] if len(fed) == 1 else None
 
 
 def padding_refusal(model: torch.nn.Module, evidence: dict) -> str | None:
-    """Why ``model`` cannot be scored at all (its positions move when padding columns follow a row, as no causal LM's
-    do: it reads the columns after a position), from :func:`head_map`'s evidence; None when they do not move."""
+    """Why ``model`` cannot be scored at all (its positions change with the columns that follow a row, as no causal
+    LM's do: it reads the columns after a position), from :func:`head_map`'s evidence; None when they do not."""
     moved = evidence.get("padding_relative_difference")
     if moved is None or moved <= PAD_TOLERANCE.get(dtype_of(model), PAD_TOLERANCE[torch.float32]):
         return None
     return (
-        f"its last hidden states at a row's positions move when padding columns follow the row (relative difference "
-        f"{moved:.3g} on the probe): it reads columns after a position, and every forward of distperp has at least "
-        "16 positions, right-padded"
+        "its last hidden states at a row's positions change when padding columns instead of tokens follow the row "
+        f"(relative difference {moved:.3g} on the probe): it reads columns after a position, and every forward of "
+        "distperp has at least 16 positions, right-padded"
     )

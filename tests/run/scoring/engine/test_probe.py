@@ -55,6 +55,32 @@ def test_a_scale_in_the_weights_alone_is_found_by_the_real_weights(monkeypatch):
     assert "not its head's output" in verdict.head_only and verdict.packed_rows is None
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.5])
+def test_a_wide_head_is_checked_on_rows_spread_over_it_and_left_whole(monkeypatch, scale):
+    """A head wider than NARROW_HEAD computes that many of its rows during the real weights' forward: the map is
+    still checked (a scale found), and the head's own weight (tied to the embeddings) is back afterwards."""
+    monkeypatch.setattr(probe_checks, "NARROW_HEAD", 16)
+    model = family_model("llama")
+    head, weight = model.get_output_embeddings(), model.get_output_embeddings().weight
+    rows = probe_checks._narrow_rows(head)
+    assert rows is not None and len(rows) == 16 and rows[0] == 0 and rows[-1] == weight.shape[0] - 1
+    real_forward = model.forward
+
+    def scaled(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        out.logits = out.logits * scale
+        return out
+
+    monkeypatch.setattr(model, "forward", scaled)
+    why, evidence = probe_checks.head_map(model, CPU, OutputMap(), pad=0)
+    assert head.weight is weight and head.out_features == weight.shape[0]
+    assert evidence["padding_relative_difference"] <= probe_checks.PAD_TOLERANCE[torch.float32]
+    if scale == 1.0:
+        assert why is None and evidence["head_rows_checked"] == 16
+    else:  # the narrowed forward fails, and so does the whole head's, which decides
+        assert "not its head's output" in why and "head_rows_checked" not in evidence
+
+
 def test_a_miniature_that_cannot_tell_a_wrong_mask_from_rounding_shares_nothing(monkeypatch):
     monkeypatch.setattr(probe_checks, "SENSITIVITY", 1e12)
     verdict = probe(family_model("cohere2-window"), CPU, 0, 128)
@@ -149,7 +175,7 @@ def test_a_model_that_reads_columns_after_a_position_is_refused():
     config = AutoConfig.for_model(
         "bert", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
     )
-    with pytest.raises(InputError, match="move when padding columns follow the row"):
+    with pytest.raises(InputError, match="change when padding columns instead of tokens follow the row"):
         probe(AutoModelForCausalLM.from_config(config).eval(), CPU, 0, 64)
 
 
@@ -165,7 +191,7 @@ def test_a_model_whose_short_rows_move_when_padded_is_refused(monkeypatch):
         "cpmant", vocab_size=300, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1
     )
     model = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(InputError, match="move when padding columns follow the row"):
+    with pytest.raises(InputError, match="change when padding columns instead of tokens follow the row"):
         probe(model, CPU, 0, 64)
     monkeypatch.setattr(probing, "padding_refusal", lambda model, evidence: None)
     with pytest.raises(InputError, match="a row of 10 tokens alone, right-padded gave"):
