@@ -63,9 +63,12 @@ def row_attention(
     kwargs.pop("is_causal", None)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     for b, (queries, keys) in enumerate(lengths):
-        mask = None  # a row is left-aligned: its keys are the first ``keys`` (a cache's, then its own)
-        if attention_mask is not None and not _causal(attention_mask[b, :, :queries, :keys], keys):
-            mask = attention_mask[b : b + 1, :, :queries, :keys]
+        # a row is left-aligned: its keys are the first ``keys`` (a cache's, then its own), its queries the last of them
+        mask = None if attention_mask is None else attention_mask[b : b + 1, :, :queries, :keys]
+        if mask is not None and _causal(mask[0], keys):
+            mask = None
+        if mask is None and 1 < queries < keys:  # sdpa's is_causal aligns a non-square mask top-left
+            mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)[None, None]
         rows, _ = sdpa_attention_forward(
             module,
             query[b : b + 1, :, :queries],
