@@ -20,7 +20,8 @@ import time
 
 
 def one_run(shape: str | None, model_dir: str | None, threads: int) -> float:
-    """Seconds of one ``probe()`` on a freshly built model, in this process."""
+    """Seconds of one ``probe()`` on a freshly built model (a shape without ``model_type`` is a Llama), in this
+    process."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,7 +37,7 @@ def one_run(shape: str | None, model_dir: str | None, threads: int) -> float:
         from benchmarks._scoring_common import RANDOM_SHAPES
 
         settings = dict(RANDOM_SHAPES[shape or "gemma3-270m"])
-        kind, impl = settings.pop("model_type"), settings.pop("attn_implementation", "sdpa")
+        kind, impl = settings.pop("model_type", "llama"), settings.pop("attn_implementation", "sdpa")
         torch.manual_seed(0)
         config = AutoConfig.for_model(kind, **settings)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
@@ -63,8 +64,10 @@ def main() -> None:
     child += ["--model", args.model] if args.model else []
     seconds = []
     for _ in range(args.runs):
-        out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-        seconds.append(float(out.strip().splitlines()[-1]))
+        proc = subprocess.run(child, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"a run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        seconds.append(float(proc.stdout.strip().splitlines()[-1]))
         print(f"probe {seconds[-1]:.2f} s", flush=True)
     what = args.model or args.shape or "gemma3-270m"
     print(

@@ -472,3 +472,10 @@ def test_miniatures_matrix_rows():
     assert "| deepseek_v3 | DeepseekV3ForCausalLM | sdpa | built | 4 |" in out, out
     assert "| musicgen |" in out and "audio codebooks" in out, out
     assert "build + forward seconds over 3 built types" in out, out
+
+
+def test_probe_cost_times_a_fresh_process_per_run(tiny_model_dir):
+    """benchmarks/probe_cost.py on a random shape and on a local folder: one line per run and a median."""
+    for runs, where in ((2, ["--shape", "tiny"]), (1, ["--model", str(tiny_model_dir)])):
+        lines = bench("probe_cost", "--runs", str(runs), *where).stdout.strip().splitlines()
+        assert len([x for x in lines if x.startswith("probe ")]) == runs and "median" in lines[-1], lines
