@@ -53,7 +53,8 @@ from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import Sharing, one_slot
-from distperp_harness.run.runtime import choose_sharing, decide_paths, probe_target
+from distperp_harness.run.runtime import choose_sharing, decide_invariance, decide_paths, probe_target
+from distperp_harness.run.scoring.invariance import Invariance
 from distperp_harness.run.scoring.routes import WideRows
 
 if TYPE_CHECKING:
@@ -191,8 +192,9 @@ class PreparedRun:
     """What a call runs with: the batching rule, prefix sharing (and why not, the row budget, the line to say at the
     first loglikelihood call), compiled models, the decode step (and its line), quantization warnings, the call
     records, the resume store, the executor, the measured traffic, lm-eval's document split, the chat template and
-    the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`) and the rolling
-    windows' sharing (one unit per row, under the models' length rule)."""
+    the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`), the rolling
+    windows' sharing (one unit per row, under the models' length rule) and how ``batch_invariant`` holds rows
+    (``mode``: an :class:`~distperp_harness.run.scoring.invariance.Invariance` name, ``why_each_row``)."""
 
     batching: Any
     sharing: Any
@@ -212,6 +214,7 @@ class PreparedRun:
     chat: ChatTemplate
     paths: dict[str, dict]
     rolling: Sharing
+    invariance: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,12 @@ def prepare(
     warnings = quantization_warnings(loaded.quant_report, options.reference, model, reference)
     for line in warnings:
         log.warning(line, main_process_only=True)
+    invariance, alone_why = decide_invariance(
+        collective, list(both), device, pad_token_id, loaded.max_length, options.batch_invariant
+    )
+    if invariance is not Invariance.OFF:
+        why = "" if alone_why is None else f": {alone_why}"
+        log.info(f"batch_invariant=true: {invariance.value}{why}", main_process_only=True)
     sharing, fallback, budget_reason, sharing_line = choose_sharing(
         options.share_prefix, list(both), batching, loaded.max_length, batch_invariant=options.batch_invariant
     )
@@ -309,7 +318,7 @@ def prepare(
             placement.shard_size,
             collective,
             placement.tp_size,
-            row_at_a_time=options.batch_invariant,
+            invariance=invariance,
             cp=cp,
         )
         return Executor(
@@ -359,6 +368,7 @@ def prepare(
         chat,
         {name: paths.to_dict() for name, paths in zip(("model", "reference"), decided)},
         Sharing(ShareMode.OFF, lengths=sharing.lengths),
+        {"mode": invariance.name.lower(), "why_each_row": alone_why},
     )
 
 

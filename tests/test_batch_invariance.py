@@ -104,3 +104,7 @@ def test_the_record_says_what_the_bits_depend_on(sweep):
     assert not any("batch plan" in fact for fact in invariant["bits_depend_on"])
     assert any("batch plan" in fact for fact in default["bits_depend_on"])
     assert invariant["sharing"]["max_row_length"] == 128  # rows of at most max_length, whatever the batching
+    # rows in batches, each attending alone: the check of this CPU's kernels passed (on both ranks of the launch)
+    for name in ("1", "8", "auto", "2p-8"):
+        assert sweep[name][0]["batch_invariance"] == {"mode": "batched", "why_each_row": None}, name
+    assert default["batch_invariance"] == {"mode": "off", "why_each_row": None}

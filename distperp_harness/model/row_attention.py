@@ -8,7 +8,9 @@ attention output is the bits it gets alone; the padding positions' outputs are z
 row invariance (at least 16 rows: the engine pads every forward to 16 positions), a row's hidden states are then
 the same bits whatever the batch. Outside :func:`row_lengths` the function is transformers' sdpa attention.
 
-Not wired into scoring or generation yet: a building block, measured (tests/model/test_row_attention.py).
+Scoring uses it under ``batch_invariant=true`` (:func:`attending_alone` around each forward of a batch, the rows'
+lengths set per forward; :mod:`distperp_harness.run.scoring.invariance` checks once per run that the local kernels
+make a row's bits independent of its batch). Generation does not yet (each sequence decodes alone there).
 """
 
 from __future__ import annotations
@@ -98,3 +100,37 @@ def register() -> None:
 
     AttentionInterface.register(ATTENTION, row_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+def why_not_alone(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s rows cannot attend alone under :data:`ATTENTION` (its attention is not transformers' sdpa),
+    or None."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in ("sdpa", ATTENTION):
+        return f"its attention implementation is {impl!r}, and rows attend alone through sdpa only"
+    return None
+
+
+def _configs(config: Any) -> Iterator[Any]:
+    """``config`` and every sub-configuration under it."""
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield from _configs(sub)
+
+
+@contextlib.contextmanager
+def attending_alone(model: torch.nn.Module, lengths: Sequence[int] | Sequence[tuple[int, int]]) -> Iterator[None]:
+    """Within the block, ``model``'s sdpa layers attend under :data:`ATTENTION` with each row's ``lengths``
+    (:func:`row_lengths`); its configurations' attention implementations are back on leaving."""
+    register()
+    configs = [c for c in _configs(getattr(model, "config")) if c._attn_implementation == "sdpa"]  # noqa: B009 - torch types module attributes as tensors
+    for config in configs:
+        config._attn_implementation_internal = ATTENTION
+    try:
+        with row_lengths(lengths):
+            yield
+    finally:
+        for config in configs:
+            config._attn_implementation_internal = "sdpa"

@@ -15,6 +15,7 @@ from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
 from distperp_harness.run.scoring.engine.probe_cases import Target
 from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
+from distperp_harness.run.scoring.invariance import Invariance
 
 
 def attention_coefficient(model: torch.nn.Module) -> float:
@@ -61,13 +62,14 @@ def probe_target(
     models: list[torch.nn.Module], batching: Batching, max_length: int, share_prefix: bool, batch_invariant: bool
 ) -> Target:
     """What a run's forwards will do (:class:`~distperp_harness.run.scoring.engine.probe_cases.Target`): its tree
-    rows as wide as the row budget allows (:func:`row_budget`; none without ``share_prefix``), several rows per
-    batch unless ``batch_size=1``, cached prefixes unless each row goes alone (``batch_invariant``)."""
+    rows as wide as the row budget allows (:func:`row_budget`; none without ``share_prefix``; ``max_length`` under
+    ``batch_invariant``, whatever the batching), several rows per batch unless ``batch_size=1``, cached prefixes
+    unless ``batch_invariant``."""
     tree = 0
     if share_prefix:
         tree = max_length if batch_invariant else row_budget(batching, max_length, attention_coefficient(models[0]))[0]
     batched = batching.token_budget is not None or (batching.batch_size or 1) > 1
-    return Target(max_length, tree, batched and not batch_invariant, share_prefix and not batch_invariant)
+    return Target(max_length, tree, batched, share_prefix and not batch_invariant)
 
 
 def decide_paths(
@@ -92,6 +94,28 @@ def decide_paths(
     return decided
 
 
+def decide_invariance(
+    collective: Collective,
+    models: list[torch.nn.Module],
+    device: torch.device,
+    pad_token_id: int,
+    max_length: int,
+    batch_invariant: bool,
+) -> tuple[Invariance, str | None]:
+    """How scoring forwards hold their rows (:class:`~distperp_harness.run.scoring.invariance.Invariance`) and why
+    each row goes alone where it does: batches as usual without ``batch_invariant``; else rows in batches, each
+    attending alone, where every rank's :func:`~distperp_harness.run.scoring.invariance.rows_check` passes on the
+    loaded model(s), else a forward per row, the same on every rank."""
+    from distperp_harness.model.sharding import gathered
+    from distperp_harness.run.scoring.invariance import merged, rows_check
+
+    if not batch_invariant:
+        return Invariance.OFF, None
+    with gathered(*models):
+        mine = rows_check(models[0], device, pad_token_id, max_length, models[1] if len(models) > 1 else None)  # type: ignore[arg-type]
+    return merged(collective.all_gather_object(mine, "agree on how batch_invariant=true batches its rows"))
+
+
 def choose_sharing(
     share_prefix: bool,
     models: list[torch.nn.Module],
@@ -102,8 +126,7 @@ def choose_sharing(
     """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any, their paths decided
     by :func:`decide_paths`): ``(sharing, why tree rows are off when a model cannot take their mask, how the row
     budget was chosen, the line to log at the first loglikelihood call)``. ``batch_invariant``: rows of at most
-    ``max_length`` tokens whatever the batching, and no prefix shared across a batch's rows (each row is computed
-    alone)."""
+    ``max_length`` tokens whatever the batching, and no prefix shared across a batch's rows."""
     lengths = length_rule(models)
     if not share_prefix:
         return Sharing(ShareMode.OFF, lengths=lengths), None, None, None
@@ -118,7 +141,7 @@ def choose_sharing(
         return Sharing(ShareMode.INPUTS, max_length, lengths=lengths), why, None, line
     if batch_invariant:
         tokens = min(max_length, widest or max_length)
-        how = f"batch_invariant=true: rows of at most {tokens} tokens (max_length={max_length}), each alone"
+        how = f"batch_invariant=true: rows of at most {tokens} tokens (max_length={max_length}) whatever the batching"
         return Sharing(ShareMode.PREFIX, tokens, False, lengths), None, how, f"tree rows ({how})"
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
     if widest is not None and widest < tokens:

@@ -50,6 +50,7 @@ from distperp_harness.run.scoring.engine.forward import (
     score_batch,
     score_each_row,
 )
+from distperp_harness.run.scoring.invariance import Invariance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -88,12 +89,13 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
     shard_size: int = 1,
     collective: Collective | None = None,
     tp_size: int = 1,
-    row_at_a_time: bool = False,
+    invariance: Invariance = Invariance.OFF,
     cp: Group | None = None,
 ) -> Forwards:
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
     gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
-    rows; with ``row_at_a_time`` every row of a batch is its own forward (``batch_invariant=true``); with ``cp`` (a
+    rows; under ``invariance`` (``batch_invariant=true``) each row attends alone, in a batch or a forward of its own
+    (:class:`~distperp_harness.run.scoring.invariance.Invariance`); with ``cp`` (a
     context-parallel group of more than one) every member computes its share of each row
     (:func:`~distperp_harness.run.scoring.engine.cp_forward.score_batch_cp`)."""
     sharded = shard_size > 1 or tp_size > 1 or (cp is not None and cp.size > 1)
@@ -101,14 +103,14 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
     def score(rows, shared: int = 0) -> BatchScores:
         try:
             with naming_failures(collective, sharded), gathered(model, reference):
-                if row_at_a_time and shared:
+                if invariance.row_at_a_time and shared:
                     raise ValueError("internal error: rows scored one at a time share no cached prefix")
                 if cp is not None and cp.size > 1:
                     if shared:
                         raise ValueError("internal error: a context-parallel batch has no cached prefix")
                     pad = _scoring_pad(pad_token_id)
                     return score_batch_cp(model, rows, device=device, pad_token_id=pad, group=cp, reference=reference)
-                scorer = score_each_row if row_at_a_time else functools.partial(score_batch, shared=shared)
+                scorer = score_each_row if invariance.row_at_a_time else functools.partial(score_batch, shared=shared)
                 return scorer(
                     model,
                     rows,
@@ -116,6 +118,7 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
                     pad_token_id=_scoring_pad(pad_token_id),
                     reference=reference,
                     between_forwards=functools.partial(regather, model, reference),
+                    rows_alone=invariance.rows_alone,
                 )
         except NonFiniteLogitsError as exc:
             where = "; ".join(
@@ -147,7 +150,7 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
             pad = pad_token_id if pad_token_id is not None else 0
             model(input_ids=torch.tensor([[pad]], device=device), use_cache=False, logits_to_keep=1)
 
-    return Forwards(score, idle_score, root, idle_decode, row_at_a_time)
+    return Forwards(score, idle_score, root, idle_decode, invariance.row_at_a_time)
 
 
 class Executor:

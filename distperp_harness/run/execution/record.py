@@ -65,6 +65,7 @@ class RunFacts:
     warnings: list[str]
     document_split: dict
     paths: dict
+    batch_invariance: dict | None = None
 
 
 def run_record(facts: RunFacts) -> dict:
@@ -101,6 +102,7 @@ def run_record(facts: RunFacts) -> dict:
                 "max_batch_size": facts.batching.max_batch_size,
             },
             "batch_invariant": facts.options.batch_invariant,
+            "batch_invariance": facts.batch_invariance,
             "bits_depend_on": bits_depend_on(facts.options.batch_invariant),
             "sharing": {  # a mode only where loglikelihood requests ran (the calls say what ran)
                 "mode": facts.sharing.mode if any(c.kind == "loglikelihood" for c in facts.stats.calls) else None,

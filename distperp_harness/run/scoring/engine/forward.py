@@ -18,12 +18,14 @@ Results depend only on the batch's content, never on which process computes it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
+from distperp_harness.model.row_attention import attending_alone
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, unit_rows
 from distperp_harness.run.scoring.engine.kvcache import body_of, cache_argument, prefix_cache
@@ -111,7 +113,7 @@ class BatchScores:
         return self.kl
 
 
-def _features(
+def _features(  # noqa: PLR0913 - one forward's facts: model, paths, ids, scored places, chunking, masks, cache, rows
     model: PreTrainedModel,
     paths: ModelPaths,
     input_ids: torch.Tensor,
@@ -119,13 +121,17 @@ def _features(
     chunk_rows: int,
     packing: "_Packing | None" = None,
     cache=None,
+    alone: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """Per-position features at ``where`` (rows, columns) and the map from a chunk of at most ``chunk_rows`` features
     to float32+ logits. The logits a call returns may be overwritten by the next call (see :class:`ReusedHead`).
     ``paths``: what the model allows (:mod:`~distperp_harness.run.scoring.engine.support`): the head only at scored
     positions, with its output map, or the model's full logits; ``packing``: the attention masks and position ids of
     a batch with tree rows (None: plain causal rows); ``cache``: the key/value cache of the batch's shared prefix
-    (:func:`~distperp_harness.run.scoring.engine.kvcache.prefix_cache`), which ``input_ids`` follow."""
+    (:func:`~distperp_harness.run.scoring.engine.kvcache.prefix_cache`), which ``input_ids`` follow; ``alone``: each
+    row's (queries, keys), its attention computed over its own keys alone
+    (:func:`~distperp_harness.model.row_attention.attending_alone`; None: the batch's attention as the model does
+    it)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     extra = packing.kwargs(model, paths.layout) if packing is not None else {}
     if cache is not None:
@@ -133,15 +139,18 @@ def _features(
         extra["use_cache"] = True
     else:
         extra["use_cache"] = False
+    attending = contextlib.nullcontext() if alone is None else attending_alone(model, alone)
     if head is not None and paths.head_only is None:
-        hidden = body_of(model)(input_ids=input_ids, **extra).last_hidden_state
+        with attending:
+            hidden = body_of(model)(input_ids=input_ids, **extra).last_hidden_state
         feats = hidden[where]
         mapping = paths.output_map
         if ReusedHead.applies(head, feats):
             reused = ReusedHead(head, max(MIN_GEMM_ROWS, min(chunk_rows, feats.shape[0])))
             return feats, reused if mapping.identity else (lambda chunk: mapping.apply_(reused(chunk)))
         return feats, lambda chunk: mapping.apply_(at_least_float32(head(chunk)))
-    logits = model(input_ids=input_ids, **extra).logits
+    with attending:
+        logits = model(input_ids=input_ids, **extra).logits
     return logits[where], at_least_float32
 
 
@@ -156,7 +165,7 @@ def _are_rows(batch: Sequence[Row] | Sequence[Unit]) -> TypeIs[Sequence[Row]]:
 
 
 @torch.no_grad()
-def score_batch(
+def score_batch(  # noqa: PLR0913 - keyword-only facts of one batch (reference, prefix, gathers, attention)
     model: PreTrainedModel,
     batch: Sequence[Row] | Sequence[Unit],
     *,
@@ -165,9 +174,12 @@ def score_batch(
     reference: PreTrainedModel | None = None,
     shared: int = 0,
     between_forwards: Callable[[], None] | None = None,
+    rows_alone: bool = False,
 ) -> BatchScores:
     """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded
-    batch.
+    batch; with ``rows_alone`` each row's attention runs over its own keys alone
+    (:mod:`~distperp_harness.model.row_attention`: its scores then do not depend on its batch-mates where the matrix
+    products are row-invariant, :mod:`~distperp_harness.run.scoring.invariance`).
 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids
     (:mod:`~distperp_harness.run.scoring.engine.masks`; the caller makes sure the model takes them,
@@ -195,6 +207,7 @@ def score_batch(
     chunk_rows = max(b - a for a, b in chunks) if chunks else 1
     models = [m for m in (model, reference) if m is not None]
     model_paths = paths_of(model)
+    alone = [(r.length - shared, r.length) for r in batch_rows] if rows_alone else None
     # Prefix forwards first (model, reference), then the rows (model, reference): the order of an idle rank's two
     # plain forwards, so the sharded weights' gathers match across a shard group.
     with flex_shapes(device, models):
@@ -205,9 +218,9 @@ def score_batch(
         )
         if caches[0] is not None and between_forwards is not None:
             between_forwards()
-        feats, to_logits = _features(model, model_paths, ids, (rows, cols), chunk_rows, packing, caches[0])
+        feats, to_logits = _features(model, model_paths, ids, (rows, cols), chunk_rows, packing, caches[0], alone)
         ref_features = (
-            _features(reference, paths_of(reference), ids, (rows, cols), chunk_rows, packing, caches[1])
+            _features(reference, paths_of(reference), ids, (rows, cols), chunk_rows, packing, caches[1], alone)
             if reference is not None
             else None
         )
@@ -356,10 +369,12 @@ def score_each_row(
     pad_token_id: int,
     reference: PreTrainedModel | None = None,
     between_forwards: Callable[[], None] | None = None,
+    rows_alone: bool = False,
 ) -> BatchScores:
     """:func:`score_batch` of each row of ``batch`` alone, in row order: every forward, head chunk and reduction then
     has shapes set by the row itself, so a row's scores do not depend on the batch it was planned in (its size,
-    its neighbours' lengths, the device's memory). ``between_forwards`` runs between two rows' forwards.
+    its neighbours' lengths, the device's memory). ``between_forwards`` runs between two rows' forwards;
+    ``rows_alone`` as :func:`score_batch`'s (the same attention calls as a batch of rows attending alone).
 
     Returns the :class:`BatchScores` of :func:`score_batch` over the same rows; a row with non-finite logits raises
     :class:`NonFiniteLogitsError` with its index in ``batch``."""
@@ -369,7 +384,11 @@ def score_each_row(
         if i and between_forwards is not None:
             between_forwards()
         try:
-            parts.append(score_batch(model, [row], device=device, pad_token_id=pad_token_id, reference=reference))
+            parts.append(
+                score_batch(
+                    model, [row], device=device, pad_token_id=pad_token_id, reference=reference, rows_alone=rows_alone
+                )
+            )
         except NonFiniteLogitsError as exc:
             raise NonFiniteLogitsError([i]) from exc
     if not parts:

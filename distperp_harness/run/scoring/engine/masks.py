@@ -34,6 +34,7 @@ import torch
 
 from distperp_harness.model.attention import FULL, AttentionLayout, LayerAttention
 from distperp_harness.model.cp_attention import ATTENTION as CP_ATTENTION
+from distperp_harness.model.row_attention import ATTENTION as ROW_ATTENTION
 from distperp_harness.planning.rows import Row
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def attention_form(model: PreTrainedModel, allowed: torch.Tensor) -> torch.Tenso
     """``allowed`` (``bool [rows, 1, queries, keys]``) as the dense 4D mask ``model``'s attention takes: as is for
     sdpa (and context parallelism's sdpa over gathered keys), additive (0 or the dtype's minimum, in the
     embeddings' dtype) for eager and any other dense form."""
-    if getattr(model.config, "_attn_implementation", None) in ("sdpa", CP_ATTENTION):
+    if getattr(model.config, "_attn_implementation", None) in ("sdpa", CP_ATTENTION, ROW_ATTENTION):
         return allowed
     dtype = embedding_dtype(model)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)

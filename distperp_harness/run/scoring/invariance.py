@@ -1,0 +1,132 @@
+"""How ``batch_invariant=true`` scores a batch: its rows together, each attending alone, where this run's kernels make
+a row's bits independent of its batch-mates; else each row in a forward of its own.
+
+A row attending over its own keys alone (:mod:`~distperp_harness.model.row_attention`) gets its batch-mates'
+influence out of attention; what is left is the matrix products and the per-position reductions, whose bits depend
+on the batch only where a kernel splits its work by the number of rows (measured on this CPU: float32 products are
+row-invariant from 16 rows, and every forward of the engine has at least 16 positions). That is a fact of the local
+kernels (MKL, cuBLAS, the dtype), not a law, so :func:`rows_check` tries it once per run on the loaded model, its
+dtype and device: rows of several lengths (a tree row among them) scored alone and in two batches, every bit of
+every unit compared. Every rank checks and the ranks merge (:func:`merged`): one rank whose kernels differ sends every
+rank to a forward per row, so that all ranks compute alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from distperp_harness.model.row_attention import why_not_alone
+from distperp_harness.planning.requests import Unit
+from distperp_harness.planning.rows import Row, ShareMode, build_rows, unit_rows
+from distperp_harness.run.scoring.engine.forward import score_batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+CHECK_SEED = 4321
+"""Seed of the check's token ids (the same rows on every rank)."""
+CHECK_LENGTHS = (5, 23, 70, 150)
+"""Input lengths of the check's plain rows (capped by ``max_length``)."""
+
+
+class Invariance(enum.Enum):
+    """How a run's scoring forwards hold its rows."""
+
+    OFF = "batches as the model computes them (batch_invariant=false)"
+    BATCHED = "rows in batches, each attending over its own keys alone"
+    EACH_ROW = "each row in a forward of its own"
+
+    @property
+    def rows_alone(self) -> bool:
+        """Whether each row's attention runs over its own keys alone."""
+        return self is not Invariance.OFF
+
+    @property
+    def row_at_a_time(self) -> bool:
+        """Whether each row is a forward of its own."""
+        return self is Invariance.EACH_ROW
+
+
+def check_rows(vocab: int, max_length: int) -> list[Row]:
+    """The check's rows: plain rows of :data:`CHECK_LENGTHS` input tokens and one tree row (two answers after one
+    context), each unit scoring its last 4 tokens; ids from 3 on, seeded."""
+    g = torch.Generator().manual_seed(CHECK_SEED)
+    low = min(3, max(0, vocab - 1))
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(low, max(low + 1, vocab), (n,), generator=g).tolist()
+
+    lengths = sorted({min(n, max_length - 1) for n in CHECK_LENGTHS if n < max_length} or {max(1, max_length - 1)})
+    units = [Unit(tuple(ids(n + 1)), min(4, n)) for n in lengths]
+    context = ids(min(30, max(2, max_length // 2)))
+    branches = [Unit(tuple(context + ids(k)), k) for k in (3, 5) if len(context) + k <= max_length]
+    rows = list(unit_rows(units))
+    if len(branches) == 2:
+        rows += build_rows(branches, ShareMode.PREFIX, max_row_length=max_length)
+    return rows
+
+
+def rows_check(
+    model: PreTrainedModel,
+    device: torch.device,
+    pad_token_id: int,
+    max_length: int,
+    reference: PreTrainedModel | None = None,
+) -> str | None:
+    """Why batched rows attending alone do not give each row its bits alone on this model, dtype and device (module
+    doc), or None."""
+    for which in (model, reference):
+        why = None if which is None else why_not_alone(which)
+        if why is not None:
+            return why
+    vocab = int(_embeddings(model).shape[0])
+    rows = check_rows(vocab, max_length)
+
+    def scores(batch: Sequence) -> np.ndarray:
+        out = score_batch(
+            model, list(batch), device=device, pad_token_id=pad_token_id, reference=reference, rows_alone=True
+        )
+        return out.stats
+
+    alone = np.concatenate([scores([r]) for r in rows])
+    for order in (rows, rows[::-1][:3]):
+        together = scores(order)
+        expected = np.concatenate([alone[_unit_slice(rows, r)] for r in order])
+        if together.shape != expected.shape or not np.array_equal(together, expected):
+            moved = float(np.nanmax(np.abs(together - expected))) if together.shape == expected.shape else float("nan")
+            return (
+                f"on this device and dtype ({_dtype(model)}) a row's scores move with its batch-mates even when it "
+                f"attends alone (by up to {moved:.3g} nats on the check's rows)"
+            )
+    return None
+
+
+def _unit_slice(rows: list[Row], row: Row) -> slice:
+    """The units of ``row`` within the units of ``rows`` (in row order)."""
+    start = 0
+    for r in rows:
+        if r is row:
+            return slice(start, start + len(r.units))
+        start += len(r.units)
+    raise ValueError("internal error: a row outside the check's rows")
+
+
+def _embeddings(model: torch.nn.Module) -> torch.Tensor:
+    return getattr(model, "get_input_embeddings")().weight  # noqa: B009 - torch types module attributes as tensors
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return _embeddings(model).dtype
+
+
+def merged(reasons: Sequence[str | None]) -> tuple[Invariance, str | None]:
+    """Every rank's :func:`rows_check` answer (rank order) as the run's :class:`Invariance` and why rows go one at a
+    time (the first rank's reason, named), the same on every rank."""
+    for rank, why in enumerate(reasons):
+        if why is not None:
+            return Invariance.EACH_ROW, why if len(reasons) == 1 else f"{why} (rank {rank})"
+    return Invariance.BATCHED, None
