@@ -209,6 +209,22 @@ def score_rows(name: str, first: Evaluation, again: Evaluation) -> list[CheckRow
     ]
 
 
+def rows_alone_row(name: str, lm: Any) -> CheckRow:
+    """Whether this device and dtype give a row the same bits alone and in batches when it attends alone
+    (:func:`~distperp_harness.run.scoring.invariance.rows_check`): where not, ``batch_invariant=true`` scores a row
+    per forward (slower, not wrong), so that is a skipped row, not a failure."""
+    from distperp_harness.run.scoring.invariance import rows_check
+
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    try:
+        why = rows_check(lm.model, lm.device, pad, lm.max_length, lm.reference)
+    except Exception as error:  # the check reports any failure as a failed row
+        return CheckRow(name, "rows attend alone", Outcome.FAIL, _failure(error))
+    if why is None:
+        return CheckRow(name, "rows attend alone", Outcome.PASS, "every unit's bits equal alone and in batches")
+    return CheckRow(name, "rows attend alone", Outcome.SKIP, f"{why}: batch_invariant=true scores a row per forward")
+
+
 def _failure(error: BaseException) -> str:
     """One line: the error's type and message, newlines folded (a table cell)."""
     return f"{type(error).__name__}: " + " / ".join(line for line in str(error).splitlines() if line.strip())
@@ -237,6 +253,7 @@ def run_in_process(
             CheckRow(name, "same bits twice", Outcome.SKIP, "nothing scored"),
         ]
         first = None
+    rows.append(rows_alone_row(name, lm))
     model_ref = weakref.ref(lm.model)
     del lm
     release = released(model_ref, baseline)

@@ -17,6 +17,8 @@ from distperp_harness.commands import check
 from distperp_harness.commands.check import CheckRow, Evaluation, Outcome
 from distperp_harness.errors import InputError
 
+CHECKS = ("load", "scores", "same bits twice", "rows attend alone", "memory released")
+
 
 def test_check_passes_on_cpu_with_two_processes(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
@@ -28,14 +30,14 @@ def test_check_passes_on_cpu_with_two_processes(tmp_path: Path) -> None:
     )
     rows = json.loads(out.read_text())
     assert [(r["run"], r["check"]) for r in rows] == [
-        *[(run, c) for run in ("bfloat16", "int4") for c in ("load", "scores", "same bits twice", "memory released")],
+        *[(run, c) for run in ("bfloat16", "int4") for c in CHECKS],
         ("1 vs 2 processes", "same bits"),
     ]
     assert {r["outcome"] for r in rows} == {"pass"}, rows
     assert "3 documents" in rows[1]["detail"] and "3 documents" in rows[-1]["detail"]
-    int4_load = rows[4]["detail"]
+    int4_load = rows[len(CHECKS)]["detail"]
     assert "of 15 Linear layers quantized" in int4_load and " 0 of" not in int4_load
-    assert "OK: 9 passed, 0 failed, 0 skipped" in proc.stdout
+    assert "OK: 11 passed, 0 failed, 0 skipped" in proc.stdout
 
 
 def test_failures_on_rank_0_and_on_rank_1_are_failed_rows_not_a_hang(tmp_path: Path) -> None:
@@ -63,7 +65,7 @@ def test_failures_on_rank_0_and_on_rank_1_are_failed_rows_not_a_hang(tmp_path: P
     assert proc.returncode == 3, proc.stdout[-3000:]
     rows = {(r["run"], r["check"]): r for r in json.loads(out.read_text())}
     assert {k: r["outcome"] for k, r in rows.items() if r["run"] == "bfloat16"} == dict.fromkeys(
-        [("bfloat16", c) for c in ("load", "scores", "same bits twice", "memory released")], "pass"
+        [("bfloat16", c) for c in CHECKS], "pass"
     )
     assert rows[("int4", "scores")]["outcome"] == "FAIL"
     assert "injected failure for tests (DISTPERP_TEST_FAIL_PLANNING=0:3)" in rows[("int4", "scores")]["detail"]
