@@ -194,7 +194,7 @@ class PreparedRun:
     records, the resume store, the executor, the measured traffic, lm-eval's document split, the chat template and
     the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`), the rolling
     windows' sharing (one unit per row, under the models' length rule) and how ``batch_invariant`` holds rows
-    (``mode``: an :class:`~distperp_harness.run.scoring.invariance.Invariance` name, ``why_each_row``)."""
+    (:class:`~distperp_harness.run.scoring.invariance.Invariance`, and why each row goes alone where it does)."""
 
     batching: Any
     sharing: Any
@@ -214,7 +214,8 @@ class PreparedRun:
     chat: ChatTemplate
     paths: dict[str, dict]
     rolling: Sharing
-    invariance: dict = field(default_factory=dict)
+    invariance: Invariance = Invariance.OFF
+    invariance_why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -368,7 +369,8 @@ def prepare(
         chat,
         {name: paths.to_dict() for name, paths in zip(("model", "reference"), decided)},
         Sharing(ShareMode.OFF, lengths=sharing.lengths),
-        {"mode": invariance.name.lower(), "why_each_row": alone_why},
+        invariance,
+        alone_why,
     )
 
 
@@ -396,12 +398,14 @@ def generation_setup(
     max_gen_toks: int,
     progress: Any,
 ) -> GenerationSetup:
-    """What ``generate_until`` runs with (:class:`~distperp_harness.run.generation.setup.GenerationSetup`). Each
-    sequence decodes alone (one slot, no shared prompt block) under ``batch_invariant`` and for a model whose length
-    rule keeps lengths apart (a longrope model's forward takes the factor of the longest sequence in it)."""
+    """What ``generate_until`` runs with (:class:`~distperp_harness.run.generation.setup.GenerationSetup`). Under
+    ``batch_invariant`` sequences share a lane's slots with every row attending alone (no shared prompt block) where
+    the run's check found that enough, else each decodes alone (one slot); so does each sequence of a model whose
+    length rule keeps lengths apart (a longrope model's forward takes the factor of the longest sequence in it)."""
     model, max_length = models.model, models.loaded.max_length
     lengths = prepared.sharing.lengths
-    alone = options.batch_invariant or not (lengths is None or lengths.uniform)
+    batched = prepared.invariance is Invariance.BATCHED  # rows attend alone: a sequence's bits whatever its batch
+    alone = (options.batch_invariant and not batched) or not (lengths is None or lengths.uniform)
     return GenerationSetup(
         model=cast("CausalLM", model),  # transformers' *ForCausalLM classes generate
         tokenizer=tokenizer,
@@ -419,8 +423,9 @@ def generation_setup(
             kv_bytes=kv_cache_bytes_per_token(model),
         ),
         seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
-        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not alone else NO_SHARING,
+        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not (alone or batched) else NO_SHARING,
         progress=progress,
         think_end=options.think_end_token,
         static=prepared.static_decoding,
+        rows_alone=batched,
     )

@@ -25,20 +25,21 @@ import torch
 ATTENTION = "distperp_rows"
 """The name the row-wise attention function is registered under in transformers' attention interface."""
 
-_LENGTHS: contextvars.ContextVar[tuple[tuple[int, int], ...] | None] = contextvars.ContextVar(
+_LENGTHS: contextvars.ContextVar[tuple[tuple[tuple[int, int], ...], bool] | None] = contextvars.ContextVar(
     "distperp_row_lengths", default=None
 )
 
 
 @contextlib.contextmanager
-def row_lengths(lengths: Sequence[int] | Sequence[tuple[int, int]]) -> Iterator[None]:
+def row_lengths(lengths: Sequence[int] | Sequence[tuple[int, int]], right: bool = False) -> Iterator[None]:
     """Within the block, each row ``b`` of a forward attends with its first ``queries[b]`` positions over its first
     ``keys[b]`` keys: ``lengths`` holds one length per row (queries = keys: a forward without a cache) or
-    ``(queries, keys)`` pairs (keys include a cache's)."""
+    ``(queries, keys)`` pairs (keys include a cache's). ``right``: rows are right-aligned (generation's cache:
+    ``[pads][row]``), so a row's queries and keys are the *last* ones of its columns."""
     pairs = tuple((n, n) if isinstance(n, int) else (int(n[0]), int(n[1])) for n in lengths)
     if any(q < 1 or k < q for q, k in pairs):
         raise ValueError(f"row lengths must have 1 <= queries <= keys, got {pairs}")
-    token = _LENGTHS.set(pairs)
+    token = _LENGTHS.set((pairs, right))
     try:
         yield
     finally:
@@ -57,30 +58,35 @@ def row_attention(
     keys (module doc); ``[rows, positions, heads, dim]`` out, as sdpa's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    lengths = _LENGTHS.get()
-    if lengths is None:
+    given = _LENGTHS.get()
+    if given is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    lengths, right = given
     if len(lengths) != query.shape[0]:
         raise ValueError(f"row_lengths holds {len(lengths)} rows, the forward has {query.shape[0]}")
     kwargs.pop("is_causal", None)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    n_queries, n_keys = query.shape[2], key.shape[2]
     for b, (queries, keys) in enumerate(lengths):
-        # a row is left-aligned: its keys are the first ``keys`` (a cache's, then its own), its queries the last of them
-        mask = None if attention_mask is None else attention_mask[b : b + 1, :, :queries, :keys]
+        # left-aligned: a row's keys are the first ``keys`` (a cache's, then its own), its queries the last of them;
+        # right-aligned: the last ``keys`` columns and the last ``queries`` positions
+        qs = slice(n_queries - queries, n_queries) if right else slice(0, queries)
+        ks = slice(n_keys - keys, n_keys) if right else slice(0, keys)
+        mask = None if attention_mask is None else attention_mask[b : b + 1, :, qs, ks]
         if mask is not None and _causal(mask[0], keys):
             mask = None
         if mask is None and 1 < queries < keys:  # sdpa's is_causal aligns a non-square mask top-left
             mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)[None, None]
         rows, _ = sdpa_attention_forward(
             module,
-            query[b : b + 1, :, :queries],
-            key[b : b + 1, :, :keys],
-            value[b : b + 1, :, :keys],
+            query[b : b + 1, :, qs],
+            key[b : b + 1, :, ks],
+            value[b : b + 1, :, ks],
             mask,
             is_causal=mask is None and queries > 1,
             **kwargs,
         )
-        out[b, :queries] = rows[0]
+        out[b, qs] = rows[0]
     return out, None
 
 
@@ -121,15 +127,17 @@ def _configs(config: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def attending_alone(model: torch.nn.Module, lengths: Sequence[int] | Sequence[tuple[int, int]]) -> Iterator[None]:
+def attending_alone(
+    model: torch.nn.Module, lengths: Sequence[int] | Sequence[tuple[int, int]], right: bool = False
+) -> Iterator[None]:
     """Within the block, ``model``'s sdpa layers attend under :data:`ATTENTION` with each row's ``lengths``
-    (:func:`row_lengths`); its configurations' attention implementations are back on leaving."""
+    (:func:`row_lengths`, ``right`` as there); its configurations' attention implementations are back on leaving."""
     register()
     configs = [c for c in _configs(getattr(model, "config")) if c._attn_implementation == "sdpa"]  # noqa: B009 - torch types module attributes as tensors
     for config in configs:
         config._attn_implementation_internal = ATTENTION
     try:
-        with row_lengths(lengths):
+        with row_lengths(lengths, right):
             yield
     finally:
         for config in configs:

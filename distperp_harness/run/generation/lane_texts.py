@@ -91,7 +91,7 @@ def _decode_slots(
     on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
     shared, donor = lane_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
     seeds = _seeds(part) if sampled else None
-    decoder = Decoder(setup.model, setup.tokenizer, setup.device, prefixes, around, setup.static)
+    decoder = Decoder(setup.model, setup.tokenizer, setup.device, prefixes, around, setup.static, setup.rows_alone)
     tokens, stats = decode_lane(
         decoder,
         Lane(prompts, tuple(prompts[donor][:shared]), lane.slots, seeds),

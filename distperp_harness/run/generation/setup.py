@@ -40,7 +40,9 @@ class GenerationSetup:
     the trace, and a stop string ends a row only in the answer part.
     ``static``: the run's fixed-shape decode step (:func:`~.engines.decode_step`: eager, compiled or CUDA graphs;
     ``None``: every lane on the dynamic cache): ``prepare(collective, lanes)`` after planning; lanes it covers
-    decode over it.
+    decode over it. ``rows_alone``: every prefill and decode forward's rows attend alone and its products have at
+    least 16 rows (``batch_invariant=true`` where :mod:`~distperp_harness.run.scoring.invariance` found that enough):
+    a sequence's bits do not depend on its batch-mates.
     """
 
     model: CausalLM
@@ -56,3 +58,4 @@ class GenerationSetup:
     progress: Callable[[int], Callable[[int, int], None]] | None = None
     think_end: str | int | None = None
     static: StaticStep | None = None
+    rows_alone: bool = False

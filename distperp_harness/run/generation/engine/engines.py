@@ -116,7 +116,7 @@ def decode_step(
     if compiled.active:
         return CompiledStep(model, compiled, device, pad), "the compiled decode step"
     if batch_invariant:
-        return None, "batch_invariant=true: each sequence decodes alone on the dynamic cache"
+        return None, "batch_invariant=true: the dynamic cache, every row attending alone (or one row per lane)"
     if device.type == "cuda" and cuda_graphs and not grouped:
         why = unsupported(model)
         if why is not None:

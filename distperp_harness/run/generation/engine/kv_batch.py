@@ -4,7 +4,8 @@
   chunked layers kept whole: :mod:`.masks`), edited between forwards. Rows are right-aligned (the cache holds
   ``[pads][row tokens]`` per row; the attention mask hides the pads, and applies each layer type's window by the
   row's positions; each row keeps its own positions); joining rows left-pads the narrower side, a finished row's KV
-  row is dropped at once, and leading columns no row uses any more are trimmed. The decode forward is eager.
+  row is dropped at once, and leading columns no row uses any more are trimmed. The decode forward is eager; with
+  ``rows_alone`` each row attends over its own trailing columns alone (``batch_invariant=true``).
 * :class:`~.static_batch.StaticKVBatch`: fixed ``[slots, heads, capacity, dim]`` buffers edited in place, the decode
   step compiled (:mod:`.step`).
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from distperp_harness.run.generation.engine.masks import mask_layout, row_masks
-from distperp_harness.run.generation.engine.prefill import PrefillCache, Prefilled, last_logits
+from distperp_harness.run.generation.engine.prefill import PrefillCache, Prefilled, alone_rows, last_logits
 from distperp_harness.run.generation.engine.scheduler import GenRow
 from distperp_harness.run.generation.engine.stats import LaneStats
 from distperp_harness.run.generation.engine.transfer import to_device
@@ -76,8 +77,10 @@ class DynamicKVBatch:
         device: torch.device,
         stats: LaneStats,
         around: Callable[[], ContextManager] = contextlib.nullcontext,
+        rows_alone: bool = False,
     ) -> None:
         self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
+        self.rows_alone = rows_alone  # each row attends over its own keys alone: [pads][row] with no shared prefix
         self.rows: list[GenRow] = []
         self.cache: PrefillCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, columns] long
@@ -112,7 +115,8 @@ class DynamicKVBatch:
         self.stats.peak_cache_positions = max(self.stats.peak_cache_positions, self.mask.numel())
         ids = to_device([[r.tokens[-1]] for r in rows], torch.long, device)
         mask = self.mask if self.layout is None else row_masks(self.model, self.layout, self.mask, 1)
-        with self.around():
+        alone = [(1, span + 1) for span in self._spans] if self.rows_alone else None
+        with self.around(), alone_rows(self.model, alone):
             logits = last_logits(self.model, self.cache, ids, attention_mask=mask, position_ids=positions)
         self._spans = [span + 1 for span in self._spans]
         self.stats.decode_forwards += 1

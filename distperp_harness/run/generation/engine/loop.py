@@ -64,8 +64,9 @@ class Decoder:
     """What every lane of a call decodes with: the model and its tokenizer, the device, the rank's
     :class:`~.prefill.PrefixCache` (shared prefixes computed once per rank), ``around()`` (a context entered around
     every forward: prefix, prefill, decode; e.g. a shard group's step, where every member makes the same forward
-    calls) and the fixed-shape step (:class:`~.step.StaticStep` or a subclass; ``None``: every lane on the
-    ``DynamicCache`` batch)."""
+    calls), the fixed-shape step (:class:`~.step.StaticStep` or a subclass; ``None``: every lane on the
+    ``DynamicCache`` batch) and ``rows_alone`` (every forward's rows attend alone, on the ``DynamicCache`` batch:
+    :class:`~.kv_batch.DynamicKVBatch`)."""
 
     model: PreTrainedModel
     tokenizer: Any
@@ -73,15 +74,16 @@ class Decoder:
     prefixes: PrefixCache | None = None
     around: Callable[[], ContextManager] = contextlib.nullcontext
     static: StaticStep | None = None
+    rows_alone: bool = False
 
     def batch_for(self, lane: Lane, rule: StopRule, stats: LaneStats) -> KVBatch:
         """The fixed-shape batch where the step covers the lane's bucket, else the dynamic batch."""
         static = self.static
-        if static is not None and self.model is static.model:
+        if static is not None and self.model is static.model and not self.rows_alone:
             capacity = capacity_for(max(len(p) for p in lane.prompts), rule.max_new, static.bucket)
             if static.covers(lane.slots, capacity):
                 return StaticKVBatch(static, lane.slots, capacity, self.device, stats, self.around)
-        return DynamicKVBatch(self.model, lane.slots, self.device, stats, self.around)
+        return DynamicKVBatch(self.model, lane.slots, self.device, stats, self.around, self.rows_alone)
 
 
 @torch.no_grad()
@@ -107,7 +109,7 @@ def decode_lane(
         raise CacheNotShareable(refused)
     scheduler = Scheduler(lane, rule, decoder.tokenizer.batch_decode, on_done)
     prefiller = Prefiller.for_lane(
-        decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes, decoder.around
+        decoder.model, lane, decoder.tokenizer, decoder.device, decoder.prefixes, decoder.around, decoder.rows_alone
     )
     batch = decoder.batch_for(lane, rule, prefiller.stats)
     reads = HostReads()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Proto
 
 import torch
 
+from distperp_harness.model.row_attention import attending_alone
+from distperp_harness.model.row_products import at_least_rows
 from distperp_harness.run.generation.engine.masks import mask_layout, row_masks, row_positions
 from distperp_harness.run.generation.engine.scheduler import GenRow, Lane
 from distperp_harness.run.generation.engine.stats import LaneStats
@@ -69,6 +71,19 @@ def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs
     return model(
         input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs, **{cache_argument(model): cache}
     ).logits[:, -1, :]
+
+
+def alone_rows(model: torch.nn.Module, lengths: Sequence[tuple[int, int]] | None) -> ContextManager:
+    """The context of a generation forward whose right-aligned rows attend alone, row ``b`` with its last
+    ``lengths[b] = (queries, keys)`` positions over its last keys, with every matrix product of at least 16 rows
+    (:mod:`~distperp_harness.model.row_attention`, :mod:`~distperp_harness.model.row_products`); None: the forward
+    as the model does it."""
+    if lengths is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(at_least_rows(model))
+    stack.enter_context(attending_alone(model, lengths, right=True))
+    return stack
 
 
 def plain_layers(cache) -> list:
@@ -132,6 +147,7 @@ class Prefiller:
     stats: LaneStats
     around: Callable[[], ContextManager] = contextlib.nullcontext
     prefix_kv: KV | None = None
+    rows_alone: bool = False
 
     @classmethod
     def for_lane(
@@ -142,13 +158,16 @@ class Prefiller:
         device: torch.device,
         prefixes: PrefixCache | None,
         around: Callable[[], ContextManager],
+        rows_alone: bool = False,
     ) -> Prefiller:
         stats = LaneStats(
             prompts=len(lane.prompts), prompt_tokens=sum(len(p) for p in lane.prompts), shared_tokens=len(lane.prefix)
         )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        out = cls(model, lane, pad, device, stats, around)
+        out = cls(model, lane, pad, device, stats, around, rows_alone=rows_alone)
         if any(lane.uses_prefix(i) for i in range(len(lane.prompts))):
+            if rows_alone:
+                raise ValueError("internal error: rows attending alone share no prompt prefix")
             out.prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device, around)
             stats.prefill_positions += len(lane.prefix) if stats.prefix_computed else 0
         return out
@@ -201,7 +220,8 @@ class Prefiller:
         positions = positions.masked_fill(own == 0, 1)  # what generate gives pads; never attended to
         layout = mask_layout(self.model)  # 4D: causal over [prefix][pads][own], pads hidden, windows by position
         attention = mask if layout is None else row_masks(self.model, layout, mask, width)
-        logits = last_logits(self.model, cache, ids, attention_mask=attention, position_ids=positions)
+        with alone_rows(self.model, [(len(s), len(s)) for s in suffixes] if self.rows_alone else None):
+            logits = last_logits(self.model, cache, ids, attention_mask=attention, position_ids=positions)
         plain_layers(cache)
         self.stats.prefill_forwards += 1
         self.stats.prefill_positions += ids.numel()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import torch
 
-MIN_GEMM_ROWS = 16
-"""Fewest rows a scoring matrix product is given. Below it, CPU BLAS takes small-matrix paths whose sums depend on
-the number of threads (measured with MKL's sgemm: 5 to 11 rows), so the bits of a small batch would depend on how
-many processes share the machine. Shorter inputs are padded with zero rows (or, for a batch, pad tokens)."""
+from distperp_harness.model.row_products import MIN_ROWS
+
+MIN_GEMM_ROWS = MIN_ROWS
+"""Fewest rows a scoring matrix product is given (:data:`~distperp_harness.model.row_products.MIN_ROWS`: below it,
+CPU BLAS's sums depend on the number of rows and threads). Shorter inputs are padded with zero rows (or, for a
+batch, pad tokens)."""
 
 
 def head_of_chunk(to_logits, chunk: torch.Tensor) -> torch.Tensor:
