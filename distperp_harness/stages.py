@@ -54,7 +54,7 @@ from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import Sharing, one_slot
 from distperp_harness.run.runtime import choose_sharing, decide_invariance, decide_paths, probe_target
-from distperp_harness.run.scoring.invariance import Invariance
+from distperp_harness.run.scoring.engine.invariance import Invariance
 from distperp_harness.run.scoring.routes import WideRows
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class PreparedRun:
     records, the resume store, the executor, the measured traffic, lm-eval's document split, the chat template and
     the scoring paths the probe decided (``model``, ``reference``: :meth:`ModelPaths.to_dict`), the rolling
     windows' sharing (one unit per row, under the models' length rule) and how ``batch_invariant`` holds rows
-    (:class:`~distperp_harness.run.scoring.invariance.Invariance`, and why each row goes alone where it does)."""
+    (:class:`~distperp_harness.run.scoring.engine.invariance.Invariance`, and why each row goes alone where it does)."""
 
     batching: Any
     sharing: Any

@@ -211,9 +211,9 @@ def score_rows(name: str, first: Evaluation, again: Evaluation) -> list[CheckRow
 
 def rows_alone_row(name: str, lm: Any) -> CheckRow:
     """Whether this device and dtype give a row the same bits alone and in batches when it attends alone
-    (:func:`~distperp_harness.run.scoring.invariance.rows_check`): where not, ``batch_invariant=true`` scores a row
-    per forward (slower, not wrong), so that is a skipped row, not a failure."""
-    from distperp_harness.run.scoring.invariance import rows_check
+    (:func:`~distperp_harness.run.scoring.engine.invariance.rows_check`): where not, ``batch_invariant=true``
+    scores a row per forward (slower, not wrong), so that is a skipped row, not a failure."""
+    from distperp_harness.run.scoring.engine.invariance import rows_check
 
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     try:

@@ -8,9 +8,10 @@ attention output is the bits it gets alone; the padding positions' outputs are z
 row invariance (at least 16 rows: the engine pads every forward to 16 positions), a row's hidden states are then
 the same bits whatever the batch. Outside :func:`row_lengths` the function is transformers' sdpa attention.
 
-Scoring uses it under ``batch_invariant=true`` (:func:`attending_alone` around each forward of a batch, the rows'
-lengths set per forward; :mod:`distperp_harness.run.scoring.invariance` checks once per run that the local kernels
-make a row's bits independent of its batch). Generation does not yet (each sequence decodes alone there).
+Used under ``batch_invariant=true`` (:func:`attending_alone` around each forward, the rows' lengths set per
+forward): scoring's batches (left-aligned rows) and generation's prefills and decode steps (right-aligned rows,
+``right=True``); :mod:`distperp_harness.run.scoring.engine.invariance` checks once per run that the local kernels
+make a row's bits independent of its batch.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ rows independent of how many rows it holds.
 
 CPU BLAS takes small-matrix paths below 16 rows whose sums depend on the number of rows (and of threads); from 16
 rows on a row's product does not depend on the others (measured with MKL's sgemm; checked once per run by
-:mod:`~distperp_harness.run.scoring.invariance`). A scoring forward always has 16 positions; a decode step has one
-per running sequence, so within :func:`at_least_rows` an input of fewer rows is padded with zero rows before each
-``Linear`` and its output cut back: a memory-bound product of 16 rows costs about what one of 1 does.
+:mod:`~distperp_harness.run.scoring.engine.invariance`). A scoring forward always has 16 positions; a decode step
+has one per running sequence, so within :func:`at_least_rows` an input of fewer rows is padded with zero rows
+before each ``Linear`` and its output cut back: a memory-bound product of 16 rows costs about what one of 1 does.
 """
 
 from __future__ import annotations

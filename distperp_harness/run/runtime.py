@@ -13,9 +13,9 @@ from distperp_harness.model.layers import matmul_params
 from distperp_harness.model.lengths import LengthRule
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.run.rules import Batching, Sharing
+from distperp_harness.run.scoring.engine.invariance import Invariance
 from distperp_harness.run.scoring.engine.probe_cases import Target
 from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
-from distperp_harness.run.scoring.invariance import Invariance
 
 
 def attention_coefficient(model: torch.nn.Module) -> float:
@@ -102,12 +102,12 @@ def decide_invariance(
     max_length: int,
     batch_invariant: bool,
 ) -> tuple[Invariance, str | None]:
-    """How scoring forwards hold their rows (:class:`~distperp_harness.run.scoring.invariance.Invariance`) and why
+    """How forwards hold their rows (:class:`~distperp_harness.run.scoring.engine.invariance.Invariance`) and why
     each row goes alone where it does: batches as usual without ``batch_invariant``; else rows in batches, each
-    attending alone, where every rank's :func:`~distperp_harness.run.scoring.invariance.rows_check` passes on the
-    loaded model(s), else a forward per row, the same on every rank."""
+    attending alone, where every rank's :func:`~distperp_harness.run.scoring.engine.invariance.rows_check` passes
+    on the loaded model(s), else a forward per row, the same on every rank."""
     from distperp_harness.model.sharding import gathered
-    from distperp_harness.run.scoring.invariance import merged, rows_check
+    from distperp_harness.run.scoring.engine.invariance import merged, rows_check
 
     if not batch_invariant:
         return Invariance.OFF, None

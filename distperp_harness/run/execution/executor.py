@@ -50,7 +50,7 @@ from distperp_harness.run.scoring.engine.forward import (
     score_batch,
     score_each_row,
 )
-from distperp_harness.run.scoring.invariance import Invariance
+from distperp_harness.run.scoring.engine.invariance import Invariance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -95,7 +95,7 @@ def model_forwards(  # noqa: PLR0913 - the load stage's facts, each read once he
     """:class:`Forwards` of a loaded model (and reference): sharded weights gathered around each forward, a failed
     gather or all-reduce named (:func:`naming_failures`), NaN/inf logits turned into a ValueError that shows the
     rows; under ``invariance`` (``batch_invariant=true``) each row attends alone, in a batch or a forward of its own
-    (:class:`~distperp_harness.run.scoring.invariance.Invariance`); with ``cp`` (a
+    (:class:`~distperp_harness.run.scoring.engine.invariance.Invariance`); with ``cp`` (a
     context-parallel group of more than one) every member computes its share of each row
     (:func:`~distperp_harness.run.scoring.engine.cp_forward.score_batch_cp`)."""
     sharded = shard_size > 1 or tp_size > 1 or (cp is not None and cp.size > 1)

@@ -179,7 +179,7 @@ def score_batch(  # noqa: PLR0913 - keyword-only facts of one batch (reference, 
     """Score ``batch`` — rows (:mod:`distperp_harness.planning.rows`), or units (one row each) — as one right-padded
     batch; with ``rows_alone`` each row's attention runs over its own keys alone
     (:mod:`~distperp_harness.model.row_attention`: its scores then do not depend on its batch-mates where the matrix
-    products are row-invariant, :mod:`~distperp_harness.run.scoring.invariance`).
+    products are row-invariant, :mod:`~distperp_harness.run.scoring.engine.invariance`).
 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids
     (:mod:`~distperp_harness.run.scoring.engine.masks`; the caller makes sure the model takes them,

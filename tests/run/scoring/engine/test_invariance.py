@@ -1,6 +1,7 @@
-"""How ``batch_invariant=true`` holds rows (:mod:`distperp_harness.run.scoring.invariance`): the once-per-run check
-passes where rows attend alone (and fails where they do not, so it can), a model whose attention is not sdpa goes a
-row per forward, the ranks merge to one answer, and a batch attending alone gives each unit its bits alone."""
+"""How ``batch_invariant=true`` holds rows (:mod:`distperp_harness.run.scoring.engine.invariance`): the once-per-run
+check passes where rows attend alone (and fails where they do not, so it can), a model whose attention is not sdpa
+goes a row per forward, the ranks merge to one answer, and a batch attending alone gives each unit its bits
+alone."""
 
 import contextlib
 
@@ -11,8 +12,8 @@ from helpers import family_model
 
 from distperp_harness.run.scoring.engine import forward
 from distperp_harness.run.scoring.engine.forward import score_batch
+from distperp_harness.run.scoring.engine.invariance import Invariance, check_rows, merged, rows_check
 from distperp_harness.run.scoring.engine.support import declared_paths, record_paths
-from distperp_harness.run.scoring.invariance import Invariance, check_rows, merged, rows_check
 
 CPU = torch.device("cpu")
 
