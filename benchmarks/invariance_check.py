@@ -24,7 +24,8 @@ difference of the row (nats), the run's fingerprint and a verdict. An invariant 
 (``gpu_all.sh`` fails on it) and the script exits 1.
 
 ``--cost-repeats N``: then the wall seconds inside ``loglikelihood``/``loglikelihood_rolling`` and ``generate_until``
-at ``batch_size=auto``, default against invariant, alternating which goes first, medians of ``N``, and the ratio.
+at each batch size of ``--cost-sizes`` (default ``auto``), default against invariant, alternating which goes first,
+medians of ``N``, and the ratio.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ def _table(runs: dict, suite: list[str]) -> tuple[list[str], bool]:
     return lines, failed
 
 
-def _cost(lms: dict, timers: dict, args: argparse.Namespace, manager) -> list[str]:
-    """Wall seconds inside the request methods at ``batch_size=auto``, default against invariant (module doc)."""
+def _cost(lms: dict, timers: dict, args: argparse.Namespace, manager, size: str = "auto") -> list[str]:
+    """Wall seconds inside the request methods at ``batch_size=size``, default against invariant (module doc)."""
     seconds: dict[str, list[dict[str, float]]] = {"default": [], "invariant": []}
     for rep in range(args.cost_repeats):
         for mode in ("default", "invariant") if rep % 2 == 0 else ("invariant", "default"):
@@ -141,7 +142,7 @@ def _cost(lms: dict, timers: dict, args: argparse.Namespace, manager) -> list[st
             _evaluate(lms[mode], args, manager)
             seconds[mode].append(dict(timers[mode].seconds))
     lines = [
-        f"| batch_size=auto, median of {args.cost_repeats} | default s | invariant s | invariant / default |",
+        f"| batch_size={size}, median of {args.cost_repeats} | default s | invariant s | invariant / default |",
         "|---|---:|---:|---:|",
     ]
     for label, kinds in (("scoring", KINDS[:2]), ("generation", KINDS[2:]), ("all", KINDS)):
@@ -163,7 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--docs", type=int, default=2, help="leaderboard: documents per subtask")
     parser.add_argument("--wikitext-docs", type=int, default=3, help="leaderboard: also the limit of every task")
     parser.add_argument("--max-gen-toks", type=int, default=64, help="leaderboard: new tokens at most")
-    parser.add_argument("--cost-repeats", type=int, default=0, help="time default vs invariant at auto, N times")
+    parser.add_argument("--cost-repeats", type=int, default=0, help="time default vs invariant, N times each")
+    parser.add_argument("--cost-sizes", default="auto", help="batch sizes the cost is timed at, comma-separated")
     args = parser.parse_args(argv)
     if args.docs > args.wikitext_docs:
         parser.error(f"--docs {args.docs} must be at most --wikitext-docs {args.wikitext_docs} (it caps every task)")
@@ -192,27 +194,25 @@ def main(argv: list[str] | None = None) -> int:
             plain.append(bs)
         return lm
 
-    kept: dict[str, object] = {}  # the auto models, timed afterwards when --cost-repeats asks
     runs = {}
     for mode, extra in MODES.items():
         for bs in args.sizes:
             lm = build(extra, bs)
-            runs[(mode, bs)] = _evaluate(lm, args, manager)  # (for the timed runs: also the warm-up)
-            if bs == "auto" and args.cost_repeats:
-                kept[mode] = lm
+            runs[(mode, bs)] = _evaluate(lm, args, manager)
             del lm
             gc.collect()
     lines, failed = _table(runs, SUITES[args.suite])
     if plain:
         print("(the model has no chat template: a plain 'role: text' frame is used, as leaderboard.py does)\n")
     print("\n".join(lines))
-    if args.cost_repeats:
-        for mode, extra in MODES.items():
-            if mode not in kept:
-                kept[mode] = build(extra, "auto")
-                _evaluate(kept[mode], args, manager)  # warm-up
+    for size in [s.strip() for s in args.cost_sizes.split(",") if s.strip()] if args.cost_repeats else []:
+        kept = {mode: build(extra, size) for mode, extra in MODES.items()}
+        for lm in kept.values():
+            _evaluate(lm, args, manager)  # warm-up
         timers = {mode: Timer(lm, KINDS) for mode, lm in kept.items()}
-        print("\n" + "\n".join(_cost(kept, timers, args, manager)))
+        print("\n" + "\n".join(_cost(kept, timers, args, manager, size)), flush=True)
+        del kept, timers
+        gc.collect()
     return 1 if failed else 0
 
 

@@ -105,7 +105,8 @@ def _decode_slots(
 def _generate_batches(
     setup: GenerationSetup, part: Sequence[tuple[Job, Prepared]], lane: LanePlan, reason: str, bar
 ) -> tuple[list[str], LaneStats]:
-    """The lane as ``model.generate`` batches of ``lane.slots`` rows (:mod:`.batchgen`)."""
+    """The lane as ``model.generate`` batches of ``lane.slots`` rows (:mod:`.batchgen`); of one row where rows must
+    attend alone (``setup.rows_alone``: ``model.generate``'s batches do not)."""
     if setup.executor.shard_size > 1:
         raise InputError(
             f"generate_until with shard_size={setup.executor.shard_size}: {reason}, so this lane "
@@ -118,8 +119,9 @@ def _generate_batches(
     seeds = _seeds(part) if first.kwargs.get("do_sample") else None
     texts, total = [], LaneStats()
     args = BatchArgs(dict(first.kwargs), list(first.until), first.max_new, setup.think_end)
-    for b in range(0, len(prompts), lane.slots):
-        chunk = slice(b, b + lane.slots)
+    step = 1 if setup.rows_alone else lane.slots
+    for b in range(0, len(prompts), step):
+        chunk = slice(b, b + step)
         out, batch_stats = generate_batch(
             setup.model,
             setup.tokenizer,

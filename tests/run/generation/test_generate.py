@@ -231,6 +231,30 @@ def test_arguments_slots_do_not_decode_run_generate_batches(peaked_dir, collecti
     assert calls[0].engines == ["generate"] and all(penalized)
 
 
+@pytest.mark.parametrize("rows_alone", [False, True])
+def test_generate_batches_hold_one_row_where_rows_attend_alone(
+    peaked_dir, collective, sample_text_path, monkeypatch, rows_alone
+):
+    """``batch_invariant=true`` (``rows_alone``): a lane that runs as ``model.generate`` batches (arguments slots do
+    not decode) runs them one row each, since ``model.generate``'s batched rows do not attend alone."""
+    from distperp_harness.run.generation import lane_texts
+
+    model, tokenizer = _load(peaked_dir)
+    prompts = _fewshot_prompts(sample_text_path, 3)
+    sizes: list[int] = []
+    real = lane_texts.generate_batch
+
+    def counted(model, tokenizer, device, prompts, *args, **kwargs):
+        sizes.append(len(prompts))
+        return real(model, tokenizer, device, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(lane_texts, "generate_batch", counted)
+    setup = _setup(model, tokenizer, collective, rows_alone=rows_alone, min_shared_tokens=NO_SHARING)
+    texts = generate(setup, [(p, dict(GREEDY, repetition_penalty=1.3)) for p in prompts])
+    assert all(texts) and sum(sizes) == len(prompts)
+    assert (max(sizes) == 1) == rows_alone
+
+
 def test_texts_equal_lm_evals_hf(peaked_dir):
     """Greedy texts of ``--model distperp`` and ``--model hf`` on the same prompts, arguments and batch size (the
     peaked model keeps greedy choices far from ties); each row stops at its own stop string or EOS."""
