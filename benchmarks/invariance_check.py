@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import TEST_TASKS, WIKITEXT_TEST, lm_eval_model, use_offline_env
+from benchmarks.common import TEST_TASKS, WIKITEXT_TEST, lm_eval_model, use_offline_env, write_sample_copies
 from benchmarks.leaderboard import PLAIN_CHAT_TEMPLATE, Timer  # Timer: seconds inside each request method
 from distperp_harness.commands.samples import responses_by_doc
 
@@ -106,7 +106,10 @@ def _task_manager(args: argparse.Namespace, work: Path):
 
     text = WIKITEXT_TEST if WIKITEXT_TEST.exists() else None
     folder = build_leaderboard_include(work / "leaderboard", args.docs, text_path=text)
-    return TaskManager(include_path=str(folder), metadata={"wikitext_path": str(WIKITEXT_TEST)})
+    if text is None:  # no ../shared: the packaged sample, in copies, as gpu_all.sh does
+        (work / "wikitext-2").mkdir(parents=True, exist_ok=True)
+    wikitext = text or write_sample_copies(work / "wikitext-2" / "test.txt")
+    return TaskManager(include_path=str(folder), metadata={"wikitext_path": str(wikitext)})
 
 
 def _table(runs: dict, suite: list[str]) -> tuple[list[str], bool]:
