@@ -262,9 +262,10 @@ def prepare(
     warnings = quantization_warnings(loaded.quant_report, options.reference, model, reference)
     for line in warnings:
         log.warning(line, main_process_only=True)
-    invariance, alone_why = decide_invariance(
-        collective, list(both), device, pad_token_id, loaded.max_length, options.batch_invariant
-    )
+    with stop_together(collective, device, "checking that rows attend alone (batch_invariant=true)"):
+        invariance, alone_why = decide_invariance(
+            collective, list(both), device, pad_token_id, loaded.max_length, options.batch_invariant
+        )
     if invariance is not Invariance.OFF:
         why = "" if alone_why is None else f": {alone_why}"
         log.info(f"batch_invariant=true: {invariance.value}{why}", main_process_only=True)

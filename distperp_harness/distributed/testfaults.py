@@ -34,6 +34,7 @@ _POINTS = {
     "lane": "DISTPERP_TEST_FAIL_LANE",
     "probe": "DISTPERP_TEST_FAIL_PROBE",
     "load": "DISTPERP_TEST_FAIL_LOAD",
+    "invariance": "DISTPERP_TEST_FAIL_INVARIANCE",
 }
 _HOLDS = {"lane": "DISTPERP_TEST_HOLD_LANE", "probe": "DISTPERP_TEST_HOLD_PROBE"}
 
@@ -50,7 +51,9 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL_PROBE`` (``probe``): before the probe of the n-th model at load (the model, then the
       reference); ``DISTPERP_TEST_HOLD_PROBE`` stalls there instead;
     * ``DISTPERP_TEST_FAIL_LOAD`` (``load``): while loading the n-th model of the process (its n-th
-      :class:`~distperp_harness.lm.DistPerpLM`; a checkpoint of ``series``), as a file this rank cannot read would.
+      :class:`~distperp_harness.lm.DistPerpLM`; a checkpoint of ``series``), as a file this rank cannot read would;
+    * ``DISTPERP_TEST_FAIL_INVARIANCE`` (``invariance``): before ``batch_invariant=true``'s check of the kernels at
+      load (:func:`~distperp_harness.run.runtime.decide_invariance`).
     """
     actions: dict[str, Callable[[str], None]] = {_POINTS[point]: _raise_injected}
     if point in _HOLDS:

@@ -111,6 +111,7 @@ def decide_invariance(
 
     if not batch_invariant:
         return Invariance.OFF, None
+    fail_for_tests(collective.rank, "invariance")
     with gathered(*models):
         mine = rows_check(models[0], device, pad_token_id, max_length, models[1] if len(models) > 1 else None)  # type: ignore[arg-type]
     return merged(collective.all_gather_object(mine, "agree on how batch_invariant=true batches its rows"))

@@ -238,6 +238,27 @@ def test_a_rank_failing_in_the_probe_stops_its_shard_group_peer_named(tiny_model
     assert ended - failed_at < 30
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_failing_in_the_invariance_check_stops_its_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing):
+    """``batch_invariant=true`` checks the kernels at load and the ranks agree on the outcome in a gather: a rank that
+    raises before its check (rank 0, the store's host, or rank 1) leaves its peer waiting there with
+    ``timeout=600``; failfast ends it within seconds, naming the failing rank and the check."""
+    out = tmp_path / "out"
+    run = launch_one_node(
+        distperp_args(tiny_model_dir, tasks_dir, out, ",batch_invariant=true,timeout=600", tasks="dptest_mc"),
+        tmp_path,
+        {"DISTPERP_TEST_FAIL_INVARIANCE": f"{failing}:1"},
+    )
+    failed_at = run.wait_for("Telling the other ranks", timeout=240)
+    ended = run.wait_all(timeout=60)
+    assert run.procs[0].returncode != 0
+    stage = "checking that rows attend alone (batch_invariant=true)"
+    _assert_named(run.texts[0], peer=1 - failing, failing=failing, stage=stage)
+    assert not list(out.rglob("results_*.json"))
+    assert ended - failed_at < 30
+
+
 _NAN_DOCS = [
     "Zyzzyva quokka marmoset. Zyzzyva quokka marmoset. Zyzzyva quokka marmoset.",  # its batch: rank 0's
     "The river was high after the rain.",
