@@ -220,40 +220,34 @@ def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_rank_failing_in_the_probe_stops_its_shard_group_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing):
-    """The probe at load (the scoring paths) runs forwards that gather sharded weights: a rank that raises before it
-    (rank 0, the store's host, or rank 1) leaves its peer waiting in a gather with ``timeout=600``; failfast ends it
-    within seconds, naming the failing rank and the probe."""
+@pytest.mark.parametrize(
+    "extra, variable, stage",
+    [
+        (",shard_size=2", "DISTPERP_TEST_FAIL_PROBE", "probing what the model's forwards allow"),
+        (
+            ",batch_invariant=true",
+            "DISTPERP_TEST_FAIL_INVARIANCE",
+            "checking that rows attend alone (batch_invariant=true)",
+        ),
+    ],
+    ids=["probe", "invariance-check"],
+)
+def test_a_rank_failing_at_a_load_check_stops_its_peer_named(
+    tiny_model_dir, tasks_dir, tmp_path, failing, extra, variable, stage
+):
+    """Two checks at load run forwards and gathers: the probe (the scoring paths; with sharded weights its forwards
+    gather them) and ``batch_invariant=true``'s check of the kernels (the ranks agree on its outcome). A rank that
+    raises before either (rank 0, the store's host, or rank 1) leaves its peer waiting with ``timeout=600``;
+    failfast ends it within seconds, naming the failing rank and the check."""
     out = tmp_path / "out"
     run = launch_one_node(
-        distperp_args(tiny_model_dir, tasks_dir, out, ",shard_size=2,timeout=600", tasks="dptest_mc"),
+        distperp_args(tiny_model_dir, tasks_dir, out, f"{extra},timeout=600", tasks="dptest_mc"),
         tmp_path,
-        {"DISTPERP_TEST_FAIL_PROBE": f"{failing}:1"},
+        {variable: f"{failing}:1"},
     )
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)
     assert run.procs[0].returncode != 0
-    _assert_named(run.texts[0], peer=1 - failing, failing=failing, stage="probing what the model's forwards allow")
-    assert not list(out.rglob("results_*.json"))
-    assert ended - failed_at < 30
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("failing", [0, 1])
-def test_a_rank_failing_in_the_invariance_check_stops_its_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing):
-    """``batch_invariant=true`` checks the kernels at load and the ranks agree on the outcome in a gather: a rank that
-    raises before its check (rank 0, the store's host, or rank 1) leaves its peer waiting there with
-    ``timeout=600``; failfast ends it within seconds, naming the failing rank and the check."""
-    out = tmp_path / "out"
-    run = launch_one_node(
-        distperp_args(tiny_model_dir, tasks_dir, out, ",batch_invariant=true,timeout=600", tasks="dptest_mc"),
-        tmp_path,
-        {"DISTPERP_TEST_FAIL_INVARIANCE": f"{failing}:1"},
-    )
-    failed_at = run.wait_for("Telling the other ranks", timeout=240)
-    ended = run.wait_all(timeout=60)
-    assert run.procs[0].returncode != 0
-    stage = "checking that rows attend alone (batch_invariant=true)"
     _assert_named(run.texts[0], peer=1 - failing, failing=failing, stage=stage)
     assert not list(out.rglob("results_*.json"))
     assert ended - failed_at < 30
