@@ -36,7 +36,11 @@ _POINTS = {
     "load": "DISTPERP_TEST_FAIL_LOAD",
     "invariance": "DISTPERP_TEST_FAIL_INVARIANCE",
 }
-_HOLDS = {"lane": "DISTPERP_TEST_HOLD_LANE", "probe": "DISTPERP_TEST_HOLD_PROBE"}
+_HOLDS = {
+    "lane": "DISTPERP_TEST_HOLD_LANE",
+    "probe": "DISTPERP_TEST_HOLD_PROBE",
+    "invariance": "DISTPERP_TEST_HOLD_INVARIANCE",
+}
 
 
 def fail_for_tests(rank: int, point: str = "forward") -> None:
@@ -53,7 +57,7 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL_LOAD`` (``load``): while loading the n-th model of the process (its n-th
       :class:`~distperp_harness.lm.DistPerpLM`; a checkpoint of ``series``), as a file this rank cannot read would;
     * ``DISTPERP_TEST_FAIL_INVARIANCE`` (``invariance``): before ``batch_invariant=true``'s check of the kernels at
-      load (:func:`~distperp_harness.run.runtime.decide_invariance`).
+      load (:func:`~distperp_harness.run.runtime.decide_invariance`); ``DISTPERP_TEST_HOLD_INVARIANCE`` stalls there.
     """
     actions: dict[str, Callable[[str], None]] = {_POINTS[point]: _raise_injected}
     if point in _HOLDS:

@@ -73,12 +73,27 @@ def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10  # launcher's teardown included
 
 
-def test_node_1_killed_during_the_probe_is_named_gone_by_node_0(tiny_model_dir, tasks_dir, tmp_path):
-    """Two loopback nodes of one process: both stall in the probe at load (a forward of ten minutes), then node 1 is
-    SIGKILLed. Rank 0 names rank 1 gone, both of them in the probe, well within ``timeout=60``."""
+@pytest.mark.parametrize(
+    "extra, variable, stage",
+    [
+        ("", "DISTPERP_TEST_HOLD_PROBE", "probing what the model's forwards allow"),
+        (
+            ",batch_invariant=true",
+            "DISTPERP_TEST_HOLD_INVARIANCE",
+            "checking that rows attend alone (batch_invariant=true)",
+        ),
+    ],
+    ids=["probe", "invariance-check"],
+)
+def test_node_1_killed_during_a_load_check_is_named_gone_by_node_0(
+    tiny_model_dir, tasks_dir, tmp_path, extra, variable, stage
+):
+    """Two loopback nodes of one process: both stall in a check at load (the probe, or batch_invariant's check of the
+    kernels: a forward of ten minutes), then node 1 is SIGKILLed. Rank 0 names rank 1 gone, both of them in that
+    check, well within ``timeout=60``."""
     out = tmp_path / "out"
-    args = distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=60", "dptest_mc")
-    holds = [{"DISTPERP_TEST_HOLD_PROBE": "0:1"}, {"DISTPERP_TEST_HOLD_PROBE": "1:1"}]
+    args = distperp_args(tiny_model_dir, tasks_dir, out, f"{extra},timeout=60", "dptest_mc")
+    holds = [{variable: "0:1"}, {variable: "1:1"}]
     run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, envs=holds, outputs=[subprocess.PIPE, subprocess.PIPE]))
     run.wait_for("Loading weights", timeout=240)
     time.sleep(silence_bound(60) + 2)  # both hold, silent in the main thread, past the bound: nobody is named yet
@@ -88,8 +103,7 @@ def test_node_1_killed_during_the_probe_is_named_gone_by_node_0(tiny_model_dir, 
     ended = run.wait_all(timeout=60)
     text = run.texts[0]
     assert run.procs[0].returncode != 0
-    probing = "probing what the model's forwards allow"
-    _assert_survivor_named(text, 0, 1, "is gone: no heartbeat for", probing, probing)
+    _assert_survivor_named(text, 0, 1, "is gone: no heartbeat for", stage, stage)
     assert not list(out.rglob("results_*.json"))
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10
 

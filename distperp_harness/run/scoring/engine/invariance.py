@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from distperp_harness.model.parts import embedding_rows
 from distperp_harness.model.row_attention import why_not_alone
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, ShareMode, build_rows, unit_rows
 from distperp_harness.run.scoring.engine.forward import score_batch
+from distperp_harness.run.scoring.engine.probe_checks import dtype_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,7 +85,7 @@ def rows_check(
         why = None if which is None else why_not_alone(which)
         if why is not None:
             return why
-    vocab = int(_embeddings(model).shape[0])
+    vocab = embedding_rows(model)
     rows = check_rows(vocab, max_length)
 
     def scores(batch: Sequence) -> np.ndarray:
@@ -99,7 +101,7 @@ def rows_check(
         if together.shape != expected.shape or not np.array_equal(together, expected):
             moved = float(np.nanmax(np.abs(together - expected))) if together.shape == expected.shape else float("nan")
             return (
-                f"on this device and dtype ({_dtype(model)}) a row's scores move with its batch-mates even when it "
+                f"on this device and dtype ({dtype_of(model)}) a row's scores move with its batch-mates even when it "
                 f"attends alone (by up to {moved:.3g} nats on the check's rows)"
             )
     return None
@@ -113,14 +115,6 @@ def _unit_slice(rows: list[Row], row: Row) -> slice:
             return slice(start, start + len(r.units))
         start += len(r.units)
     raise ValueError("internal error: a row outside the check's rows")
-
-
-def _embeddings(model: torch.nn.Module) -> torch.Tensor:
-    return getattr(model, "get_input_embeddings")().weight  # noqa: B009 - torch types module attributes as tensors
-
-
-def _dtype(model: torch.nn.Module) -> torch.dtype:
-    return _embeddings(model).dtype
 
 
 def merged(reasons: Sequence[str | None]) -> tuple[Invariance, str | None]:
