@@ -940,3 +940,15 @@ class FullDisk:
         monkeypatch.setattr(io, "open", self.open)
         monkeypatch.setattr(builtins, "open", self.open)
         return self
+
+
+LOAD_CHECKS = {
+    "probe": ("", "PROBE", "probing what the model's forwards allow"),
+    "invariance-check": (
+        ",batch_invariant=true",
+        "INVARIANCE",
+        "checking that rows attend alone (batch_invariant=true)",
+    ),
+}
+"""The checks at load that run forwards and a gather, for the fault tests: ``id -> (model_args to add, the suffix of
+their DISTPERP_TEST_FAIL_*/DISTPERP_TEST_HOLD_* variables, the stage a failure there is named by)``."""

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from helpers import (
+    LOAD_CHECKS,
     TASKS_DIR,
     DictStore,
     LaunchOutputs,
@@ -220,30 +221,19 @@ def test_one_failing_rank_of_a_shard_group_stops_every_rank_within_seconds_named
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("failing", [0, 1])
-@pytest.mark.parametrize(
-    "extra, variable, stage",
-    [
-        (",shard_size=2", "DISTPERP_TEST_FAIL_PROBE", "probing what the model's forwards allow"),
-        (
-            ",batch_invariant=true",
-            "DISTPERP_TEST_FAIL_INVARIANCE",
-            "checking that rows attend alone (batch_invariant=true)",
-        ),
-    ],
-    ids=["probe", "invariance-check"],
-)
-def test_a_rank_failing_at_a_load_check_stops_its_peer_named(
-    tiny_model_dir, tasks_dir, tmp_path, failing, extra, variable, stage
-):
+@pytest.mark.parametrize("check", list(LOAD_CHECKS))
+def test_a_rank_failing_at_a_load_check_stops_its_peer_named(tiny_model_dir, tasks_dir, tmp_path, failing, check):
     """Two checks at load run forwards and gathers: the probe (the scoring paths; with sharded weights its forwards
     gather them) and ``batch_invariant=true``'s check of the kernels (the ranks agree on its outcome). A rank that
     raises before either (rank 0, the store's host, or rank 1) leaves its peer waiting with ``timeout=600``;
     failfast ends it within seconds, naming the failing rank and the check."""
+    extra, variable, stage = LOAD_CHECKS[check]
+    extra += ",shard_size=2" if check == "probe" else ""  # the probe's forwards then gather sharded weights
     out = tmp_path / "out"
     run = launch_one_node(
         distperp_args(tiny_model_dir, tasks_dir, out, f"{extra},timeout=600", tasks="dptest_mc"),
         tmp_path,
-        {variable: f"{failing}:1"},
+        {f"DISTPERP_TEST_FAIL_{variable}": f"{failing}:1"},
     )
     failed_at = run.wait_for("Telling the other ranks", timeout=240)
     ended = run.wait_all(timeout=60)

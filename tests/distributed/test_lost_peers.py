@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import LaunchOutputs, distperp_args, launch_one_node, start_two_nodes
+from helpers import LOAD_CHECKS, LaunchOutputs, distperp_args, launch_one_node, start_two_nodes
 
 from distperp_harness.distributed.failfast import SETTLE_QUIET_S
 from distperp_harness.distributed.liveness import PROBE_REPLY_S, SUSPECT_S, silence_bound
@@ -73,27 +73,15 @@ def test_node_1_killed_during_generation_is_named_gone_by_node_0_within_seconds(
     assert ended - killed_at < SUSPECT_S + POLL_SLACK_S + SETTLE_S + 10  # launcher's teardown included
 
 
-@pytest.mark.parametrize(
-    "extra, variable, stage",
-    [
-        ("", "DISTPERP_TEST_HOLD_PROBE", "probing what the model's forwards allow"),
-        (
-            ",batch_invariant=true",
-            "DISTPERP_TEST_HOLD_INVARIANCE",
-            "checking that rows attend alone (batch_invariant=true)",
-        ),
-    ],
-    ids=["probe", "invariance-check"],
-)
-def test_node_1_killed_during_a_load_check_is_named_gone_by_node_0(
-    tiny_model_dir, tasks_dir, tmp_path, extra, variable, stage
-):
+@pytest.mark.parametrize("check", list(LOAD_CHECKS))
+def test_node_1_killed_during_a_load_check_is_named_gone_by_node_0(tiny_model_dir, tasks_dir, tmp_path, check):
     """Two loopback nodes of one process: both stall in a check at load (the probe, or batch_invariant's check of the
     kernels: a forward of ten minutes), then node 1 is SIGKILLed. Rank 0 names rank 1 gone, both of them in that
     check, well within ``timeout=60``."""
+    extra, variable, stage = LOAD_CHECKS[check]
     out = tmp_path / "out"
     args = distperp_args(tiny_model_dir, tasks_dir, out, f"{extra},timeout=60", "dptest_mc")
-    holds = [{variable: "0:1"}, {variable: "1:1"}]
+    holds = [{f"DISTPERP_TEST_HOLD_{variable}": "0:1"}, {f"DISTPERP_TEST_HOLD_{variable}": "1:1"}]
     run = LaunchOutputs(start_two_nodes(args, cwd=tmp_path, envs=holds, outputs=[subprocess.PIPE, subprocess.PIPE]))
     run.wait_for("Loading weights", timeout=240)
     time.sleep(silence_bound(60) + 2)  # both hold, silent in the main thread, past the bound: nobody is named yet
