@@ -1,6 +1,6 @@
 """Batch invariance: with ``batch_invariant=true`` every document's results are the same bits at every batch size
-(on this machine's device); the default mode is shown beside it (its results may move with the batch size), and
-``--cost-repeats`` measures what the option costs.
+(on this machine's device); ``batch_invariant=false`` is shown beside it (its results may move with the batch size),
+and ``--cost-repeats`` measures what invariance costs.
 
     python -m benchmarks.invariance_check --device cuda [--model DIR --dtype bfloat16]
     python -m benchmarks.invariance_check --device cpu          # dry mode (gpu_all.sh --device cpu)
@@ -24,7 +24,7 @@ difference of the row (nats), the run's fingerprint and a verdict. An invariant 
 (``gpu_all.sh`` fails on it) and the script exits 1.
 
 ``--cost-repeats N``: then the wall seconds inside ``loglikelihood``/``loglikelihood_rolling`` and ``generate_until``
-at each batch size of ``--cost-sizes`` (default ``auto``), default against invariant, alternating which goes first,
+at each batch size of ``--cost-sizes`` (default ``auto``), ``false`` against invariant, alternating which goes first,
 medians of ``N``, and the ratio.
 """
 
@@ -51,7 +51,8 @@ SUITES = {
     ],
 }
 """The tasks of each ``--suite`` (a group's subtasks get their own columns)."""
-MODES = {"invariant": ",batch_invariant=true", "default": ""}
+MODES = {"invariant": ",batch_invariant=true", "false": ",batch_invariant=false"}
+"""The two modes compared (the default, ``auto``, is ``true`` on a CPU whose kernels pass its check)."""
 KINDS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
@@ -137,22 +138,35 @@ def _table(runs: dict, suite: list[str]) -> tuple[list[str], bool]:
 
 
 def _cost(lms: dict, timers: dict, args: argparse.Namespace, manager, size: str = "auto") -> list[str]:
-    """Wall seconds inside the request methods at ``batch_size=size``, default against invariant (module doc)."""
-    seconds: dict[str, list[dict[str, float]]] = {"default": [], "invariant": []}
+    """Wall seconds inside the request methods at ``batch_size=size``, ``false`` against invariant (module doc)."""
+    seconds: dict[str, list[dict[str, float]]] = {"false": [], "invariant": []}
+    tokens: dict[str, dict[str, int]] = {}
     for rep in range(args.cost_repeats):
-        for mode in ("default", "invariant") if rep % 2 == 0 else ("invariant", "default"):
+        for mode in ("false", "invariant") if rep % 2 == 0 else ("invariant", "false"):
             timers[mode].reset()
+            before = len(lms[mode].stats.calls)
             _evaluate(lms[mode], args, manager)
             seconds[mode].append(dict(timers[mode].seconds))
+            tokens[mode] = _tokens_computed(lms[mode].stats.calls[before:])
     lines = [
-        f"| batch_size={size}, median of {args.cost_repeats} | default s | invariant s | invariant / default |",
-        "|---|---:|---:|---:|",
+        f"| batch_size={size}, median of {args.cost_repeats} | false s | invariant s | invariant / false "
+        "| tokens computed, false | invariant |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label, kinds in (("scoring", KINDS[:2]), ("generation", KINDS[2:]), ("all", KINDS)):
-        d = statistics.median(sum(s[k] for k in kinds) for s in seconds["default"])
+        d = statistics.median(sum(s[k] for k in kinds) for s in seconds["false"])
         i = statistics.median(sum(s[k] for k in kinds) for s in seconds["invariant"])
-        lines.append(f"| {label} | {d:.1f} | {i:.1f} | {f'{i / d:.2f}x' if d else 'n/a'} |")
+        counts = " | ".join(str(tokens.get(m, {}).get(label, "n/a")) for m in ("false", "invariant"))
+        lines.append(f"| {label} | {d:.1f} | {i:.1f} | {f'{i / d:.2f}x' if d else 'n/a'} | {counts} |")
     return lines
+
+
+def _tokens_computed(calls: list) -> dict[str, int]:
+    """Positions the model computed in ``calls`` (one evaluation): scoring's computed tokens, generation's prefill
+    and decode positions (pads included), and their sum."""
+    scoring = sum(getattr(c, "computed_tokens", 0) for c in calls if c.kind != "generate_until")
+    generation = sum(c.prefill_positions + c.decode_positions for c in calls if c.kind == "generate_until")
+    return {"scoring": scoring, "generation": generation, "all": scoring + generation}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -66,6 +66,16 @@ CP_SIZES = (
 CLI_DEFAULT_DEVICE = "cuda:0"
 
 
+class BatchInvariant(Word):
+    """``batch_invariant``: results the same bits for any batching (``true``), batches as the kernels like them
+    (``false``), or ``auto`` (the default): invariant where this run can be at little cost (eager layers, no
+    context-parallel group, a CPU device whose kernels pass the check at start), else ``false``, said in one line."""
+
+    AUTO = "auto"
+    ON = "true"
+    OFF = "false"
+
+
 class CpMinTokens(Word):
     """``cp_min_tokens``'s word (an integer N >= 1 is the other form: rows of at least N tokens go to the groups)."""
 
@@ -131,8 +141,9 @@ class Options:
     cuda_graphs: bool = True
     # stragglers: ranks take batches as they go (a slow rank computes fewer); false: the static plan
     claim: bool = True
-    # every row and generated sequence computed at shapes of its own: results independent of batch_size and memory
-    batch_invariant: bool = False
+    # every row and generated sequence attending alone: results independent of batch_size and memory (auto: where
+    # this run can be at little cost, said at start)
+    batch_invariant: BatchInvariant = BatchInvariant.AUTO
     # checkpoints as users have them
     subfolder: str | None = None
     gguf_file: str | None = None
@@ -146,6 +157,9 @@ class Options:
     in_memory: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.batch_invariant, BatchInvariant):  # a bool (Python callers) reads as its word
+            word = _CASTS["batch_invariant"]("batch_invariant", self.batch_invariant)
+            object.__setattr__(self, "batch_invariant", word)
         _require(
             isinstance(self.pretrained, str) and self.pretrained.strip() != "",
             "pretrained",
@@ -270,17 +284,18 @@ class Options:
         self._check_checkpoint_keys()
 
     def _check_batch_invariant(self) -> None:
-        """``batch_invariant``: a bool, and eager (compiled graphs are chosen by the order shapes arrive in, so their
-        kernels, and the bits, would depend on what ran before)."""
+        """``batch_invariant``: auto, true or false; ``true`` only eager (compiled graphs are chosen by the order
+        shapes arrive in, so their kernels, and the bits, would depend on what ran before)."""
         _require(
-            isinstance(self.batch_invariant, bool),
+            isinstance(self.batch_invariant, BatchInvariant),
             "batch_invariant",
             self.batch_invariant,
-            "true or false",
-            "batch_invariant=true makes results independent of batch_size and the device's memory",
+            "auto, true or false",
+            "batch_invariant=true makes results independent of batch_size and the device's memory; auto (the "
+            "default) does where it costs little",
         )
         _require(
-            not (self.batch_invariant and self.compile != "false"),
+            not (self.batch_invariant is BatchInvariant.ON and self.compile != "false"),
             "compile",
             self.compile,
             "false with batch_invariant=true (a compiled graph's kernels depend on the shapes compiled before it)",
@@ -335,8 +350,8 @@ class Options:
 
     def _check_context_parallel(self) -> None:
         """``cp_size``: a divisor of the processes per node or ``node``; with whole weights on every process (not
-        ``shard_size``/``tp_size``), rows computed in batches (not
-        ``batch_invariant``) and eager layers (not ``compile``)."""
+        ``shard_size``/``tp_size``), rows computed in batches (not ``batch_invariant=true``) and eager layers (not
+        ``compile``)."""
         if isinstance(self.cp_size, str):
             _require(self.cp_size == "node", "cp_size", self.cp_size, CP_SIZES, "e.g. cp_size=node, or cp_size=2")
         else:
@@ -360,7 +375,12 @@ class Options:
         for key, value, ok, what in (
             ("shard_size", self.shard_size, self.shard_size == 1, "whole weights on every member"),
             ("tp_size", self.tensor_parallel, self.tensor_parallel == 1, "whole weights on every member"),
-            ("batch_invariant", self.batch_invariant, not self.batch_invariant, "rows computed in batches"),
+            (
+                "batch_invariant",
+                self.batch_invariant,
+                self.batch_invariant is not BatchInvariant.ON,
+                "rows computed in batches (batch_invariant=auto or false)",
+            ),
             ("compile", self.compile, self.compile == "false", "eager layers (the gathers are not compiled)"),
         ):
             _require(
@@ -546,7 +566,6 @@ _BOOL_KEYS = {
     "share_prefix",
     "cuda_graphs",
     "claim",
-    "batch_invariant",
     "merge_adapter",
     "enable_thinking",
 }
@@ -667,6 +686,7 @@ _CASTS: dict[str, Callable[[str, Any], Any]] = {
     "dtype": _as_dtype,
     "quantize": _enum(QuantScheme, {"false": "none", "int4wo": "int4", "int8wo": "int8", "int8da4w": "8da4w"}),
     "batch_size": lambda key, value: _as_batch_size(value),
+    "batch_invariant": _enum(BatchInvariant, {"1": "true", "yes": "true", "0": "false", "no": "false"}),
     "compile": _enum(
         CompileMode, {"true": "default", "1": "default", "yes": "default", "0": "false", "no": "false", "none": "false"}
     ),

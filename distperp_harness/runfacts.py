@@ -33,7 +33,11 @@ def run_facts(
         world_size=collective.world_size,
         num_nodes=collective.num_nodes,
         max_length=loaded.max_length,
-        batch_invariance={"mode": prepared.invariance.name.lower(), "why_each_row": prepared.invariance_why},
+        batch_invariance={
+            "asked": str(options.batch_invariant),
+            "mode": prepared.invariance.name.lower(),
+            "why": prepared.invariance_why,
+        },
         weight_bytes=loaded.weight_bytes,
         batching=prepared.batching,
         sharing=prepared.sharing,

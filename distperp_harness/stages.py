@@ -38,9 +38,10 @@ from distperp_harness.model.lengths import fresh_rope_each_forward
 from distperp_harness.model.loading import Loaded, check_prefix_token, load_all
 from distperp_harness.model.memory import activation_bytes_per_token, kv_cache_bytes_per_token
 from distperp_harness.model.quantize import weight_bytes
+from distperp_harness.model.row_products import routed_products
 from distperp_harness.model.sharding import check_groups_within_hosts, make_mesh, resolve_shard_size
 from distperp_harness.model.tensor_parallel import make_tp_mesh, resolve_tp_size
-from distperp_harness.options import GROUPS, Options, resolve_group_size
+from distperp_harness.options import GROUPS, BatchInvariant, Options, resolve_group_size
 from distperp_harness.planning.rows import ShareMode
 from distperp_harness.report.quantcost import ReferenceComparison, quantization_warnings
 from distperp_harness.run.budget import agree_on_batching, generation_rows
@@ -53,7 +54,13 @@ from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
 from distperp_harness.run.rules import Sharing, one_slot
-from distperp_harness.run.runtime import choose_sharing, decide_invariance, decide_paths, probe_target
+from distperp_harness.run.runtime import (
+    choose_sharing,
+    decide_invariance,
+    decide_paths,
+    invariance_blocked,
+    probe_target,
+)
 from distperp_harness.run.scoring.engine.invariance import Invariance
 from distperp_harness.run.scoring.routes import WideRows
 
@@ -252,7 +259,11 @@ def prepare(
         + (loaded.int4_products.transient_bytes if loaded.int4_products else 0)
         + compile_extra_bytes(options.compile_mode, [model, reference], device, placement.shard_size),
     )
-    target = probe_target(list(both), batching, loaded.max_length, options.share_prefix, options.batch_invariant)
+    blocked = invariance_blocked(options.batch_invariant, options.compile, options.cp_size, device.type, both)
+    modes = {BatchInvariant.ON: (True,), BatchInvariant.AUTO: (True, False) if blocked is None else (False,)}
+    target = probe_target(
+        list(both), batching, loaded.max_length, options.share_prefix, modes.get(options.batch_invariant, (False,))
+    )
     with stop_together(collective, device, "probing what the model's forwards allow"):
         decided = decide_paths(collective, list(both), device, pad_token_id, target)
     for name, paths in zip(("model", "reference"), decided):
@@ -262,15 +273,15 @@ def prepare(
     warnings = quantization_warnings(loaded.quant_report, options.reference, model, reference)
     for line in warnings:
         log.warning(line, main_process_only=True)
-    with stop_together(collective, device, "checking that rows attend alone (batch_invariant=true)"):
+    with stop_together(collective, device, "checking that rows attend alone (batch_invariant)"):
         invariance, alone_why = decide_invariance(
-            collective, list(both), device, pad_token_id, loaded.max_length, options.batch_invariant
+            collective, list(both), device, pad_token_id, loaded.max_length, options.batch_invariant, blocked
         )
-    if invariance is not Invariance.OFF:
-        why = "" if alone_why is None else f": {alone_why}"
-        log.info(f"batch_invariant=true: {invariance.value}{why}", main_process_only=True)
+    if options.batch_invariant is not BatchInvariant.OFF:
+        why = "" if alone_why is None else f" ({alone_why})"
+        log.info(f"batch_invariant={options.batch_invariant}: {invariance.value}{why}", main_process_only=True)
     sharing, fallback, budget_reason, sharing_line = choose_sharing(
-        options.share_prefix, list(both), batching, loaded.max_length, batch_invariant=options.batch_invariant
+        options.share_prefix, list(both), batching, loaded.max_length, invariance
     )
     if placement.cp.size > 1:  # plain sdpa outside a group's forward: short rows and generation as with cp_size=1
         for which, source in ((model, options.pretrained), (reference, f"reference={options.reference}")):
@@ -293,7 +304,7 @@ def prepare(
         device,
         pad_token_id,
         compiled=compiled,
-        batch_invariant=options.batch_invariant,
+        batch_invariant=invariance is not Invariance.OFF,
         grouped=placement.shard_size > 1 or placement.tp_size > 1,
         cuda_graphs=options.cuda_graphs,
     )
@@ -400,13 +411,20 @@ def generation_setup(
     progress: Any,
 ) -> GenerationSetup:
     """What ``generate_until`` runs with (:class:`~distperp_harness.run.generation.setup.GenerationSetup`). Under
-    ``batch_invariant`` sequences share a lane's slots with every row attending alone (no shared prompt block) where
-    the run's check found that enough, else each decodes alone (one slot); so does each sequence of a model whose
+    ``batch_invariant`` (its check passed) sequences share a lane's slots with every row attending alone, each
+    continuing its prefix group's shared block whatever the lane; where ``batch_invariant=true``'s check failed each
+    decodes alone (one slot); so does each sequence of a model whose
     length rule keeps lengths apart (a longrope model's forward takes the factor of the longest sequence in it)."""
     model, max_length = models.model, models.loaded.max_length
     lengths = prepared.sharing.lengths
     batched = prepared.invariance is Invariance.BATCHED  # rows attend alone: a sequence's bits whatever its batch
-    alone = (options.batch_invariant and not batched) or not (lengths is None or lengths.uniform)
+    # a sequence decodes alone (one slot) where rows cannot share a step whatever its batch-mates: the check failed
+    # under batch_invariant=true, products whose rows follow the batch, or a length rule that keeps lengths apart
+    alone = (
+        prepared.invariance.row_at_a_time
+        or (batched and routed_products(model) is not None)
+        or not (lengths is None or lengths.uniform)
+    )
     return GenerationSetup(
         model=cast("CausalLM", model),  # transformers' *ForCausalLM classes generate
         tokenizer=tokenizer,
@@ -424,7 +442,7 @@ def generation_setup(
             kv_bytes=kv_cache_bytes_per_token(model),
         ),
         seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
-        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not (alone or batched) else NO_SHARING,
+        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not alone else NO_SHARING,
         progress=progress,
         think_end=options.think_end_token,
         static=prepared.static_decoding,

@@ -104,6 +104,11 @@ def test_the_record_says_what_the_bits_depend_on(sweep):
     assert not any("batch plan" in fact for fact in invariant["bits_depend_on"])
     assert any("batch plan" in fact for fact in default["bits_depend_on"])
     assert invariant["sharing"]["max_row_length"] == 128  # rows of at most max_length, whatever the batching
+    # a row group's prefix is computed once per batch whatever the batching, batch_size=1 included
+    assert invariant["sharing"]["cached_prefix"] == "group" and default["sharing"]["cached_prefix"] == "batch"
+    for name in ("1", "8", "auto"):
+        shared = sum(c.get("batches_sharing_a_prefix") or 0 for c in sweep[name][0]["calls"])
+        assert shared > 0, name
     # rows in batches, each attending alone: the check of this CPU's kernels passed (on both ranks of the launch)
     for name in ("1", "8", "auto", "2p-8"):
         assert sweep[name][0]["batch_invariance"] == {"mode": "batched", "why_each_row": None}, name

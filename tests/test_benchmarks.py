@@ -320,7 +320,7 @@ def test_invariance_check_leaderboard_suite_and_cost(tiny_model_dir, tmp_path, c
     out = capsys.readouterr().out
     assert "| mode | batch_size | leaderboard_mmlu_pro | leaderboard_musr_" in out, out
     assert "| invariant | auto | 1/1 | " in out and "| same bits |" in out and "DIFFER" not in out
-    assert "| batch_size=auto, median of 1 | default s | invariant s | invariant / default |" in out
+    assert "| batch_size=auto, median of 1 | false s | invariant s | invariant / false | tokens computed" in out
     assert "| generation | " in out
 
 

@@ -81,6 +81,7 @@ def test_shared_rows_are_recorded(runs):
         "mode": "prefix",
         "requests": "loglikelihood",
         "max_row_length": 128,
+        "cached_prefix": "batch",
         "fallback_reason": None,
         "row_budget": "batch_size=4: rows of at most max_length=128 tokens",
     }

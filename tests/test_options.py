@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from distperp_harness.options import Options
+from distperp_harness.options import BatchInvariant, Options
 
 
 def test_defaults_and_casts_from_cli_strings():
@@ -150,11 +150,19 @@ def test_in_memory_is_not_a_model_arg():
         DistPerpLM.create_from_arg_string("pretrained=some/model,in_memory=True")
 
 
-def test_batch_invariant_is_a_bool_and_runs_eager():
-    assert Options.from_kwargs(pretrained="m", batch_invariant="true").batch_invariant is True
+def test_batch_invariant_is_auto_true_or_false_and_true_runs_eager():
+    assert Options(pretrained="m").batch_invariant is BatchInvariant.AUTO
+    for given, word in (("true", BatchInvariant.ON), (True, BatchInvariant.ON), ("0", BatchInvariant.OFF)):
+        assert Options.from_kwargs(pretrained="m", batch_invariant=given).batch_invariant is word
+        assert Options(pretrained="m", batch_invariant=given).batch_invariant is word
     with pytest.raises(ValueError, match="compile='default' is not valid.*batch_invariant=true") as info:
         Options.from_kwargs(pretrained="m", batch_invariant="true", compile="true")
     assert "Fix:" in str(info.value) or "drop compile=" in str(info.value)
+    with pytest.raises(ValueError, match="batch_invariant='sometimes' is not valid.*auto, true or false"):
+        Options.from_kwargs(pretrained="m", batch_invariant="sometimes")
+    # auto (the default) goes with what true refuses: it is off there, said at start (run.runtime.invariance_blocked)
+    assert Options.from_kwargs(pretrained="m", compile="true").compile == "default"
+    assert Options.from_kwargs(pretrained="m", cp_size=2).cp_size == 2
 
 
 # --- the command line, checked before lm-eval indexes its tasks (options.check_command_line) -----------------------

@@ -45,10 +45,33 @@ def at_least_rows(model: torch.nn.Module, rows: int = MIN_ROWS) -> Iterator[None
 
     handles = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if _plain_linear(module):
             handles += [module.register_forward_pre_hook(pad), module.register_forward_hook(cut)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` computing as one (a subclass with a forward of its own, e.g. a
+    router returning scores and logits, is not padded: its outputs' shapes are its own)."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+
+
+def routed_products(model: torch.nn.Module) -> str | None:
+    """Why some of ``model``'s products take a batch-dependent number of rows whatever the padding, or None: routed
+    experts multiply the tokens routed to them (how many follows the batch), and ``nn.Linear`` subclasses with a
+    forward of their own (routers) are not padded to :data:`MIN_ROWS`."""
+    from distperp_harness.model.miniature_keys import EXPERT_KEYS
+
+    config = getattr(model, "config", None)
+    configs = [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {})]
+    experts = [k for c in configs if c is not None for k in EXPERT_KEYS if (getattr(c, k, 0) or 0) > 1]
+    if experts:
+        return f"its routed experts ({experts[0]}) multiply the tokens routed to them, as many as the batch sends"
+    own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and not _plain_linear(m)})
+    if own:
+        return f"its {', '.join(own)} layers multiply with a forward of their own (not padded to {MIN_ROWS} rows)"
+    return None

@@ -24,8 +24,9 @@ rows, batches and bits depend only on the set of units, never on the world size.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Union
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -289,3 +290,10 @@ def batch_shared(rows: PlannedRows, start: int, stop: int) -> int:
     shared = int(rows.lcp[lo + 1 : hi + 1].min()) if hi > lo else 0
     shared = min(shared, int(rows.first_scored[start:stop].min()))
     return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def group_of(group_starts: Sequence[int], n_rows: int, row: int) -> tuple[int, int]:
+    """``(start, stop)`` of the row group (``group_starts``, over ``n_rows`` rows in plan order) that holds ``row``."""
+    k = bisect.bisect_right(group_starts, row) - 1
+    start = group_starts[k] if k >= 0 else 0
+    return start, group_starts[k + 1] if k + 1 < len(group_starts) else n_rows

@@ -359,9 +359,15 @@ def shared_prefix(rows: Sequence[Row]) -> int:
     """
     if len(rows) < 2:
         return 0
+    shared = unscored_common_prefix(rows)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def unscored_common_prefix(rows: Sequence[Row]) -> int:
+    """Tokens at the start of every row of ``rows`` (one row: its own), cut before the first scored position of any
+    unit."""
     shared = min(len(r.root) for r in rows)
     first = rows[0].root
     for row in rows[1:]:
         shared = min(shared, common_prefix_length(first[:shared], row.root[:shared]))
-    shared = min([shared] + [u.input_length - u.n_score for r in rows for u in r.units])
-    return shared if shared >= MIN_SHARED_PREFIX else 0
+    return min([shared] + [u.input_length - u.n_score for r in rows for u in r.units])

@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,16 +46,24 @@ class Batching:
         return int(self.batch_size or 1)
 
 
+class CachedPrefix(enum.Enum):
+    """Which prefix a batch of rows computes once, its rows continuing that prefix's key/value cache."""
+
+    NONE = "none: each row computes its whole prefix"
+    BATCH = "the batch's common prefix"
+    GROUP = "its row group's common prefix, whatever the batching (a row's bits then follow the plan, not the batch)"
+
+
 @dataclass(frozen=True)
 class Sharing:
     """How units share rows: ``mode`` (see :func:`distperp_harness.planning.rows.build_rows`), the longest packed row,
-    whether a batch's rows may start from the key/value cache of their common prefix, computed once
-    (``cached_prefix``; off, each row computes it), and which input lengths may share a forward at all
-    (``lengths``, :class:`~distperp_harness.model.lengths.LengthRule`; None: every length)."""
+    which prefix a batch computes once for its rows to continue (``cached_prefix``, :class:`CachedPrefix`), and which
+    input lengths may share a forward at all (``lengths``, :class:`~distperp_harness.model.lengths.LengthRule`; None:
+    every length)."""
 
     mode: ShareMode = ShareMode.OFF
     max_row_length: int | None = None
-    cached_prefix: bool = True
+    cached_prefix: CachedPrefix = CachedPrefix.BATCH
     lengths: LengthRule | None = None
 
     def keys(self, input_lengths: np.ndarray) -> np.ndarray | None:

@@ -5,14 +5,17 @@ the longest tree row, and how ``loglikelihood`` units share rows (:func:`choose_
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from distperp_harness.distributed.protocol import Collective
 from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.model.layers import matmul_params
 from distperp_harness.model.lengths import LengthRule
+from distperp_harness.options import BatchInvariant
 from distperp_harness.planning.rows import ShareMode
-from distperp_harness.run.rules import Batching, Sharing
+from distperp_harness.run.rules import Batching, CachedPrefix, Sharing
 from distperp_harness.run.scoring.engine.invariance import Invariance
 from distperp_harness.run.scoring.engine.probe_cases import Target
 from distperp_harness.run.scoring.engine.support import ModelPaths, paths_of
@@ -59,17 +62,23 @@ def row_budget(batching: Batching, max_length: int, attention_coef: float) -> tu
 
 
 def probe_target(
-    models: list[torch.nn.Module], batching: Batching, max_length: int, share_prefix: bool, batch_invariant: bool
+    models: list[torch.nn.Module],
+    batching: Batching,
+    max_length: int,
+    share_prefix: bool,
+    invariant: tuple[bool, ...] = (False,),
 ) -> Target:
-    """What a run's forwards will do (:class:`~distperp_harness.run.scoring.engine.probe_cases.Target`): its tree
-    rows as wide as the row budget allows (:func:`row_budget`; none without ``share_prefix``; ``max_length`` under
-    ``batch_invariant``, whatever the batching), several rows per batch unless ``batch_size=1``, cached prefixes
-    unless ``batch_invariant``."""
+    """What a run's forwards will do (:class:`~distperp_harness.run.scoring.engine.probe_cases.Target`), in each
+    mode it may end in (``invariant``: ``batch_invariant`` on, off, or either until its check): tree rows as wide
+    as the row budget allows (:func:`row_budget`; none without ``share_prefix``; ``max_length`` when invariant,
+    whatever the batching), several rows per batch unless ``batch_size=1``, cached prefixes with ``share_prefix``
+    (a batch's, or when invariant its row group's, whatever the batching)."""
     tree = 0
     if share_prefix:
-        tree = max_length if batch_invariant else row_budget(batching, max_length, attention_coefficient(models[0]))[0]
+        budget = row_budget(batching, max_length, attention_coefficient(models[0]))[0] if False in invariant else 0
+        tree = max(budget, max_length if True in invariant else 0)
     batched = batching.token_budget is not None or (batching.batch_size or 1) > 1
-    return Target(max_length, tree, batched, share_prefix and not batch_invariant)
+    return Target(max_length, tree, batched, share_prefix)
 
 
 def decide_paths(
@@ -94,27 +103,57 @@ def decide_paths(
     return decided
 
 
+def invariance_blocked(
+    wanted: BatchInvariant,
+    compile_mode: str,
+    cp_size: int | str,
+    device_type: str,
+    models: Sequence[torch.nn.Module] = (),
+) -> str | None:
+    """Why ``batch_invariant=auto`` is off before any check (``compile``, a context-parallel group, a device whose
+    cost was not measured, a model with routed experts), or None (``true`` and ``false`` were validated with the
+    options)."""
+    from distperp_harness.model.row_products import routed_products
+
+    if wanted is not BatchInvariant.AUTO:
+        return None
+    if compile_mode != "false":
+        return f"compile={compile_mode} (a compiled graph's kernels depend on the shapes compiled before it)"
+    if cp_size != 1:
+        return f"cp_size={cp_size} (context parallelism splits rows over a group)"
+    if device_type != "cpu":
+        return (
+            f"its cost and the kernels' row invariance on {device_type} are unmeasured (batch_invariant=true forces it)"
+        )
+    return next((why for why in map(routed_products, models) if why is not None), None)
+
+
 def decide_invariance(
     collective: Collective,
     models: list[torch.nn.Module],
     device: torch.device,
     pad_token_id: int,
     max_length: int,
-    batch_invariant: bool,
+    wanted: BatchInvariant,
+    blocked: str | None = None,
 ) -> tuple[Invariance, str | None]:
     """How forwards hold their rows (:class:`~distperp_harness.run.scoring.engine.invariance.Invariance`) and why
-    each row goes alone where it does: batches as usual without ``batch_invariant``; else rows in batches, each
-    attending alone, where every rank's :func:`~distperp_harness.run.scoring.engine.invariance.rows_check` passes
-    on the loaded model(s), else a forward per row, the same on every rank."""
+    they are not batched with every row attending alone: batches as usual with ``batch_invariant=false`` or where
+    ``auto`` is ``blocked`` (:func:`invariance_blocked`); else rows in batches, each attending alone, where every
+    rank's :func:`~distperp_harness.run.scoring.engine.invariance.rows_check` passes on the loaded model(s); where a
+    rank's does not, a forward per row (``true``) or batches as usual (``auto``), the same on every rank."""
     from distperp_harness.model.sharding import gathered
     from distperp_harness.run.scoring.engine.invariance import merged, rows_check
 
-    if not batch_invariant:
-        return Invariance.OFF, None
+    if wanted is BatchInvariant.OFF or blocked is not None:
+        return Invariance.OFF, blocked
     fail_for_tests(collective.rank, "invariance")
     with gathered(*models):
         mine = rows_check(models[0], device, pad_token_id, max_length, models[1] if len(models) > 1 else None)  # type: ignore[arg-type]
-    return merged(collective.all_gather_object(mine, "agree on how batch_invariant=true batches its rows"))
+    invariance, why = merged(collective.all_gather_object(mine, "agree on how batch_invariant batches its rows"))
+    if invariance is Invariance.EACH_ROW and wanted is BatchInvariant.AUTO:  # auto never pays a forward per row
+        return Invariance.OFF, why
+    return invariance, why
 
 
 def choose_sharing(
@@ -122,12 +161,13 @@ def choose_sharing(
     models: list[torch.nn.Module],
     batching: Batching,
     max_length: int,
-    batch_invariant: bool = False,
+    invariance: Invariance = Invariance.OFF,
 ) -> tuple[Sharing, str | None, str | None, str | None]:
     """How ``loglikelihood`` units share rows (``models``: the model and the reference, if any, their paths decided
     by :func:`decide_paths`): ``(sharing, why tree rows are off when a model cannot take their mask, how the row
-    budget was chosen, the line to log at the first loglikelihood call)``. ``batch_invariant``: rows of at most
-    ``max_length`` tokens whatever the batching, and no prefix shared across a batch's rows."""
+    budget was chosen, the line to log at the first loglikelihood call)``. Under ``invariance``
+    (``batch_invariant=true``): rows of at most ``max_length`` tokens whatever the batching, and the prefix a batch
+    computes once is its row group's (:attr:`CachedPrefix.GROUP`; none where each row is a forward of its own)."""
     lengths = length_rule(models)
     if not share_prefix:
         return Sharing(ShareMode.OFF, lengths=lengths), None, None, None
@@ -140,16 +180,19 @@ def choose_sharing(
             "gets a row of its own"
         )
         return Sharing(ShareMode.INPUTS, max_length, lengths=lengths), why, None, line
-    if batch_invariant:
+    uncached = next((p.cached_prefix for p in paths if p.cached_prefix), None)
+    if invariance is not Invariance.OFF:
         tokens = min(max_length, widest or max_length)
-        how = f"batch_invariant=true: rows of at most {tokens} tokens (max_length={max_length}) whatever the batching"
-        return Sharing(ShareMode.PREFIX, tokens, False, lengths), None, how, f"tree rows ({how})"
+        how = f"batch-invariant: rows of at most {tokens} tokens (max_length={max_length}) whatever the batching"
+        cached = CachedPrefix.GROUP if uncached is None and not invariance.row_at_a_time else CachedPrefix.NONE
+        line = f"tree rows ({how}; cached prefix: {cached.value})"
+        return Sharing(ShareMode.PREFIX, tokens, cached, lengths), None, how, line
     tokens, how = row_budget(batching, max_length, attention_coefficient(models[0]))
     if widest is not None and widest < tokens:
         tokens, how = widest, f"{how}; at most {widest} tokens, the widest tree row the probe vouched for"
-    uncached = next((p.cached_prefix for p in paths if p.cached_prefix), None)
     line = f"tree rows of at most {tokens} tokens ({how})" + ("" if uncached is None else f"; {uncached}")
-    return Sharing(ShareMode.PREFIX, tokens, uncached is None, lengths), None, how, line
+    cached = CachedPrefix.BATCH if uncached is None else CachedPrefix.NONE
+    return Sharing(ShareMode.PREFIX, tokens, cached, lengths), None, how, line
 
 
 def length_rule(models: list[torch.nn.Module]) -> LengthRule:

@@ -271,16 +271,17 @@ def test_auto_sends_rows_of_2048_tokens_per_member_to_the_group():
 # ------------------------------------------------------------------------------------------ real launches
 @pytest.fixture(scope="module")
 def cp_runs(tiny_model_dir, tasks_dir, tmp_path_factory):
-    """One process (no cp); every row on the groups (``cp_min_tokens=1``) with a reference (the same checkpoint, split
-    the same way): ``cp_size=2`` on 2 processes, 4 processes (2 groups) and 2 nodes x 2 (``node``); and ``cp_size=2``
-    with its default threshold, above every row of the test tasks (``short``)."""
+    """One process (no cp, batch_invariant=false); every row on the groups (``cp_min_tokens=1``) with a reference
+    (the same checkpoint, split the same way): ``cp_size=2`` on 2 processes, 4 processes (2 groups) and 2 nodes x 2
+    (``node``); and ``cp_size=2`` with its default threshold, above every row of the test tasks (``short``)."""
     root = tmp_path_factory.mktemp("cp")
     out = {name: root / name for name in ("1p", "2p", "4p", "2nodes", "short")}
 
     def args(name, extra):
         return [*distperp_args(tiny_model_dir, tasks_dir, out[name], extra, TASKS), "--log_samples"]
 
-    run_command([*accelerate_launch_prefix(1), *args("1p", "")], cwd=root)
+    # batch_invariant=false: the mode a cp_size > 1 run computes its data-parallel rows in (auto is off there)
+    run_command([*accelerate_launch_prefix(1), *args("1p", ",batch_invariant=false")], cwd=root)
     grouped = f",cp_min_tokens=1,reference={tiny_model_dir}"  # every row on the groups; a reference split likewise
     run_command([*accelerate_launch_prefix(2), *args("2p", ",cp_size=2" + grouped)], cwd=root)
     run_command([*accelerate_launch_prefix(4), *args("4p", ",cp_size=2" + grouped)], cwd=root)
@@ -334,7 +335,8 @@ def test_a_groups_measured_traffic_is_the_formula(cp_runs, tiny_model_dir):
 @pytest.mark.distributed
 def test_rows_below_cp_min_tokens_are_computed_as_with_cp_size_1(cp_runs):
     """cp_size=2 with the default threshold (4,096 tokens) on rows of at most 128: every row stays data parallel,
-    so the fingerprint and every document's results are one process's, and no call counts a group's row."""
+    so the fingerprint and every document's results are one process's (with batch_invariant=false: auto is off
+    with cp_size > 1), and no call counts a group's row."""
     base, short = (load_results(cp_runs[name]) for name in ("1p", "short"))
     assert short["config"]["distperp"]["fingerprint"] == base["config"]["distperp"]["fingerprint"]
     assert not any(call.get("context_parallel_rows") for call in short["config"]["distperp"]["calls"])

@@ -78,6 +78,7 @@ def run_record(facts: RunFacts) -> dict:
     loglikelihood call ran; ``paths``: what the probe decided for the model (and the reference): packed rows, cached
     prefix, head only where scored, each with its fallback reason, and what it measured."""
     options = facts.options.to_dict()
+    invariant = (facts.batch_invariance or {}).get("mode", "off") != "off"
     if facts.options.device_from_cli and str(facts.device) != facts.options.device:
         options["device"] = str(facts.device)
     options["compile"] = facts.options.compile_mode or False
@@ -101,13 +102,14 @@ def run_record(facts: RunFacts) -> dict:
                 "token_budget": facts.batching.token_budget,
                 "max_batch_size": facts.batching.max_batch_size,
             },
-            "batch_invariant": facts.options.batch_invariant,
+            "batch_invariant": invariant,
             "batch_invariance": facts.batch_invariance,
-            "bits_depend_on": bits_depend_on(facts.options.batch_invariant),
+            "bits_depend_on": bits_depend_on(invariant),
             "sharing": {  # a mode only where loglikelihood requests ran (the calls say what ran)
                 "mode": facts.sharing.mode if any(c.kind == "loglikelihood" for c in facts.stats.calls) else None,
                 "requests": "loglikelihood",
                 "max_row_length": facts.sharing.max_row_length,
+                "cached_prefix": facts.sharing.cached_prefix.name.lower(),
                 "row_budget": facts.row_budget_reason,
                 "fallback_reason": facts.sharing_fallback,
             },

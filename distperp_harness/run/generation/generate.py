@@ -68,7 +68,14 @@ def generate(
     mine = local_jobs(setup, local_keys, args)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
     planned = plan_generation(
-        collective, mine, seed, setup.rows_for, setup.min_shared_tokens, executor.step, executor.workers
+        collective,
+        mine,
+        seed,
+        setup.rows_for,
+        setup.min_shared_tokens,
+        executor.step,
+        executor.workers,
+        fixed_prefixes=setup.rows_alone,
     )
     table, lanes, plan, seed = planned.table, planned.lanes, planned.plan, planned.seed
     if setup.static is not None:  # compile the decode step for the plan's buckets, every rank together

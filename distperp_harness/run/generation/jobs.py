@@ -22,6 +22,7 @@ prompt, where the all-gather of prompts it replaces moved 4 bytes per prompt tok
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -178,6 +179,31 @@ def ladder_shared(table: JobTable, start: int, stop: int, min_tokens: int) -> tu
     return (length, donor) if length >= max(1, min_tokens) else (0, 0)
 
 
+def prefix_groups(table: JobTable, min_tokens: int) -> np.ndarray:
+    r"""Each job's prefix (tokens, ``int [jobs]``): its prefix group's, fixed by the job set alone (never by lanes,
+    slots or the batching). A group is a maximal run of consecutive jobs (canonical order, equal arguments) whose
+    prompts share at least ``min_tokens`` leading tokens with the job before, to whole ``BLOCK``\ s of all but the
+    last token; its prefix is what every one of them starts with (the smallest of those shares: the order is the
+    prefix blocks', so a run's common prefix is its smallest neighbouring one). Alone in its group, a job's prefix is
+    0."""
+    n = len(table)
+    shares = np.zeros(n, np.int64)  # shares[j]: tokens job j shares with job j - 1 (0: another group)
+    groups = table.jobs["group"]
+    for j in range(1, n):
+        if groups[j] != groups[j - 1]:
+            continue
+        before, this = table.ladder(j - 1), table.ladder(j)
+        m = min(len(before), len(this))
+        differ = np.flatnonzero(before[:m] != this[:m])
+        shares[j] = (int(differ[0]) if len(differ) else m) * BLOCK
+    starts = [j for j in range(n) if j == 0 or shares[j] < max(1, min_tokens)]
+    prefix = np.zeros(n, np.int64)
+    for first, end in zip(starts, [*starts[1:], n]):
+        if end - first > 1:
+            prefix[first:end] = int(shares[first + 1 : end].min())
+    return prefix
+
+
 def lane_destinations(table: JobTable, lane_of_job: np.ndarray, lane_ranks: np.ndarray) -> np.ndarray:
     """``int [prompts, k]``: the ranks that may compute a lane holding each prompt (``-1``: none), for
     :func:`~distperp_harness.run.execution.routing.move_tokens`. ``lane_ranks``: ``int [lanes, 2]`` owner and helper."""
@@ -241,10 +267,17 @@ class LaneAssignment:
 
 
 def assign_lanes(
-    table: JobTable, rows_for: Callable[[int], int], min_shared: int, count: int, step: int
+    table: JobTable,
+    rows_for: Callable[[int], int],
+    min_shared: int,
+    count: int,
+    step: int,
+    fixed_prefixes: bool = False,
 ) -> LaneAssignment:
     """Plan ``table``'s lanes (rows by ``rows_for``, shared prefixes of ``min_shared`` tokens or more) and their
-    owners among ``count`` workers; ``step``: the claiming helper offset (0: no helper)."""
+    owners among ``count`` workers; ``step``: the claiming helper offset (0: no helper). ``fixed_prefixes``
+    (batch-invariant generation): each job continues its :func:`prefix_groups` prefix (``LanePlan.prefixes``) in
+    whatever lane it lands, so that its bits do not follow the batching."""
     jobs = table.jobs
     lanes = plan_lanes(
         table.lengths.tolist(),
@@ -253,6 +286,9 @@ def assign_lanes(
         rows_for,
         lambda a, b: ladder_shared(table, a, b, min_shared),
     )
+    if fixed_prefixes:
+        fixed = prefix_groups(table, min_shared)
+        lanes = [dataclasses.replace(lane, prefixes=tuple(fixed[lane.start : lane.stop].tolist())) for lane in lanes]
     plan = assign_batches([lane.as_batch() for lane in lanes], count)
     owner = np.asarray(plan.owner, dtype=np.int64)
     pairs = (
@@ -264,7 +300,7 @@ def assign_lanes(
     return LaneAssignment(lanes, plan, pairs, lane_of_job)
 
 
-def plan_generation(
+def plan_generation(  # noqa: PLR0913 - the run's group, its jobs, and the rules and workers it plans with
     collective,
     local: LocalJobs,
     seed: int,
@@ -272,11 +308,13 @@ def plan_generation(
     min_shared: int,
     step: int,
     workers: Workers | None = None,
+    fixed_prefixes: bool = False,
 ) -> GenerationPlan:
     """Exchange records, plan lanes and their owners, and move each prompt to the ranks that may compute its lanes
     (every rank calls this together). ``step``: the claiming helper offset
     (:func:`~distperp_harness.run.execution.claims.helper_step`; 0: no helper); ``workers``: who computes lanes (a
-    tensor-parallel group is one worker, its every member receives the prompts; default: every rank)."""
+    tensor-parallel group is one worker, its every member receives the prompts; default: every rank);
+    ``fixed_prefixes``: see :func:`assign_lanes`."""
     small = collective.all_gather_object((seed, local.kwargs), "gather generation arguments")
     kwargs_of = {group: kw for _, part in small for group, kw in part.items()}
     records = local_records(local.prompts)
@@ -285,7 +323,7 @@ def plan_generation(
     )
     table = JobTable.merge([decode_jobs(p.numpy()) for p in parts])
     workers = workers or Workers(collective.world_size)
-    assigned = assign_lanes(table, rows_for, min_shared, workers.count, step)
+    assigned = assign_lanes(table, rows_for, min_shared, workers.count, step, fixed_prefixes)
     lane_ranks = workers.ranks(assigned.workers)
     lanes, plan, lane_of_job = assigned.lanes, assigned.plan, assigned.lane_of_job
     available = move_tokens(

@@ -30,8 +30,9 @@ from distperp_harness.run.generation.setup import GenerationSetup
 
 def lane_key(part: Sequence[tuple[Job, Prepared]], lane: LanePlan) -> bytes:
     """What determines a lane's texts besides the run's configuration: its jobs (keys, prompt tokens, seeds) and
-    its layout (slots, shared prefix)."""
-    digest = hashlib.sha256(json.dumps([lane.slots, lane.shared, lane.donor, lane.max_new]).encode())
+    its layout (slots, shared prefix, each job's own prefix)."""
+    layout = [lane.slots, lane.shared, lane.donor, lane.max_new, *([list(lane.prefixes)] if lane.prefixes else [])]
+    digest = hashlib.sha256(json.dumps(layout).encode())
     for job, prepared in part:
         digest.update(json.dumps([job.key, job.seed, list(prepared.until)]).encode())
         digest.update(bytes(memoryview(array("q", prepared.prompt))))
@@ -89,12 +90,14 @@ def _decode_slots(
         setup.tokenizer, first.until, eos_ids(setup.tokenizer, setup.model), first.max_new, allowed=allowed
     )
     on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
-    shared, donor = lane_prefix(prompts, setup.min_shared_tokens)  # exact, from the tokens
+    # rows attending alone continue each its own planned prefix (whatever the lane); else one prefix per lane
+    shared, donor = (0, 0) if setup.rows_alone else lane_prefix(prompts, setup.min_shared_tokens)
     seeds = _seeds(part) if sampled else None
     decoder = Decoder(setup.model, setup.tokenizer, setup.device, prefixes, around, setup.static, setup.rows_alone)
+    own = lane.prefixes if setup.rows_alone else ()
     tokens, stats = decode_lane(
         decoder,
-        Lane(prompts, tuple(prompts[donor][:shared]), lane.slots, seeds),
+        Lane(prompts, tuple(prompts[donor][:shared]), lane.slots, seeds, own),
         rule,
         warpers=warpers,
         on_done=on_done,

@@ -30,7 +30,9 @@ slots fuller (the drain at a lane's end runs fewer rows); fewer give more lanes 
 class LanePlan:
     """Jobs ``start .. stop-1`` of the canonical order, ``slots`` rows, ``max_new`` new tokens at most per job,
     ``longest`` the longest prompt (tokens); ``shared`` and ``donor``: the prefix the lane is planned to compute once
-    (its cost; the lane finds it exactly from its prompts with :func:`lane_prefix`)."""
+    (its cost; the lane finds it exactly from its prompts with :func:`lane_prefix`); ``prefixes``: with
+    batch-invariant generation, each job's own prefix (tokens it continues from a cache; 0: prefilled whole), fixed
+    by the job set (:func:`~distperp_harness.run.generation.jobs.prefix_groups`), else empty."""
 
     start: int
     stop: int
@@ -39,6 +41,7 @@ class LanePlan:
     max_new: int
     longest: int
     donor: int = 0
+    prefixes: tuple[int, ...] = ()
 
     @property
     def jobs(self) -> int:

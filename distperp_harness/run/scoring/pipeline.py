@@ -35,12 +35,12 @@ import torch
 from distperp_harness.planning.plan import Batch, balance_report
 from distperp_harness.planning.records import FlatUnits, GlobalTable, HashCollision, decode, encode, local_records
 from distperp_harness.planning.requests import Unit
-from distperp_harness.planning.rowplan import PlannedRows, batch_shared, plan_from_records
-from distperp_harness.planning.rows import Row, ShareMode, row_of, shared_prefix, unit_rows
+from distperp_harness.planning.rowplan import PlannedRows, batch_shared, group_of, plan_from_records
+from distperp_harness.planning.rows import Row, ShareMode, row_of, shared_prefix, unit_rows, unscored_common_prefix
 from distperp_harness.run.execution.calls import RankShare, RunStats, ScoringCall
 from distperp_harness.run.execution.executor import Executor
 from distperp_harness.run.execution.routing import move_tokens, return_results
-from distperp_harness.run.rules import ScoringRule, Sharing
+from distperp_harness.run.rules import CachedPrefix, ScoringRule, Sharing
 from distperp_harness.run.scoring.engine.forward import GREEDY, LL, N_COLUMNS, N_TOKENS, REF_LL, TOP1
 from distperp_harness.run.scoring.routes import Route, WideRows, batch_ranks, planned_here, routes, split
 
@@ -116,7 +116,7 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     keys = sharing.keys(table.units["length"].astype(np.int64) - 1)  # by each unit's input length
     planned = plan_from_records(table, sharing.mode, sharing.max_row_length, rule.attention_coef, keys)
     batches = rule.batching.batches(planned.lengths.tolist(), planned.scored.tolist(), planned.group_starts)
-    if sharing.mode == ShareMode.PREFIX and sharing.cached_prefix:
+    if sharing.mode == ShareMode.PREFIX and sharing.cached_prefix is not CachedPrefix.NONE:
         batches = [dataclasses.replace(b, shared=_cached(planned, b, sharing, keys)) for b in batches]
     batches, taken = split(batches, planned.lengths, wide)
     if prepare is not None:
@@ -144,7 +144,10 @@ def score_requests(  # noqa: PLR0913 - keyword-only hooks, each optional
     def build(b: int) -> tuple[list[Row], int]:
         batch = batches[b]
         rows = [_build_row(planned, r, available, sharing.mode) for r in range(batch.start, batch.stop)]
-        shared = shared_prefix(rows) if batch.shared else 0
+        if sharing.cached_prefix is CachedPrefix.GROUP:  # the group's prefix: a row's bits whatever its batch-mates
+            shared = batch.shared if unscored_common_prefix(rows) >= batch.shared else 0
+        else:
+            shared = shared_prefix(rows) if batch.shared else 0
         _check_against_plan(planned, batch, rows, shared, sharing.mode)
         return rows, shared
 
@@ -270,9 +273,13 @@ def unit_mark(uid: int, stats: np.ndarray) -> int:
 
 
 def _cached(planned: PlannedRows, batch: Batch, sharing: Sharing, keys: np.ndarray | None) -> int:
-    """The prefix ``batch`` computes once (:func:`batch_shared`), or 0 where a forward of that prefix alone would
-    take another length choice than the batch's rows (:meth:`Sharing.prefix_allowed`)."""
-    shared = batch_shared(planned, batch.start, batch.stop)
+    """The prefix ``batch`` computes once (:func:`batch_shared` of the batch's rows, or with
+    :attr:`CachedPrefix.GROUP` of its row group's, whatever the batching), or 0 where a forward of that prefix alone
+    would take another length choice than the batch's rows (:meth:`Sharing.prefix_allowed`)."""
+    start, stop = batch.start, batch.stop
+    if sharing.cached_prefix is CachedPrefix.GROUP:
+        start, stop = group_of(planned.group_starts, len(planned.members), start)
+    shared = batch_shared(planned, start, stop)
     key = None if keys is None or not shared else int(keys[planned.members[batch.start][0]])
     return shared if sharing.prefix_allowed(shared, key) else 0
 

@@ -307,7 +307,7 @@ def test_finished_lanes_are_saved_and_reused_by_a_rerun(peaked_dir, tmp_path, sa
     first = make_lm(peaked_dir, args, {"batch_size": 1})  # 1 slot: lanes of 4 jobs, so several files
     texts = first.generate_until(requests, disable_tqdm=True)
     lanes = first.stats.calls[-1].lanes
-    assert lanes == 2 and first.store.report()["saved"] == lanes
+    assert lanes >= 2 and first.store.report()["saved"] == lanes
     files = sorted(tmp_path.glob("*.lane.json"))
     assert len(files) == lanes
     files[0].write_text(files[0].read_text().replace('"texts": ["', '"texts": ["x'))  # changed after saving

@@ -14,12 +14,14 @@ from distperp_harness.run.generation.jobs import (
     JOB,
     JobTable,
     LocalJobs,
+    assign_lanes,
     decode_jobs,
     encode_jobs,
     key_hex,
     key_words,
     ladder_shared,
     plan_generation,
+    prefix_groups,
 )
 from distperp_harness.run.generation.lanes import lane_prefix
 from tests.helpers import run_ranks as _run
@@ -143,3 +145,26 @@ def test_prompts_reach_only_the_ranks_of_their_lanes(step):
         assert received <= records + tokens + 8 * world  # records, the tokens it computes, the message sizes
         if not step:  # each rank computes a third: far less than the all-gather of every prompt to every rank
             assert received < prompt_bytes / 2
+
+
+def test_fixed_prefixes_give_every_job_its_group_prefix_whatever_the_slots():
+    """Batch-invariant generation (``fixed_prefixes``): a job's prefix is its prefix group's, the same for any number
+    of slots per lane (lanes are cut as without it); a job alone in its group has none."""
+    rng = random.Random(2)
+    jobs, blocks = _fewshot(rng, n=30)
+    table = _table([_local(jobs)])
+    prefix = prefix_groups(table, 32)
+    plain = assign_lanes(table, lambda length: 3, 32, 2, 0)
+    for slots in (1, 2, 3, 8):
+        assigned = assign_lanes(table, lambda length, s=slots: s, 32, 2, 0, fixed_prefixes=True)
+        got = [p for lane in assigned.lanes for p in lane.prefixes]
+        assert got == prefix.tolist()
+        if slots == 3:
+            assert [(lane.start, lane.stop) for lane in assigned.lanes] == [(x.start, x.stop) for x in plain.lanes]
+    assert all(not lane.prefixes for lane in plain.lanes)
+    # the two blocks (50 and 70 tokens: 48 and 64 to whole blocks) are the groups' prefixes; prompts without a
+    # block are alone in theirs
+    assert set(prefix.tolist()) == {0, (50 // BLOCK) * BLOCK, (70 // BLOCK) * BLOCK}
+    which = [(g, 0 if p[:50] == blocks[0] else 1 if p[:70] == blocks[1] else None) for _, p, g, *_ in jobs]
+    expected = [w for w in which if w[1] is not None and which.count(w) > 1]  # a block shared within the arguments
+    assert sum(1 for p in prefix if p) == len(expected) > 0

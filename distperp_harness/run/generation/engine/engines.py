@@ -111,12 +111,13 @@ def decode_step(
     shard or tensor-parallel group) that takes the fixed-shape step, unless ``cuda_graphs`` is off; else none.
     Fixed shapes are used only where a graph pays for them: every slot of a fixed-shape step computes until the
     lane's last row ends (measured on CPU, SmolLM2, 8 prompts in 8 slots: 1.7-2.4 decode positions per new token
-    against 1.0). None with ``batch_invariant`` (each sequence decodes alone, at the shapes of its own tokens)."""
+    against 1.0). None when the run is batch-invariant (its rows attend alone on the dynamic cache, at the shapes of
+    their own tokens)."""
     pad = pad_token_id
     if compiled.active:
         return CompiledStep(model, compiled, device, pad), "the compiled decode step"
     if batch_invariant:
-        return None, "batch_invariant=true: the dynamic cache, every row attending alone (or one row per lane)"
+        return None, "batch-invariant: the dynamic cache, every row attending alone (or one row per lane)"
     if device.type == "cuda" and cuda_graphs and not grouped:
         why = unsupported(model)
         if why is not None:

@@ -80,7 +80,7 @@ class DynamicKVBatch:
         rows_alone: bool = False,
     ) -> None:
         self.model, self.slots, self.device, self.stats, self.around = model, slots, device, stats, around
-        self.rows_alone = rows_alone  # each row attends over its own keys alone: [pads][row] with no shared prefix
+        self.rows_alone = rows_alone  # each row attends over its own keys alone: [pads][prefix][row], no pads inside
         self.rows: list[GenRow] = []
         self.cache: PrefillCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, columns] long

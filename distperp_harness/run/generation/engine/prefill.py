@@ -2,8 +2,9 @@
 prompts (:class:`Prefiller`), the same for every KV batch kind.
 
 Admitted prompts are prefilled together, left-padded among themselves: those that start with the lane's shared
-prefix continue from its KV cache in one forward, the others whole in another. Each forward's last logits give the
-rows their first tokens (the loop's ``start``: chosen on the device, read back once per forward).
+prefix continue from its KV cache in one forward (one each where rows attend alone), the others whole in another.
+Each forward's last logits give the rows their first tokens (the loop's ``start``: chosen on the device, read back
+once per forward).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class Prefiller:
     around: Callable[[], ContextManager] = contextlib.nullcontext
     prefix_kv: KV | None = None
     rows_alone: bool = False
+    prefixes: PrefixCache | None = None
 
     @classmethod
     def for_lane(
@@ -164,10 +166,8 @@ class Prefiller:
             prompts=len(lane.prompts), prompt_tokens=sum(len(p) for p in lane.prompts), shared_tokens=len(lane.prefix)
         )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        out = cls(model, lane, pad, device, stats, around, rows_alone=rows_alone)
-        if any(lane.uses_prefix(i) for i in range(len(lane.prompts))):
-            if rows_alone:
-                raise ValueError("internal error: rows attending alone share no prompt prefix")
+        out = cls(model, lane, pad, device, stats, around, rows_alone=rows_alone, prefixes=prefixes or PrefixCache())
+        if not lane.prefixes and any(lane.uses_prefix(i) for i in range(len(lane.prompts))):
             out.prefix_kv, stats.prefix_computed = (prefixes or PrefixCache()).get(model, lane.prefix, device, around)
             stats.prefill_positions += len(lane.prefix) if stats.prefix_computed else 0
         return out
@@ -175,30 +175,44 @@ class Prefiller:
     def groups(
         self, admitted: Sequence[GenRow], start: Callable[[Sequence[GenRow], torch.Tensor], list[int]]
     ) -> Iterator[Prefilled]:
-        """Prefill ``admitted`` rows: those continuing the lane's prefix first, then those prefilled whole, one
-        forward per group; ``start(group, last_logits)`` gives each row its first token and returns the indices of
-        the rows still running (rows that already ended are dropped). Yields a :class:`Prefilled` per group with a
-        row still running. Lazy: a group is prefilled only when the previous one has been taken, so consume each in
-        the loop that yields it (a running batch written from group 1 is what group 2 joins), never ``list()`` it."""
+        """Prefill ``admitted`` rows: those continuing the lane's prefix first (one forward for them, or one each with
+        ``rows_alone``), then those prefilled whole, one forward; ``start(group, last_logits)`` gives each row its
+        first token and returns the indices of the rows still running (rows that already ended are dropped). Yields
+        a :class:`Prefilled` per group with a row still running. Lazy: a group is prefilled only when the previous
+        one has been taken, so consume each in the loop that yields it (a running batch written from group 1 is what
+        group 2 joins), never ``list()`` it."""
         lane = self.lane
-        groups = [
-            [r for r in admitted if lane.uses_prefix(r.job)],
-            [r for r in admitted if not lane.uses_prefix(r.job)],
-        ]
-        for group, shared in zip(groups, (len(lane.prefix), 0)):
+        continuing = [r for r in admitted if lane.uses_prefix(r.job)]
+        # rows attending alone continue their prefix one row per forward: [prefix][own tokens] with no pads between,
+        # so that each row's keys are its trailing columns (and each may continue a prefix of its own)
+        groups = [[r] for r in continuing] if self.rows_alone or lane.prefixes else [continuing]
+        groups.append([r for r in admitted if not lane.uses_prefix(r.job)])
+        for k, group in enumerate(groups):
             if not group:
                 continue
+            kv, shared = self._prefix_of(group[0].job) if k < len(groups) - 1 else (None, 0)
             prompts = [lane.prompts[r.job] for r in group]
             with self.around():
-                cache, mask, logits = self._prefill(prompts, shared)
+                cache, mask, logits = self._prefill(prompts, shared, kv)
             keep = start(group, logits)
             if keep:
                 width = int(mask.shape[1])  # a shared prefix starts at column 0; a whole prompt after its pads
                 spans = [width if shared else len(prompts[i]) for i in keep]
                 yield Prefilled(group, cache, mask, keep, spans, [len(prompts[i]) for i in keep])
 
+    def _prefix_of(self, job: int) -> tuple[KV | None, int]:
+        """``(keys and values, tokens)`` of the prefix prompt ``job`` continues: the lane's, or its own (computed
+        once per rank, :class:`PrefixCache`)."""
+        prefix = self.lane.prefix_of(job)
+        if not self.lane.prefixes:
+            return self.prefix_kv, len(prefix)
+        kv, computed = (self.prefixes or PrefixCache()).get(self.model, prefix, self.device, self.around)
+        self.stats.prefix_computed = self.stats.prefix_computed or computed
+        self.stats.prefill_positions += len(prefix) if computed else 0
+        return kv, len(prefix)
+
     def _prefill(
-        self, prompts: Sequence[Sequence[int]], shared: int
+        self, prompts: Sequence[Sequence[int]], shared: int, prefix_kv: KV | None = None
     ) -> tuple[PrefillCache, torch.Tensor, torch.Tensor]:
         """``[prefix][pads][own tokens]`` per row (the prefix from its cache), positions from the mask's cumulative
         sum. Returns the rows' cache, mask ``[rows, shared + width]`` and last logits."""
@@ -210,7 +224,7 @@ class Prefiller:
         cache = whole_cache()
         if shared:
             mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long, device=device), own], 1)
-            for i, (k, v) in enumerate(self.prefix_kv or []):
+            for i, (k, v) in enumerate(prefix_kv or []):
                 cache.update(
                     k.expand(len(prompts), -1, -1, -1).contiguous(), v.expand(len(prompts), -1, -1, -1).contiguous(), i
                 )
@@ -220,7 +234,7 @@ class Prefiller:
         positions = positions.masked_fill(own == 0, 1)  # what generate gives pads; never attended to
         layout = mask_layout(self.model)  # 4D: causal over [prefix][pads][own], pads hidden, windows by position
         attention = mask if layout is None else row_masks(self.model, layout, mask, width)
-        with alone_rows(self.model, [(len(s), len(s)) for s in suffixes] if self.rows_alone else None):
+        with alone_rows(self.model, [(len(s), shared + len(s)) for s in suffixes] if self.rows_alone else None):
             logits = last_logits(self.model, cache, ids, attention_mask=attention, position_ids=positions)
         plain_layers(cache)
         self.stats.prefill_forwards += 1

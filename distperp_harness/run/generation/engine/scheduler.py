@@ -78,16 +78,22 @@ def eos_ids(tokenizer, model: torch.nn.Module) -> list[int]:
 @dataclass(frozen=True)
 class Lane:
     """A lane's prompts (already cut to fit), the shared prefix (tokens; empty: none; the prompts that start with it
-    and hold more continue from its cache), slots and seeds (``None`` for greedy)."""
+    and hold more continue from its cache), slots and seeds (``None`` for greedy). ``prefixes``: instead of one
+    shared prefix, each prompt's own (its first ``prefixes[i]`` tokens continued from their cache; 0: whole)."""
 
     prompts: Sequence[Sequence[int]]
     prefix: tuple[int, ...]
     slots: int
     seeds: Sequence[int] | None = None
+    prefixes: Sequence[int] = ()
 
     def uses_prefix(self, index: int) -> bool:
-        prompt, n = self.prompts[index], len(self.prefix)
-        return n > 0 and len(prompt) > n and tuple(prompt[:n]) == self.prefix
+        prompt, n = self.prompts[index], len(self.prefix_of(index))
+        return n > 0 and len(prompt) > n and (bool(self.prefixes) or tuple(prompt[:n]) == self.prefix)
+
+    def prefix_of(self, index: int) -> tuple[int, ...]:
+        """The prefix prompt ``index`` continues where it :meth:`uses_prefix`."""
+        return tuple(self.prompts[index][: self.prefixes[index]]) if self.prefixes else self.prefix
 
 
 class Scheduler:

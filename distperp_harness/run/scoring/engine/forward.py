@@ -184,11 +184,11 @@ def score_batch(  # noqa: PLR0913 - keyword-only facts of one batch (reference, 
     Tree rows (two or more runs) run with the tree attention mask and explicit position ids
     (:mod:`~distperp_harness.run.scoring.engine.masks`; the caller makes sure the model takes them,
     :func:`~distperp_harness.run.scoring.engine.support.packed_rows_unsupported`); a batch of plain rows runs with no
-    mask. ``shared`` > 0
-    (:func:`distperp_harness.planning.rows.shared_prefix` of the batch): the first ``shared`` tokens, equal in every
-    row, are computed once and every row continues from their key/value cache (:func:`forward_calls`: two forward calls,
-    model then reference each time); ``between_forwards`` runs between the two (sharded weights re-gather there, so the
-    batch makes the gathers of two plain batches). What each model allows is its recorded
+    mask. ``shared`` > 0 (:func:`distperp_harness.planning.rows.shared_prefix` of the batch, or its row group's):
+    the first ``shared`` tokens, equal in every row (one row or several), are computed once and every row continues
+    from their key/value cache (:func:`forward_calls`: two forward calls, model then reference each time);
+    ``between_forwards`` runs between the two (sharded weights re-gather there, so the batch makes the gathers of two
+    plain batches). What each model allows is its recorded
     :class:`~distperp_harness.run.scoring.engine.support.ModelPaths` (:func:`~.support.paths_of`).
 
     Returns:
@@ -340,7 +340,7 @@ def _layout(batch_rows: Sequence[Row], pad_token_id: int, device: torch.device, 
             col_list.extend(row.columns(k))
             target_list.extend(unit.tokens[-unit.n_score :])
     if shared:
-        if len(batch_rows) < 2 or (ids[:, :shared] != ids[:1, :shared]).any() or min(col_list) < shared:
+        if (ids[:, :shared] != ids[:1, :shared]).any() or min(col_list) < shared:
             raise ValueError(f"internal error: these rows do not share their first {shared} tokens unscored")
         col_list = [c - shared for c in col_list]
     packing = _Packing.of(batch_rows, padded, device, shared) if shared or any(r.packed for r in batch_rows) else None

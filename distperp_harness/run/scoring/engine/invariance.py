@@ -6,7 +6,8 @@ influence out of attention; what is left is the matrix products and the per-posi
 on the batch only where a kernel splits its work by the number of rows (measured on this CPU: float32 products are
 row-invariant from 16 rows, and every forward of the engine has at least 16 positions). That is a fact of the local
 kernels (MKL, cuBLAS, the dtype), not a law, so :func:`rows_check` tries it once per run on the loaded model, its
-dtype and device: rows of several lengths (a tree row among them) scored alone and in two batches, every bit of
+dtype and device: rows of several lengths (a tree row among them), and rows continuing one cached prefix (as a row
+group's, :attr:`~distperp_harness.run.rules.CachedPrefix.GROUP`), scored alone and in two batches, every bit of
 every unit compared. Every rank checks and the ranks merge (:func:`merged`): one rank whose kernels differ sends every
 rank to a forward per row, so that all ranks compute alike.
 """
@@ -25,6 +26,7 @@ from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, ShareMode, build_rows, unit_rows
 from distperp_harness.run.scoring.engine.forward import score_batch
 from distperp_harness.run.scoring.engine.probe_checks import dtype_of
+from distperp_harness.run.scoring.engine.support import paths_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,12 +35,14 @@ CHECK_SEED = 4321
 """Seed of the check's token ids (the same rows on every rank)."""
 CHECK_LENGTHS = (5, 23, 70, 150)
 """Input lengths of the check's plain rows (capped by ``max_length``)."""
+CHECK_PREFIX = 40
+"""Tokens of the prefix the check's cached rows continue (a row group's prefix, computed once per batch)."""
 
 
 class Invariance(enum.Enum):
     """How a run's scoring forwards hold its rows."""
 
-    OFF = "batches as the model computes them (batch_invariant=false)"
+    OFF = "batches as the kernels compute them (the bits follow the batch plan)"
     BATCHED = "rows in batches, each attending over its own keys alone"
     EACH_ROW = "each row in a forward of its own"
 
@@ -72,6 +76,24 @@ def check_rows(vocab: int, max_length: int) -> list[Row]:
     return rows
 
 
+def cached_rows(vocab: int, max_length: int) -> list[Row]:
+    """Rows continuing one prefix of :data:`CHECK_PREFIX` tokens (computed once, as a row group's): plain rows of 3,
+    9 and 40 more tokens and a tree row (two answers after 12 more), each unit scoring every position after the
+    prefix; none where ``max_length`` is too short for them."""
+    g = torch.Generator().manual_seed(CHECK_SEED + 1)
+    low = min(3, max(0, vocab - 1))
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(low, max(low + 1, vocab), (n,), generator=g).tolist()
+
+    if max_length < CHECK_PREFIX + 60:
+        return []
+    prefix = ids(CHECK_PREFIX)
+    rows = list(unit_rows([Unit(tuple(prefix + ids(k)), k - 1) for k in (3, 9, 40)]))
+    context = prefix + ids(12)
+    return rows + build_rows([Unit(tuple(context + ids(k)), k) for k in (3, 5)], ShareMode.PREFIX, max_length)
+
+
 def rows_check(
     model: PreTrainedModel,
     device: torch.device,
@@ -86,24 +108,37 @@ def rows_check(
         if why is not None:
             return why
     vocab = embedding_rows(model)
-    rows = check_rows(vocab, max_length)
+    cached = all(paths_of(m).cached_prefix is None for m in (model, reference) if m is not None)
+    checks = [(check_rows(vocab, max_length), 0)]
+    if cached:  # the run's batches continue their row group's cached prefix
+        checks.append((cached_rows(vocab, max_length), CHECK_PREFIX))
+    for rows, shared in checks:
 
-    def scores(batch: Sequence) -> np.ndarray:
-        out = score_batch(
-            model, list(batch), device=device, pad_token_id=pad_token_id, reference=reference, rows_alone=True
-        )
-        return out.stats
-
-    alone = np.concatenate([scores([r]) for r in rows])
-    for order in (rows, rows[::-1][:3]):
-        together = scores(order)
-        expected = np.concatenate([alone[_unit_slice(rows, r)] for r in order])
-        if together.shape != expected.shape or not np.array_equal(together, expected):
-            moved = float(np.nanmax(np.abs(together - expected))) if together.shape == expected.shape else float("nan")
-            return (
-                f"on this device and dtype ({dtype_of(model)}) a row's scores move with its batch-mates even when it "
-                f"attends alone (by up to {moved:.3g} nats on the check's rows)"
+        def scores(batch: Sequence, shared: int = shared) -> np.ndarray:
+            out = score_batch(
+                model,
+                list(batch),
+                device=device,
+                pad_token_id=pad_token_id,
+                reference=reference,
+                shared=shared,
+                rows_alone=True,
             )
+            return out.stats
+
+        if not rows:
+            continue
+        alone = np.concatenate([scores([r]) for r in rows])
+        for order in (rows, rows[::-1][:3]):
+            together = scores(order)
+            expected = np.concatenate([alone[_unit_slice(rows, r)] for r in order])
+            if together.shape != expected.shape or not np.array_equal(together, expected):
+                moved = np.nanmax(np.abs(together - expected)) if together.shape == expected.shape else np.nan
+                where = "the check's rows" if not shared else f"rows continuing a cached prefix of {shared} tokens"
+                return (
+                    f"on this device and dtype ({dtype_of(model)}) a row's scores move with its batch-mates even when "
+                    f"it attends alone (by up to {float(moved):.3g} nats on {where})"
+                )
     return None
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from distperp_harness.planning.requests import Unit
-from distperp_harness.run.rules import Batching
+from distperp_harness.run.rules import Batching, CachedPrefix
 from distperp_harness.run.runtime import choose_sharing
 from distperp_harness.run.scoring.engine import forward as scoring
 from distperp_harness.run.scoring.engine import support
@@ -422,7 +422,7 @@ def test_flex_attention_takes_tree_rows_and_shared_prefixes(tiny_model_dir):
         and support.implementation_refuses_cache(models["sdpa"]) is None
     )
     sharing, _, _, _ = choose_sharing(True, [models["flex_attention"]], Batching(batch_size=2), 128)
-    assert sharing.mode == "prefix" and not sharing.cached_prefix
+    assert sharing.mode == "prefix" and sharing.cached_prefix is CachedPrefix.NONE
     for prefix in (0,):
         out = {
             impl: score_batch(m, rows, device=torch.device("cpu"), pad_token_id=3, shared=prefix).stats
