@@ -68,8 +68,9 @@ CLI_DEFAULT_DEVICE = "cuda:0"
 
 class BatchInvariant(Word):
     """``batch_invariant``: results the same bits for any batching (``true``), batches as the kernels like them
-    (``false``), or ``auto`` (the default): invariant where this run can be at little cost (eager layers, no
-    context-parallel group, a CPU device whose kernels pass the check at start), else ``false``, said in one line."""
+    (``false``, the default), or ``auto``: invariant where this run can be at little cost (eager layers, no
+    context-parallel group, a CPU device, no routed experts, kernels passing the check at start), else ``false``,
+    said in one line."""
 
     AUTO = "auto"
     ON = "true"
@@ -143,7 +144,7 @@ class Options:
     claim: bool = True
     # every row and generated sequence attending alone: results independent of batch_size and memory (auto: where
     # this run can be at little cost, said at start)
-    batch_invariant: BatchInvariant = BatchInvariant.AUTO
+    batch_invariant: BatchInvariant = BatchInvariant.OFF
     # checkpoints as users have them
     subfolder: str | None = None
     gguf_file: str | None = None
@@ -291,8 +292,8 @@ class Options:
             "batch_invariant",
             self.batch_invariant,
             "auto, true or false",
-            "batch_invariant=true makes results independent of batch_size and the device's memory; auto (the "
-            "default) does where it costs little",
+            "batch_invariant=true makes results independent of batch_size and the device's memory; auto does "
+            "where it costs little",
         )
         _require(
             not (self.batch_invariant is BatchInvariant.ON and self.compile != "false"),

@@ -59,6 +59,7 @@ from distperp_harness.run.runtime import (
     decide_invariance,
     decide_paths,
     invariance_blocked,
+    invariance_modes,
     probe_target,
 )
 from distperp_harness.run.scoring.engine.invariance import Invariance
@@ -260,10 +261,8 @@ def prepare(
         + compile_extra_bytes(options.compile_mode, [model, reference], device, placement.shard_size),
     )
     blocked = invariance_blocked(options.batch_invariant, options.compile, options.cp_size, device.type, both)
-    modes = {BatchInvariant.ON: (True,), BatchInvariant.AUTO: (True, False) if blocked is None else (False,)}
-    target = probe_target(
-        list(both), batching, loaded.max_length, options.share_prefix, modes.get(options.batch_invariant, (False,))
-    )
+    modes = invariance_modes(options.batch_invariant, blocked)
+    target = probe_target(list(both), batching, loaded.max_length, options.share_prefix, modes)
     with stop_together(collective, device, "probing what the model's forwards allow"):
         decided = decide_paths(collective, list(both), device, pad_token_id, target)
     for name, paths in zip(("model", "reference"), decided):

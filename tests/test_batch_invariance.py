@@ -1,8 +1,11 @@
-"""``batch_invariant=true``: per-document results are the same bits for ``batch_size`` 1, 3, 8, ``auto`` and ``auto``
-under another memory budget, on 1 process and on 2 (rolling windows; tree-row multiple choice, with and without a
-few-shot prefix shared across questions; greedy and sampled generation). The default mode is checked to move with
-the batch size on the same tasks (so the sweep can see a difference), and the record says which of the two a run
-is."""
+"""Batch invariance: per-document results are the same bits for ``batch_size`` 1, 3, 8, ``auto`` and ``auto`` under
+another memory budget, with ``batch_invariant=auto`` (on this CPU) and ``true``, on 1 process and on 2 (rolling
+windows; tree-row multiple choice, with and without a few-shot prefix shared across questions; greedy and sampled
+generation), and on the shared real model with ``auto``. The default, ``false``, is checked to move with the batch
+size on the same tasks (so the sweep can see a difference), and the record says which a run is."""
+
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import accelerate_launch_prefix, distperp_args, load_results, load_samples, run_command
@@ -35,13 +38,15 @@ def _per_doc(samples_by_task):
     }
 
 
-def _evaluate(model_dir, tasks_dir, batch_size, invariant=True):
+def _evaluate(model_dir, tasks_dir, batch_size, invariant=True, mode=None):
+    """``mode``: ``batch_invariant``'s value (None: ``true`` if ``invariant`` else ``false``; ``""``: the default)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    mode = ("true" if invariant else "false") if mode is None else mode
     out = lm_eval.simple_evaluate(
         model="distperp",
-        model_args=f"pretrained={model_dir},max_length=128" + (",batch_invariant=true" if invariant else ""),
+        model_args=f"pretrained={model_dir},max_length=128" + (f",batch_invariant={mode}" if mode else ""),
         tasks=TASKS,
         task_manager=TaskManager(include_path=str(tasks_dir)),
         batch_size=batch_size,
@@ -57,11 +62,11 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
     launch at batch size 8 with sharded weights and the default mode at batch sizes 1 and 8."""
     from distperp_harness.model import memory
 
-    runs = {bs: _evaluate(tiny_model_dir, tasks_dir, bs) for bs in ("1", "3", "8", "auto")}
+    runs = {bs: _evaluate(tiny_model_dir, tasks_dir, bs, mode="auto") for bs in ("1", "3", "8", "auto")}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(memory, "_cgroup_memory", lambda: (SMALL_MEMORY, 0))
-        runs["auto-small"] = _evaluate(tiny_model_dir, tasks_dir, "auto")
-    runs["default-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", invariant=False)
+        runs["auto-small"] = _evaluate(tiny_model_dir, tasks_dir, "auto")  # batch_invariant=true
+    runs["default-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", mode="")  # the default: false
     runs["default-8"] = _evaluate(tiny_model_dir, tasks_dir, "8", invariant=False)
     out = tmp_path_factory.mktemp("invariant-2p")
     # one shard group of 2 (FSDP2): each rank computes its own batches, a row per forward, and matches the other's
@@ -99,7 +104,7 @@ def test_equal_results_give_equal_fingerprints(sweep):
 
 
 def test_the_record_says_what_the_bits_depend_on(sweep):
-    invariant, default = sweep["1"][0], sweep["default-1"][0]
+    invariant, default = sweep["1"][0], sweep["default-1"][0]  # default-1: batch_invariant=false
     assert invariant["batch_invariant"] is True and default["batch_invariant"] is False
     assert not any("batch plan" in fact for fact in invariant["bits_depend_on"])
     assert any("batch plan" in fact for fact in default["bits_depend_on"])
@@ -110,6 +115,30 @@ def test_the_record_says_what_the_bits_depend_on(sweep):
         shared = sum(c.get("batches_sharing_a_prefix") or 0 for c in sweep[name][0]["calls"])
         assert shared > 0, name
     # rows in batches, each attending alone: the check of this CPU's kernels passed (on both ranks of the launch)
-    for name in ("1", "8", "auto", "2p-8"):
-        assert sweep[name][0]["batch_invariance"] == {"mode": "batched", "why_each_row": None}, name
-    assert default["batch_invariance"] == {"mode": "off", "why_each_row": None}
+    for name in ("1", "8", "auto", "auto-small", "2p-8"):
+        asked = "true" if name in ("auto-small", "2p-8") else "auto"
+        assert sweep[name][0]["batch_invariance"] == {"asked": asked, "mode": "batched", "why": None}, name
+    assert default["batch_invariance"] == {"asked": "false", "mode": "off", "why": None}
+
+
+SHARED_SMOLLM2 = Path(__file__).resolve().parents[2] / "shared" / "models" / "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_SMOLLM2.is_dir(), reason="the shared SmolLM2 GGUF is not on this machine")
+def test_the_shared_real_model_gives_the_same_bits_at_any_batch_size_with_auto(tasks_dir, tmp_path):
+    """SmolLM2-135M (a real pretrained model, written as a float32 HF folder by its README's ``to_hf.py``) with
+    ``batch_invariant=auto``: rolling, multiple choice (tree rows, a few-shot prefix shared across questions), greedy
+    and sampled generation give every document the same bits at batch sizes 1, 8 and ``auto``; the record says auto
+    went batched on this CPU."""
+    folder = tmp_path / "smollm2"
+    run_command([sys.executable, str(SHARED_SMOLLM2 / "to_hf.py"), str(folder)], cwd=tmp_path)
+    runs = {bs: _evaluate(folder, tasks_dir, bs, mode="auto") for bs in ("1", "8", "auto")}
+    for name, (info, _) in runs.items():
+        assert info["batch_invariance"] == {"asked": "auto", "mode": "batched", "why": None}, name
+        assert info["batch_invariant"] is True and not any("batch plan" in f for f in info["bits_depend_on"])
+    one = runs["1"][1]
+    for name in ("8", "auto"):
+        for task in TASKS:
+            assert runs[name][1][task] == one[task], (name, task)
+    assert len({info["fingerprint"] for info, _ in runs.values()}) == 1

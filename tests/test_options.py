@@ -151,7 +151,7 @@ def test_in_memory_is_not_a_model_arg():
 
 
 def test_batch_invariant_is_auto_true_or_false_and_true_runs_eager():
-    assert Options(pretrained="m").batch_invariant is BatchInvariant.AUTO
+    assert Options(pretrained="m").batch_invariant is BatchInvariant.OFF
     for given, word in (("true", BatchInvariant.ON), (True, BatchInvariant.ON), ("0", BatchInvariant.OFF)):
         assert Options.from_kwargs(pretrained="m", batch_invariant=given).batch_invariant is word
         assert Options(pretrained="m", batch_invariant=given).batch_invariant is word
@@ -160,9 +160,9 @@ def test_batch_invariant_is_auto_true_or_false_and_true_runs_eager():
     assert "Fix:" in str(info.value) or "drop compile=" in str(info.value)
     with pytest.raises(ValueError, match="batch_invariant='sometimes' is not valid.*auto, true or false"):
         Options.from_kwargs(pretrained="m", batch_invariant="sometimes")
-    # auto (the default) goes with what true refuses: it is off there, said at start (run.runtime.invariance_blocked)
-    assert Options.from_kwargs(pretrained="m", compile="true").compile == "default"
-    assert Options.from_kwargs(pretrained="m", cp_size=2).cp_size == 2
+    # auto goes with what true refuses: it is off there, said at start (run.runtime.invariance_blocked)
+    assert Options.from_kwargs(pretrained="m", batch_invariant="auto", compile="true").compile == "default"
+    assert Options.from_kwargs(pretrained="m", batch_invariant="auto", cp_size=2).cp_size == 2
 
 
 # --- the command line, checked before lm-eval indexes its tasks (options.check_command_line) -----------------------

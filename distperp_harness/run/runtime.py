@@ -128,6 +128,14 @@ def invariance_blocked(
     return next((why for why in map(routed_products, models) if why is not None), None)
 
 
+def invariance_modes(wanted: BatchInvariant, blocked: str | None) -> tuple[bool, ...]:
+    """Whether a run may end batch-invariant (``True``) or not (``False``), before its check: what
+    :func:`probe_target` vouches for."""
+    if wanted is BatchInvariant.ON:
+        return (True,)
+    return (True, False) if wanted is BatchInvariant.AUTO and blocked is None else (False,)
+
+
 def decide_invariance(
     collective: Collective,
     models: list[torch.nn.Module],

@@ -12,6 +12,7 @@ from distperp_harness.run.runtime import (
     decide_invariance,
     head_coefficient,
     invariance_blocked,
+    invariance_modes,
     probe_target,
     row_budget,
 )
@@ -83,6 +84,13 @@ def test_decide_invariance_follows_the_check_and_what_was_asked(wanted, impl, ex
         Invariance.OFF,
         "compile=default",
     )
+
+
+def test_the_modes_a_run_may_end_in():
+    assert invariance_modes(BatchInvariant.ON, None) == (True,)
+    assert invariance_modes(BatchInvariant.AUTO, None) == (True, False)
+    assert invariance_modes(BatchInvariant.AUTO, "compile=default") == (False,)
+    assert invariance_modes(BatchInvariant.OFF, None) == (False,)
 
 
 def test_the_probe_target_covers_every_mode_the_run_may_end_in(model):
