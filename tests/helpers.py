@@ -947,7 +947,7 @@ LOAD_CHECKS = {
     "invariance-check": (
         ",batch_invariant=true",
         "INVARIANCE",
-        "checking that rows attend alone (batch_invariant=true)",
+        "checking that rows attend alone (batch_invariant)",
     ),
 }
 """The checks at load that run forwards and a gather, for the fault tests: ``id -> (model_args to add, the suffix of
