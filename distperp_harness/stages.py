@@ -53,7 +53,7 @@ from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
-from distperp_harness.run.rules import Sharing, one_slot
+from distperp_harness.run.rules import Sharing, one_slot, slots_within
 from distperp_harness.run.runtime import (
     choose_sharing,
     decide_invariance,
@@ -412,17 +412,26 @@ def generation_setup(
     """What ``generate_until`` runs with (:class:`~distperp_harness.run.generation.setup.GenerationSetup`). Under
     ``batch_invariant`` (its check passed) sequences share a lane's slots with every row attending alone, each
     continuing its prefix group's shared block whatever the lane; where ``batch_invariant=true``'s check failed each
-    decodes alone (one slot); so does each sequence of a model whose
-    length rule keeps lengths apart (a longrope model's forward takes the factor of the longest sequence in it)."""
+    decodes alone (one slot); a model whose length rule keeps lengths apart (a longrope model's forward takes the
+    factor of the longest sequence in it; rows past the probe's longest) keeps slots only in lanes whose rows stay
+    within one key of the rule."""
     model, max_length = models.model, models.loaded.max_length
     lengths = prepared.sharing.lengths
     batched = prepared.invariance is Invariance.BATCHED  # rows attend alone: a sequence's bits whatever its batch
     # a sequence decodes alone (one slot) where rows cannot share a step whatever its batch-mates: the check failed
-    # under batch_invariant=true, products whose rows follow the batch, or a length rule that keeps lengths apart
-    alone = (
-        prepared.invariance.row_at_a_time
-        or (batched and routed_products(model) is not None)
-        or not (lengths is None or lengths.uniform)
+    # under batch_invariant=true, or products whose rows follow the batch; a length rule that keeps lengths apart
+    # keeps slots only for lanes whose rows stay within one of its lengths' keys (slots_within)
+    alone = prepared.invariance.row_at_a_time or (batched and routed_products(model) is not None)
+    kept_apart = not (lengths is None or lengths.uniform)
+    rows_for = (
+        one_slot
+        if alone
+        else functools.partial(
+            generation_rows,
+            prepared.batching,
+            activation_bytes=activation_bytes_per_token(model, max_length),
+            kv_bytes=kv_cache_bytes_per_token(model),
+        )
     )
     return GenerationSetup(
         model=cast("CausalLM", model),  # transformers' *ForCausalLM classes generate
@@ -432,16 +441,9 @@ def generation_setup(
         max_length=max_length,
         max_gen_toks=max_gen_toks,
         add_bos_token=options.add_bos_token,
-        rows_for=one_slot
-        if alone
-        else functools.partial(
-            generation_rows,
-            prepared.batching,
-            activation_bytes=activation_bytes_per_token(model, max_length),
-            kv_bytes=kv_cache_bytes_per_token(model),
-        ),
+        rows_for=functools.partial(slots_within, lengths, rows_for) if kept_apart and lengths else rows_for,
         seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
-        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not alone else NO_SHARING,
+        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not (alone or kept_apart) else NO_SHARING,
         progress=progress,
         think_end=options.think_end_token,
         static=prepared.static_decoding,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -87,6 +87,13 @@ class ScoringRule:
     attention_coef: float = 0.0
     head_coef: float = 0.0
     with_reference: bool = False
+
+
+def slots_within(rule: LengthRule, rows_for: Callable[[int], int], length: int) -> int:
+    """Slots of a generation lane whose rows grow to ``length`` tokens under a length rule that keeps some lengths
+    apart (:class:`~distperp_harness.model.lengths.LengthRule`): ``rows_for(length)`` where every length up to
+    ``length`` has one key (a row's forward then keys alike whatever its batch-mates' lengths), else one."""
+    return rows_for(length) if rule.key(length) == rule.key(1) else 1
 
 
 def one_slot(length: int) -> int:
