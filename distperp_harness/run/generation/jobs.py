@@ -168,15 +168,16 @@ def ladder_shared(table: JobTable, start: int, stop: int, min_tokens: int) -> tu
         return 0, 0
     donor = n // 2
     base = table.ladder(start + donor)
-    reach = []
-    for j in range(start, stop):
-        other = table.ladder(j)
-        m = min(len(base), len(other))
-        differ = np.flatnonzero(base[:m] != other[:m])
-        reach.append((int(differ[0]) if len(differ) else m) * BLOCK)
-    reach.sort(reverse=True)
+    reach = sorted((_shared_tokens(base, table.ladder(j)) for j in range(start, stop)), reverse=True)
     length = reach[max(2, (n + 1) // 2) - 1]
     return (length, donor) if length >= max(1, min_tokens) else (0, 0)
+
+
+def _shared_tokens(a: np.ndarray, b: np.ndarray) -> int:
+    """Leading tokens two prompts share, to whole ``BLOCK``\\ s, from their prefix-block hashes (ladders)."""
+    m = min(len(a), len(b))
+    differ = np.flatnonzero(a[:m] != b[:m])
+    return (int(differ[0]) if len(differ) else m) * BLOCK
 
 
 def prefix_groups(table: JobTable, min_tokens: int) -> np.ndarray:
@@ -192,10 +193,7 @@ def prefix_groups(table: JobTable, min_tokens: int) -> np.ndarray:
     for j in range(1, n):
         if groups[j] != groups[j - 1]:
             continue
-        before, this = table.ladder(j - 1), table.ladder(j)
-        m = min(len(before), len(this))
-        differ = np.flatnonzero(before[:m] != this[:m])
-        shares[j] = (int(differ[0]) if len(differ) else m) * BLOCK
+        shares[j] = _shared_tokens(table.ladder(j - 1), table.ladder(j))
     starts = [j for j in range(n) if j == 0 or shares[j] < max(1, min_tokens)]
     prefix = np.zeros(n, np.int64)
     for first, end in zip(starts, [*starts[1:], n]):

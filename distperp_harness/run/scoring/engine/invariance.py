@@ -15,7 +15,7 @@ rank to a forward per row, so that all ranks compute alike.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -57,14 +57,17 @@ class Invariance(enum.Enum):
         return self is Invariance.EACH_ROW
 
 
+def _seeded_ids(vocab: int, seed: int) -> Callable[[int], list[int]]:
+    """``ids(n)``: ``n`` token ids from 3 on (below ``vocab``), drawn in turn from one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    low = min(3, max(0, vocab - 1))
+    return lambda n: torch.randint(low, max(low + 1, vocab), (n,), generator=g).tolist()
+
+
 def check_rows(vocab: int, max_length: int) -> list[Row]:
     """The check's rows: plain rows of :data:`CHECK_LENGTHS` input tokens and one tree row (two answers after one
     context), each unit scoring its last 4 tokens; ids from 3 on, seeded."""
-    g = torch.Generator().manual_seed(CHECK_SEED)
-    low = min(3, max(0, vocab - 1))
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(low, max(low + 1, vocab), (n,), generator=g).tolist()
+    ids = _seeded_ids(vocab, CHECK_SEED)
 
     lengths = sorted({min(n, max_length - 1) for n in CHECK_LENGTHS if n < max_length} or {max(1, max_length - 1)})
     units = [Unit(tuple(ids(n + 1)), min(4, n)) for n in lengths]
@@ -80,11 +83,7 @@ def cached_rows(vocab: int, max_length: int) -> list[Row]:
     """Rows continuing one prefix of :data:`CHECK_PREFIX` tokens (computed once, as a row group's): plain rows of 3,
     9 and 40 more tokens and a tree row (two answers after 12 more), each unit scoring every position after the
     prefix; none where ``max_length`` is too short for them."""
-    g = torch.Generator().manual_seed(CHECK_SEED + 1)
-    low = min(3, max(0, vocab - 1))
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(low, max(low + 1, vocab), (n,), generator=g).tolist()
+    ids = _seeded_ids(vocab, CHECK_SEED + 1)
 
     if max_length < CHECK_PREFIX + 60:
         return []
