@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from distperp_harness.model.row_products import row_sizes_of
 from distperp_harness.model.sharding import sharding_report
 from distperp_harness.options import Options
 from distperp_harness.run.execution.record import RunFacts
+from distperp_harness.run.scoring.engine.invariance import Invariance
 from distperp_harness.stages import Models, Placement, PreparedRun
 
 
@@ -37,6 +39,7 @@ def run_facts(
             "asked": str(options.batch_invariant),
             "mode": prepared.invariance.name.lower(),
             "why": prepared.invariance_why,
+            "small_products": sorted(row_sizes_of(model).exact) if prepared.invariance is not Invariance.OFF else None,
         },
         weight_bytes=loaded.weight_bytes,
         batching=prepared.batching,

@@ -211,18 +211,22 @@ def score_rows(name: str, first: Evaluation, again: Evaluation) -> list[CheckRow
 
 def rows_alone_row(name: str, lm: Any) -> CheckRow:
     """Whether this device and dtype give a row the same bits alone and in batches when it attends alone
-    (:func:`~distperp_harness.run.scoring.engine.invariance.rows_check`): where not, ``batch_invariant=true``
+    (:func:`~distperp_harness.run.scoring.engine.invariance.rows_check`), and which small products decode steps
+    compute as they are (:func:`~distperp_harness.model.row_products.measure_row_sizes`): where not, ``batch_invariant=true``
     scores a row per forward and ``auto`` batches as ``false`` (slower or batch-dependent, not wrong), so that is a
     skipped row, not a failure."""
+    from distperp_harness.model.row_products import measure_row_sizes
     from distperp_harness.run.scoring.engine.invariance import rows_check
 
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     try:
         why = rows_check(lm.model, lm.device, pad, lm.max_length, lm.reference)
+        sizes = measure_row_sizes(lm.model)
     except Exception as error:  # the check reports any failure as a failed row
         return CheckRow(name, "rows attend alone", Outcome.FAIL, _failure(error))
     if why is None:
-        return CheckRow(name, "rows attend alone", Outcome.PASS, "every unit's bits equal alone and in batches")
+        detail = f"every unit's bits equal alone and in batches; decode steps: {sizes.describe()}"
+        return CheckRow(name, "rows attend alone", Outcome.PASS, detail)
     fallback = "batch_invariant=true scores a row per forward, auto batches as false"
     return CheckRow(name, "rows attend alone", Outcome.SKIP, f"{why}: {fallback}")
 

@@ -149,7 +149,11 @@ def decide_invariance(
     they are not batched with every row attending alone: batches as usual with ``batch_invariant=false`` or where
     ``auto`` is ``blocked`` (:func:`invariance_blocked`); else rows in batches, each attending alone, where every
     rank's :func:`~distperp_harness.run.scoring.engine.invariance.rows_check` passes on the loaded model(s); where a
-    rank's does not, a forward per row (``true``) or batches as usual (``auto``), the same on every rank."""
+    rank's does not, a forward per row (``true``) or batches as usual (``auto``), the same on every rank. Where rows
+    go alone, every rank also measures which products of fewer than 16 rows compute as 16 do
+    (:func:`~distperp_harness.model.row_products.measure_row_sizes`), and the sizes exact on every rank are recorded
+    on every model for its decode steps (:func:`~distperp_harness.model.row_products.record_row_sizes`)."""
+    from distperp_harness.model.row_products import RowSizes, measure_row_sizes, record_row_sizes
     from distperp_harness.model.sharding import gathered
     from distperp_harness.run.scoring.engine.invariance import merged, rows_check
 
@@ -158,7 +162,14 @@ def decide_invariance(
     fail_for_tests(collective.rank, "invariance")
     with gathered(*models):
         mine = rows_check(models[0], device, pad_token_id, max_length, models[1] if len(models) > 1 else None)  # type: ignore[arg-type]
-    invariance, why = merged(collective.all_gather_object(mine, "agree on how batch_invariant batches its rows"))
+        sizes = RowSizes(frozenset.intersection(*(measure_row_sizes(m).exact for m in models)))
+    everyone = collective.all_gather_object(
+        (mine, sorted(sizes.exact)), "agree on how batch_invariant batches its rows"
+    )
+    invariance, why = merged([reason for reason, _ in everyone])
+    agreed = RowSizes(frozenset.intersection(*(frozenset(exact) for _, exact in everyone)))
+    for model in models:
+        record_row_sizes(model, agreed)
     if invariance is Invariance.EACH_ROW and wanted is BatchInvariant.AUTO:  # auto never pays a forward per row
         return Invariance.OFF, why
     return invariance, why

@@ -5,6 +5,7 @@ import torch
 from helpers import family_model
 from transformers import AutoModelForCausalLM
 
+from distperp_harness.model.row_products import RowSizes, measure_row_sizes, record_row_sizes, row_sizes_of
 from distperp_harness.options import BatchInvariant
 from distperp_harness.run.rules import Batching
 from distperp_harness.run.runtime import (
@@ -37,6 +38,15 @@ class _OneRank:
 
     def all_gather_object(self, obj, name=""):
         return [obj]
+
+
+class _TwoRanks(_OneRank):
+    """Rank 0 of two whose rank 1 passes the check and finds only 4-row products exact."""
+
+    world_size = 2
+
+    def all_gather_object(self, obj, name=""):
+        return [obj, (None, [4])]
 
 
 @pytest.mark.parametrize(
@@ -103,3 +113,14 @@ def test_the_probe_target_covers_every_mode_the_run_may_end_in(model):
     assert probe_target([model], wide, 128, True, (True, False)).tree_tokens == budget
     assert probe_target([model], batching, 128, False, (True, False)).tree_tokens == 0
     assert probe_target([model], batching, 128, True, (True,)).cached  # a row group's prefix, even at batch size 1
+
+
+def test_the_small_products_every_rank_finds_exact_are_recorded_on_every_model(model):
+    record_paths(model, declared_paths(model, 256))
+    record_row_sizes(model, RowSizes())
+    mine = measure_row_sizes(model).exact
+    decide_invariance(_OneRank(), [model], torch.device("cpu"), 0, 256, BatchInvariant.ON)
+    assert row_sizes_of(model).exact == mine
+    decide_invariance(_TwoRanks(), [model], torch.device("cpu"), 0, 256, BatchInvariant.ON)
+    assert row_sizes_of(model).exact == mine & {4}  # what is exact on both ranks
+    record_row_sizes(model, RowSizes())
