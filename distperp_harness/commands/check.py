@@ -212,9 +212,9 @@ def score_rows(name: str, first: Evaluation, again: Evaluation) -> list[CheckRow
 def rows_alone_row(name: str, lm: Any) -> CheckRow:
     """Whether this device and dtype give a row the same bits alone and in batches when it attends alone
     (:func:`~distperp_harness.run.scoring.engine.invariance.rows_check`), and which small products decode steps
-    compute as they are (:func:`~distperp_harness.model.row_products.measure_row_sizes`): where not, ``batch_invariant=true``
-    scores a row per forward and ``auto`` batches as ``false`` (slower or batch-dependent, not wrong), so that is a
-    skipped row, not a failure."""
+    compute as they are (:func:`~distperp_harness.model.row_products.measure_row_sizes`): where rows do not,
+    ``batch_invariant=true`` scores a row per forward and ``auto`` batches as ``false`` (slower or batch-dependent,
+    not wrong), so that is a skipped row, not a failure."""
     from distperp_harness.model.row_products import measure_row_sizes
     from distperp_harness.run.scoring.engine.invariance import rows_check
 

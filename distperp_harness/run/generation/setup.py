@@ -41,8 +41,9 @@ class GenerationSetup:
     ``static``: the run's fixed-shape decode step (:func:`~.engines.decode_step`: eager, compiled or CUDA graphs;
     ``None``: every lane on the dynamic cache): ``prepare(collective, lanes)`` after planning; lanes it covers
     decode over it. ``rows_alone``: every prefill and decode forward's rows attend alone and its products have at
-    least 16 rows or a number measured to compute as 16 do (``batch_invariant=true`` where :mod:`~distperp_harness.run.scoring.engine.invariance` found
-    that enough): a sequence's bits do not depend on its batch-mates.
+    least 16 rows or a number measured to compute as 16 do (``batch_invariant=true`` where
+    :mod:`~distperp_harness.run.scoring.engine.invariance` found that enough): a sequence's bits do not depend on
+    its batch-mates.
     """
 
     model: CausalLM

@@ -77,8 +77,8 @@ def last_logits(model: torch.nn.Module, cache, input_ids: torch.Tensor, **inputs
 def alone_rows(model: torch.nn.Module, lengths: Sequence[tuple[int, int]] | None) -> ContextManager:
     """The context of a generation forward whose right-aligned rows attend alone, row ``b`` with its last
     ``lengths[b] = (queries, keys)`` positions over its last keys, with every matrix product of 16 rows or a number
-    that computes as 16 do (:mod:`~distperp_harness.model.row_attention`, :mod:`~distperp_harness.model.row_products`); None: the forward
-    as the model does it."""
+    that computes as 16 do (:mod:`~distperp_harness.model.row_attention`,
+    :mod:`~distperp_harness.model.row_products`); None: the forward as the model does it."""
     if lengths is None:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
