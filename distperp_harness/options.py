@@ -67,10 +67,10 @@ CLI_DEFAULT_DEVICE = "cuda:0"
 
 
 class BatchInvariant(Word):
-    """``batch_invariant``: results the same bits for any batching (``true``), batches as the kernels like them
-    (``false``, the default), or ``auto``: invariant where this run can be at little cost (eager layers, no
-    context-parallel group, a CPU device, no routed experts, kernels passing the check at start), else ``false``,
-    said in one line."""
+    """``batch_invariant``: ``auto`` (the default): results the same bits for any batching where this run can be at
+    little cost (eager layers, no context-parallel group, a CPU device, no routed experts, kernels passing the check
+    at start), else as ``false``, said in one line; ``true``: invariant anywhere (a forward per row where the check
+    fails); ``false``: batches as the kernels like them."""
 
     AUTO = "auto"
     ON = "true"
@@ -144,7 +144,7 @@ class Options:
     claim: bool = True
     # every row and generated sequence attending alone: results independent of batch_size and memory (auto: where
     # this run can be at little cost, said at start)
-    batch_invariant: BatchInvariant = BatchInvariant.OFF
+    batch_invariant: BatchInvariant = BatchInvariant.AUTO
     # checkpoints as users have them
     subfolder: str | None = None
     gguf_file: str | None = None

@@ -1,8 +1,8 @@
 """Batch invariance: per-document results are the same bits for ``batch_size`` 1, 3, 8, ``auto`` and ``auto`` under
-another memory budget, with ``batch_invariant=auto`` (on this CPU) and ``true``, on 1 process and on 2 (rolling
-windows; tree-row multiple choice, with and without a few-shot prefix shared across questions; greedy and sampled
-generation), and on the shared real model with ``auto``. The default, ``false``, is checked to move with the batch
-size on the same tasks (so the sweep can see a difference), and the record says which a run is."""
+another memory budget, by default (``batch_invariant=auto``, on this CPU) and with ``true``, on 1 process and on 2
+(rolling windows; tree-row multiple choice, with and without a few-shot prefix shared across questions; greedy and
+sampled generation), and on the shared real model with ``auto``. ``false`` is checked to move with the batch size on
+the same tasks (so the sweep can see a difference), and the record says which a run is."""
 
 import sys
 from pathlib import Path
@@ -62,12 +62,12 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
     launch at batch size 8 with sharded weights and the default mode at batch sizes 1 and 8."""
     from distperp_harness.model import memory
 
-    runs = {bs: _evaluate(tiny_model_dir, tasks_dir, bs, mode="auto") for bs in ("1", "3", "8", "auto")}
+    runs = {bs: _evaluate(tiny_model_dir, tasks_dir, bs, mode="") for bs in ("1", "3", "8", "auto")}  # the default
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(memory, "_cgroup_memory", lambda: (SMALL_MEMORY, 0))
         runs["auto-small"] = _evaluate(tiny_model_dir, tasks_dir, "auto")  # batch_invariant=true
-    runs["default-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", mode="")  # the default: false
-    runs["default-8"] = _evaluate(tiny_model_dir, tasks_dir, "8", invariant=False)
+    runs["false-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", invariant=False)
+    runs["false-8"] = _evaluate(tiny_model_dir, tasks_dir, "8", invariant=False)
     out = tmp_path_factory.mktemp("invariant-2p")
     # one shard group of 2 (FSDP2): each rank computes its own batches, a row per forward, and matches the other's
     # forwards with idle ones; the data-parallel path is the same launch with the weights whole
@@ -82,9 +82,9 @@ def test_the_sweep_covers_different_batch_plans(sweep):
     budgets = {name: sweep[name][0]["batching"]["token_budget"] for name in ("auto", "auto-small")}
     assert budgets["auto-small"] < budgets["auto"], budgets
     assert sweep["2p-8"][0]["world_size"] == 2 and sweep["2p-8"][0]["sharding"]["shard_size"] == 2
-    # the default mode's bits move with the batch plan on these tasks, so equal results below are not a coincidence
-    default_1, default_8 = sweep["default-1"][1], sweep["default-8"][1]
-    moved = [t for t in TASKS if default_1[t] != default_8[t]]
+    # batch_invariant=false's bits move with the batch plan on these tasks, so equal results below are no coincidence
+    false_1, false_8 = sweep["false-1"][1], sweep["false-8"][1]
+    moved = [t for t in TASKS if false_1[t] != false_8[t]]
     assert {"dptest_mc", "dptest_fewshot"} <= set(moved), moved
 
 
@@ -104,7 +104,7 @@ def test_equal_results_give_equal_fingerprints(sweep):
 
 
 def test_the_record_says_what_the_bits_depend_on(sweep):
-    invariant, default = sweep["1"][0], sweep["default-1"][0]  # default-1: batch_invariant=false
+    invariant, default = sweep["1"][0], sweep["false-1"][0]  # "1": the default (auto); false-1: batch_invariant=false
     assert invariant["batch_invariant"] is True and default["batch_invariant"] is False
     assert not any("batch plan" in fact for fact in invariant["bits_depend_on"])
     assert any("batch plan" in fact for fact in default["bits_depend_on"])
@@ -115,10 +115,13 @@ def test_the_record_says_what_the_bits_depend_on(sweep):
         shared = sum(c.get("batches_sharing_a_prefix") or 0 for c in sweep[name][0]["calls"])
         assert shared > 0, name
     # rows in batches, each attending alone: the check of this CPU's kernels passed (on both ranks of the launch)
+    small = invariant["batch_invariance"]["small_products"]  # products computed as they are below 16 rows
+    assert isinstance(small, list) and all(0 < n < 16 for n in small)
     for name in ("1", "8", "auto", "auto-small", "2p-8"):
         asked = "true" if name in ("auto-small", "2p-8") else "auto"
-        assert sweep[name][0]["batch_invariance"] == {"asked": asked, "mode": "batched", "why": None}, name
-    assert default["batch_invariance"] == {"asked": "false", "mode": "off", "why": None}
+        expected = {"asked": asked, "mode": "batched", "why": None, "small_products": small}
+        assert sweep[name][0]["batch_invariance"] == expected, name
+    assert default["batch_invariance"] == {"asked": "false", "mode": "off", "why": None, "small_products": None}
 
 
 SHARED_SMOLLM2 = Path(__file__).resolve().parents[2] / "shared" / "models" / "smollm2-135m-instruct"
@@ -135,7 +138,11 @@ def test_the_shared_real_model_gives_the_same_bits_at_any_batch_size_with_auto(t
     run_command([sys.executable, str(SHARED_SMOLLM2 / "to_hf.py"), str(folder)], cwd=tmp_path)
     runs = {bs: _evaluate(folder, tasks_dir, bs, mode="auto") for bs in ("1", "8", "auto")}
     for name, (info, _) in runs.items():
-        assert info["batch_invariance"] == {"asked": "auto", "mode": "batched", "why": None}, name
+        assert {k: info["batch_invariance"][k] for k in ("asked", "mode", "why")} == {
+            "asked": "auto",
+            "mode": "batched",
+            "why": None,
+        }, name
         assert info["batch_invariant"] is True and not any("batch plan" in f for f in info["bits_depend_on"])
     one = runs["1"][1]
     for name in ("8", "auto"):

@@ -1,7 +1,8 @@
 """Every family of :data:`helpers.FAMILIES` through ``--model distperp`` as lm-eval builds it, on 1 and on 2 processes
 (one launch for all families): the probe's decision recorded and equal on every rank, the same bits on 1 and 2
 processes for few-shot questions, rolling windows and greedy generation (continuous batching for every family whose
-layers attend by a mask, windows included), and greedy texts equal to lm-eval ``hf``'s.
+layers attend by a mask, windows included), greedy texts equal to lm-eval ``hf``'s, and the default
+``batch_invariant=auto`` either on with the bits of batch size 1 at batch size 4 or off with its reason.
 """
 
 import json
@@ -18,10 +19,10 @@ WORKER = textwrap.dedent(
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
-    dirs, spec, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
-    for name, path in dirs.items():
+    dirs, spec, out, sizes = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    for name, path in ((n, p) for size in sizes for n, p in dirs.items()):
         lm = get_model("distperp").create_from_arg_string(
-            f"pretrained={path},max_length=128", {"batch_size": 4, "device": "cpu"}
+            f"pretrained={path},max_length=128", {"batch_size": int(size), "device": "cpu"}
         )
         mine = list(range(lm.rank, len(spec["ll"]), lm.world_size))  # lm-eval's split of the documents
         ll = lm.loglikelihood([Instance("loglikelihood", {}, tuple(spec["ll"][i]), i) for i in mine], True)
@@ -41,8 +42,9 @@ WORKER = textwrap.dedent(
             "paths": lm.prepared.paths,
             "sharing": str(lm.sharing.mode),
             "engines": [e for c in lm.stats.to_dicts() if c["kind"] == "generate_until" for e in c["engines"]],
+            "invariance": [lm.prepared.invariance.name, lm.prepared.invariance_why],
         }
-        with open(f"{out}/{name}-{lm.rank}.json", "w") as f:
+        with open(f"{out}/{name}-{lm.rank}" + ("" if size == sizes[0] else f"-bs{size}") + ".json", "w") as f:
             json.dump(record, f)
     """
 )
@@ -76,23 +78,32 @@ def family_runs(tiny_tokenizer, sample_text_path, tmp_path_factory):
     args = [json.dumps({k: str(v) for k, v in dirs.items()}), json.dumps(spec)]
     (root / "worker.py").write_text(WORKER, encoding="utf-8")
     runs = {}
-    for world in (1, 2):
+    for world, sizes in ((1, "4,1"), (2, "4")):  # one process also at batch size 1 (batch_invariant=auto's bits)
         out = root / f"out{world}"
         out.mkdir()
-        run_command([*accelerate_launch_prefix(world), str(root / "worker.py"), *args, str(out)], cwd=root, timeout=900)
+        command = [*accelerate_launch_prefix(world), str(root / "worker.py"), *args, str(out), sizes]
+        run_command(command, cwd=root, timeout=1200)
         runs[world] = {name: _merged(out, name, world) for name in FAMILIES}
+    runs["bs1"] = {name: _merged(out.parent / "out1", name, 1, "-bs1") for name in FAMILIES}
     return spec, dirs, runs
 
 
-def _merged(out, name, world):
-    records = [json.loads((out / f"{name}-{rank}.json").read_text(encoding="utf-8")) for rank in range(world)]
+def _merged(out, name, world, tail=""):
+    records = [json.loads((out / f"{name}-{rank}{tail}.json").read_text(encoding="utf-8")) for rank in range(world)]
     merged = {key: {} for key in ("ll", "rolling", "gen")}
     for record in records:
         for key in merged:
             merged[key].update({int(i): v for i, v in record[key].items()})
     assert all(r["paths"] == records[0]["paths"] for r in records)  # the same decision on every rank
     engines = sorted({e for r in records for e in r["engines"]})
-    return {**merged, "paths": records[0]["paths"], "sharing": records[0]["sharing"], "engines": engines}
+    assert all(r["invariance"] == records[0]["invariance"] for r in records)  # one mode on every rank
+    return {
+        **merged,
+        "paths": records[0]["paths"],
+        "sharing": records[0]["sharing"],
+        "engines": engines,
+        "invariance": records[0]["invariance"],
+    }
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -123,3 +134,24 @@ def test_each_family_generates_hf_greedy_texts(family_runs, name):
         for i, prompt in enumerate(spec["gen"])
     ]
     assert hf.generate_until(requests, disable_tqdm=True) == [runs[1][name]["gen"][i] for i in range(len(requests))]
+
+
+AUTO_OFF = {  # families batch_invariant=auto leaves to the kernels' batches, and what it says
+    "gpt-oss-sinks-moe": "routed experts",
+    "deepseek-v3-mla-moe": "routed experts",
+    "llama4-chunked-moe": "routed experts",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_default_auto_gives_each_family_the_bits_of_batch_size_1_or_says_why_not(family_runs, name):
+    _, _, runs = family_runs
+    four, one = runs[1][name], runs["bs1"][name]
+    mode, why = four["invariance"]
+    assert one["invariance"] == four["invariance"]
+    if name in AUTO_OFF:
+        assert mode == "OFF" and AUTO_OFF[name] in why, (name, why)
+        return
+    assert mode == "BATCHED" and why is None, (name, why)
+    for key in ("ll", "rolling", "gen"):
+        assert one[key] == four[key], (name, key)

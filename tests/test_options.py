@@ -151,7 +151,7 @@ def test_in_memory_is_not_a_model_arg():
 
 
 def test_batch_invariant_is_auto_true_or_false_and_true_runs_eager():
-    assert Options(pretrained="m").batch_invariant is BatchInvariant.OFF
+    assert Options(pretrained="m").batch_invariant is BatchInvariant.AUTO
     for given, word in (("true", BatchInvariant.ON), (True, BatchInvariant.ON), ("0", BatchInvariant.OFF)):
         assert Options.from_kwargs(pretrained="m", batch_invariant=given).batch_invariant is word
         assert Options(pretrained="m", batch_invariant=given).batch_invariant is word
