@@ -119,7 +119,8 @@ def test_the_record_says_what_the_bits_depend_on(sweep):
     assert isinstance(small, list) and all(0 < n < 16 for n in small)
     for name in ("1", "8", "auto", "auto-small", "2p-8"):
         asked = "true" if name in ("auto-small", "2p-8") else "auto"
-        expected = {"asked": asked, "mode": "batched", "why": None, "small_products": small}
+        # sharded weights (2p-8: shard_size=2) are not measured: their decode steps pad every product to 16 rows
+        expected = {"asked": asked, "mode": "batched", "why": None, "small_products": [] if name == "2p-8" else small}
         assert sweep[name][0]["batch_invariance"] == expected, name
     assert default["batch_invariance"] == {"asked": "false", "mode": "off", "why": None, "small_products": None}
 

@@ -77,10 +77,16 @@ def measure_row_sizes(model: torch.nn.Module) -> RowSizes:
     """The sizes below :data:`MIN_ROWS` at which every plain ``Linear`` of ``model`` gives each row the bits of a
     :data:`MIN_ROWS`-row product: one module per distinct kind (shapes, dtype, weight type, bias, device), seeded
     rows in its weight's dtype, each candidate size tried on the first rows and on the last (the rows at other
-    places), every bit compared; the cheapest modules first, so the widest (the head) tries only the sizes left."""
+    places), every bit compared; the cheapest modules first, so the widest (the head) tries only the sizes left.
+    None exact where a weight is a ``DTensor`` (a tensor-parallel slice: its products are collectives, which ranks
+    must call alike, and its sums are the group's)."""
+    from torch.distributed.tensor import DTensor
+
     kinds: dict[tuple, torch.nn.Linear] = {}
     for module in _plain_linears(model):
         w = module.weight
+        if isinstance(w, DTensor):
+            return RowSizes()
         key = (module.in_features, module.out_features, w.dtype, type(w), w.device, module.bias is not None)
         kinds.setdefault(key, module)
     left = set(range(1, MIN_ROWS))

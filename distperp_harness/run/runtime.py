@@ -5,6 +5,7 @@ the longest tree row, and how ``loglikelihood`` units share rows (:func:`choose_
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -162,12 +163,12 @@ def decide_invariance(
     fail_for_tests(collective.rank, "invariance")
     with gathered(*models):
         mine = rows_check(models[0], device, pad_token_id, max_length, models[1] if len(models) > 1 else None)  # type: ignore[arg-type]
-        sizes = RowSizes(frozenset.intersection(*(measure_row_sizes(m).exact for m in models)))
+        sizes = functools.reduce(RowSizes.merged, map(measure_row_sizes, models))
     everyone = collective.all_gather_object(
         (mine, sorted(sizes.exact)), "agree on how batch_invariant batches its rows"
     )
     invariance, why = merged([reason for reason, _ in everyone])
-    agreed = RowSizes(frozenset.intersection(*(frozenset(exact) for _, exact in everyone)))
+    agreed = functools.reduce(RowSizes.merged, (RowSizes(frozenset(exact)) for _, exact in everyone))
     for model in models:
         record_row_sizes(model, agreed)
     if invariance is Invariance.EACH_ROW and wanted is BatchInvariant.AUTO:  # auto never pays a forward per row
