@@ -53,7 +53,7 @@ from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
 from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
-from distperp_harness.run.rules import Sharing, one_slot, slots_within
+from distperp_harness.run.rules import Sharing, lane_slots
 from distperp_harness.run.runtime import (
     choose_sharing,
     decide_invariance,
@@ -419,19 +419,17 @@ def generation_setup(
     lengths = prepared.sharing.lengths
     batched = prepared.invariance is Invariance.BATCHED  # rows attend alone: a sequence's bits whatever its batch
     # a sequence decodes alone (one slot) where rows cannot share a step whatever its batch-mates: the check failed
-    # under batch_invariant=true, or products whose rows follow the batch; a length rule that keeps lengths apart
-    # keeps slots only for lanes whose rows stay within one of its lengths' keys (slots_within)
+    # under batch_invariant=true, or products whose rows follow the batch
     alone = prepared.invariance.row_at_a_time or (batched and routed_products(model) is not None)
-    kept_apart = not (lengths is None or lengths.uniform)
-    rows_for = (
-        one_slot
-        if alone
-        else functools.partial(
+    rows_for, may_share = lane_slots(
+        functools.partial(
             generation_rows,
             prepared.batching,
             activation_bytes=activation_bytes_per_token(model, max_length),
             kv_bytes=kv_cache_bytes_per_token(model),
-        )
+        ),
+        lengths,
+        alone,
     )
     return GenerationSetup(
         model=cast("CausalLM", model),  # transformers' *ForCausalLM classes generate
@@ -441,9 +439,9 @@ def generation_setup(
         max_length=max_length,
         max_gen_toks=max_gen_toks,
         add_bos_token=options.add_bos_token,
-        rows_for=functools.partial(slots_within, lengths, rows_for) if kept_apart and lengths else rows_for,
+        rows_for=rows_for,
         seed=torch.initial_seed(),  # lm-eval's --seed (its torch value) seeds sampled requests
-        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and not (alone or kept_apart) else NO_SHARING,
+        min_shared_tokens=MIN_SHARED_TOKENS if options.share_prefix and may_share else NO_SHARING,
         progress=progress,
         think_end=options.think_end_token,
         static=prepared.static_decoding,

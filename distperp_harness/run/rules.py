@@ -7,6 +7,7 @@ them."""
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -101,3 +102,17 @@ def one_slot(length: int) -> int:
     every prefill and decode step then has shapes set by its own sequence."""
     del length
     return 1
+
+
+def lane_slots(
+    rows_for: Callable[[int], int], lengths: LengthRule | None, alone: bool
+) -> tuple[Callable[[int], int], bool]:
+    """``(slots of a generation lane whose rows grow to a length, whether lanes may share a prompt prefix)``: one
+    slot and no sharing where sequences decode alone (``alone``: ``batch_invariant=true``'s check failed, or products
+    whose rows follow the batch); under a length rule that keeps lengths apart, ``rows_for`` only where a lane's rows
+    stay within one key of it (:func:`slots_within`) and no sharing; else ``rows_for`` and sharing."""
+    if alone:
+        return one_slot, False
+    if lengths is not None and not lengths.uniform:
+        return functools.partial(slots_within, lengths, rows_for), False
+    return rows_for, True
