@@ -165,6 +165,11 @@ def cp_attention(
     :func:`context_parallel`, plain sdpa outside it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from distperp_harness.model.split_attention import active_step, step_attention
+
+    step = active_step()
+    if step is not None:  # a decode step over a cache split across the group
+        return step_attention(step, module, query, key, value, kwargs.get("scaling")), None
     active = _ACTIVE.get()
     if active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -229,7 +234,10 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
     """transformers' mask-function contract: sdpa's mask, or ``None`` inside a context-parallel forward."""
     from transformers.masking_utils import sdpa_mask
 
-    return None if _ACTIVE.get() is not None else sdpa_mask(*args, **kwargs)
+    from distperp_harness.model.split_attention import active_step
+
+    inside = _ACTIVE.get() is not None or active_step() is not None
+    return None if inside else sdpa_mask(*args, **kwargs)
 
 
 def check_attention(model: Any, cp_size: int, source: str) -> None:

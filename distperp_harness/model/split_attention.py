@@ -15,7 +15,10 @@ than a block.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -81,3 +84,54 @@ def combine_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torc
         total = total + weight.unsqueeze(-1) * out
         norm = norm + weight
     return torch.where(norm.unsqueeze(-1) > 0, total / norm.clamp_min(torch.finfo(norm.dtype).tiny).unsqueeze(-1), 0.0)
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """One decode step of a group over its split cache, as this member sees it: ``gather`` (every member's tensor
+    in member order), the positions of this member's stored keys in cache order (after this step's append), which
+    of them count (``valid``: real prompt positions and generated positions this member stores), the step's query
+    position, and each attention module's rule (``rule(module)``: a window or chunk, :class:`LayerAttention`)."""
+
+    gather: Callable[[torch.Tensor], list[torch.Tensor]]
+    key_positions: torch.Tensor
+    valid: torch.Tensor
+    position: int
+    rule: Callable[[torch.nn.Module], Any]
+
+    def reach(self, module: torch.nn.Module) -> torch.Tensor:
+        """``[1, 1, 1, K]``: the stored keys this step's query attends to in ``module``'s layer."""
+        keys = self.key_positions
+        ok = self.valid & (keys <= self.position)
+        extra = self.rule(module).allows(torch.tensor(self.position, device=keys.device), keys)
+        return (ok if extra is None else ok & extra)[None, None, None]
+
+
+_STEP: contextvars.ContextVar[SplitStep | None] = contextvars.ContextVar("distperp_split_step", default=None)
+
+
+@contextlib.contextmanager
+def split_step(step: SplitStep) -> Iterator[None]:
+    """Within the block (this thread), attention under the context-parallel function is :func:`step_attention`."""
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def active_step() -> SplitStep | None:
+    """The decode step in progress in this thread (:func:`split_step`), or None."""
+    return _STEP.get()
+
+
+def step_attention(
+    step: SplitStep, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Any
+) -> torch.Tensor:
+    """transformers' attention output (``[B, Q, H, D]`` in the query's dtype) of a decode step over the group's
+    split cache: this member's part (``key``/``value``: its stored keys, the step's own appended where it stores
+    it), every member's part gathered and combined in member order."""
+    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    out, lse = partial_attention(query, key, value, scale, step.reach(module).to(key.device))
+    outs, lses = step.gather(out.contiguous()), step.gather(lse.contiguous())
+    return combine_partials(list(zip(outs, lses))).to(query.dtype).transpose(1, 2).contiguous()

@@ -63,14 +63,21 @@ class MemberRows:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
     def rule(self, module: torch.nn.Module) -> LayerAttention:
-        if self.layout is None:
-            return FULL
-        if not self.layout.keyed:
-            return self.layout.rules[0]
-        index = getattr(module, "layer_idx", None)
-        if self.layer_types is None or index is None:
-            raise ValueError("internal error: a keyed attention layout without the layers' types")
-        return dict(self.layout.kinds)[self.layer_types[int(index)]]
+        return layer_rule(self.layout, self.layer_types, module)
+
+
+def layer_rule(
+    layout: AttentionLayout | None, layer_types: Sequence[str] | None, module: torch.nn.Module
+) -> LayerAttention:
+    """The rule (window, chunk or full) of the attention ``module``'s layer under a model's decided ``layout``."""
+    if layout is None:
+        return FULL
+    if not layout.keyed:
+        return layout.rules[0]
+    index = getattr(module, "layer_idx", None)
+    if layer_types is None or index is None:
+        raise ValueError("internal error: a keyed attention layout without the layers' types")
+    return dict(layout.kinds)[layer_types[int(index)]]
 
 
 @torch.no_grad()
