@@ -87,3 +87,41 @@ def test_a_stop_id_ends_every_member_and_the_traffic_is_the_formula():
     prefill_and_token = received[: len(received) - steps * 2 * model.config.num_hidden_layers]
     decode = sum(received) - sum(prefill_and_token)
     assert decode == steps * decode_bytes_per_step(model.config, 2)
+
+
+WORKER = """
+import json, sys
+import torch
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM
+from distperp_harness.model import cp_attention
+from distperp_harness.run.generation.cp_generate import greedy_on_group
+
+folder, prompt, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+PartialState()  # the launch's gloo group (its process_index is 0 on a CPU-only machine: torch's rank is read)
+rank = torch.distributed.get_rank()
+group = cp_attention.make_group(torch.device("cpu"), torch.distributed.get_world_size(), rank, 2, 60.0)
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+cp_attention.use(model)
+tokens = greedy_on_group(model, prompt, 10, group, torch.device("cpu"))
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(tokens, f)
+"""
+
+
+@pytest.mark.distributed
+def test_a_group_of_two_processes_generates_one_devices_tokens(tmp_path):
+    """Two ``accelerate launch`` processes as one group of 2 (gloo): both members return one device's greedy
+    tokens."""
+    import json
+
+    from helpers import accelerate_launch_prefix, run_command
+
+    model = family_model("mistral-window", scale=4.0)
+    model.save_pretrained(tmp_path / "model")
+    prompt = torch.randint(3, model.config.vocab_size, (301,), generator=torch.Generator().manual_seed(6)).tolist()
+    (tmp_path / "worker.py").write_text(WORKER, encoding="utf-8")
+    command = [*accelerate_launch_prefix(2), str(tmp_path / "worker.py"), str(tmp_path / "model"), json.dumps(prompt)]
+    run_command([*command, str(tmp_path)], cwd=tmp_path, timeout=300)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    assert got[0] == got[1] == _greedy_by_whole_forwards(model, prompt, 10)
