@@ -1,5 +1,6 @@
 """The long-context tasks ``distperp_longdocs``, ``distperp_needle`` and ``distperp_needle_gen``: their loaders
-(local files only, one-line errors), results per document, and one end-to-end run of each with the tiny model."""
+(local files only, one-line errors), results per document, and one end-to-end run of each with the tiny model; and
+lm-eval's own RULER ``niah_single_1`` offline at 4,096 tokens."""
 
 from __future__ import annotations
 
@@ -196,3 +197,27 @@ def test_the_long_tasks_under_context_parallelism(one_process, longer_model, tmp
                 else:
                     a, b = (a[0], b[0]) if isinstance(a, (list, tuple)) else (a, b)
                     assert abs(float(a) - float(b)) <= 1e-4 * max(1.0, abs(float(a))), (task, doc, a, b)
+
+
+def test_a_ruler_task_runs_offline(tiny_model_dir, tmp_path):
+    """lm-eval's ``niah_single_1`` (RULER: a needle in a haystack of one repeated sentence, no download; sized with
+    the model's own tokenizer, ``wonderwords`` installed) at 4,096 tokens through ``--model distperp``, offline:
+    every prompt about 4,096 tokens and a score per length."""
+    from helpers import load_results, load_samples, run_lm_eval
+    from transformers import AutoTokenizer
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4608}))
+    out = tmp_path / "out"
+    args = ["--model", "distperp", "--model_args", f"pretrained={model},max_length=4608", "--tasks", "niah_single_1"]
+    args += ["--metadata", json.dumps({"max_seq_lengths": [4096]}), "--limit", "2", "--batch_size", "2"]
+    run_lm_eval([*args, "--output_path", str(out), "--log_samples"], cwd=tmp_path, timeout=900)
+    got = load_results(out)["results"]["niah_single_1"]
+    assert 0 <= got["4096,none"] <= 1
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = load_samples(out, "niah_single_1")
+    assert len(samples) == 2
+    for sample in samples:
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        assert 3500 <= len(tokenizer(prompt)["input_ids"]) <= 4096, len(tokenizer(prompt)["input_ids"])
