@@ -461,6 +461,12 @@ def test_bench_cp_runs_a_group_on_the_tiny_shape():
     assert "| cp_size | seconds |" in proc.stdout and "| 2 | " in proc.stdout, proc.stdout
 
 
+def test_bench_cp_generate_runs_a_group_on_the_tiny_shape():
+    proc = bench("bench_cp_generate", "--shape", "tiny", "--tokens", "256", "--new", "3", "--sizes", "1,2")
+    assert "| cp_size | prefill s |" in proc.stdout and "| 2 | " in proc.stdout, proc.stdout
+    assert "DIFFER" not in proc.stdout and proc.stdout.count("| same |") == 2, proc.stdout
+
+
 def test_miniatures_matrix_rows():
     """``benchmarks.miniatures --types ...``: a built row (layers, parameters, timings, how far a masked key and a
     moved position move a score), a skipped row with its reason, and the counts."""

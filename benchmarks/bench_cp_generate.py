@@ -1,0 +1,147 @@
+"""A long prompt generated on a context-parallel group against one process: memory per rank, time per token, tokens.
+
+    python -m benchmarks.bench_cp_generate                       # 32,768 tokens, the "long" shape, cp 1, 2, 4
+    python -m benchmarks.bench_cp_generate --tokens 4096 --shape tiny --new 4    # a dry run
+
+One prompt of ``--tokens`` random tokens through a random Llama (``long``: 4 layers, hidden 256, 8 heads and 2
+key-value heads of 32, vocabulary 2,048: a tiny long-context model whose cache is a visible share of memory;
+``smollm2``/``tiny`` as :mod:`benchmarks.bench_cp`), float32, one torch thread per rank, generated greedily for
+``--new`` tokens by :func:`~distperp_harness.run.generation.cp_generate.greedy_on_group` on a group of N gloo
+processes (N = 1: the same code on a group of one). Each size runs twice in fresh processes: once timed (the prefill,
+and the decode steps' median), once for memory with ``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from
+just before the prefill to the end of decoding, largest rank: activations and the key/value cache). Bytes received
+per decode step are :func:`~distperp_harness.run.generation.cp_generate.decode_bytes_per_step` (the unit test counts
+them). Printed: a table with ratios to the first size, and whether the tokens equal the first size's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from benchmarks.bench_cp import SHAPES, _free_port, _Peak
+
+SHAPES = {
+    **SHAPES,
+    "long": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+}
+
+
+def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: bool, out) -> None:
+    """One rank's generation; puts ``(rank, prefill s, median decode step s, peak growth, tokens)``."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distperp_harness.model import cp_attention
+    from distperp_harness.model.split_attention import split_step
+    from distperp_harness.run.generation import cp_generate
+    from distperp_harness.run.scoring.engine.support import declared_paths, record_paths
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SHAPES[args.shape], "max_position_embeddings": args.tokens + args.new + 64})
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    record_paths(model, declared_paths(model, args.tokens + args.new))
+    cp_attention.use(model)
+    prompt = torch.randint(3, config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        group = cp_attention.Group(size, rank, dist.group.WORLD)
+        dist.barrier()
+    else:
+        group = cp_attention.Group(1, 0)
+    starts: list[float] = []
+    real = cp_generate.split_step
+
+    def timed_step(step):  # when each decode step starts
+        starts.append(time.perf_counter())
+        return real(step)
+
+    cp_generate.split_step = timed_step  # type: ignore[assignment]
+    peak = _Peak()
+    peak.start()
+    begin = time.perf_counter()
+    tokens = cp_generate.greedy_on_group(model, prompt, args.new, group, torch.device("cpu"))
+    end = time.perf_counter()
+    peak.stop = True
+    cp_generate.split_step = split_step  # type: ignore[assignment]
+    prefill = (starts[0] if starts else end) - begin
+    steps = [b - a for a, b in zip(starts, [*starts[1:], end])]
+    out.put((rank, prefill, statistics.median(steps) if steps else 0.0, peak.growth(), tokens))
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _run(size: int, args: argparse.Namespace, memory: bool) -> list[tuple]:
+    import multiprocessing
+
+    if memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    try:
+        context = multiprocessing.get_context("spawn")
+        queue, port = context.Queue(), _free_port()
+        procs = [context.Process(target=_member, args=(r, size, port, args, memory, queue)) for r in range(size)]
+        for p in procs:
+            p.start()
+        results = sorted(queue.get(timeout=3600) for _ in procs)
+        for p in procs:
+            p.join()
+        return results
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=32768, help="prompt tokens (default: %(default)s)")
+    parser.add_argument("--new", type=int, default=16, help="tokens generated (default: %(default)s)")
+    parser.add_argument("--sizes", default="1,2,4", help="group sizes, the first the baseline (default: %(default)s)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="long", help="model shape (default: long)")
+    args = parser.parse_args(argv)
+    from transformers import LlamaConfig
+
+    from distperp_harness.run.generation.cp_generate import decode_bytes_per_step
+
+    config = LlamaConfig(**SHAPES[args.shape])
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        timed, measured = _run(size, args, memory=False), _run(size, args, memory=True)
+        if any(t[4] != timed[0][4] for t in timed):
+            raise SystemExit(f"group of {size}: the members returned different tokens")
+        prefill, step = max(t[1] for t in timed), max(t[2] for t in timed)
+        rows.append(
+            (size, prefill, step, max(m[3] for m in measured), timed[0][4], decode_bytes_per_step(config, size))
+        )
+    base = rows[0]
+    print(
+        f"One {args.tokens:,}-token prompt, {args.new} tokens generated, {args.shape} shape, float32, 1 thread/rank\n"
+    )
+    print("| cp_size | prefill s | decode s/token | vs first | peak growth MiB/rank | vs first | tokens | bytes/step |")
+    print("|---:|---:|---:|---:|---:|---:|---|---:|")
+    for size, prefill, step, memory, tokens, sent in rows:
+        print(
+            f"| {size} | {prefill:.2f} | {step:.4f} | {step / max(base[2], 1e-9):.2f}x | {memory / 2**20:.0f} | "
+            f"{memory / max(base[3], 1):.2f}x | {'same' if tokens == base[4] else 'DIFFER'} | {sent:,} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
