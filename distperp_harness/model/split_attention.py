@@ -57,16 +57,20 @@ def partial_attention(
             (b, heads, q_len), float("-inf"), dtype=torch.float32
         )
     groups = heads // kv_heads
-    k = keys.float().repeat_interleave(groups, dim=1)
-    v = values.float().repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+    # each key-value head with its query heads (h = j * groups + g): no copy of the keys per query head
+    q = query.float().reshape(b, kv_heads, groups * q_len, dim)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scale  # [B, H_kv, groups * Q, K]
     if reach is not None:
-        scores = scores.masked_fill(~reach, float("-inf"))
+        if reach.shape[1] == 1:  # one mask for every head: the same for each query head of a key-value head
+            grouped = reach.expand(b, 1, q_len, k_len)[:, :, None].expand(b, 1, groups, q_len, k_len)
+        else:
+            grouped = reach.expand(b, heads, q_len, k_len).reshape(b, kv_heads, groups, q_len, k_len)
+        scores = scores.masked_fill(~grouped.reshape(b, -1, groups * q_len, k_len), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     finite = torch.isfinite(lse)
     weights = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    out = torch.matmul(weights, v)
-    return out.masked_fill(~finite.unsqueeze(-1), 0.0), lse
+    out = torch.matmul(weights, values.float()).masked_fill(~finite.unsqueeze(-1), 0.0)
+    return out.reshape(b, heads, q_len, -1), lse.reshape(b, heads, q_len)
 
 
 def combine_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
