@@ -81,9 +81,9 @@ def test_shared_rows_are_recorded(runs):
         "mode": "prefix",
         "requests": "loglikelihood",
         "max_row_length": 128,
-        "cached_prefix": "batch",
+        "cached_prefix": "group",  # the default, batch_invariant=auto (on, on this CPU): a row group's prefix
         "fallback_reason": None,
-        "row_budget": "batch_size=4: rows of at most max_length=128 tokens",
+        "row_budget": "batch-invariant: rows of at most 128 tokens (max_length=128) whatever the batching",
     }
     assert unshared["sharing"]["mode"] == "off"
     call = next(c for c in shared["calls"] if c["kind"] == "loglikelihood")

@@ -24,7 +24,7 @@ from distperp_harness.model.parts import embedding_rows
 from distperp_harness.model.row_attention import why_not_alone
 from distperp_harness.planning.requests import Unit
 from distperp_harness.planning.rows import Row, ShareMode, build_rows, unit_rows
-from distperp_harness.run.scoring.engine.forward import score_batch
+from distperp_harness.run.scoring.engine.forward import NonFiniteLogitsError, score_batch
 from distperp_harness.run.scoring.engine.probe_checks import dtype_of
 from distperp_harness.run.scoring.engine.support import paths_of
 
@@ -101,7 +101,21 @@ def rows_check(
     reference: PreTrainedModel | None = None,
 ) -> str | None:
     """Why batched rows attending alone do not give each row its bits alone on this model, dtype and device (module
-    doc), or None."""
+    doc), or None. A model whose logits are not finite on the check's rows is not checked (said): the run's own rows
+    then meet that error where it names their documents."""
+    try:
+        return _rows_check(model, device, pad_token_id, max_length, reference)
+    except NonFiniteLogitsError:
+        return "the check's rows gave non-finite logits, so row invariance could not be checked"
+
+
+def _rows_check(
+    model: PreTrainedModel,
+    device: torch.device,
+    pad_token_id: int,
+    max_length: int,
+    reference: PreTrainedModel | None,
+) -> str | None:
     for which in (model, reference):
         why = None if which is None else why_not_alone(which)
         if why is not None:
