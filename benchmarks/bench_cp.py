@@ -154,15 +154,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(size: int, args: argparse.Namespace, memory: bool) -> list[tuple]:
+def _run(size: int, args: argparse.Namespace, memory: bool, member=None) -> list[tuple]:
+    """``member`` (default :func:`_member`) on ``size`` fresh processes, their results in rank order."""
     import multiprocessing
 
+    member = member or _member
     if memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by each new process's allocator at start
     try:
         context = multiprocessing.get_context("spawn")
         queue, port = context.Queue(), _free_port()
-        procs = [context.Process(target=_member, args=(r, size, port, args, memory, queue)) for r in range(size)]
+        procs = [context.Process(target=member, args=(r, size, port, args, memory, queue)) for r in range(size)]
         for p in procs:
             p.start()
         results = sorted(queue.get(timeout=3600) for _ in procs)

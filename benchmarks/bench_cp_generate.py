@@ -22,7 +22,8 @@ import statistics
 import sys
 import time
 
-from benchmarks.bench_cp import SHAPES, _free_port, _Peak
+from benchmarks.bench_cp import SHAPES, _Peak
+from benchmarks.bench_cp import _run as _run_members
 
 SHAPES = {
     **SHAPES,
@@ -89,25 +90,6 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
         dist.destroy_process_group()
 
 
-def _run(size: int, args: argparse.Namespace, memory: bool) -> list[tuple]:
-    import multiprocessing
-
-    if memory:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    try:
-        context = multiprocessing.get_context("spawn")
-        queue, port = context.Queue(), _free_port()
-        procs = [context.Process(target=_member, args=(r, size, port, args, memory, queue)) for r in range(size)]
-        for p in procs:
-            p.start()
-        results = sorted(queue.get(timeout=3600) for _ in procs)
-        for p in procs:
-            p.join()
-        return results
-    finally:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=32768, help="prompt tokens (default: %(default)s)")
@@ -122,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     config = LlamaConfig(**SHAPES[args.shape])
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
-        timed, measured = _run(size, args, memory=False), _run(size, args, memory=True)
+        timed = _run_members(size, args, False, _member)
+        measured = _run_members(size, args, True, _member)
         if any(t[4] != timed[0][4] for t in timed):
             raise SystemExit(f"group of {size}: the members returned different tokens")
         prefill, step = max(t[1] for t in timed), max(t[2] for t in timed)

@@ -4,7 +4,6 @@ launch`` runs (gloo on CPU): ``cp_size=2`` on 2 processes, 4 processes (2 groups
 bits, and a failing member stops every rank naming it."""
 
 import subprocess
-import threading
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from helpers import (
     load_samples,
     offline_env,
     run_command,
+    run_ranks,
     run_two_nodes,
 )
 
@@ -47,57 +47,24 @@ def test_zigzag_gives_each_member_chunks_i_and_2n_minus_1_minus_i():
 
 
 def _simulated(model, batch, cp: int, reference=None) -> list:
-    """``score_batch_cp`` of every member of a group of ``cp``, the members as threads meeting at each gather and
-    sum (in member order, as an all-gather and an all-reduce give them)."""
-    barrier = threading.Barrier(cp)
-    slots: dict = {}
-    lock = threading.Lock()
-    results: list = [None] * cp
-    errors: list = []
+    """``score_batch_cp`` of every member of a group of ``cp``, the members as threads (:func:`helpers.run_ranks`)
+    meeting at each gather and sum (in member order, as an all-gather and an all-reduce give them)."""
 
-    def member(m: int) -> None:
-        step = [0]
-
-        def meet(tensor):
-            key = step[0]
-            step[0] += 1
-            with lock:
-                slots.setdefault(key, [None] * cp)[m] = tensor.clone()
-            barrier.wait()
-            parts = list(slots[key])
-            barrier.wait()
-            return parts
-
+    def member(rank):
         def total(tensor):
-            parts = meet(tensor)
+            parts = rank.all_gather_tensor(tensor)
             out = parts[0].clone()
             for part in parts[1:]:
                 out += part
             return out
 
-        try:
-            results[m] = score_batch_cp(
-                model,
-                batch,
-                device=CPU,
-                pad_token_id=0,
-                group=Group(cp, m),
-                reference=reference,
-                gather=meet,
-                reduce=total,
-            )
-        except Exception as exc:  # raised in the test's thread below
-            errors.append(exc)
-            barrier.abort()
+        group = Group(cp, rank.rank)
+        gather = rank.all_gather_tensor
+        return score_batch_cp(
+            model, batch, device=CPU, pad_token_id=0, group=group, reference=reference, gather=gather, reduce=total
+        )
 
-    threads = [threading.Thread(target=member, args=(m,)) for m in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    return run_ranks(cp, member)
 
 
 def _units(vocab: int, seed: int = 1):

@@ -2,11 +2,9 @@
 meeting at each all-gather, in member order) gives the greedy tokens of one device's whole forwards, for groups of 1,
 2 and 4, full attention and sliding windows, and a stop id ends it on every member alike."""
 
-import threading
-
 import pytest
 import torch
-from helpers import family_model
+from helpers import family_model, run_ranks
 
 from distperp_harness.model import cp_attention
 from distperp_harness.model.cp_attention import Group
@@ -27,39 +25,15 @@ def _greedy_by_whole_forwards(model, prompt, new):
 
 
 def _on_group(model, prompt, new, size, **kw):
-    """Every member's :func:`greedy_on_group` result and the tensors member 0 received, members as threads."""
-    barrier, lock, slots = threading.Barrier(size), threading.Lock(), {}
-    results, errors, received = [None] * size, [], []
+    """Every member's :func:`greedy_on_group` result and the bytes member 0 received, the members as threads
+    (:func:`helpers.run_ranks`) meeting at each all-gather."""
 
-    def member(m):
-        step = [0]
+    def member(rank):
+        tokens = greedy_on_group(model, prompt, new, Group(size, rank.rank), CPU, gather=rank.all_gather_tensor, **kw)
+        return tokens, rank.received
 
-        def meet(tensor):
-            key = step[0]
-            step[0] += 1
-            with lock:
-                slots.setdefault(key, [None] * size)[m] = tensor.clone()
-            barrier.wait()
-            parts = list(slots[key])
-            if m == 0:
-                received.append(sum(p.numel() * p.element_size() for i, p in enumerate(parts) if i != m))
-            barrier.wait()
-            return parts
-
-        try:
-            results[m] = greedy_on_group(model, prompt, new, Group(size, m), CPU, gather=meet, **kw)
-        except Exception as exc:  # raised in the test's thread below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=member, args=(m,)) for m in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results, received
+    results = run_ranks(size, member)
+    return [tokens for tokens, _ in results], results[0][1]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window", "qwen3-mixed-window"])
@@ -78,15 +52,17 @@ def test_a_group_generates_one_devices_greedy_tokens(family):
 def test_a_stop_id_ends_every_member_and_the_traffic_is_the_formula():
     model = family_model("llama", scale=4.0)
     cp_attention.use(model)
-    prompt = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = model.config
+    prompt = torch.randint(3, config.vocab_size, (90,), generator=torch.Generator().manual_seed(4)).tolist()
     full, _ = _on_group(model, prompt, 8, 2)
     stop = full[0][3]
     stopped, received = _on_group(model, prompt, 8, 2, stop_ids={stop})
     assert stopped[0] == stopped[1] == full[0][: full[0].index(stop) + 1]
     steps = len(stopped[0]) - 1  # decode forwards after the prefill's token
-    prefill_and_token = received[: len(received) - steps * 2 * model.config.num_hidden_layers]
-    decode = sum(received) - sum(prefill_and_token)
-    assert decode == steps * decode_bytes_per_step(model.config, 2)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    columns = 92 // 2  # the prompt padded to 4 chunks: this member's two
+    prefill = config.num_hidden_layers * 2 * config.num_key_value_heads * columns * head_dim * 4  # keys and values
+    assert received == prefill + 8 + steps * decode_bytes_per_step(config, 2)  # + the first token's id
 
 
 WORKER = """
