@@ -137,5 +137,6 @@ def step_attention(
     it), every member's part gathered and combined in member order."""
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
     out, lse = partial_attention(query, key, value, scale, step.reach(module).to(key.device))
-    outs, lses = step.gather(out.contiguous()), step.gather(lse.contiguous())
-    return combine_partials(list(zip(outs, lses))).to(query.dtype).transpose(1, 2).contiguous()
+    parts = step.gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1))  # one all-gather per layer: output and lse
+    combined = combine_partials([(p[..., :-1], p[..., -1]) for p in parts])
+    return combined.to(query.dtype).transpose(1, 2).contiguous()

@@ -9,8 +9,8 @@ holding the prompt's last position computes its logits and the group takes that 
 runs the step's token through the model at its position (the weights are whole on every member), attends over its
 own stored keys, and the members' parts are combined in member order, so every member gets the same hidden states,
 logits and greedy token; the step's keys and values stay on one member (:func:`~distperp_harness.model.split_attention
-.owner_of`), the others drop them. Per step each member receives, per layer, the other members' attention outputs and
-log-sum-exps (``(N-1) * heads * (head_dim + 1)`` float32 per layer).
+.owner_of`), the others drop them. Per step each member receives, per layer in one all-gather, the other members'
+attention outputs and log-sum-exps (``(N-1) * heads * (head_dim + 1)`` float32 per layer).
 
 Not yet wired into ``generate_until`` (the plan does not yet send long prompts to groups): :func:`greedy_on_group`
 is the step every member of a group runs together.
