@@ -6,12 +6,12 @@
 One prompt of ``--tokens`` random tokens through a random Llama (``long``: 4 layers, hidden 256, 8 heads and 2
 key-value heads of 32, vocabulary 2,048: a tiny long-context model whose cache is a visible share of memory;
 ``smollm2``/``tiny`` as :mod:`benchmarks.bench_cp`), float32, one torch thread per rank, generated greedily for
-``--new`` tokens by :func:`~distperp_harness.run.generation.cp_generate.greedy_on_group` on a group of N gloo
+``--new`` tokens by :func:`~distperp_harness.run.generation.engine.group_decode.greedy_on_group` on a group of N gloo
 processes (N = 1: the same code on a group of one). Each size runs twice in fresh processes: once timed (the prefill,
 and the decode steps' median), once for memory with ``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from
 just before the prefill to the end of decoding, largest rank: activations and the key/value cache). Bytes received
-per decode step are :func:`~distperp_harness.run.generation.cp_generate.decode_bytes_per_step` (the unit test counts
-them). Printed: a table with ratios to the first size, and whether the tokens equal the first size's.
+per decode step are :func:`~distperp_harness.run.generation.engine.group_decode.decode_bytes_per_step` (the unit
+test counts them). Printed: a table with ratios to the first size, and whether the tokens equal the first size's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
 
     from distperp_harness.model import cp_attention
     from distperp_harness.model.split_attention import split_step
-    from distperp_harness.run.generation import cp_generate
+    from distperp_harness.run.generation.engine import group_decode as cp_generate
     from distperp_harness.run.scoring.engine.support import declared_paths, record_paths
 
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import LlamaConfig
 
-    from distperp_harness.run.generation.cp_generate import decode_bytes_per_step
+    from distperp_harness.run.generation.engine.group_decode import decode_bytes_per_step
 
     config = LlamaConfig(**SHAPES[args.shape])
     rows = []

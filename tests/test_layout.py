@@ -202,6 +202,7 @@ def test_run_folders_are_its_stages_and_import_downward():
 
 
 ENGINE = [
+    "group_decode",
     "sampling",
     "thinking",
     "stats",
