@@ -619,12 +619,13 @@ class ThreadRanks:
             sequence = 0
 
             def all_gather_tensor(self, tensor, name=""):
-                """Every rank's ``tensor`` (the same shape everywhere), in rank order (bfloat16 travels as int16)."""
+                """Every rank's ``tensor`` in rank order (shapes may differ in the first dimension only; bfloat16
+                travels as int16)."""
                 import torch
 
                 wire = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
                 parts = self.exchange([wire.reshape(-1).numpy()] * outer.world, None, name)
-                back = [torch.from_numpy(p.copy()).reshape(tensor.shape) for p in parts]
+                back = [torch.from_numpy(p.copy()).reshape(-1, *tensor.shape[1:]) for p in parts]
                 return [b.view(torch.bfloat16) for b in back] if tensor.dtype == torch.bfloat16 else back
 
             def all_gather_object(self, obj, name=""):
