@@ -52,7 +52,7 @@ from distperp_harness.run.execution.probes import model_traffic
 from distperp_harness.run.execution.resume import BatchStore
 from distperp_harness.run.fit import check_fits
 from distperp_harness.run.generation.engine.engines import decode_step
-from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup
+from distperp_harness.run.generation.setup import MIN_SHARED_TOKENS, NO_SHARING, GenerationSetup, WideLanes
 from distperp_harness.run.rules import Sharing, lane_slots
 from distperp_harness.run.runtime import (
     choose_sharing,
@@ -431,6 +431,8 @@ def generation_setup(
         lengths,
         alone,
     )
+    wide = prepared.wide
+    wide_lanes = None if wide is None else WideLanes(wide.executor, wide.min_tokens, placement.cp)
     return GenerationSetup(
         model=cast("CausalLM", model),  # transformers' *ForCausalLM classes generate
         tokenizer=tokenizer,
@@ -446,4 +448,5 @@ def generation_setup(
         think_end=options.think_end_token,
         static=prepared.static_decoding,
         rows_alone=batched,
+        wide=wide_lanes,
     )

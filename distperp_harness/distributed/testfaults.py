@@ -35,11 +35,13 @@ _POINTS = {
     "probe": "DISTPERP_TEST_FAIL_PROBE",
     "load": "DISTPERP_TEST_FAIL_LOAD",
     "invariance": "DISTPERP_TEST_FAIL_INVARIANCE",
+    "group_step": "DISTPERP_TEST_FAIL_GROUP_STEP",
 }
 _HOLDS = {
     "lane": "DISTPERP_TEST_HOLD_LANE",
     "probe": "DISTPERP_TEST_HOLD_PROBE",
     "invariance": "DISTPERP_TEST_HOLD_INVARIANCE",
+    "group_step": "DISTPERP_TEST_HOLD_GROUP_STEP",
 }
 
 
@@ -57,7 +59,9 @@ def fail_for_tests(rank: int, point: str = "forward") -> None:
     * ``DISTPERP_TEST_FAIL_LOAD`` (``load``): while loading the n-th model of the process (its n-th
       :class:`~distperp_harness.lm.DistPerpLM`; a checkpoint of ``series``), as a file this rank cannot read would;
     * ``DISTPERP_TEST_FAIL_INVARIANCE`` (``invariance``): before ``batch_invariant=true``'s check of the kernels at
-      load (:func:`~distperp_harness.run.runtime.decide_invariance`); ``DISTPERP_TEST_HOLD_INVARIANCE`` stalls there.
+      load (:func:`~distperp_harness.run.runtime.decide_invariance`); ``DISTPERP_TEST_HOLD_INVARIANCE`` stalls there;
+    * ``DISTPERP_TEST_FAIL_GROUP_STEP`` (``group_step``): before a decode step of a prompt a context-parallel group
+      generates (every member makes each step); ``DISTPERP_TEST_HOLD_GROUP_STEP`` stalls there instead.
     """
     actions: dict[str, Callable[[str], None]] = {_POINTS[point]: _raise_injected}
     if point in _HOLDS:

@@ -35,10 +35,12 @@ import torch
 from accelerate.logging import get_logger
 
 from distperp_harness.distributed.protocol import Collective
+from distperp_harness.distributed.testfaults import fail_for_tests
 from distperp_harness.run.execution.calls import GenerationCall, RankShare
 from distperp_harness.run.generation.engine.prefill import PrefixCache
 from distperp_harness.run.generation.engine.stats import LaneRecord, LaneStats
-from distperp_harness.run.generation.jobs import key_hex, kwargs_key_of, plan_generation
+from distperp_harness.run.generation.group_lane import GROUP_ENGINE, run_group_lane
+from distperp_harness.run.generation.jobs import Crew, WideCrew, key_hex, kwargs_key_of, plan_generation
 from distperp_harness.run.generation.lane_texts import lane_key, run_lane
 from distperp_harness.run.generation.lanes import LanePlan
 from distperp_harness.run.generation.prompts import Job, Prepared, job_keys, local_jobs, prepare, seed_of
@@ -67,17 +69,18 @@ def generate(
     local_keys = job_keys(args, identities)
     mine = local_jobs(setup, local_keys, args)
     seed = setup.seed if setup.seed is not None else torch.initial_seed()
+    wide = setup.wide
     planned = plan_generation(
         collective,
         mine,
         seed,
         setup.rows_for,
         setup.min_shared_tokens,
-        executor.step,
-        executor.workers,
+        Crew(executor.workers, executor.step),
         fixed_prefixes=setup.rows_alone,
+        wide=None if wide is None else WideCrew(wide.min_tokens, Crew(wide.executor.workers, wide.executor.step)),
     )
-    table, lanes, plan, seed = planned.table, planned.lanes, planned.plan, planned.seed
+    table, lanes, seed = planned.table, planned.lanes, planned.seed
     if setup.static is not None:  # compile the decode step for the plan's buckets, every rank together
         setup.static.prepare(collective, lanes)
     jobs, me = table.jobs, collective.rank
@@ -98,28 +101,34 @@ def generate(
         return part
 
     prefix = f"distperp/lanes/{collective.sequence}"
-    claims = executor.claims(plan.batches_of, prefix)
-    bar = setup.progress(sum(lanes[i].jobs for i in plan.batches_of(executor.worker))) if setup.progress else None
+    crews = [(p, wide.executor if p.wide and wide is not None else executor) for p in planned.parts]
+    total = sum(lanes[i].jobs for p, ex in crews if ex.reports for i in p.lanes_of(ex.worker))
+    bar = setup.progress(total) if setup.progress else None
     texts, holders, stats, prefixes = {}, {}, [], PrefixCache()
-    with executor.decoding(prefix) as around:
-        for i in executor.walk(claims, prefix):
-            lane = lanes[i]
-            part = lane_jobs(lane)
-            key = lane_key(part, lane) if executor.store is not None else None
-            saved, lane_record = executor.lane(
-                key,
-                lane.jobs,
-                f"generating (lane {i}, {lane.jobs} prompts)",
-                functools.partial(run_lane, setup, part, (i, lane), prefixes, bar, around),
-            )
-            if not executor.reports:
-                continue  # a tensor-parallel member: its leader reports the same texts
-            if lane_record is not None:
-                stats.append(lane_record)
-            elif bar is not None:
-                bar(lane.jobs, 0)
-            texts.update({job.key: text for (job, _), text in zip(part, saved)})
-            holders.update(table.holders_of(range(lane.start, lane.stop)))
+    for part, crew in crews:  # the groups' lanes first: every rank meets its group there before anything else
+        name = prefix + ("/wide" if part.wide else "")
+        claims = crew.claims(part.lanes_of, name)
+        with crew.decoding(name) as around:
+            for i in crew.walk(claims, name):
+                lane = lanes[i]
+                jobs_of_lane = lane_jobs(lane)
+                key = lane_key(jobs_of_lane, lane) if crew.store is not None else None
+                if part.wide and wide is not None:
+                    what = f"generating on a context-parallel group (lane {i}, a prompt of {lane.longest} tokens)"
+                    hold = functools.partial(fail_for_tests, me, "group_step")
+                    compute = functools.partial(run_group_lane, setup, jobs_of_lane, (i, lane), wide.group, bar, hold)
+                else:
+                    what = f"generating (lane {i}, {lane.jobs} prompts)"
+                    compute = functools.partial(run_lane, setup, jobs_of_lane, (i, lane), prefixes, bar, around)
+                saved, lane_record = crew.lane(key, lane.jobs, what, compute)
+                if not crew.reports:
+                    continue  # a tensor-parallel or context-parallel member: its leader reports the same texts
+                if lane_record is not None:
+                    stats.append(lane_record)
+                elif bar is not None:
+                    bar(lane.jobs, 0)
+                texts.update({job.key: text for (job, _), text in zip(jobs_of_lane, saved)})
+                holders.update(table.holders_of(range(lane.start, lane.stop)))
     share = RankShare(me, len(stats), claims.taken_from_ward, round(time.perf_counter() - start_time, 4))
     all_texts = _texts_to_holders(collective, texts, holders)
     gathered = collective.all_gather_object((stats, share), "gather lane statistics")
@@ -211,4 +220,5 @@ def _record(  # noqa: PLR0913 - keyword-only fields of the call's record
         per_rank=per_rank,
         world_size=setup.executor.world_size,
         seconds=seconds,
+        context_parallel_jobs=sum(r.stats.prompts for r in records if r.engine == GROUP_ENGINE),
     )

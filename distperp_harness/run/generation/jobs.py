@@ -204,7 +204,8 @@ def prefix_groups(table: JobTable, min_tokens: int) -> np.ndarray:
 
 def lane_destinations(table: JobTable, lane_of_job: np.ndarray, lane_ranks: np.ndarray) -> np.ndarray:
     """``int [prompts, k]``: the ranks that may compute a lane holding each prompt (``-1``: none), for
-    :func:`~distperp_harness.run.execution.routing.move_tokens`. ``lane_ranks``: ``int [lanes, 2]`` owner and helper."""
+    :func:`~distperp_harness.run.execution.routing.move_tokens`. ``lane_ranks``: ``int [lanes, k]`` the ranks that
+    may compute each lane (``-1``: none)."""
     n = len(table.prompts)
     pairs = (
         np.stack([np.repeat(table.prompt_id, lane_ranks.shape[1]), lane_ranks[lane_of_job].reshape(-1)], 1)
@@ -235,17 +236,53 @@ class LocalJobs:
 
 
 @dataclass(frozen=True)
+class Crew:
+    """Who computes a part of the lanes: ``workers`` (ranks, or groups of consecutive ranks computing each lane
+    together) and ``step``, the claiming helper offset between workers
+    (:func:`~distperp_harness.run.execution.claims.helper_step`; 0: no helper)."""
+
+    workers: Workers
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class WideCrew:
+    """The context-parallel groups' crew: jobs whose prompt has at least ``min_tokens`` tokens are lanes of their own,
+    computed by ``crew``'s groups."""
+
+    min_tokens: int
+    crew: Crew
+
+
+@dataclass(frozen=True)
+class LanePart:
+    """The lanes one crew computes: ``lanes`` (indices into the plan's lanes, ascending), ``plan`` over them (by
+    position), ``owners``: ``int [len(lanes), 2]`` each one's owner and helper worker (``-1``: none), ``wide``: the
+    context-parallel groups' part."""
+
+    lanes: tuple[int, ...]
+    plan: Plan
+    owners: np.ndarray
+    wide: bool = False
+
+    def lanes_of(self, worker: int) -> list[int]:
+        """The plan's indices of the lanes ``worker`` owns, in lane order."""
+        return [self.lanes[i] for i in self.plan.batches_of(worker)]
+
+
+@dataclass(frozen=True)
 class GenerationPlan:
     """The global generation plan as every rank has it, and the prompts this rank may compute.
 
     ``table``: the canonical jobs; ``lanes``: cut from them (:func:`~distperp_harness.run.generation.lanes.plan_lanes`);
-    ``plan``: each lane's owner; ``available``: the prompt tokens of every lane this rank may compute (its own and,
-    when claiming, its ward's), by prompt id; ``seed``: rank 0's; ``kwargs_of``: group hash -> generation arguments.
+    ``parts``: who owns each lane (the context-parallel groups' part first, when there is one); ``available``: the
+    prompt tokens of every lane this rank may compute (its own and, when claiming, its ward's), by prompt id;
+    ``seed``: rank 0's; ``kwargs_of``: group hash -> generation arguments.
     """
 
     table: JobTable
     lanes: list[LanePlan]
-    plan: Plan
+    parts: list[LanePart]
     available: Available
     seed: int
     kwargs_of: dict[int, dict]
@@ -253,66 +290,83 @@ class GenerationPlan:
 
 @dataclass(frozen=True)
 class LaneAssignment:
-    """The lanes of a merged job table and who computes them (the same on every rank: pure).
-
-    ``workers``: ``int [lanes, 2]`` each lane's owner and helper worker (helper ``-1`` without helping);
-    ``lane_of_job``: ``int [jobs]`` each job's lane, in the table's job order."""
+    """The lanes of a merged job table and who computes them (the same on every rank: pure): ``parts`` (the wide
+    one first), ``ranks``: ``int [lanes, k]`` the ranks that may compute each lane (``-1`` pads), ``lane_of_job``:
+    ``int [jobs]`` each job's lane, in the table's job order."""
 
     lanes: list[LanePlan]
-    plan: Plan
-    workers: np.ndarray
+    parts: list[LanePart]
+    ranks: np.ndarray
     lane_of_job: np.ndarray
+
+
+def _part(lanes: Sequence[LanePlan], ids: Sequence[int], crew: Crew, wide: bool) -> LanePart:
+    count = crew.workers.count
+    plan = assign_batches([lanes[i].as_batch() for i in ids], count)
+    owner = np.asarray(plan.owner, dtype=np.int64)
+    helper = [helper_of(o, count, crew.step) for o in owner] if crew.step else np.full_like(owner, -1)
+    pairs = np.stack([owner, np.asarray(helper, np.int64)], 1) if len(owner) else np.zeros((0, 2), np.int64)
+    return LanePart(tuple(ids), plan, pairs, wide)
 
 
 def assign_lanes(
     table: JobTable,
     rows_for: Callable[[int], int],
     min_shared: int,
-    count: int,
-    step: int,
+    crew: Crew,
     fixed_prefixes: bool = False,
+    wide: WideCrew | None = None,
 ) -> LaneAssignment:
     """Plan ``table``'s lanes (rows by ``rows_for``, shared prefixes of ``min_shared`` tokens or more) and their
-    owners among ``count`` workers; ``step``: the claiming helper offset (0: no helper). ``fixed_prefixes``
-    (batch-invariant generation): each job continues its :func:`prefix_groups` prefix (``LanePlan.prefixes``) in
-    whatever lane it lands, so that its bits do not follow the batching."""
+    owners among ``crew``'s workers. ``fixed_prefixes`` (batch-invariant generation): each job continues its
+    :func:`prefix_groups` prefix (``LanePlan.prefixes``) in whatever lane it lands, so that its bits do not follow
+    the batching. ``wide``: a job whose prompt has ``wide.min_tokens`` tokens or more is a lane of its own, owned by
+    ``wide.crew``'s groups (by the same rule over those lanes alone); the other lanes are cut and owned as without
+    groups, except that a wide job ends the lane before it."""
     jobs = table.jobs
+    lengths = table.lengths.tolist()
+    alone = None if wide is None else (lambda j: lengths[j] >= wide.min_tokens)
     lanes = plan_lanes(
-        table.lengths.tolist(),
+        lengths,
         jobs["group"].tolist(),
         jobs["max_new"].tolist(),
         rows_for,
         lambda a, b: ladder_shared(table, a, b, min_shared),
+        alone=alone,
     )
     if fixed_prefixes:
         fixed = prefix_groups(table, min_shared)
         lanes = [dataclasses.replace(lane, prefixes=tuple(fixed[lane.start : lane.stop].tolist())) for lane in lanes]
-    plan = assign_batches([lane.as_batch() for lane in lanes], count)
-    owner = np.asarray(plan.owner, dtype=np.int64)
-    pairs = (
-        np.stack([owner, [helper_of(o, count, step) for o in owner] if step else np.full_like(owner, -1)], 1)
-        if len(owner)
-        else np.zeros((0, 2), np.int64)
-    )
+    taken = [i for i, lane in enumerate(lanes) if alone is not None and alone(lane.start)]
+    rest = [i for i in range(len(lanes)) if alone is None or not alone(lanes[i].start)]
+    parts = [_part(lanes, taken, wide.crew, True)] if wide is not None and taken else []
+    if rest or not parts:
+        parts.append(_part(lanes, rest, crew, False))
+    crews = [wide.crew if part.wide and wide is not None else crew for part in parts]
+    width = max(2 * c.workers.tp for c in crews)
+    ranks = np.full((len(lanes), width), -1, dtype=np.int64)
+    for part, c in zip(parts, crews):
+        if part.lanes:
+            got = c.workers.ranks(part.owners)
+            ranks[list(part.lanes), : got.shape[1]] = got
     lane_of_job = np.repeat(np.arange(len(lanes)), [lane.jobs for lane in lanes]).astype(np.int64)
-    return LaneAssignment(lanes, plan, pairs, lane_of_job)
+    return LaneAssignment(lanes, parts, ranks, lane_of_job)
 
 
-def plan_generation(  # noqa: PLR0913 - the run's group, its jobs, and the rules and workers it plans with
+def plan_generation(  # noqa: PLR0913 - the run's group, its jobs, and the rules and crews it plans with
     collective,
     local: LocalJobs,
     seed: int,
     rows_for: Callable[[int], int],
     min_shared: int,
-    step: int,
-    workers: Workers | None = None,
+    crew: Crew | None = None,
     fixed_prefixes: bool = False,
+    wide: WideCrew | None = None,
 ) -> GenerationPlan:
     """Exchange records, plan lanes and their owners, and move each prompt to the ranks that may compute its lanes
-    (every rank calls this together). ``step``: the claiming helper offset
-    (:func:`~distperp_harness.run.execution.claims.helper_step`; 0: no helper); ``workers``: who computes lanes (a
-    tensor-parallel group is one worker, its every member receives the prompts; default: every rank);
-    ``fixed_prefixes``: see :func:`assign_lanes`."""
+    (every rank calls this together). ``crew``: who computes lanes (a tensor-parallel group is one worker, its every
+    member receives the prompts; default: every rank, no helper); ``fixed_prefixes``, ``wide``: see
+    :func:`assign_lanes`."""
     small = collective.all_gather_object((seed, local.kwargs), "gather generation arguments")
     kwargs_of = {group: kw for _, part in small for group, kw in part.items()}
     records = local_records(local.prompts)
@@ -320,15 +374,13 @@ def plan_generation(  # noqa: PLR0913 - the run's group, its jobs, and the rules
         torch.from_numpy(encode_jobs(records, local.records)), "exchange generation job records"
     )
     table = JobTable.merge([decode_jobs(p.numpy()) for p in parts])
-    workers = workers or Workers(collective.world_size)
-    assigned = assign_lanes(table, rows_for, min_shared, workers.count, step, fixed_prefixes)
-    lane_ranks = workers.ranks(assigned.workers)
-    lanes, plan, lane_of_job = assigned.lanes, assigned.plan, assigned.lane_of_job
+    crew = crew or Crew(Workers(collective.world_size))
+    assigned = assign_lanes(table, rows_for, min_shared, crew, fixed_prefixes, wide)
     available = move_tokens(
         collective,
         table.prompts,
-        lane_destinations(table, lane_of_job, lane_ranks),
+        lane_destinations(table, assigned.lane_of_job, assigned.ranks),
         local.prompts,
         table.prompts.ids(records[0]["key"]),
     )
-    return GenerationPlan(table, lanes, plan, available, small[0][0], kwargs_of)
+    return GenerationPlan(table, assigned.lanes, assigned.parts, available, small[0][0], kwargs_of)

@@ -89,6 +89,7 @@ def plan_lanes(
     slots_for: Callable[[int], int],
     shared_of: Callable[[int, int], tuple[int, int]],
     rounds: int = LANE_ROUNDS,
+    alone: Callable[[int], bool] | None = None,
 ) -> list[LanePlan]:
     """Lanes over jobs in canonical order, from their prompts' lengths (prompts already cut to fit
     ``max_length - max_new``).
@@ -97,13 +98,18 @@ def plan_lanes(
     ``slots_for(length)``: rows the batching rule allows when each grows to ``length`` tokens;
     ``shared_of(start, stop)``: ``(length, donor)`` of the prefix the lane of jobs ``start .. stop-1`` computes once
     (for its cost; :func:`lane_prefix` over the prompts, or the planner's estimate from prefix hashes). A lane
-    grows while it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs.
+    grows while it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs. ``alone(i)``: job
+    ``i`` is a lane of its own (one slot, nothing shared: a prompt a context-parallel group generates).
     """
     lanes, start = [], 0
     while start < len(lengths):
         longest = int(lengths[start])
         stop = start + 1
-        while stop < len(lengths) and groups[stop] == groups[start]:
+        if alone is not None and alone(start):
+            lanes.append(LanePlan(start, stop, 1, 0, int(max_new[start]), longest))
+            start = stop
+            continue
+        while stop < len(lengths) and groups[stop] == groups[start] and not (alone is not None and alone(stop)):
             longer = max(longest, int(lengths[stop]))
             if stop - start + 1 > rounds * max(1, slots_for(longer + max_new[start])):
                 break

@@ -12,6 +12,7 @@ import pytest
 from distperp_harness.planning.records import BLOCK, FlatUnits, HashCollision, local_records
 from distperp_harness.run.generation.jobs import (
     JOB,
+    Crew,
     JobTable,
     LocalJobs,
     assign_lanes,
@@ -22,7 +23,9 @@ from distperp_harness.run.generation.jobs import (
     ladder_shared,
     plan_generation,
     prefix_groups,
+    WideCrew,
 )
+from distperp_harness.run.execution.groups import Workers
 from distperp_harness.run.generation.lanes import lane_prefix
 from tests.helpers import run_ranks as _run
 
@@ -120,13 +123,13 @@ def test_prompts_reach_only_the_ranks_of_their_lanes(step):
     jobs = [(name, prompt * 6, group, m, s) for name, prompt, group, m, s in jobs]  # long prompts, as few-shot are
     world = 3
     parts = [_local(jobs[r::world]) for r in range(world)]
-    plans = _run(world, lambda c: (plan_generation(c, parts[c.rank], 100 + c.rank, lambda n: 2, 32, step), c.received))
+    plans = _run(world, lambda c: (plan_generation(c, parts[c.rank], 100 + c.rank, lambda n: 2, 32, Crew(Workers(world), step)), c.received))
     base = plans[0][0]
     prompt_bytes = sum(4 * len(p) for _, p, *_ in jobs)
     for r, (planned, received) in enumerate(plans):
         assert planned.table.jobs.tobytes() == base.table.jobs.tobytes() and planned.lanes == base.lanes
         assert planned.seed == 100  # rank 0's
-        may = {i for i, owner in enumerate(planned.plan.owner) if r in (owner, (owner + step) % world if step else -1)}
+        may = {i for i, owner in enumerate(planned.parts[0].plan.owner) if r in (owner, (owner + step) % world if step else -1)}
         needed = {
             int(planned.table.prompt_id[j]) for i in may for j in range(planned.lanes[i].start, planned.lanes[i].stop)
         }
@@ -154,9 +157,9 @@ def test_fixed_prefixes_give_every_job_its_group_prefix_whatever_the_slots():
     jobs, blocks = _fewshot(rng, n=30)
     table = _table([_local(jobs)])
     prefix = prefix_groups(table, 32)
-    plain = assign_lanes(table, lambda length: 3, 32, 2, 0)
+    plain = assign_lanes(table, lambda length: 3, 32, Crew(Workers(2)))
     for slots in (1, 2, 3, 8):
-        assigned = assign_lanes(table, lambda length, s=slots: s, 32, 2, 0, fixed_prefixes=True)
+        assigned = assign_lanes(table, lambda length, s=slots: s, 32, Crew(Workers(2)), fixed_prefixes=True)
         got = [p for lane in assigned.lanes for p in lane.prefixes]
         assert got == prefix.tolist()
         if slots == 3:
@@ -168,3 +171,46 @@ def test_fixed_prefixes_give_every_job_its_group_prefix_whatever_the_slots():
     which = [(g, 0 if p[:50] == blocks[0] else 1 if p[:70] == blocks[1] else None) for _, p, g, *_ in jobs]
     expected = [w for w in which if w[1] is not None and which.count(w) > 1]  # a block shared within the arguments
     assert sum(1 for p in prefix if p) == len(expected) > 0
+
+
+def test_long_prompts_are_lanes_of_their_own_on_the_groups_and_reach_every_member():
+    """``cp_size`` > 1 (``wide``): every job whose prompt has ``min_tokens`` tokens or more is a lane of one slot owned
+    by a context-parallel group (2 groups of 2 here), its tokens reach both members of its group and no other rank;
+    the other jobs keep lanes of several slots, owned by ranks, and the plan is the same on every rank."""
+    rng = random.Random(5)
+    jobs = []
+    for i in range(20):
+        n = 400 + rng.randrange(50) if i % 4 == 0 else rng.randrange(5, 60)
+        jobs.append((("doc", i), [rng.randrange(5, 500) for _ in range(n)], 7, 16, False))
+    world = 4
+    parts = [_local(jobs[r::world]) for r in range(world)]
+    wide = WideCrew(300, Crew(Workers(world, 2)))
+
+    def plan(c):
+        return plan_generation(c, parts[c.rank], 1, lambda n: 3, 32, Crew(Workers(world)), wide=wide)
+
+    plans = _run(world, plan)
+    base = plans[0]
+    long_jobs = {j for j in range(len(base.table)) if base.table.lengths[j] >= 300}
+    assert len(long_jobs) == 5
+    groups_part, ranks_part = base.parts
+    assert groups_part.wide and not ranks_part.wide
+    assert sorted(groups_part.lanes + ranks_part.lanes) == list(range(len(base.lanes)))
+    for i in groups_part.lanes:
+        lane = base.lanes[i]
+        assert lane.jobs == 1 and lane.slots == 1 and lane.start in long_jobs
+    assert {base.lanes[i].start for i in groups_part.lanes} == long_jobs
+    assert any(base.lanes[i].jobs > 1 for i in ranks_part.lanes)
+    assert all(base.lanes[i].start not in long_jobs for i in ranks_part.lanes)
+    for planned in plans[1:]:
+        assert planned.lanes == base.lanes
+        assert [p.lanes for p in planned.parts] == [p.lanes for p in base.parts]
+    for r, planned in enumerate(plans):
+        group = r // 2
+        mine = {i for i in groups_part.lanes_of(group)}
+        needed = {int(planned.table.prompt_id[base.lanes[i].start]) for i in mine}
+        own = set(planned.table.prompts.ids(parts[r].prompts.keys()).tolist())
+        others = {int(planned.table.prompt_id[base.lanes[i].start]) for i in groups_part.lanes} - needed
+        received = set(planned.available.received_ids.tolist())
+        assert needed - own <= received  # both members of the owning group hold the prompt
+        assert not (others - own) & received  # and no other group's long prompt travels here

@@ -5,20 +5,20 @@ split cache (:mod:`~distperp_harness.model.split_attention`).
 Prefill: the prompt, right-padded to a multiple of ``2N`` columns, is cut as
 :func:`~distperp_harness.model.cp_attention.zigzag` cuts a scored row; each member computes its two chunks (the
 layers all-gather keys and values) and keeps its own columns' keys and values in a plain ``DynamicCache``; the member
-holding the prompt's last position computes its logits and the group takes that member's token. Decode: every member
+holding the prompt's last position computes its logits and sends that row to the group. Decode: every member
 runs the step's token through the model at its position (the weights are whole on every member), attends over its
-own stored keys, and the members' parts are combined in member order, so every member gets the same hidden states,
-logits and greedy token; the step's keys and values stay on one member (:func:`~distperp_harness.model.split_attention
-.owner_of`), the others drop them. Per step each member receives, per layer in one all-gather, the other members'
-attention outputs and log-sum-exps (``(N-1) * heads * (head_dim + 1)`` float32 per layer).
-
-Not yet wired into ``generate_until`` (the plan does not yet send long prompts to groups): :func:`greedy_on_group`
-is the step every member of a group runs together.
+own stored keys, and the members' parts are combined in member order, so every member gets the same hidden states
+and logits; the step's keys and values stay on one member (:func:`~distperp_harness.model.split_attention
+.owner_of`), the others drop them. The leader (member 0) chooses each token and decides whether the sequence ends
+(greedy or its seeded draw, the stop ids and strings); the group takes the leader's decision (one all-gather of two
+integers a step). Per step each member receives, per layer in one all-gather, the other members' attention outputs
+and log-sum-exps (``(N-1) * heads * (head_dim + 1)`` float32 per layer; :func:`decode_bytes_per_step`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
@@ -34,36 +34,56 @@ if TYPE_CHECKING:
 
 def decode_bytes_per_step(config, group_size: int) -> int:
     """Bytes each member receives per decode step: every layer's attention output and log-sum-exp of every other
-    member (float32: ``heads * (head_dim + 1)`` each)."""
+    member (float32: ``heads * (head_dim + 1)`` each), and the leader's decision (two int64 from each other member:
+    the all-gather carries everyone's)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * (group_size - 1) * heads * (head_dim + 1) * 4
+    return (group_size - 1) * (config.num_hidden_layers * heads * (head_dim + 1) * 4 + 16)
+
+
+Decide = Callable[[torch.Tensor, list[int]], tuple[int, bool]]
+"""``decide(logits, tokens)``: the leader's next token from the step's ``[vocab]`` logits and the tokens generated
+so far, and whether the sequence ends with it."""
+
+
+@dataclass
+class GroupStats:
+    """What one sequence cost its group: ``prefill_positions`` (every member's columns, pads included),
+    ``decode_steps`` (forwards after the prefill, each made by every member), ``peak_cache`` (the most positions
+    one member's cache held)."""
+
+    prefill_positions: int = 0
+    decode_steps: int = 0
+    peak_cache: int = 0
 
 
 @torch.no_grad()
-def greedy_on_group(  # noqa: PLR0913 - the prompt, its budget and stops, the group and its collective
+def decode_on_group(  # noqa: PLR0913 - the prompt, the leader's rule, the group and its collective
     model: PreTrainedModel,
     prompt: Sequence[int],
-    max_new_tokens: int,
+    decide: Decide,
     group: Group,
     device: torch.device,
     *,
     pad_token_id: int = 0,
-    stop_ids: Collection[int] = (),
     gather: Gather | None = None,
+    before_step: Callable[[], None] | None = None,
+    stats: GroupStats | None = None,
 ) -> list[int]:
-    """The greedy continuation of ``prompt`` (at most ``max_new_tokens`` tokens, the last a stop id where one comes),
-    computed by the members of ``group`` together (module doc): every member calls it with the same arguments and
-    gets the same tokens. ``model`` attends through the context-parallel function
-    (:func:`~distperp_harness.model.cp_attention.use`). ``gather``: the group's all-gather (tests simulate a group
-    in one process); by default ``group``'s own."""
+    """The continuation of ``prompt`` computed by the members of ``group`` together (module doc): every member calls
+    it with the same arguments and gets the same tokens, the leader's (``decide`` is called on member 0 only; it
+    must end the sequence at some point, e.g. at ``max_new`` tokens). ``model`` attends through the
+    context-parallel function (:func:`~distperp_harness.model.cp_attention.use`). ``gather``: the group's
+    all-gather (tests simulate a group in one process); by default ``group``'s own. ``before_step``: called before
+    every decode step (fault injection). ``stats``: filled with the sequence's work."""
     gather = gather or group.gather
     size, member, first = group.size, group.member, len(prompt)
-    if first == 0 or max_new_tokens < 1:
+    if first == 0:
         return []
     length = padded_length(first, size)
     ids = torch.tensor([list(prompt) + [pad_token_id] * (length - first)], device=device)
     mine = zigzag(length, size, member).to(device)
+    holder = next(m for m in range(size) if bool((zigzag(length, size, m) == first - 1).any()))
     layout, layer_types = paths_of(model).layout, getattr(model.config, "layer_types", None)
 
     def rule(module: torch.nn.Module):
@@ -76,18 +96,29 @@ def greedy_on_group(  # noqa: PLR0913 - the prompt, its budget and stops, the gr
         allowed = allowed if extra is None else allowed & extra
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[None, None]
 
+    def agree(logits: torch.Tensor, tokens: list[int]) -> tuple[int, bool]:
+        token, done = decide(logits, tokens) if member == 0 else (-1, False)
+        leader = gather(torch.tensor([token, int(done)], dtype=torch.long, device=device))[0]
+        return int(leader[0]), bool(leader[1])
+
     cache, argument = whole_cache(), cache_argument(model)
     last = (mine == first - 1).nonzero().flatten()
     keep = last if len(last) else torch.zeros(1, dtype=torch.long, device=device)
     with context_parallel(gather, size, length, member, masks):
-        logits = model(
+        out = model(
             input_ids=ids[:, mine], position_ids=mine[None], use_cache=True, logits_to_keep=keep, **{argument: cache}
-        ).logits[0, -1]
-    mine_token = torch.tensor([int(logits.float().argmax()) if len(last) else -1], device=device)
-    token = max(int(t) for t in gather(mine_token))  # the one member holding the last position
-    out, key_positions, valid = [token], mine, mine < first
-    while len(out) < max_new_tokens and token not in stop_ids:
-        position = first + len(out) - 1
+        )
+    # every member gets the row of the member holding the prompt's last position
+    logits = gather(out.logits[0, -1].float().contiguous())[holder]
+    token, done = agree(logits, [])
+    tokens, key_positions, valid = [token], mine, mine < first
+    if stats is not None:
+        stats.prefill_positions += length
+        stats.peak_cache = max(stats.peak_cache, len(mine))
+    while not done:
+        if before_step is not None:
+            before_step()
+        position = first + len(tokens) - 1
         stored = owner_of(position, size, first) == member
         here = torch.tensor([position], device=device)
         counted = torch.tensor([stored], device=device)
@@ -103,6 +134,32 @@ def greedy_on_group(  # noqa: PLR0913 - the prompt, its budget and stops, the gr
             key_positions, valid = step.key_positions, step.valid
         else:  # another member stores this position: drop it here
             cache.crop(-1)
-        token = int(logits.float().argmax())  # the same bits on every member (the parts combined in member order)
-        out.append(token)
-    return out
+        if stats is not None:
+            stats.decode_steps += 1
+            stats.peak_cache = max(stats.peak_cache, len(key_positions))
+        token, done = agree(logits.float(), tokens)  # the same bits on every member (parts combined in member order)
+        tokens.append(token)
+    return tokens
+
+
+def greedy_on_group(  # noqa: PLR0913 - the prompt, its budget and stops, the group and its collective
+    model: PreTrainedModel,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    group: Group,
+    device: torch.device,
+    *,
+    pad_token_id: int = 0,
+    stop_ids: Collection[int] = (),
+    gather: Gather | None = None,
+) -> list[int]:
+    """The greedy continuation of ``prompt`` on ``group`` (:func:`decode_on_group`): at most ``max_new_tokens``
+    tokens, the last a stop id where one comes."""
+    if max_new_tokens < 1:
+        return []
+
+    def decide(logits: torch.Tensor, tokens: list[int]) -> tuple[int, bool]:
+        token = int(logits.argmax())
+        return token, token in stop_ids or len(tokens) + 1 >= max_new_tokens
+
+    return decode_on_group(model, prompt, decide, group, device, pad_token_id=pad_token_id, gather=gather)

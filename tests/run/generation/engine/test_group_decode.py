@@ -62,7 +62,8 @@ def test_a_stop_id_ends_every_member_and_the_traffic_is_the_formula():
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     columns = 92 // 2  # the prompt padded to 4 chunks: this member's two
     prefill = config.num_hidden_layers * 2 * config.num_key_value_heads * columns * head_dim * 4  # keys and values
-    assert received == prefill + 8 + steps * decode_bytes_per_step(config, 2)  # + the first token's id
+    first = config.vocab_size * 4 + 16  # the last position's logits row, and the leader's first decision
+    assert received == prefill + first + steps * decode_bytes_per_step(config, 2)
 
 
 WORKER = """
