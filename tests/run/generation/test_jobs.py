@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from distperp_harness.planning.records import BLOCK, FlatUnits, HashCollision, local_records
+from distperp_harness.run.execution.groups import Workers
 from distperp_harness.run.generation.jobs import (
     JOB,
     Crew,
     JobTable,
     LocalJobs,
+    WideCrew,
     assign_lanes,
     decode_jobs,
     encode_jobs,
@@ -23,9 +25,7 @@ from distperp_harness.run.generation.jobs import (
     ladder_shared,
     plan_generation,
     prefix_groups,
-    WideCrew,
 )
-from distperp_harness.run.execution.groups import Workers
 from distperp_harness.run.generation.lanes import lane_prefix
 from tests.helpers import run_ranks as _run
 
@@ -123,13 +123,23 @@ def test_prompts_reach_only_the_ranks_of_their_lanes(step):
     jobs = [(name, prompt * 6, group, m, s) for name, prompt, group, m, s in jobs]  # long prompts, as few-shot are
     world = 3
     parts = [_local(jobs[r::world]) for r in range(world)]
-    plans = _run(world, lambda c: (plan_generation(c, parts[c.rank], 100 + c.rank, lambda n: 2, 32, Crew(Workers(world), step)), c.received))
+    plans = _run(
+        world,
+        lambda c: (
+            plan_generation(c, parts[c.rank], 100 + c.rank, lambda n: 2, 32, Crew(Workers(world), step)),
+            c.received,
+        ),
+    )
     base = plans[0][0]
     prompt_bytes = sum(4 * len(p) for _, p, *_ in jobs)
     for r, (planned, received) in enumerate(plans):
         assert planned.table.jobs.tobytes() == base.table.jobs.tobytes() and planned.lanes == base.lanes
         assert planned.seed == 100  # rank 0's
-        may = {i for i, owner in enumerate(planned.parts[0].plan.owner) if r in (owner, (owner + step) % world if step else -1)}
+        may = {
+            i
+            for i, owner in enumerate(planned.parts[0].plan.owner)
+            if r in (owner, (owner + step) % world if step else -1)
+        }
         needed = {
             int(planned.table.prompt_id[j]) for i in may for j in range(planned.lanes[i].start, planned.lanes[i].stop)
         }
