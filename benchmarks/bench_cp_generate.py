@@ -7,7 +7,9 @@ One prompt of ``--tokens`` random tokens through a random Llama (``long``: 4 lay
 key-value heads of 32, vocabulary 2,048: a tiny long-context model whose cache is a visible share of memory;
 ``smollm2``/``tiny`` as :mod:`benchmarks.bench_cp`), float32, one torch thread per rank, generated greedily for
 ``--new`` tokens by :func:`~distperp_harness.run.generation.engine.group_decode.greedy_on_group` on a group of N gloo
-processes (N = 1: the same code on a group of one). Each size runs twice in fresh processes: once timed (the prefill,
+processes; size 1 is what a ``cp_size=1`` run computes (a slot lane of one row on the dynamic cache:
+:func:`~distperp_harness.run.generation.engine.loop.decode_lane`). Times are read at each forward's start (a
+forward pre-hook): the prefill, then the decode steps. Each size runs twice in fresh processes: once timed (the prefill,
 and the decode steps' median), once for memory with ``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from
 just before the prefill to the end of decoding, largest rank: activations and the key/value cache). Bytes received
 per decode step are :func:`~distperp_harness.run.generation.engine.group_decode.decode_bytes_per_step` (the unit
@@ -47,8 +49,7 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from distperp_harness.model import cp_attention
-    from distperp_harness.model.split_attention import split_step
-    from distperp_harness.run.generation.engine import group_decode as cp_generate
+    from distperp_harness.run.generation.engine import group_decode
     from distperp_harness.run.scoring.engine.support import declared_paths, record_paths
 
     torch.manual_seed(0)
@@ -56,38 +57,51 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
     model = LlamaForCausalLM(config).eval()
     model.set_attn_implementation("sdpa")
     record_paths(model, declared_paths(model, args.tokens + args.new))
-    cp_attention.use(model)
     prompt = torch.randint(3, config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    group = cp_attention.Group(1, 0)
     if size > 1:
         import torch.distributed as dist
 
+        cp_attention.use(model)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         group = cp_attention.Group(size, rank, dist.group.WORLD)
         dist.barrier()
-    else:
-        group = cp_attention.Group(1, 0)
-    starts: list[float] = []
-    real = cp_generate.split_step
-
-    def timed_step(step):  # when each decode step starts
-        starts.append(time.perf_counter())
-        return real(step)
-
-    cp_generate.split_step = timed_step  # type: ignore[assignment]
+    starts: list[float] = []  # when each forward starts: the prefill's, then every decode step's
+    hook = model.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
     peak = _Peak()
     peak.start()
     begin = time.perf_counter()
-    tokens = cp_generate.greedy_on_group(model, prompt, args.new, group, torch.device("cpu"))
+    if size > 1:
+        tokens = group_decode.greedy_on_group(model, prompt, args.new, group, torch.device("cpu"))
+    else:
+        tokens = _one_process(model, prompt, args.new)
     end = time.perf_counter()
     peak.stop = True
-    cp_generate.split_step = split_step  # type: ignore[assignment]
-    prefill = (starts[0] if starts else end) - begin
-    steps = [b - a for a, b in zip(starts, [*starts[1:], end])]
+    hook.remove()
+    prefill = (starts[1] if len(starts) > 1 else end) - begin
+    steps = [b - a for a, b in zip(starts[1:], [*starts[2:], end])]
     out.put((rank, prefill, statistics.median(steps) if steps else 0.0, peak.growth(), tokens))
     if size > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _one_process(model, prompt: list[int], new: int) -> list[int]:
+    """What a ``cp_size=1`` run computes for the prompt: a slot lane of one row on the dynamic cache
+    (:func:`~distperp_harness.run.generation.engine.loop.decode_lane`), greedy, no stop but ``new`` tokens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from distperp_harness.run.generation.engine.loop import Decoder, decode_lane
+    from distperp_harness.run.generation.engine.scheduler import Lane, StopRule
+
+    tokenizer = SimpleNamespace(pad_token_id=0, batch_decode=lambda rows: [""] * len(rows))
+    tokens, _ = decode_lane(
+        Decoder(model, tokenizer, torch.device("cpu")), Lane([prompt], (), 1), StopRule((), frozenset(), new, 2)
+    )
+    return tokens[0]
 
 
 def main(argv: list[str] | None = None) -> int:
