@@ -9,7 +9,8 @@ key-value heads of 32, vocabulary 2,048: a tiny long-context model whose cache i
 ``--new`` tokens by :func:`~distperp_harness.run.generation.engine.group_decode.greedy_on_group` on a group of N gloo
 processes; size 1 is what a ``cp_size=1`` run computes (a slot lane of one row on the dynamic cache:
 :func:`~distperp_harness.run.generation.engine.loop.decode_lane`). Times are read at each forward's start (a
-forward pre-hook): the prefill, then the decode steps. Each size runs twice in fresh processes: once timed (the prefill,
+forward pre-hook): the prefill, then the decode steps. ``--one group``: size 1 runs the group's code on a group of
+one instead (the same blocked attention, no dense mask), to separate the split from the slot path's mask. Each size runs twice in fresh processes: once timed (the prefill,
 and the decode steps' median), once for memory with ``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from
 just before the prefill to the end of decoding, largest rank: activations and the key/value cache). Bytes received
 per decode step are :func:`~distperp_harness.run.generation.engine.group_decode.decode_bytes_per_step` (the unit
@@ -59,10 +60,12 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
     record_paths(model, declared_paths(model, args.tokens + args.new))
     prompt = torch.randint(3, config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     group = cp_attention.Group(1, 0)
+    grouped = size > 1 or args.one == "group"
+    if grouped:
+        cp_attention.use(model)
     if size > 1:
         import torch.distributed as dist
 
-        cp_attention.use(model)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         group = cp_attention.Group(size, rank, dist.group.WORLD)
         dist.barrier()
@@ -71,7 +74,7 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
     peak = _Peak()
     peak.start()
     begin = time.perf_counter()
-    if size > 1:
+    if grouped:
         tokens = group_decode.greedy_on_group(model, prompt, args.new, group, torch.device("cpu"))
     else:
         tokens = _one_process(model, prompt, args.new)
@@ -110,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=16, help="tokens generated (default: %(default)s)")
     parser.add_argument("--sizes", default="1,2,4", help="group sizes, the first the baseline (default: %(default)s)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="long", help="model shape (default: long)")
+    parser.add_argument(
+        "--one",
+        choices=["slots", "group"],
+        default="slots",
+        help="size 1 as a cp_size=1 run computes it (slots, default) or the group's code on a group of one",
+    )
     args = parser.parse_args(argv)
     from transformers import LlamaConfig
 

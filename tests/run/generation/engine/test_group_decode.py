@@ -2,13 +2,15 @@
 threads meeting at each all-gather, in member order) gives the greedy tokens of one device's whole forwards, for
 groups of 1, 2 and 4, full attention and sliding windows, and a stop id ends it on every member alike."""
 
+import copy
+
 import pytest
 import torch
 from helpers import family_model, run_ranks
 
 from distperp_harness.model import cp_attention
 from distperp_harness.model.cp_attention import Group
-from distperp_harness.run.generation.engine.group_decode import decode_bytes_per_step, greedy_on_group
+from distperp_harness.run.generation.engine.group_decode import decode_bytes_per_step, decode_on_group, greedy_on_group
 
 CPU = torch.device("cpu")
 
@@ -47,6 +49,32 @@ def test_a_group_generates_one_devices_greedy_tokens(family):
         results, _ = _on_group(model, prompt, 12, size)
         assert all(r == results[0] for r in results), size  # every member the same tokens
         assert results[0] == want, (family, size)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_steps_log_probabilities_are_one_devices_within_float32_rounding(size):
+    """The leader's log-probabilities at every step (the prefill's last position, then each decode step over the
+    split cache) against a float64 whole forward of the same weights on the same tokens."""
+    model = family_model("qwen3-mixed-window", scale=4.0)
+    cp_attention.use(model)
+    prompt = torch.randint(3, model.config.vocab_size, (203,), generator=torch.Generator().manual_seed(8)).tolist()
+    seen: list[torch.Tensor] = []
+
+    def decide(logits, tokens):
+        seen.append(torch.log_softmax(logits.double(), -1))
+        return int(logits.argmax()), len(tokens) + 1 >= 10
+
+    def member(rank):
+        return decode_on_group(model, prompt, decide, Group(size, rank.rank), CPU, gather=rank.all_gather_tensor)
+
+    tokens = run_ranks(size, member)[0]
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad():
+        whole = torch.log_softmax(reference(torch.tensor([prompt + tokens[:-1]])).logits[0].double(), -1)
+    want = whole[len(prompt) - 1 :]
+    assert len(seen) == len(want) == 10
+    worst = max(float((got - ref).abs().max()) for got, ref in zip(seen, want))
+    assert worst < 1e-4, worst
 
 
 def test_a_stop_id_ends_every_member_and_the_traffic_is_the_formula():
