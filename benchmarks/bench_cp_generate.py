@@ -10,9 +10,10 @@ key-value heads of 32, vocabulary 2,048: a tiny long-context model whose cache i
 processes; size 1 is what a ``cp_size=1`` run computes (a slot lane of one row on the dynamic cache:
 :func:`~distperp_harness.run.generation.engine.loop.decode_lane`). Times are read at each forward's start (a
 forward pre-hook): the prefill, then the decode steps. ``--one group``: size 1 runs the group's code on a group of
-one instead (the same blocked attention, no dense mask), to separate the split from the slot path's mask. Each size runs twice in fresh processes: once timed (the prefill,
-and the decode steps' median), once for memory with ``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from
-just before the prefill to the end of decoding, largest rank: activations and the key/value cache). Bytes received
+one instead (the same blocked attention, no dense mask), to separate the split from the slot path's mask. Each size
+runs twice in fresh processes: once timed (the prefill, and the decode steps' median), once for memory with
+``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from just before the prefill to the end of decoding, largest
+rank: activations and the key/value cache). Bytes received
 per decode step are :func:`~distperp_harness.run.generation.engine.group_decode.decode_bytes_per_step` (the unit
 test counts them). Printed: a table with ratios to the first size, and whether the tokens equal the first size's.
 """
