@@ -221,7 +221,7 @@ ENGINE = [
 ]
 """``run/generation/engine``'s modules, lowest first: each imports only modules before it (the per-row rules, the
 scheduler, token choice, the KV batches and the steps below the loop, the engine choice above it)."""
-PLAN = ["lanes", "jobs", "setup", "prompts", "lane_texts", "generate"]
+PLAN = ["lanes", "jobs", "setup", "prompts", "lane_texts", "group_lane", "generate"]
 """``run/generation``'s own modules (the distributed plan), lowest first, above the whole engine."""
 GENERATION = [*[f"engine.{m}" for m in ENGINE], *PLAN]
 
