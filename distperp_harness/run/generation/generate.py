@@ -12,6 +12,12 @@ Ranks plan from records, never prompt tokens (:mod:`.jobs`: 48 bytes per job and
 prompt's tokens travel only to the ranks that may compute one of its lanes (owner and helper), and each text goes back
 only to the ranks whose requests asked for it (an all-to-all).
 
+**Long prompts on context-parallel groups.** With ``cp_size`` > 1 (``setup.wide``), every prompt of at least
+``cp_min_tokens`` tokens is a lane of its own, owned by a group (:class:`~.jobs.WideCrew`; its tokens reach every
+member of the owning and helping groups); the group walks its leader's claims, every member computes the lane
+together (:mod:`.group_lane`: prefill split, cache split) and the leader reports its text. The groups' lanes come
+first, then the other lanes on every rank as without groups.
+
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
 fixed examples: lm-eval's ``first_n`` sampler; a chat system prompt) start from that prefix's KV cache, computed
 once per rank (:class:`~.prefill.PrefixCache`).
@@ -104,7 +110,7 @@ def generate(
     crews = [(p, wide.executor if p.wide and wide is not None else executor) for p in planned.parts]
     total = sum(lanes[i].jobs for p, ex in crews if ex.reports for i in p.lanes_of(ex.worker))
     bar = setup.progress(total) if setup.progress else None
-    texts, holders, stats, prefixes = {}, {}, [], PrefixCache()
+    texts, holders, stats, prefixes, taken = {}, {}, [], PrefixCache(), 0
     for part, crew in crews:  # the groups' lanes first: every rank meets its group there before anything else
         name = prefix + ("/wide" if part.wide else "")
         claims = crew.claims(part.lanes_of, name)
@@ -129,7 +135,8 @@ def generate(
                     bar(lane.jobs, 0)
                 texts.update({job.key: text for (job, _), text in zip(jobs_of_lane, saved)})
                 holders.update(table.holders_of(range(lane.start, lane.stop)))
-    share = RankShare(me, len(stats), claims.taken_from_ward, round(time.perf_counter() - start_time, 4))
+        taken += claims.taken_from_ward
+    share = RankShare(me, len(stats), taken, round(time.perf_counter() - start_time, 4))
     all_texts = _texts_to_holders(collective, texts, holders)
     gathered = collective.all_gather_object((stats, share), "gather lane statistics")
     record = _record(
