@@ -10,7 +10,6 @@ processors) are refused with the fix, since ``model.generate`` cannot run on a s
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import torch
@@ -20,9 +19,9 @@ from distperp_harness.model.cp_attention import Group
 from distperp_harness.run.generation.engine.engines import Engine, choose_engine
 from distperp_harness.run.generation.engine.group_decode import GroupStats, decode_on_group
 from distperp_harness.run.generation.engine.sampling import draw, generators_for, warpers_for
-from distperp_harness.run.generation.engine.scheduler import StopRule, eos_ids
 from distperp_harness.run.generation.engine.stats import LaneRecord, LaneStats
-from distperp_harness.run.generation.engine.thinking import answer, stop_in_answer
+from distperp_harness.run.generation.engine.thinking import answer
+from distperp_harness.run.generation.lane_texts import stop_rule
 from distperp_harness.run.generation.lanes import LanePlan
 from distperp_harness.run.generation.prompts import Job, Prepared
 from distperp_harness.run.generation.setup import GenerationSetup
@@ -59,12 +58,7 @@ def run_group_lane(
     if sampled and job.seed is None:
         raise ValueError("internal error: a sampled job without a seed")
     generator = generators_for([job.seed], setup.device)[0] if sampled and job.seed is not None else None
-    allowed = (
-        None
-        if setup.think_end is None
-        else functools.partial(stop_in_answer, tokenizer, setup.think_end, prepared.until)
-    )
-    rule = StopRule.of(tokenizer, prepared.until, eos_ids(tokenizer, setup.model), prepared.max_new, allowed=allowed)
+    rule = stop_rule(setup, prepared)
 
     def decide(logits: torch.Tensor, tokens: list[int]) -> tuple[int, bool]:
         if generator is not None and warpers is not None:
@@ -82,7 +76,7 @@ def run_group_lane(
             decide,
             group,
             setup.device,
-            pad_token_id=_pad_id(tokenizer),
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,  # never attended
             before_step=before_step,
             stats=work,
         )
@@ -101,11 +95,3 @@ def run_group_lane(
     )
     text = answer(tokenizer, tokens, setup.think_end, prepared.until)
     return [text], LaneRecord(index, GROUP_ENGINE, lane.slots, stats)
-
-
-def _pad_id(tokenizer) -> int:
-    """The id the prompt's padding columns carry (never attended: any valid id)."""
-    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if candidate is not None:
-            return int(candidate)
-    return 0

@@ -60,6 +60,19 @@ def run_lane(
     return texts, LaneRecord(index, engine.value, lane.slots, stats)
 
 
+def stop_rule(setup: GenerationSetup, prepared: Prepared) -> StopRule:
+    """When a row of this job's arguments ends: its ``until`` strings (only in the answer, after a thinking trace,
+    with ``think_end_token``), the tokenizer's and the model's EOS ids, its ``max_new`` tokens."""
+    allowed = (
+        None
+        if setup.think_end is None
+        else functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, prepared.until)
+    )
+    return StopRule.of(
+        setup.tokenizer, prepared.until, eos_ids(setup.tokenizer, setup.model), prepared.max_new, allowed=allowed
+    )
+
+
 def _seeds(part: Sequence[tuple[Job, Prepared]]) -> list[int]:
     """The seeds of a sampled lane's jobs (every job of a lane has the same arguments, so each is sampled)."""
     seeds = [job.seed for job, _ in part if job.seed is not None]
@@ -81,14 +94,7 @@ def _decode_slots(
     sampled = bool(first.kwargs.get("do_sample"))
     prompts = [p.prompt for _, p in part]
     warpers = warpers_for(setup.model, dict(first.kwargs)) if sampled else None
-    allowed = (
-        None
-        if setup.think_end is None
-        else functools.partial(stop_in_answer, setup.tokenizer, setup.think_end, first.until)
-    )
-    rule = StopRule.of(
-        setup.tokenizer, first.until, eos_ids(setup.tokenizer, setup.model), first.max_new, allowed=allowed
-    )
+    rule = stop_rule(setup, first)
     on_done = (lambda _i, tokens: bar(1, len(tokens))) if bar is not None else None
     # rows attending alone continue each its own planned prefix (whatever the lane); else one prefix per lane
     shared, donor = (0, 0) if setup.rows_alone else lane_prefix(prompts, setup.min_shared_tokens)
