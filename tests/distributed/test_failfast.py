@@ -346,18 +346,36 @@ def test_rank_0_failing_while_planning_on_two_nodes_is_named_on_the_other_node(t
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "failing, variable, stage",
-    [(0, "DISTPERP_TEST_FAIL_LANE", "generating (lane "), (1, "DISTPERP_TEST_FAIL_GENERATION", "generating")],
+    "failing, variable, stage, extra",
+    [
+        (0, "DISTPERP_TEST_FAIL_LANE", "generating (lane ", ""),
+        (1, "DISTPERP_TEST_FAIL_GENERATION", "generating", ""),
+        (
+            0,
+            "DISTPERP_TEST_FAIL_GROUP_STEP",
+            "generating on a context-parallel group (lane ",
+            ",cp_size=2,cp_min_tokens=1",
+        ),
+        (
+            1,
+            "DISTPERP_TEST_FAIL_GROUP_STEP",
+            "generating on a context-parallel group (lane ",
+            ",cp_size=2,cp_min_tokens=1",
+        ),
+    ],
+    ids=["lane-0", "call-1", "group-step-0", "group-step-1"],
 )
 def test_a_rank_failing_in_generation_stops_its_peer_named(
-    tiny_model_dir, tasks_dir, tmp_path, failing, variable, stage
+    tiny_model_dir, tasks_dir, tmp_path, failing, variable, stage, extra
 ):
     """``generate_until`` runs inside the channel, and so does every lane: the peer (generating its share, or
     waiting in generation's gathers) ends within seconds, naming the failing rank, rank 0 (the store's node)
-    included, and the lane it was generating (rank 0 in a lane; rank 1 at the call's start)."""
+    included, and the lane it was generating (rank 0 in a lane; rank 1 at the call's start). With ``cp_size=2``
+    (one group, every prompt on it) either member failing at a decode step over the split cache stops the other,
+    waiting for it in the step's all-gather."""
     out = tmp_path / "out"
     run = launch_one_node(
-        distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600", tasks="dptest_chain"),
+        distperp_args(tiny_model_dir, tasks_dir, out, ",timeout=600" + extra, tasks="dptest_chain"),
         tmp_path,
         {variable: f"{failing}:1"},
     )
@@ -366,7 +384,7 @@ def test_a_rank_failing_in_generation_stops_its_peer_named(
     assert run.procs[0].returncode != 0
     text = run.texts[0]
     if stage.endswith("(lane "):  # the lane's number and size follow
-        assert f"failed while {stage}" in text and "prompts): RuntimeError: injected failure for tests" in text
+        assert f"failed while {stage}" in text and "): RuntimeError: injected failure for tests" in text
         stage = text.split("failed while ", 1)[1].split("): RuntimeError", 1)[0] + ")"
     _assert_named(text, peer=1 - failing, failing=failing, stage=stage)
     assert not list(out.rglob("results_*.json"))
