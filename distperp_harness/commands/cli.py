@@ -1,4 +1,5 @@
-"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,compare,sweep,series,check,parity}``
+"""Command line: ``python -m distperp_harness {demo,demo-model,tasks-path,new-task,babilong-local,compare,sweep,series,
+check,parity}``
 (also ``distperp``)."""
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     new_task.add_argument("--data", required=True, help="a folder of .txt/.jsonl documents, or one such file")
     new_task.add_argument("--out", default=".", help="folder to write NAME.yaml in (default: the current one)")
     new_task.add_argument("--force", action="store_true", help="overwrite an existing NAME.yaml")
+
+    babilong = sub.add_parser(
+        "babilong-local", help="lm-eval's babilong tasks on a local copy of their dataset (offline)"
+    )
+    babilong.add_argument("--data", required=True, help="the downloaded RMT-team/babilong-1k-samples folder")
+    babilong.add_argument("--out", default=".", help="folder to write the task YAMLs in (default: the current one)")
+    babilong.add_argument("--force", action="store_true", help="overwrite existing files")
 
     compare = sub.add_parser("compare", help="markdown table of one or more results JSON files")
     compare.add_argument("results", nargs="*", help="results_*.json files or folders holding them")
@@ -117,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{written}\nrun it: lm_eval --model distperp --model_args pretrained=MODEL --tasks {args.name} "
             f"--include_path {written.parent}"
+        )
+        return 0
+    if args.command == "babilong-local":
+        from distperp_harness.commands.babilong import GROUP, write_tasks
+
+        files = write_tasks(args.data, args.out, force=args.force)
+        print("\n".join(str(f) for f in files))
+        print(
+            f"run them: lm_eval --model distperp --model_args pretrained=MODEL --tasks {GROUP} "
+            f'--include_path {files[0].parent} --metadata \'{{"max_seq_lengths": "4k"}}\''
         )
         return 0
     if args.command == "compare":
