@@ -106,7 +106,11 @@ def decode_on_group(  # noqa: PLR0913 - the prompt, the leader's rule, the group
     keep = last if len(last) else torch.zeros(1, dtype=torch.long, device=device)
     with context_parallel(gather, size, length, member, masks):
         out = model(
-            input_ids=ids[:, mine], position_ids=mine[None], use_cache=True, logits_to_keep=keep, **{argument: cache}
+            input_ids=ids[:, mine],
+            position_ids=mine.clamp(max=first - 1)[None],  # pads (never attended) within the model's positions
+            use_cache=True,
+            logits_to_keep=keep,
+            **{argument: cache},
         )
     # every member gets the row of the member holding the prompt's last position
     logits = gather(out.logits[0, -1].float().contiguous())[holder]

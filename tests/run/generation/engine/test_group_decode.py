@@ -77,6 +77,16 @@ def test_each_steps_log_probabilities_are_one_devices_within_float32_rounding(si
     assert worst < 1e-4, worst
 
 
+def test_pads_past_the_models_positions_are_never_looked_up():
+    """Learned positions (GPT-2) with ``max_position_embeddings`` 128 and a group of 3: a 127-token prompt pads to
+    132 columns; the pads take a position the model has, and the token is one device's."""
+    model = family_model("gpt2-learned", scale=4.0)
+    cp_attention.use(model)
+    prompt = torch.randint(3, model.config.vocab_size, (127,), generator=torch.Generator().manual_seed(9)).tolist()
+    results, _ = _on_group(model, prompt, 1, 3)
+    assert results == [_greedy_by_whole_forwards(model, prompt, 1)] * 3
+
+
 def test_a_stop_id_ends_every_member_and_the_traffic_is_the_formula():
     model = family_model("llama", scale=4.0)
     cp_attention.use(model)
