@@ -202,7 +202,6 @@ def test_run_folders_are_its_stages_and_import_downward():
 
 
 ENGINE = [
-    "group_decode",
     "sampling",
     "thinking",
     "stats",
@@ -212,6 +211,7 @@ ENGINE = [
     "masks",
     "prefill",
     "kv_batch",
+    "group_decode",
     "static_batch",
     "step",
     "cudagraphs",

@@ -92,23 +92,25 @@ def combine_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torc
 
 @dataclass(frozen=True)
 class SplitStep:
-    """One decode step of a group over its split cache, as this member sees it: ``gather`` (every member's tensor
-    in member order), the positions of this member's stored keys in cache order (after this step's append), which
-    of them count (``valid``: real prompt positions and generated positions this member stores), the step's query
-    position, and each attention module's rule (``rule(module)``: a window or chunk, :class:`LayerAttention`)."""
+    """One decode step of a group over its split cache, as this member sees it, for ``R`` rows: ``gather`` (every
+    member's tensor in member order), ``key_positions`` ``[R, K]`` (the positions of this member's stored keys in
+    cache order, after this step's append), ``valid`` ``[R, K]`` (which of them count: real prompt positions and
+    generated positions this member stores; pads and other members' positions do not), ``positions`` ``[R]`` (each
+    row's query position) and each attention module's rule (``rule(module)``: a window or chunk,
+    :class:`LayerAttention`)."""
 
     gather: Callable[[torch.Tensor], list[torch.Tensor]]
     key_positions: torch.Tensor
     valid: torch.Tensor
-    position: int
+    positions: torch.Tensor
     rule: Callable[[torch.nn.Module], Any]
 
     def reach(self, module: torch.nn.Module) -> torch.Tensor:
-        """``[1, 1, 1, K]``: the stored keys this step's query attends to in ``module``'s layer."""
-        keys = self.key_positions
-        ok = self.valid & (keys <= self.position)
-        extra = self.rule(module).allows(torch.tensor(self.position, device=keys.device), keys)
-        return (ok if extra is None else ok & extra)[None, None, None]
+        """``[R, 1, 1, K]``: the stored keys each row's query attends to in ``module``'s layer."""
+        keys, query = self.key_positions, self.positions[:, None]
+        ok = self.valid.bool() & (keys <= query)
+        extra = self.rule(module).allows(query, keys)
+        return (ok if extra is None else ok & extra)[:, None, None]
 
 
 _STEP: contextvars.ContextVar[SplitStep | None] = contextvars.ContextVar("distperp_split_step", default=None)

@@ -247,8 +247,8 @@ class Crew:
 
 @dataclass(frozen=True)
 class WideCrew:
-    """The context-parallel groups' crew: jobs whose prompt has at least ``min_tokens`` tokens are lanes of their own,
-    computed by ``crew``'s groups."""
+    """The context-parallel groups' crew: jobs whose prompt has at least ``min_tokens`` tokens go to lanes of their own
+    (never mixed with shorter ones), computed by ``crew``'s groups."""
 
     min_tokens: int
     crew: Crew
@@ -320,7 +320,7 @@ def assign_lanes(
     """Plan ``table``'s lanes (rows by ``rows_for``, shared prefixes of ``min_shared`` tokens or more) and their
     owners among ``crew``'s workers. ``fixed_prefixes`` (batch-invariant generation): each job continues its
     :func:`prefix_groups` prefix (``LanePlan.prefixes``) in whatever lane it lands, so that its bits do not follow
-    the batching. ``wide``: a job whose prompt has ``wide.min_tokens`` tokens or more is a lane of its own, owned by
+    the batching. ``wide``: jobs whose prompt has ``wide.min_tokens`` tokens or more go to lanes of their own, owned by
     ``wide.crew``'s groups (by the same rule over those lanes alone); the other lanes are cut and owned as without
     groups, except that a wide job ends the lane before it."""
     jobs = table.jobs
@@ -332,7 +332,7 @@ def assign_lanes(
         jobs["max_new"].tolist(),
         rows_for,
         lambda a, b: ladder_shared(table, a, b, min_shared),
-        alone=alone,
+        wide=alone,
     )
     if fixed_prefixes:
         fixed = prefix_groups(table, min_shared)

@@ -89,7 +89,7 @@ def plan_lanes(
     slots_for: Callable[[int], int],
     shared_of: Callable[[int, int], tuple[int, int]],
     rounds: int = LANE_ROUNDS,
-    alone: Callable[[int], bool] | None = None,
+    wide: Callable[[int], bool] | None = None,
 ) -> list[LanePlan]:
     """Lanes over jobs in canonical order, from their prompts' lengths (prompts already cut to fit
     ``max_length - max_new``).
@@ -98,24 +98,21 @@ def plan_lanes(
     ``slots_for(length)``: rows the batching rule allows when each grows to ``length`` tokens;
     ``shared_of(start, stop)``: ``(length, donor)`` of the prefix the lane of jobs ``start .. stop-1`` computes once
     (for its cost; :func:`lane_prefix` over the prompts, or the planner's estimate from prefix hashes). A lane
-    grows while it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs. ``alone(i)``: job
-    ``i`` is a lane of its own (one slot, nothing shared: a prompt a context-parallel group generates).
+    grows while it holds fewer than ``rounds * slots_for(longest prompt so far + max_new)`` jobs. ``wide(i)``: job
+    ``i``'s prompt goes to a context-parallel group: a lane never mixes such jobs with others, and shares no prefix.
     """
     lanes, start = [], 0
     while start < len(lengths):
         longest = int(lengths[start])
+        kind = wide is not None and wide(start)
         stop = start + 1
-        if alone is not None and alone(start):
-            lanes.append(LanePlan(start, stop, 1, 0, int(max_new[start]), longest))
-            start = stop
-            continue
-        while stop < len(lengths) and groups[stop] == groups[start] and not (alone is not None and alone(stop)):
+        while stop < len(lengths) and groups[stop] == groups[start] and (wide is None or wide(stop) == kind):
             longer = max(longest, int(lengths[stop]))
             if stop - start + 1 > rounds * max(1, slots_for(longer + max_new[start])):
                 break
             longest, stop = longer, stop + 1
         slots = max(1, min(stop - start, slots_for(longest + max_new[start])))
-        shared, donor = shared_of(start, stop)
+        shared, donor = (0, 0) if kind else shared_of(start, stop)
         lanes.append(LanePlan(start, stop, slots, shared, int(max_new[start]), longest, donor))
         start = stop
     return lanes

@@ -79,14 +79,19 @@ def _one_process(model, tokenizer, job):
 
 def _on_group(model, tokenizer, job, size):
     """Every member's text and lane record."""
+    return [(texts[0], record) for texts, record in _lane_on_group(model, tokenizer, [job], size, slots=1)]
+
+
+def _lane_on_group(model, tokenizer, jobs, size, slots):
+    """Every member's texts and lane record for a lane of ``jobs`` in ``slots`` rows."""
 
     def member(thread):
         setup = _setup(model, tokenizer, thread)
-        prepared = prepare(setup, job)
-        lane = LanePlan(0, 1, 1, 0, prepared.max_new, len(prepared.prompt))
+        part = [(job, prepare(setup, job)) for job in jobs]
+        longest = max(len(p.prompt) for _, p in part)
+        lane = LanePlan(0, len(jobs), slots, 0, part[0][1].max_new, longest)
         group = _ThreadGroup(size, thread.rank, thread=thread)
-        texts, record = run_group_lane(setup, [(job, prepared)], (3, lane), group)
-        return texts[0], record
+        return run_group_lane(setup, part, (3, lane), group)
 
     return run_ranks(size, member)
 
@@ -129,8 +134,38 @@ def test_a_sampled_prompt_draws_the_leaders_tokens_from_its_own_seed(peaked):
     assert texts[11] != texts[12]
 
 
+PROMPTS = [
+    "The river ran through the old town",
+    "Once upon a time there was a king who had three daughters and a garden",
+    "In the valley",
+    "The history of the region begins with the first settlers who came from the north and built",
+    "A storm",
+]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_lane_of_several_prompts_decodes_them_together_as_each_alone(peaked, sampled):
+    """Five prompts of different lengths in 2 rows on a group of 2: a finished row's slot is refilled, and every
+    prompt gets the text it gets alone on one process (greedy, or sampled from its own seed)."""
+    model, tokenizer = peaked
+    kwargs = {"until": ["e", "a"], "max_gen_toks": 12, "do_sample": sampled}  # rows end at different steps
+    if sampled:
+        kwargs["temperature"] = 1.5
+    jobs = [
+        Job(f"{i:032d}", tuple(tokenizer.encode(p)), kwargs_key_of(kwargs), dict(kwargs), 40 + i if sampled else None)
+        for i, p in enumerate(PROMPTS)
+    ]
+    want = [_one_process(model, tokenizer, job) for job in jobs]
+    results = _lane_on_group(model, tokenizer, jobs, 2, slots=2)
+    assert [texts for texts, _ in results] == [want, want]
+    assert len({len(text) for text in want}) > 2  # rows of several lengths: slots freed and refilled mid-lane
+    stats = results[0][1].stats
+    assert stats.prompts == 5 and stats.prefill_forwards == 5
+    assert stats.decode_forwards < stats.decode_positions // 2  # rows decoded together: fewer steps than rows
+
+
 def test_arguments_only_model_generate_serves_are_refused_with_the_fix(peaked):
     model, tokenizer = peaked
     job = _job(tokenizer, PROMPT, {"until": ["\n"], "max_gen_toks": 4, "num_beams": 2})
-    with pytest.raises(InputError, match="raise cp_min_tokens above"):
+    with pytest.raises(InputError, match="raise cp_min_tokens above these prompts"):
         _on_group(model, tokenizer, job, 2)

@@ -183,14 +183,15 @@ def test_fixed_prefixes_give_every_job_its_group_prefix_whatever_the_slots():
     assert sum(1 for p in prefix if p) == len(expected) > 0
 
 
-def test_long_prompts_are_lanes_of_their_own_on_the_groups_and_reach_every_member():
-    """``cp_size`` > 1 (``wide``): every job whose prompt has ``min_tokens`` tokens or more is a lane of one slot owned
-    by a context-parallel group (2 groups of 2 here), its tokens reach both members of its group and no other rank;
-    the other jobs keep lanes of several slots, owned by ranks, and the plan is the same on every rank."""
+def test_long_prompts_go_to_lanes_of_their_own_on_the_groups_and_reach_every_member():
+    """``cp_size`` > 1 (``wide``): jobs whose prompt has ``min_tokens`` tokens or more go to lanes that hold no other
+    job and share no prefix, owned by context-parallel groups (2 groups of 2 here); their tokens reach both members
+    of the owning group and no other rank; the other jobs keep their lanes, owned by ranks, and the plan is the same
+    on every rank."""
     rng = random.Random(5)
     jobs = []
     for i in range(20):
-        n = 400 + rng.randrange(50) if i % 4 == 0 else rng.randrange(5, 60)
+        n = 400 + rng.randrange(50) if i % 2 == 0 else rng.randrange(5, 60)
         jobs.append((("doc", i), [rng.randrange(5, 500) for _ in range(n)], 7, 16, False))
     world = 4
     parts = [_local(jobs[r::world]) for r in range(world)]
@@ -202,25 +203,28 @@ def test_long_prompts_are_lanes_of_their_own_on_the_groups_and_reach_every_membe
     plans = _run(world, plan)
     base = plans[0]
     long_jobs = {j for j in range(len(base.table)) if base.table.lengths[j] >= 300}
-    assert len(long_jobs) == 5
+    assert len(long_jobs) == 10
     groups_part, ranks_part = base.parts
     assert groups_part.wide and not ranks_part.wide
     assert sorted(groups_part.lanes + ranks_part.lanes) == list(range(len(base.lanes)))
     for i in groups_part.lanes:
         lane = base.lanes[i]
-        assert lane.jobs == 1 and lane.slots == 1 and lane.start in long_jobs
-    assert {base.lanes[i].start for i in groups_part.lanes} == long_jobs
-    assert any(base.lanes[i].jobs > 1 for i in ranks_part.lanes)
-    assert all(base.lanes[i].start not in long_jobs for i in ranks_part.lanes)
+        assert set(range(lane.start, lane.stop)) <= long_jobs and lane.shared == 0
+        assert lane.slots == min(3, lane.jobs)
+    assert {j for i in groups_part.lanes for j in range(base.lanes[i].start, base.lanes[i].stop)} == long_jobs
+    assert any(base.lanes[i].jobs > 1 for i in groups_part.lanes)  # several long prompts share a group's lane
+    assert all(not set(range(base.lanes[i].start, base.lanes[i].stop)) & long_jobs for i in ranks_part.lanes)
     for planned in plans[1:]:
         assert planned.lanes == base.lanes
         assert [p.lanes for p in planned.parts] == [p.lanes for p in base.parts]
+
+    def prompts_of(lanes):
+        return {int(base.table.prompt_id[j]) for i in lanes for j in range(base.lanes[i].start, base.lanes[i].stop)}
+
     for r, planned in enumerate(plans):
-        group = r // 2
-        mine = {i for i in groups_part.lanes_of(group)}
-        needed = {int(planned.table.prompt_id[base.lanes[i].start]) for i in mine}
+        needed = prompts_of(groups_part.lanes_of(r // 2))
         own = set(planned.table.prompts.ids(parts[r].prompts.keys()).tolist())
-        others = {int(planned.table.prompt_id[base.lanes[i].start]) for i in groups_part.lanes} - needed
+        others = prompts_of(groups_part.lanes) - needed
         received = set(planned.available.received_ids.tolist())
         assert needed - own <= received  # both members of the owning group hold the prompt
         assert not (others - own) & received  # and no other group's long prompt travels here
