@@ -13,9 +13,10 @@ prompt's tokens travel only to the ranks that may compute one of its lanes (owne
 only to the ranks whose requests asked for it (an all-to-all).
 
 **Long prompts on context-parallel groups.** With ``cp_size`` > 1 (``setup.wide``), every prompt of at least
-``cp_min_tokens`` tokens is a lane of its own, owned by a group (:class:`~.jobs.WideCrew`; its tokens reach every
-member of the owning and helping groups); the group walks its leader's claims, every member computes the lane
-together (:mod:`.group_lane`: prefill split, cache split) and the leader reports its text. The groups' lanes come
+``cp_min_tokens`` tokens goes to a lane holding only such prompts, owned by a group (:class:`~.jobs.WideCrew`; its
+tokens reach every member of the owning and helping groups); the group walks its leader's claims, every member
+computes the lane together (:mod:`.group_lane`: prefills split, cache split, the rows decoded together) and the
+leader reports its texts. The groups' lanes come
 first, then the other lanes on every rank as without groups.
 
 **Shared prefix.** A lane's prompts that share at least ``min_shared_tokens`` leading tokens (few-shot prompts with
