@@ -30,9 +30,11 @@ import numpy as np
 from benchmarks.common import cpu_and_peak
 from distperp_harness.planning.records import FlatUnits, local_records
 from distperp_harness.run.execution.claims import helper_step
+from distperp_harness.run.execution.groups import Workers
 from distperp_harness.run.execution.routing import front_coded, token_routes
 from distperp_harness.run.generation.jobs import (
     JOB,
+    Crew,
     JobTable,
     assign_lanes,
     decode_jobs,
@@ -107,10 +109,10 @@ def simulate(shape: Shape, world: int, local_world: int = 8) -> dict:
     def start_up():
         records = local_records(own)
         table = JobTable.merge([decode_jobs(p) for p in [encode_jobs(records, own_records), *payloads]])
-        assigned = assign_lanes(table, rows_for, 32, world, step)
-        destinations = lane_destinations(table, assigned.lane_of_job, assigned.workers)
+        assigned = assign_lanes(table, rows_for, 32, Crew(Workers(world), step))
+        destinations = lane_destinations(table, assigned.lane_of_job, assigned.ranks)
         _, expect = token_routes(table.prompts, destinations, 0, world)
-        lanes, plan = assigned.lanes, assigned.plan
+        lanes, plan = assigned.lanes, assigned.parts[0].plan
         return table, lanes, plan, expect
 
     cpu, peak, (table, lanes, plan, expect) = cpu_and_peak(start_up)

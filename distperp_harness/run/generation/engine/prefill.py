@@ -233,13 +233,15 @@ class Prefiller:
         positions = row_positions(mask).clamp_min(0)[:, shared:]
         positions = positions.masked_fill(own == 0, 1)  # what generate gives pads; never attended to
         layout = mask_layout(self.model)  # 4D: causal over [prefix][pads][own], pads hidden, windows by position
-        # rows of equal length from column 0 under plain causal layers need no 4D mask: the 2D one lets sdpa take
-        # its causal path (as each row alone does under batch_invariant) instead of a [rows, width, width] mask
-        # (4 GiB as float32 for one 32k-token prompt)
+        # rows of equal length from column 0 under plain causal layers need no mask: sdpa takes its causal path (as
+        # each row alone does under batch_invariant) instead of a [rows, width, width] mask (4 GiB as float32 for
+        # one 32k-token prompt), and no all-ones 2D mask is read back to find that out
         plain = not shared and all(len(s) == width for s in suffixes)
-        attention = (
-            mask if layout is None or (plain and not layout.span) else row_masks(self.model, layout, mask, width)
-        )
+        attention: Any
+        if layout is None:
+            attention = mask
+        else:
+            attention = None if plain and not layout.span else row_masks(self.model, layout, mask, width)
         with alone_rows(self.model, [(len(s), shared + len(s)) for s in suffixes] if self.rows_alone else None):
             logits = last_logits(self.model, cache, ids, attention_mask=attention, position_ids=positions)
         plain_layers(cache)

@@ -1,6 +1,6 @@
-"""prefill.py: rows of equal length from column 0 under plain causal layers are prefilled with the 2D mask (sdpa's
-causal path, no ``[rows, width, width]`` mask: 4 GiB as float32 for one 32k-token prompt); padded rows get the 4D
-mask; both give the greedy tokens of one device's whole forwards."""
+"""prefill.py: rows of equal length from column 0 under plain causal layers are prefilled with no mask (sdpa's causal
+path, no ``[rows, width, width]`` mask: 4 GiB as float32 for one 32k-token prompt); padded rows get the 4D mask;
+both give the greedy tokens of one device's whole forwards."""
 
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ def _whole_greedy(model, prompt, new):
     return seq[len(prompt) :]
 
 
-def test_one_unpadded_row_takes_the_2d_mask_and_padded_rows_the_4d_one(peaked):
+def test_one_unpadded_row_takes_no_mask_and_padded_rows_the_4d_one(peaked):
     model, tokenizer = peaked
     g = torch.Generator().manual_seed(5)
     long_prompt = torch.randint(3, model.config.vocab_size, (90,), generator=g).tolist()
     short_prompt = long_prompt[:40]
     alone, tokens = _masks_seen(model, Lane([long_prompt], (), 1), tokenizer)
-    assert alone == [2]
+    assert alone == [-1]
     assert tokens[0] == _whole_greedy(model, long_prompt, 6)
     padded, tokens = _masks_seen(model, Lane([long_prompt, short_prompt], (), 2), tokenizer)
     assert padded == [4]
