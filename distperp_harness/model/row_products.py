@@ -172,7 +172,7 @@ def routed_products(model: torch.nn.Module) -> str | None:
 
     config = getattr(model, "config", None)
     configs = [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {})]
-    experts = [k for c in configs if c is not None for k in EXPERT_KEYS if (getattr(c, k, 0) or 0) > 1]
+    experts = [k for c in configs if c is not None for k in sorted(EXPERT_KEYS) if (getattr(c, k, 0) or 0) > 1]
     if experts:
         return f"its routed experts ({experts[0]}) multiply the tokens routed to them, as many as the batch sends"
     own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and not _plain_linear(m)})

@@ -100,3 +100,29 @@ def test_the_measured_sizes_hold_on_other_rows_for_every_product():
         for n in sizes.exact:
             start = 3 if n <= MIN_ROWS - 3 else 0  # rows from the middle where they fit
             assert torch.equal(module(x[start : start + n]), whole[start : start + n])
+
+
+def test_the_reason_is_the_same_text_in_every_process():
+    """Every rank says the same reason (the run's record compares them): a configuration holding two expert-count
+    keys names the same one whatever the process's string hashing (``PYTHONHASHSEED``)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from types import SimpleNamespace as N;"
+        "from distperp_harness.model.row_products import routed_products;"
+        "m = torch.nn.Linear(2, 2); m.config = N(num_experts=4, num_local_experts=4, n_routed_experts=4);"
+        "print(routed_products(m))"
+    )
+    said = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in (0, 1, 2, 3)
+    }
+    assert len(said) == 1 and "routed experts" in said.pop()
