@@ -256,10 +256,24 @@ def check_attention(model: Any, cp_size: int, source: str) -> None:
     )
 
 
+def _longest_position(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Inside :func:`context_parallel`: the longest position of the whole forward (every member's, gathered in
+    member order); ``None`` outside it."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    return torch.stack(active.gather(position_ids.max().reshape(1).contiguous())).max()
+
+
 def use(model: Any) -> None:
-    """Make ``model`` (sdpa, :func:`check_attention`) attend through :func:`cp_attention`."""
+    """Make ``model`` (sdpa, :func:`check_attention`) attend through :func:`cp_attention`; a rotary embedding that
+    chooses its frequencies by length chooses them from the whole row inside a group's forward
+    (:func:`~distperp_harness.model.lengths.rope_choice_from`)."""
+    from distperp_harness.model.lengths import rope_choice_from
+
     register()
     model.set_attn_implementation(ATTENTION)
+    rope_choice_from(model, _longest_position)
 
 
 def make_group(device: torch.device, world_size: int, rank: int, cp_size: int, timeout_s: float) -> Group:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -154,3 +154,39 @@ def fresh_rope_each_forward(model: torch.nn.Module) -> int:
             module._distperp_fresh_rope = True  # type: ignore[assignment]  # a marker on the module
         hooked += 1
     return hooked
+
+
+def _length_chosen(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a rotary embedding whose frequencies follow a forward's longest position."""
+    kinds = getattr(module, "rope_type", None)
+    named = kinds.values() if isinstance(kinds, dict) else [kinds]
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in named)
+
+
+def rope_choice_from(model: torch.nn.Module, longest: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
+    """Every length-chosen rotary embedding of ``model`` (longrope, dynamic NTK) chooses its frequencies from
+    ``longest(position_ids)`` where that gives a position (a forward split over a group: the longest position of the
+    whole forward, which no single member's columns need hold), else from its own ``position_ids`` as transformers
+    does; the cosines and sines are then those of its own positions. Returns the number of modules changed (0 for
+    every other model); idempotent."""
+    changed = 0
+    for module in model.modules():
+        decorated = type(module).forward
+        plain = getattr(decorated, "__wrapped__", None)  # transformers' dynamic_rope_update keeps the undecorated
+        if plain is None or not _length_chosen(module):
+            continue
+        changed += 1
+        if getattr(module, "_distperp_rope_choice", False):
+            continue
+
+        def forward(x: Any, position_ids: Any, *args: Any, _module: Any = module, _plain: Any = plain, **kwargs: Any):
+            top = longest(position_ids)
+            if top is None:
+                return type(_module).forward(_module, x, position_ids, *args, **kwargs)
+            # the choice (and its buffers) of the whole forward, then this forward's own positions
+            type(_module).forward(_module, x, top.reshape(1, 1).to(position_ids), *args, **kwargs)
+            return _plain(_module, x, position_ids, *args, **kwargs)
+
+        module.forward = forward  # an instance's forward: a hook cannot change what the decorated call reads
+        module._distperp_rope_choice = True  # type: ignore[assignment]  # a marker on the module
+    return changed

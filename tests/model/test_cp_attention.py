@@ -98,6 +98,44 @@ def test_a_groups_forward_is_one_forward_split(family, mode, dtype):
         model.set_attn_implementation("sdpa")
 
 
+def _dynamic_ntk_llama():
+    """A random Llama with dynamic NTK RoPE above 48 positions (float64)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distperp_harness.model.lengths import fresh_rope_each_forward
+
+    base = {k: v for k, v in family_model("llama").config.to_dict().items() if k != "model_type"}
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    config = AutoConfig.for_model("llama", **{**base, "max_position_embeddings": 48, "rope_parameters": rope})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    assert fresh_rope_each_forward(model) == 1  # as the load stage makes it
+    return model
+
+
+@pytest.mark.parametrize("family", ["phi3-longrope", "dynamic-ntk"])
+@pytest.mark.parametrize("mode", [ShareMode.PREFIX, ShareMode.INPUTS])
+def test_a_length_chosen_rope_takes_the_whole_rows_frequencies_on_every_member(family, mode):
+    """Rows of 59-67 tokens under a RoPE chosen by length above 48 positions (Phi-3's longrope; dynamic NTK): one
+    forward takes the frequencies of its longest position; split over a group of 2 or 4, a member whose columns all
+    lie within the first 48 positions takes them too, and the unit table is the whole forward's (float64)."""
+    model = family_model(family, dtype=torch.float64) if family != "dynamic-ntk" else _dynamic_ntk_llama()
+    record_paths(model, probe(model, CPU, 0, 512))
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(1, model.config.vocab_size, (55,), generator=g).tolist()
+    units = [continuation_unit(context, torch.randint(1, 99, (4,), generator=g).tolist(), 512) for _ in range(3)]
+    rows = build_rows(units, mode)
+    whole = score_batch(model, rows, device=CPU, pad_token_id=0)
+    cp_attention.use(model)
+    try:
+        for cp in (2, 4):
+            members = _simulated(model, rows, cp)
+            assert all(np.array_equal(m.stats, members[0].stats) for m in members), (family, mode, cp)
+            assert np.abs(members[0].stats - whole.stats).max() <= 1e-9, (family, mode, cp)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 @pytest.mark.parametrize("tokens, cp", [(2048, 2), (4096, 4), (3072, 3), (1024, 2), (2048, 4)])
 def test_against_cp_size_1_the_same_bits_only_for_rows_of_a_multiple_of_1024_tokens_per_member(tokens, cp):
     """The claim of docs/big-models.md ("Exactness"), float32 on CPU: a group's window has cp_size=1's bits exactly

@@ -87,6 +87,20 @@ def test_pads_past_the_models_positions_are_never_looked_up():
     assert results == [_greedy_by_whole_forwards(model, prompt, 1)] * 3
 
 
+@pytest.mark.parametrize("length", [60, 70])
+def test_a_length_chosen_rope_takes_the_whole_prompts_factors_on_every_member(length):
+    """Phi-3's longrope (original context 48): a prompt of 60 or 70 tokens takes the long factors on one device;
+    split over a group, some member's columns all lie within the first 48 positions, and it takes them too (the
+    choice follows the whole prompt's longest position, not the member's)."""
+    model = family_model("phi3-longrope", scale=4.0)
+    cp_attention.use(model)
+    prompt = torch.randint(3, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = _greedy_by_whole_forwards(model, prompt, 12)
+    for size in (2, 4):
+        results, _ = _on_group(model, prompt, 12, size)
+        assert results == [want] * size, size
+
+
 def test_a_stop_id_ends_every_member_and_the_traffic_is_the_formula():
     model = family_model("llama", scale=4.0)
     cp_attention.use(model)
