@@ -2,20 +2,24 @@
 
     python -m benchmarks.bench_cp_generate                       # 32,768 tokens, the "long" shape, cp 1, 2, 4
     python -m benchmarks.bench_cp_generate --tokens 4096 --shape tiny --new 4    # a dry run
+    python -m benchmarks.bench_cp_generate --model DIR --text FILE --tokens 8000 --sizes 1,2 --repeats 3
 
-One prompt of ``--tokens`` random tokens through a random Llama (``long``: 4 layers, hidden 256, 8 heads and 2
-key-value heads of 32, vocabulary 2,048: a tiny long-context model whose cache is a visible share of memory;
-``smollm2``/``tiny`` as :mod:`benchmarks.bench_cp`), float32, one torch thread per rank, generated greedily for
-``--new`` tokens by :func:`~distperp_harness.run.generation.engine.group_decode.greedy_on_group` on a group of N gloo
-processes; size 1 is what a ``cp_size=1`` run computes (a slot lane of one row on the dynamic cache:
-:func:`~distperp_harness.run.generation.engine.loop.decode_lane`). Times are read at each forward's start (a
-forward pre-hook): the prefill, then the decode steps. ``--one group``: size 1 runs the group's code on a group of
-one instead (the same blocked attention, no dense mask), to separate the split from the slot path's mask. Each size
-runs twice in fresh processes: once timed (the prefill, and the decode steps' median), once for memory with
+One prompt of ``--tokens`` random tokens through a random Llama (``long``: 4 layers, hidden 256, 8 heads and 2 key-value
+heads of 32, vocabulary 2,048: a tiny long-context model whose cache is a visible share of memory; ``smollm2``/``tiny``
+as :mod:`benchmarks.bench_cp`), float32, one torch thread per rank, generated greedily for ``--new`` tokens by
+:func:`~distperp_harness.run.generation.engine.group_decode.greedy_on_group` on a group of N gloo processes; size 1 is
+what a ``cp_size=1`` run computes (a slot lane of one row on the dynamic cache:
+:func:`~distperp_harness.run.generation.engine.loop.decode_lane`). Times are read at each forward's start (a forward
+pre-hook): the prefill, then the decode steps. ``--one group``: size 1 runs the group's code on a group of one instead
+(the same blocked attention, no dense mask), to separate the split from the slot path's mask. ``--model DIR``: a real
+checkpoint (its weights, float32, sdpa) and, with ``--text FILE``, the prompt is that file's first ``--tokens`` tokens.
+Each size runs in fresh processes: ``--repeats`` times timed (the sizes alternating, each repetition in the order of the
+last one reversed; the medians of the prefills and of the decode steps' medians), once for memory with
 ``MALLOC_MMAP_THRESHOLD_=131072`` (peak resident growth from just before the prefill to the end of decoding, largest
-rank: activations and the key/value cache). Bytes received
-per decode step are :func:`~distperp_harness.run.generation.engine.group_decode.decode_bytes_per_step` (the unit
-test counts them). Printed: a table with ratios to the first size, and whether the tokens equal the first size's.
+rank: activations and the key/value cache). Tokens computed per rank: the prefill's ``padded / N`` columns, then one
+position per generated token (every member computes the new token's layers; only attention is split). Bytes received per
+decode step are :func:`~distperp_harness.run.generation.engine.group_decode.decode_bytes_per_step` (the unit test counts
+them). Printed: a table with ratios to the first size, and whether the tokens equal the first size's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.bench_cp import SHAPES, _Peak
+from benchmarks.bench_cp import SHAPES, _model, _Peak, _window
 from benchmarks.bench_cp import _run as _run_members
 
 SHAPES = {
@@ -54,12 +58,15 @@ def _member(rank: int, size: int, port: int, args: argparse.Namespace, memory: b
     from distperp_harness.run.generation.engine import group_decode
     from distperp_harness.run.scoring.engine.support import declared_paths, record_paths
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**SHAPES[args.shape], "max_position_embeddings": args.tokens + args.new + 64})
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa")
+    if args.model:
+        model = _model(args.shape, args.tokens, args.model)
+    else:
+        torch.manual_seed(0)
+        config = LlamaConfig(**{**SHAPES[args.shape], "max_position_embeddings": args.tokens + args.new + 64})
+        model = LlamaForCausalLM(config).eval()
+        model.set_attn_implementation("sdpa")
     record_paths(model, declared_paths(model, args.tokens + args.new))
-    prompt = torch.randint(3, config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = list(_window(model.config.vocab_size, args.tokens, args.model, args.text)[0].tokens[: args.tokens])
     group = cp_attention.Group(1, 0)
     grouped = size > 1 or args.one == "group"
     if grouped:
@@ -120,32 +127,54 @@ def main(argv: list[str] | None = None) -> int:
         default="slots",
         help="size 1 as a cp_size=1 run computes it (slots, default) or the group's code on a group of one",
     )
+    parser.add_argument("--model", default=None, help="a real checkpoint instead of --shape's random weights")
+    parser.add_argument("--text", default=None, help="with --model: the prompt is this file's first --tokens tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per size, sizes alternating (default: 1)")
     args = parser.parse_args(argv)
-    from transformers import LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
 
+    from distperp_harness.model.cp_attention import padded_length
     from distperp_harness.run.generation.engine.group_decode import decode_bytes_per_step
 
-    config = LlamaConfig(**SHAPES[args.shape])
+    config = AutoConfig.from_pretrained(args.model) if args.model else LlamaConfig(**SHAPES[args.shape])
+    sizes = [int(s) for s in args.sizes.split(",")]
+    timings: dict[int, list[tuple[float, float]]] = {size: [] for size in sizes}
+    tokens: dict[int, list[int]] = {}
+    order = list(sizes)
+    for repeat in range(args.repeats):
+        for size in order:
+            timed = _run_members(size, args, False, _member)
+            if any(t[4] != timed[0][4] for t in timed):
+                raise SystemExit(f"group of {size}: the members returned different tokens")
+            timings[size].append((max(t[1] for t in timed), max(t[2] for t in timed)))
+            tokens[size] = timed[0][4]
+            print(f"repeat {repeat + 1} size {size}: prefill {timings[size][-1][0]:.2f} s, decode "
+                  f"{timings[size][-1][1] * 1e3:.1f} ms/token", flush=True)  # fmt: skip
+        order.reverse()
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
-        timed = _run_members(size, args, False, _member)
+    for size in sizes:
         measured = _run_members(size, args, True, _member)
-        if any(t[4] != timed[0][4] for t in timed):
-            raise SystemExit(f"group of {size}: the members returned different tokens")
-        prefill, step = max(t[1] for t in timed), max(t[2] for t in timed)
+        prefill = statistics.median(t[0] for t in timings[size])
+        step = statistics.median(t[1] for t in timings[size])
         rows.append(
-            (size, prefill, step, max(m[3] for m in measured), timed[0][4], decode_bytes_per_step(config, size))
+            (size, prefill, step, max(m[3] for m in measured), tokens[size], decode_bytes_per_step(config, size))
         )
     base = rows[0]
+    what = args.model or f"{args.shape} shape"
     print(
-        f"One {args.tokens:,}-token prompt, {args.new} tokens generated, {args.shape} shape, float32, 1 thread/rank\n"
+        f"\nOne {args.tokens:,}-token prompt, {args.new} tokens generated, {what}, float32, 1 thread/rank, "
+        f"median of {args.repeats} timed run(s) per size\n"
     )
-    print("| cp_size | prefill s | decode s/token | vs first | peak growth MiB/rank | vs first | tokens | bytes/step |")
-    print("|---:|---:|---:|---:|---:|---:|---|---:|")
-    for size, prefill, step, memory, tokens, sent in rows:
+    print(
+        "| cp_size | prefill s | decode s/token | vs first | peak growth MiB/rank | vs first | tokens | "
+        "prefill tokens/rank | bytes/step |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    for size, prefill, step, memory, generated, sent in rows:
         print(
             f"| {size} | {prefill:.2f} | {step:.4f} | {step / max(base[2], 1e-9):.2f}x | {memory / 2**20:.0f} | "
-            f"{memory / max(base[3], 1):.2f}x | {'same' if tokens == base[4] else 'DIFFER'} | {sent:,} |"
+            f"{memory / max(base[3], 1):.2f}x | {'same' if generated == base[4] else 'DIFFER'} | "
+            f"{padded_length(args.tokens, size) // size if size > 1 else args.tokens:,} | {sent:,} |"
         )
     return 0
 

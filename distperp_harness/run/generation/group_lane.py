@@ -22,7 +22,7 @@ from distperp_harness.run.generation.engine.group_decode import GroupStats, deco
 from distperp_harness.run.generation.engine.sampling import draw, generators_for, warpers_for
 from distperp_harness.run.generation.engine.stats import LaneRecord, LaneStats
 from distperp_harness.run.generation.engine.thinking import answer
-from distperp_harness.run.generation.lane_texts import stop_rule
+from distperp_harness.run.generation.lane_texts import callers_rng_kept, stop_rule
 from distperp_harness.run.generation.lanes import LanePlan
 from distperp_harness.run.generation.prompts import Job, Prepared
 from distperp_harness.run.generation.setup import GenerationSetup
@@ -67,8 +67,7 @@ def run_group_lane(
         return token, rule.ended([[*tokens, token]], tokenizer.batch_decode)[0]
 
     work = GroupStats()
-    forked = [setup.device] if setup.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
+    with callers_rng_kept(setup.device):
         tokens = decode_lane_on_group(
             setup.model,
             [p.prompt for _, p in part],

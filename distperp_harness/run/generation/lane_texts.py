@@ -51,13 +51,18 @@ def run_lane(
     engine :func:`~.engines.choose_engine` picks (same lane, same bits on any rank either way)."""
     index, lane = indexed
     engine, reason = choose_engine(setup.model, dict(part[0][1].kwargs))
-    forked = [setup.device] if setup.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked):  # nothing below may move the caller's RNG
+    with callers_rng_kept(setup.device):
         if engine is Engine.GENERATE:
             texts, stats = _generate_batches(setup, part, lane, reason or "", bar)
         else:
             texts, stats = _decode_slots(setup, part, lane, prefixes, bar, around)
     return texts, LaneRecord(index, engine.value, lane.slots, stats)
+
+
+def callers_rng_kept(device: torch.device) -> ContextManager:
+    """A block that leaves the caller's random state (CPU, and ``device``'s if CUDA) as it found it: a lane's
+    sampling draws from its jobs' own generators, and nothing else may move lm-eval's."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 def stop_rule(setup: GenerationSetup, prepared: Prepared) -> StopRule:
