@@ -1,8 +1,9 @@
 """Batch invariance: per-document results are the same bits for ``batch_size`` 1, 3, 8, ``auto`` and ``auto`` under
 another memory budget, by default (``batch_invariant=auto``, on this CPU) and with ``true``, on 1 process and on 2
 (rolling windows; tree-row multiple choice, with and without a few-shot prefix shared across questions; greedy and
-sampled generation), and on the shared real model with ``auto``. ``false`` is checked to move with the batch size on
-the same tasks (so the sweep can see a difference), and the record says which a run is."""
+sampled generation), in bfloat16 at batch sizes 1 and ``auto``, and on the shared real model with ``auto``. ``false``
+is checked to move with the batch size on the same tasks (so the sweep can see a difference), and the record says
+which a run is."""
 
 import sys
 from pathlib import Path
@@ -38,15 +39,18 @@ def _per_doc(samples_by_task):
     }
 
 
-def _evaluate(model_dir, tasks_dir, batch_size, invariant=True, mode=None):
-    """``mode``: ``batch_invariant``'s value (None: ``true`` if ``invariant`` else ``false``; ``""``: the default)."""
+def _evaluate(model_dir, tasks_dir, batch_size, invariant=True, mode=None, dtype=None):
+    """``mode``: ``batch_invariant``'s value (None: ``true`` if ``invariant`` else ``false``; ``""``: the default);
+    ``dtype``: the model's (None: the default float32)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     mode = ("true" if invariant else "false") if mode is None else mode
     out = lm_eval.simple_evaluate(
         model="distperp",
-        model_args=f"pretrained={model_dir},max_length=128" + (f",batch_invariant={mode}" if mode else ""),
+        model_args=f"pretrained={model_dir},max_length=128"
+        + (f",batch_invariant={mode}" if mode else "")
+        + (f",dtype={dtype}" if dtype else ""),
         tasks=TASKS,
         task_manager=TaskManager(include_path=str(tasks_dir)),
         batch_size=batch_size,
@@ -66,6 +70,8 @@ def sweep(tiny_model_dir, tasks_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(memory, "_cgroup_memory", lambda: (SMALL_MEMORY, 0))
         runs["auto-small"] = _evaluate(tiny_model_dir, tasks_dir, "auto")  # batch_invariant=true
+    runs["bf16-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", mode="", dtype="bfloat16")
+    runs["bf16-auto"] = _evaluate(tiny_model_dir, tasks_dir, "auto", mode="", dtype="bfloat16")
     runs["false-1"] = _evaluate(tiny_model_dir, tasks_dir, "1", invariant=False)
     runs["false-8"] = _evaluate(tiny_model_dir, tasks_dir, "8", invariant=False)
     out = tmp_path_factory.mktemp("invariant-2p")
@@ -97,6 +103,16 @@ def test_every_document_has_the_bits_of_batch_size_1(sweep, setup, task):
     assert not differ, (
         f"{len(differ)} of {len(one)} documents differ from batch_size=1, e.g. {next(iter(differ.items()))}"
     )
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_in_bfloat16_too_every_document_has_the_bits_of_batch_size_1(sweep, task):
+    """bfloat16 weights under the default: ``auto`` batches rows (the check passes for bfloat16's products on this
+    CPU) and every document has batch size 1's bits; the bits differ from float32's (so the dtype took effect)."""
+    one, other = sweep["bf16-1"][1][task], sweep["bf16-auto"][1][task]
+    assert other == one
+    assert sweep["bf16-auto"][0]["batch_invariance"]["mode"] == "batched"
+    assert sweep["bf16-1"][0]["fingerprint"] == sweep["bf16-auto"][0]["fingerprint"] != sweep["1"][0]["fingerprint"]
 
 
 def test_equal_results_give_equal_fingerprints(sweep):

@@ -93,7 +93,8 @@ def runs(tiny_model_dir, tasks_dir, tmp_path_factory):
     side_by_side(lambda: launch(1, "1p", {}), lambda: launch(1, "1p-int4", int4))  # the one-process runs
     for n in (2, 3):
         launch(n, f"{n}p", {})
-    run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"]), cwd=root)
+    # 2 nodes at batch_size=auto against 1 process at 3: the default batch_invariant=auto across nodes and batchings
+    run_two_nodes(_lm_eval_args(tiny_model_dir, tasks_dir, out["2nodes"], ["--batch_size", "auto"]), cwd=root)
     launch(2, "2p-int4", int4)
     run_command(
         [
