@@ -85,14 +85,19 @@ def test_a_groups_forward_is_one_forward_split(family, mode, dtype):
     model = family_model(family, dtype=dtype)
     record_paths(model, probe(model, CPU, 0, 512))
     rows = build_rows(_units(model.config.vocab_size), mode)
+    _assert_split_is_whole(model, rows, 1e-9 if dtype == torch.float64 else 1e-4, (family, mode))
+
+
+def _assert_split_is_whole(model, rows, tolerance, label):
+    """Groups of 2 and 4 (:func:`_simulated`): every member the same unit table, within ``tolerance`` of one forward
+    of the whole batch, the same greedy flags and token counts."""
     whole = score_batch(model, rows, device=CPU, pad_token_id=0)
     cp_attention.use(model)
     try:
         for cp in (2, 4):
             members = _simulated(model, rows, cp)
-            assert all(np.array_equal(m.stats, members[0].stats) for m in members), (family, mode, cp)
-            tolerance = 1e-9 if dtype == torch.float64 else 1e-4
-            assert np.abs(members[0].stats - whole.stats).max() <= tolerance, (family, mode, cp)
+            assert all(np.array_equal(m.stats, members[0].stats) for m in members), (label, cp)
+            assert np.abs(members[0].stats - whole.stats).max() <= tolerance, (label, cp)
             assert np.array_equal(members[0].stats[:, 1:3], whole.stats[:, 1:3])  # greedy flags, token counts
     finally:
         model.set_attn_implementation("sdpa")
@@ -124,16 +129,7 @@ def test_a_length_chosen_rope_takes_the_whole_rows_frequencies_on_every_member(f
     g = torch.Generator().manual_seed(2)
     context = torch.randint(1, model.config.vocab_size, (55,), generator=g).tolist()
     units = [continuation_unit(context, torch.randint(1, 99, (4,), generator=g).tolist(), 512) for _ in range(3)]
-    rows = build_rows(units, mode)
-    whole = score_batch(model, rows, device=CPU, pad_token_id=0)
-    cp_attention.use(model)
-    try:
-        for cp in (2, 4):
-            members = _simulated(model, rows, cp)
-            assert all(np.array_equal(m.stats, members[0].stats) for m in members), (family, mode, cp)
-            assert np.abs(members[0].stats - whole.stats).max() <= 1e-9, (family, mode, cp)
-    finally:
-        model.set_attn_implementation("sdpa")
+    _assert_split_is_whole(model, build_rows(units, mode), 1e-9, (family, mode))
 
 
 @pytest.mark.parametrize("tokens, cp", [(2048, 2), (4096, 4), (3072, 3), (1024, 2), (2048, 4)])
