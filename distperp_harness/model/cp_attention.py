@@ -241,10 +241,24 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
 
 
 def check_attention(model: Any, cp_size: int, source: str) -> None:
-    """:class:`InputError` unless ``model`` attends through sdpa (what the gathered keys feed), for ``cp_size`` > 1."""
+    """:class:`InputError` unless ``model`` attends through sdpa (what the gathered keys feed) and every RoPE it
+    chooses by length can be made to choose from the whole row (:func:`~.lengths.unsteerable_ropes`), for
+    ``cp_size`` > 1."""
     if cp_size <= 1:
         return
+    from distperp_harness.model.lengths import unsteerable_ropes
+
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    unsteerable = unsteerable_ropes(model)
+    if unsteerable:
+        raise InputError(
+            f"cp_size={cp_size}: {source!r} chooses its RoPE frequencies by the longest position a forward is given, "
+            f"inside its own code ({', '.join(unsteerable)}, not transformers' dynamic_rope_update), and a member of "
+            "a context-parallel group is given only its own columns: its rows would take other frequencies than "
+            "one device's. Fix: cp_size=1, or a transformers version whose rotary embeddings choose through "
+            "dynamic_rope_update (4.48 or later).",
+            same_on_every_rank=True,
+        )
     if impl in ("sdpa", ATTENTION):
         return
     raise InputError(

@@ -20,6 +20,7 @@ forward start from the configured frequencies, as a freshly loaded model would.
 from __future__ import annotations
 
 import bisect
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -163,17 +164,35 @@ def _length_chosen(module: torch.nn.Module) -> bool:
     return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in named)
 
 
+def _plain_rope_forward(module: torch.nn.Module) -> Callable | None:
+    """The function under transformers' ``dynamic_rope_update`` in ``module``'s class forward (whatever other
+    decorators wrap it, ``torch.no_grad`` for one): the cosines and sines of given positions without choosing the
+    frequencies. None where the class does not choose through ``dynamic_rope_update`` (it chooses inline)."""
+    function: Any = type(module).forward
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None and code.co_filename.endswith("modeling_rope_utils.py"):  # dynamic_rope_update's wrapper
+            return inspect.unwrap(function)
+        function = getattr(function, "__wrapped__", None)
+    return None
+
+
+def unsteerable_ropes(model: torch.nn.Module) -> list[str]:
+    """The class names of ``model``'s length-chosen rotary embeddings :func:`rope_choice_from` cannot steer (their
+    choice is made inside their own code)."""
+    return sorted({type(m).__name__ for m in model.modules() if _length_chosen(m) and _plain_rope_forward(m) is None})
+
+
 def rope_choice_from(model: torch.nn.Module, longest: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
     """Every length-chosen rotary embedding of ``model`` (longrope, dynamic NTK) chooses its frequencies from
     ``longest(position_ids)`` where that gives a position (a forward split over a group: the longest position of the
     whole forward, which no single member's columns need hold), else from its own ``position_ids`` as transformers
     does; the cosines and sines are then those of its own positions. Returns the number of modules changed (0 for
-    every other model); idempotent."""
+    every other model; :func:`unsteerable_ropes` names those it cannot change); idempotent."""
     changed = 0
     for module in model.modules():
-        decorated = type(module).forward
-        plain = getattr(decorated, "__wrapped__", None)  # transformers' dynamic_rope_update keeps the undecorated
-        if plain is None or not _length_chosen(module):
+        plain = _plain_rope_forward(module) if _length_chosen(module) else None
+        if plain is None:
             continue
         changed += 1
         if getattr(module, "_distperp_rope_choice", False):
@@ -184,8 +203,9 @@ def rope_choice_from(model: torch.nn.Module, longest: Callable[[torch.Tensor], t
             if top is None:
                 return type(_module).forward(_module, x, position_ids, *args, **kwargs)
             # the choice (and its buffers) of the whole forward, then this forward's own positions
-            type(_module).forward(_module, x, top.reshape(1, 1).to(position_ids), *args, **kwargs)
-            return _plain(_module, x, position_ids, *args, **kwargs)
+            with torch.no_grad():
+                type(_module).forward(_module, x, top.reshape(1, 1).to(position_ids), *args, **kwargs)
+                return _plain(_module, x, position_ids, *args, **kwargs)
 
         module.forward = forward  # an instance's forward: a hook cannot change what the decorated call reads
         module._distperp_rope_choice = True  # type: ignore[assignment]  # a marker on the module

@@ -78,3 +78,61 @@ def test_models_without_dynamic_rope_are_not_hooked():
     from transformers import AutoModelForCausalLM
 
     assert fresh_rope_each_forward(AutoModelForCausalLM.from_config(_config("llama"))) == 0
+
+
+def _phi3_rotary():
+    """A longrope rotary embedding (original context 32, long factors 4): transformers' own class."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = _config(
+        "phi3",
+        max_position_embeddings=256,
+        original_max_position_embeddings=32,
+        rope_parameters=dict(rope_type="longrope", rope_theta=1e4, long_factor=[4.0] * 8, short_factor=[1.0] * 8),
+    )
+    return Phi3RotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("no_grad_outside", [False, True])
+def test_a_steered_rope_chooses_from_the_longest_position_it_is_given(no_grad_outside):
+    """:func:`rope_choice_from` on transformers' longrope embedding (and on one whose forward is wrapped once more in
+    ``torch.no_grad``, as transformers 4.48-4.57 wrote them): positions 0-19 with a longest position of 47 give the
+    cosines and sines of a 48-position forward's first 20 (the long factors); without a longest position, the
+    module's own choice (the short ones)."""
+    from distperp_harness.model.lengths import rope_choice_from, unsteerable_ropes
+
+    rotary = _phi3_rotary()
+    if no_grad_outside:
+        rotary.__class__ = type("Wrapped", (type(rotary),), {"forward": torch.no_grad()(type(rotary).forward)})
+    x = torch.zeros(1, 1, 8)
+    whole = [t[:, :20] for t in copy.deepcopy(rotary)(x, torch.arange(48)[None])]
+    own = copy.deepcopy(rotary)(x, torch.arange(20)[None])
+    longest = {"value": torch.tensor(47)}
+    assert rope_choice_from(rotary, lambda _positions: longest["value"]) == 1 and unsteerable_ropes(rotary) == []
+    steered = rotary(x, torch.arange(20)[None])
+    assert all(torch.equal(a, b) for a, b in zip(steered, whole))
+    assert not torch.equal(own[0], whole[0])  # the factors differ: the check can fail
+    longest["value"] = None
+    assert all(torch.equal(a, b) for a, b in zip(rotary(x, torch.arange(20)[None]), own))
+
+
+def test_a_rope_that_chooses_inline_is_refused_for_context_parallel_groups():
+    """A length-chosen rotary embedding whose class chooses in its own code (not through ``dynamic_rope_update``,
+    as transformers before 4.48 and remote code do) cannot be steered: ``cp_size`` > 1 refuses the model in one
+    line that names the class and the fix."""
+    from distperp_harness.errors import InputError
+    from distperp_harness.model.cp_attention import check_attention
+    from distperp_harness.model.lengths import unsteerable_ropes
+
+    class InlineRotary(torch.nn.Module):
+        rope_type = "longrope"
+
+        def forward(self, x, position_ids):
+            return x, position_ids
+
+    model = torch.nn.Sequential(InlineRotary())
+    model.config = type("Config", (), {"_attn_implementation": "sdpa"})()
+    assert unsteerable_ropes(model) == ["InlineRotary"]
+    with pytest.raises(InputError, match=r"cp_size=2: 'm' chooses its RoPE.*InlineRotary.*Fix: cp_size=1"):
+        check_attention(model, 2, "m")
+    check_attention(model, 1, "m")  # nothing to split
