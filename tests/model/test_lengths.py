@@ -17,13 +17,14 @@ def _config(model_type, **extra):
     return AutoConfig.for_model(model_type, **{**base, **extra})
 
 
+def _longrope_config(long_factor: float):
+    """Phi-3 with longrope above an original context of 32 (every long factor ``long_factor``, short ones 1)."""
+    rope = dict(rope_type="longrope", rope_theta=1e4, long_factor=[long_factor] * 8, short_factor=[1.0] * 8)
+    return _config("phi3", max_position_embeddings=256, original_max_position_embeddings=32, rope_parameters=rope)
+
+
 def test_longrope_keys_by_the_side_of_the_original_context():
-    config = _config(
-        "phi3",
-        max_position_embeddings=256,
-        original_max_position_embeddings=32,
-        rope_parameters=dict(rope_type="longrope", rope_theta=1e4, long_factor=[2.0] * 8, short_factor=[1.0] * 8),
-    )
+    config = _longrope_config(2.0)
     rule = declared_lengths(config)
     assert rule.sides == (32,) and rule.exact_above is None and "longrope" in rule.describe()
     assert rule.keys(np.array([1, 31, 32, 33, 200])).tolist() == [0, 0, 0, 1, 1]
@@ -84,13 +85,7 @@ def _phi3_rotary():
     """A longrope rotary embedding (original context 32, long factors 4): transformers' own class."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    config = _config(
-        "phi3",
-        max_position_embeddings=256,
-        original_max_position_embeddings=32,
-        rope_parameters=dict(rope_type="longrope", rope_theta=1e4, long_factor=[4.0] * 8, short_factor=[1.0] * 8),
-    )
-    return Phi3RotaryEmbedding(config)
+    return Phi3RotaryEmbedding(_longrope_config(4.0))
 
 
 @pytest.mark.parametrize("no_grad_outside", [False, True])
